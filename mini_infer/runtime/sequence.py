@@ -1,0 +1,71 @@
+"""One sequence's state as the runtime sees it: its tokens, how many have KV in the cache, its blocks.
+
+Plain data: the scheduler, block manager, engine and sampler read and update it; it does no work itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from mini_infer.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated for it so far.
+
+    `num_computed_tokens` counts tokens whose K/V is already in the paged cache (prefix-cache hits
+    included); the next forward step computes tokens from there on. `block_table` lists the cache
+    blocks holding this sequence's tokens, in order.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while some prompt (or recomputed) tokens still lack K/V in the cache."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids and \
+            self.num_computed_tokens < self.num_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

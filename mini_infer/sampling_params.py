@@ -1,0 +1,98 @@
+"""Per-request sampling options, under vLLM's names, with validation that names the bad field and its limit.
+
+This module only describes and validates a request's options; sampling itself lives in runtime/sampler.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's tokens (vLLM's `SamplingParams` names and defaults).
+
+    `max_tokens=None` means "until the context is full". `stop` strings are cut from the text;
+    `stop_token_ids` end generation too (the token is not shown in the text). `logprobs=k` returns the
+    top-k log-probabilities of each sampled token (plus the sampled one); `prompt_logprobs=k` does so for
+    prompt tokens.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field and its limit for any option out of range."""
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(f"each stop string may be at most {MAX_STOP_STRING_LEN} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"stop_token_ids entries must be in [0, {vocab_size}), got {t}")
