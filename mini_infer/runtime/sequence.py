@@ -62,10 +62,9 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def in_prefill(self) -> bool:
-        """True while some prompt (or recomputed) tokens still lack K/V in the cache."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids and \
-            self.num_computed_tokens < self.num_tokens
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still lacking K/V in the cache (the whole prompt at first, then 1 per decode step)."""
+        return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
