@@ -1,0 +1,367 @@
+"""Batched sampling on the device: one set of tensor ops for all rows, no per-request Python loop.
+
+The engine gathers one logits row per sequence that samples this step, builds a `SamplingBatch` from the rows'
+`SamplingParams` and token histories, and calls `Sampler()(logits, batch)`. Everything after `build` stays on the
+device and never waits on it (no `.item()`, no `torch.multinomial`): the sampled ids come back as a device tensor
+that the engine copies to the host once.
+
+Order of operations, per row:
+
+1. penalties on the raw logits (greedy rows too): repetition (prompt + output tokens, vLLM/CTRL style: positive
+   logits divided, negative ones multiplied), then frequency and presence (output tokens only, OpenAI style);
+2. `min_tokens`: EOS and `stop_token_ids` set to -inf while the row has fewer than `min_tokens` output tokens;
+3. greedy rows (temperature < 1e-5 or top_k == 1): argmax, done;
+4. other rows: divide by temperature, top-k, top-p (smallest set of most likely tokens whose mass >= top_p,
+   computed after top-k), min-p (drop tokens whose probability < min_p * the largest probability), softmax;
+5. draw with the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with probability
+   p_i. Rows with a seed draw E from their own `torch.Generator`, so a seeded row gets the same tokens whatever
+   else shares its batch; other rows draw from the device's default generator.
+
+Log-probabilities (when any row asks for them) are by default those of the RAW model distribution, i.e.
+log_softmax of the logits as the model gave them, before penalties, temperature and truncation: vLLM's default
+(`raw_logprobs`), and what lm-evaluation-harness expects. `Sampler(logprobs_mode="processed")` instead returns
+log-probabilities of the distribution actually sampled from (after penalties, temperature, top-k/top-p/min-p;
+greedy rows: after penalties only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mini_infer.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them only risks overflow)
+_TINY = 1e-20  # floor for the exponential noise, so that p / E never divides by zero
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, on the device its logits live on."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _SAMPLING_EPS or params.top_k == 1
+
+
+def _padded_ids(lists: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """[rows, max_len] int64 on the host; ids out of [0, pad) and padding both map to `pad`."""
+    width = max((len(x) for x in lists), default=0)
+    out = torch.full((len(lists), max(width, 1)), pad, dtype=torch.int64)
+    for i, ids in enumerate(lists):  # host-side build, once per step; not the device hot path
+        if ids:
+            out[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return out.masked_fill_((out < 0) | (out > pad), pad)
+
+
+def _token_counts(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32 counts of each token id, by scatter_add over padded ids (pad slot dropped)."""
+    ids = _padded_ids(lists, vocab_size).to(device, non_blocking=True)
+    counts = torch.zeros(len(lists), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def _per_row_eos(eos_token_ids, rows: int) -> list[frozenset[int]]:
+    if eos_token_ids is None:
+        return [frozenset()] * rows
+    if isinstance(eos_token_ids, int):
+        return [frozenset((eos_token_ids,))] * rows
+    items = list(eos_token_ids)
+    if all(isinstance(x, int) for x in items):  # one shared set of ids
+        return [frozenset(items)] * rows
+    if len(items) != rows:
+        raise ValueError(f"eos_token_ids has {len(items)} entries for {rows} rows")
+    return [frozenset(() if x is None else ((x,) if isinstance(x, int) else x)) for x in items]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state as device tensors. Optional tensors are None when no row needs them.
+
+    Build it with `SamplingBatch.build`; the flags (`all_greedy`, `needs_penalties`, ...) are plain Python
+    values decided on the host, so the sampler picks its path without touching the device.
+    """
+
+    num_rows: int
+    vocab_size: int
+    greedy: torch.Tensor  # [R] bool
+    temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None = None  # [R] int64 in [1, V]; V where disabled
+    top_k_max: int = 0
+    top_p: torch.Tensor | None = None  # [R] float32; 1.0 where disabled
+    min_p: torch.Tensor | None = None  # [R] float32; 0.0 where disabled
+    repetition_penalty: torch.Tensor | None = None  # [R] float32
+    presence_penalty: torch.Tensor | None = None  # [R] float32
+    frequency_penalty: torch.Tensor | None = None  # [R] float32
+    output_counts: torch.Tensor | None = None  # [R, V] float32, output tokens only
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool, token appears in the prompt
+    banned_rows: torch.Tensor | None = None  # [N] int64 \ (row, token) pairs set to -inf (min_tokens)
+    banned_ids: torch.Tensor | None = None  # [N] int64 /
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded non-greedy rows
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row, as requested
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.output_counts is not None
+
+    @property
+    def needs_topk(self) -> bool:
+        return self.top_k is not None
+
+    @property
+    def needs_topp(self) -> bool:
+        return self.top_p is not None
+
+    @property
+    def needs_minp(self) -> bool:
+        return self.min_p is not None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        token_histories: Sequence[tuple[Sequence[int], Sequence[int]]],
+        generators: Sequence[torch.Generator | None] | None,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Iterable[int] | Sequence[Iterable[int] | int | None] | int | None = None,
+    ) -> SamplingBatch:
+        """Gather the rows' options into device tensors.
+
+        `token_histories[i]` is row i's (prompt ids, output ids so far): output lengths drive `min_tokens`,
+        and the ids are read only for rows with a penalty. `generators[i]` is row i's own generator (for
+        requests with a seed, see `make_generator`) or None. `eos_token_ids` is either one collection of ids
+        shared by all rows or one collection per row; rows with `ignore_eos` do not get them banned under
+        `min_tokens` (their `stop_token_ids` still are).
+        """
+        device = torch.device(device)
+        rows = len(params)
+        if len(token_histories) != rows:
+            raise ValueError(f"token_histories has {len(token_histories)} entries for {rows} rows")
+        generators = list(generators) if generators is not None else [None] * rows
+        if len(generators) != rows:
+            raise ValueError(f"generators has {len(generators)} entries for {rows} rows")
+        eos = _per_row_eos(eos_token_ids, rows)
+
+        def dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        greedy = [is_greedy(p) for p in params]
+        batch = cls(
+            num_rows=rows,
+            vocab_size=vocab_size,
+            greedy=dev(greedy, torch.bool),
+            temperature=dev([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+        )
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        if any(p.top_k not in (-1, 0) and p.top_k < vocab_size for p in random_rows):
+            ks = [vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+            batch.top_k = dev(ks, torch.int64)
+            batch.top_k_max = max(k for k, g in zip(ks, greedy) if not g)
+        if any(p.top_p < 1.0 for p in random_rows):
+            batch.top_p = dev([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32)
+        if any(p.min_p > 0.0 for p in random_rows):
+            batch.min_p = dev([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+
+        rep = [p.repetition_penalty != 1.0 for p in params]
+        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, params)]
+        if any(pen):
+            batch.output_counts = _token_counts(
+                [h[1] if w else () for h, w in zip(token_histories, pen)], vocab_size, device
+            )
+            if any(p.frequency_penalty != 0.0 for p in params):
+                batch.frequency_penalty = dev([p.frequency_penalty for p in params], torch.float32)
+            if any(p.presence_penalty != 0.0 for p in params):
+                batch.presence_penalty = dev([p.presence_penalty for p in params], torch.float32)
+            if any(rep):
+                batch.repetition_penalty = dev([p.repetition_penalty for p in params], torch.float32)
+                batch.prompt_mask = (
+                    _token_counts([h[0] if r else () for h, r in zip(token_histories, rep)], vocab_size, device)
+                    > 0
+                )
+
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, (p, h) in enumerate(zip(params, token_histories)):
+            if p.min_tokens and len(h[1]) < p.min_tokens:
+                ids = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    ids |= eos[i]
+                ids = sorted(t for t in ids if 0 <= t < vocab_size)
+                ban_rows += [i] * len(ids)
+                ban_ids += ids
+        if ban_ids:
+            batch.banned_rows = dev(ban_rows, torch.int64)
+            batch.banned_ids = dev(ban_ids, torch.int64)
+
+        batch.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
+        batch.num_logprobs = [p.logprobs for p in params]
+        wanted = [k for k in batch.num_logprobs if k is not None]
+        batch.max_num_logprobs = max(wanted) if wanted else None
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled ids and, when any row asked, log-probabilities; all device tensors.
+
+    `topk_ids`/`topk_logprobs` hold the batch's largest requested k; row i uses its first
+    `batch.num_logprobs[i]` columns (sorted by decreasing log-probability).
+    """
+
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None = None  # [R] float32, of the sampled token
+    ranks: torch.Tensor | None = None  # [R] int64, 1 + number of tokens strictly more likely than the sampled one
+    topk_ids: torch.Tensor | None = None  # [R, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [R, K] float32
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (out of place)."""
+    counts = batch.output_counts
+    if counts is None:
+        return logits
+    if batch.repetition_penalty is not None:
+        seen = batch.prompt_mask | (counts > 0)
+        rp = batch.repetition_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty[:, None] * counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, top_k_max: int = 0
+) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus (out of place)."""
+    vocab = logits.shape[-1]
+    neg_inf = float("-inf")
+    if top_p is None:
+        if top_k is None:
+            return logits
+        # Only top-k: the k-th largest value is the threshold (ties with it are kept).
+        kmax = max(1, min(top_k_max or vocab, vocab))
+        kth = logits.topk(kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
+        return logits.masked_fill(logits < kth, neg_inf)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        pos = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(pos[None, :] >= top_k[:, None], neg_inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Drop a token when the more likely ones already reach top_p; the most likely token always stays.
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf tokens whose probability is below min_p times the row's largest probability."""
+    if min_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from `probs` (rows need not be normalised) without a host sync."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in generators.items():  # only seeded rows: each draws from its own stream
+        noise[row].exponential_(generator=gen)
+    return (probs / noise.clamp_min_(_TINY)).argmax(dim=-1)
+
+
+def _logprob_outputs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
+    sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_lp = logprobs.new_empty((logprobs.shape[0], 0))
+        top_ids = torch.empty((logprobs.shape[0], 0), dtype=torch.int64, device=logprobs.device)
+    return sampled, ranks, top_ids, top_lp
+
+
+class Sampler:
+    """Turns a [rows, vocab] logits tensor into one token id per row (see the module docstring)."""
+
+    def __init__(self, logprobs_mode: str = "raw") -> None:
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
+            raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
+        logits = logits.float()  # everything below is out of place: the caller's tensor is never modified
+        want_lp = batch.max_num_logprobs is not None
+        raw_logprobs = logits.log_softmax(dim=-1) if want_lp and self.logprobs_mode == "raw" else None
+
+        logits = apply_penalties(logits, batch)
+        if batch.banned_ids is not None:
+            logits = logits.index_put((batch.banned_rows, batch.banned_ids), logits.new_tensor(float("-inf")))
+
+        processed = logits
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            scaled = logits / batch.temperature[:, None]
+            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.top_k_max)
+            scaled = apply_min_p(scaled, batch.min_p)
+            probs = scaled.softmax(dim=-1)
+            token_ids = _exponential_race(probs, batch.generators)
+            if not batch.all_random:
+                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+                processed = torch.where(batch.greedy[:, None], logits, scaled)
+            else:
+                processed = scaled
+
+        out = SamplerOutput(token_ids=token_ids)
+        if want_lp:
+            lp = raw_logprobs if raw_logprobs is not None else processed.log_softmax(dim=-1)
+            out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs = _logprob_outputs(
+                lp, token_ids, batch.max_num_logprobs
+            )
+        return out
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of prompt tokens from the logits that predicted them.
+
+    `logits[t]` is the model's output at prompt position t and `next_token_ids[t]` the token at position t+1.
+    Returns (token_logprobs [T], topk_ids [T, k], topk_logprobs [T, k]) from the raw log_softmax, working
+    `chunk_size` rows at a time so that a long prompt never materialises a [T, vocab] float32 copy at once.
+    """
+    if logits.dim() != 2 or next_token_ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"need logits [T, vocab] and next_token_ids [T], got {tuple(logits.shape)} and "
+            f"{tuple(next_token_ids.shape)}"
+        )
+    num, device = logits.shape[0], logits.device
+    token_lp = torch.empty(num, dtype=torch.float32, device=device)
+    top_ids = torch.empty(num, k, dtype=torch.int64, device=device)
+    top_lp = torch.empty(num, k, dtype=torch.float32, device=device)
+    ids = next_token_ids.to(device=device, dtype=torch.int64)
+    for start in range(0, num, chunk_size):
+        end = min(start + chunk_size, num)
+        lp = logits[start:end].float().log_softmax(dim=-1)
+        token_lp[start:end] = lp.gather(1, ids[start:end, None]).squeeze(1)
+        if k > 0:
+            top_lp[start:end], top_ids[start:end] = lp.topk(k, dim=-1)
+    return token_lp, top_ids, top_lp
