@@ -1,0 +1,531 @@
+"""`mini_infer::paged_attention`: write this step's K/V into the paged cache, then attend over it.
+
+Inserted by the PagedAttention pass in place of the model's attention (packed token layout: all tokens
+of a step in one [T, H, D] batch). Handles prefill, chunked prefill (queries attending to blocks already
+cached plus the new ones), decode, and any mix, varlen via `query_start_loc`; GQA/MQA; sliding window;
+logit softcap. It mutates only `k_cache`/`v_cache` (declared), reads block-table entries only for blocks
+a sequence actually uses, and imports nothing from mini_infer outside `mini_infer.ops`.
+
+Layout (S sequences, T packed tokens):
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]
+    k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv]
+    slot_mapping [T] int64 (negative: do not write), block_tables [S, max_blocks] int32,
+    seq_lens [S] int32 (context length including this step's tokens), query_start_loc [S+1] int32.
+Query row j of sequence s sits at position `seq_lens[s] - qlen_s + j` and sees cache positions
+`p <= pos` (and `pos - p < sliding_window` when sliding_window > 0). Rows of q owned by no sequence
+produce zeros. Softmax in fp32; the output has q's dtype and shape [T, Hq, Dv].
+
+Two implementations:
+  * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
+    (qlen == 1) of all sequences are batched into one padded gather + matmul; longer query runs go one
+    sequence (and one chunk of at most 256 query rows) at a time.
+  * `paged_attention_triton`: a KV-write kernel, then one unified kernel whose grid depends only on
+    shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
+    `num_splits` key-range splits. Each program finds its sequence by binary search over
+    `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA), and runs an
+    online softmax over the key range. With `num_splits > 1` (flash-decoding), the programs write partial
+    (max, sum, acc) and a reduce kernel combines them. The kernel is correct for every batch under every
+    knob; the knobs only pick tile shapes, see `paged_attention_triton`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+    "write_kv_cache_reference",
+    "write_kv_cache_triton",
+]
+
+# Longest run of query rows the reference attends in one matmul (bounds its fp32 score buffer).
+_REF_QUERY_CHUNK = 256
+
+
+# --------------------------------------------------------------------------------------------------
+# reference (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
+def write_kv_cache_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k[i], v[i] at flat slot slot_mapping[i] of the caches, skipping negative slots."""
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    if slots.numel() == 0:
+        return
+    block_size = k_cache.shape[1]
+    blk, off = slots // block_size, slots % block_size
+    k_cache.index_put_((blk, off), k.to(k_cache.dtype))
+    v_cache.index_put_((blk, off), v.to(v_cache.dtype))
+
+
+def _attend_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bt_rows: torch.Tensor,  # [n, max_blocks] block-table rows of the n (virtual) sequences
+    q_start: torch.Tensor,  # [n] first q row of each
+    q_count: torch.Tensor,  # [n] number of q rows of each (>= 1)
+    ctx: torch.Tensor,  # [n] context length seen by the LAST of its rows (position + 1)
+    max_q: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention for n sequences padded to max_q query rows and a common key length, written into out."""
+    n = bt_rows.shape[0]
+    dev = q.device
+    _, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    dv = v_cache.shape[3]
+    g = hq // hkv
+
+    first_pos = ctx - q_count  # position of each sequence's first query row
+    if sliding_window > 0:
+        k_start = (first_pos - sliding_window + 1).clamp_min(0)
+    else:
+        k_start = torch.zeros_like(ctx)
+    n_keys = int((ctx - k_start).max())
+
+    # keys: positions k_start .. ctx-1 of each sequence, padded to n_keys
+    kpos = k_start[:, None] + torch.arange(n_keys, device=dev)  # [n, L]
+    kvalid = kpos < ctx[:, None]
+    kpos = torch.where(kvalid, kpos, 0)  # padding reads position 0: block-table column 0, always in use
+    blk = bt_rows.gather(1, kpos // block_size).to(torch.int64)
+    off = kpos % block_size
+    kk = k_cache[blk, off].to(torch.float32)  # [n, L, Hkv, D]
+    vv = v_cache[blk, off].to(torch.float32)
+    # padding positions may hold anything (uninitialized cache memory, even NaN): zero V there, since
+    # probability 0 * NaN would still poison the output. K padding is removed by the score mask below.
+    vv = vv.masked_fill(~kvalid[:, :, None, None], 0.0)
+
+    # queries: rows q_start .. q_start+q_count-1, padded to max_q
+    j = torch.arange(max_q, device=dev)
+    qvalid = j[None, :] < q_count[:, None]  # [n, M]
+    rows = torch.where(qvalid, q_start[:, None] + j[None, :], 0)
+    qq = q[rows].to(torch.float32)  # [n, M, Hq, D]
+    qpos = first_pos[:, None] + j[None, :]  # [n, M]
+
+    # GQA: score rows are (query row, head-in-group) pairs of one kv head
+    qq = qq.view(n, max_q, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, max_q * g, d)
+    scores = torch.matmul(qq, kk.permute(0, 2, 3, 1)) * scale  # [n, Hkv, M*G, L]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]  # [n, M, L]
+    if sliding_window > 0:
+        mask &= (qpos[:, :, None] - kpos[:, None, :]) < sliding_window
+    mask = mask[:, None, :, None, :].expand(n, 1, max_q, g, n_keys).reshape(n, 1, max_q * g, n_keys)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # padded query rows are all -inf -> NaN, never written out
+    o = torch.matmul(probs, vv.permute(0, 2, 1, 3))  # [n, Hkv, M*G, Dv]
+    o = o.view(n, hkv, max_q, g, dv).permute(0, 2, 1, 3, 4).reshape(n, max_q, hq, dv)
+    out[rows[qvalid]] = o[qvalid].to(out.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Plain torch paged attention (writes k/v into the caches first). See the module docstring."""
+    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+    t, hq, _ = q.shape
+    out = q.new_zeros((t, hq, v_cache.shape[3]))
+    n_seqs = seq_lens.shape[0]
+    if n_seqs == 0 or t == 0:
+        return out
+    qsl = query_start_loc.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    qlens = qsl[1:] - qsl[:-1]
+    common = (k_cache, v_cache)
+    opts = (scale, int(sliding_window), float(softcap), out)
+
+    # decode rows of every sequence: one batched gather + matmul
+    dec = torch.nonzero(qlens == 1).flatten()
+    if dec.numel():
+        ones = torch.ones_like(dec)
+        _attend_reference(q, *common, block_tables[dec], qsl[:-1][dec], ones, lens[dec], 1, *opts)
+
+    # longer query runs: per sequence, in chunks of at most _REF_QUERY_CHUNK rows
+    multi = torch.nonzero(qlens > 1).flatten()
+    if multi.numel():
+        for s, q0, ql, ln in zip(
+            multi.tolist(), qsl[:-1][multi].tolist(), qlens[multi].tolist(), lens[multi].tolist()
+        ):
+            bt = block_tables[s : s + 1]
+            for c0 in range(0, ql, _REF_QUERY_CHUNK):
+                cn = min(_REF_QUERY_CHUNK, ql - c0)
+                ctx_c = ln - ql + c0 + cn
+                meta = torch.tensor([[q0 + c0, cn, ctx_c]], dtype=torch.int64, device=q.device)
+                _attend_reference(q, *common, bt, meta[:, 0], meta[:, 1], meta[:, 2], cn, *opts)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, n_heads, head_d, head_dv,
+        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = slot >= 0  # negative slot: padding token, write nothing
+        slot = tl.where(ok, slot, 0)
+        blk = slot // block_size
+        off = slot % block_size
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        m = ok & (h < n_heads)[:, None] & (d < head_d)[None, :]
+        x = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0)
+        dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
+        tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
+        dvr = tl.arange(0, BLOCK_DV)
+        m = ok & (h < n_heads)[:, None] & (dvr < head_dv)[None, :]
+        x = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0)
+        dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
+        tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _tanh(x):
+        # tanh without libdevice (also runs under the interpreter); saturates cleanly at +-1
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr,
+        n_seqs, scale, softcap, sliding_window, block_size, head_d, head_dv,
+        s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
+        s_wms, s_wmt, s_was, s_wat, s_wah,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        # Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)); these ranges
+        # are disjoint and below T // BLOCK_Q + S. Find the last s whose first tile is <= this tile.
+        lo = tile * 0
+        hi = lo + n_seqs - 1
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            take = first <= tile
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid - 1)
+        s = lo
+        q_beg = tl.load(qsl_ptr + s)
+        qlen = tl.load(qsl_ptr + s + 1) - q_beg
+        ctx = tl.load(seq_lens_ptr + s)
+        q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q  # first query row of this tile, within s
+        if q_off < qlen:
+            # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
+            r = tl.arange(0, BLOCK_R)
+            qi = r // BLOCK_G
+            g = r % BLOCK_G
+            q_idx = q_off + qi
+            row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
+            tok = (q_beg + q_idx).to(tl.int64)
+            head = kvh * G + g
+            q_pos = ctx - qlen + q_idx
+            d = tl.arange(0, BLOCK_D)
+            dv = tl.arange(0, BLOCK_DV)
+            d_ok = d < head_d
+            dv_ok = dv < head_dv
+            qv = tl.load(
+                q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # fmt: skip
+            if DOT_FP32:
+                qv = qv.to(tl.float32)
+
+            # key range of the tile: [k_lo, k_hi), then this program's split of it
+            k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
+            k_lo = k_hi * 0
+            if USE_WINDOW:
+                k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
+            if NUM_SPLITS > 1:
+                per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                k_lo = k_lo + split * per
+                k_hi = tl.minimum(k_lo + per, k_hi)
+
+            m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_R], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+            bt_row = bt_ptr + s.to(tl.int64) * s_bt
+            for start in range(k_lo, k_hi, BLOCK_N):
+                kpos = start + tl.arange(0, BLOCK_N)
+                k_ok = kpos < k_hi
+                pblk = tl.load(bt_row + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
+                koff = (kpos % block_size).to(tl.int64)
+                kt = tl.load(
+                    kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
+                    sc = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                else:
+                    sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
+                sc = sc * scale
+                if USE_SOFTCAP:
+                    sc = softcap * _tanh(sc / softcap)
+                visible = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+                if USE_WINDOW:
+                    visible = visible & ((q_pos[:, None] - kpos[None, :]) < sliding_window)
+                sc = tl.where(visible, sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+                p = tl.exp(sc - m_ref[:, None])
+                alpha = tl.exp(m_i - m_ref)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(
+                    vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
+                    pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+
+            if NUM_SPLITS == 1:
+                o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                tl.store(
+                    out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
+                    o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
+                )  # fmt: skip
+            else:
+                # partials for the reduce kernel: every split writes every row it owns, even if its key
+                # range is empty (m = -inf, l = 0, acc = 0)
+                w = split * s_wms + tok * s_wmt + head
+                tl.store(ws_m_ptr + w, m_i, mask=row_ok)
+                tl.store(ws_l_ptr + w, l_i, mask=row_ok)
+                wa = split * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + dv[None, :]
+                tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & dv_ok[None, :])
+
+    @triton.jit
+    def _split_reduce_kernel(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, qsl_ptr,
+        n_seqs, n_heads, head_dv, s_wms, s_wmt, s_was, s_wat, s_wah, s_ot, s_oh,
+        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dv = tl.arange(0, BLOCK_DV)
+        owned = t < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
+        h_ok = owned & (h < n_heads)
+        hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
+        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for sp in range(NUM_SPLITS):
+            m = tl.load(ws_m_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=float("-inf"))
+            m_max = tl.maximum(m_max, m)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for sp in range(NUM_SPLITS):
+            m = tl.load(ws_m_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=float("-inf"))
+            lv = tl.load(ws_l_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=0.0)
+            a = tl.load(
+                ws_acc_ptr + sp * s_was + t * s_wat + h[:, None] * s_wah + dv[None, :], mask=hd_ok, other=0.0
+            )
+            wgt = tl.exp(m - m_ref)
+            l_sum += wgt * lv
+            acc += wgt[:, None] * a
+        o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        tl.store(
+            out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=(h < n_heads)[:, None] & (dv < head_dv)[None, :],
+        )  # fmt: skip
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton KV-cache write: one program per token, negative slots skipped inside the kernel."""
+    if not HAS_TRITON:
+        raise RuntimeError("write_kv_cache_triton needs triton")
+    t, hkv, d = k.shape
+    dv = v.shape[2]
+    if t == 0:
+        return
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the caches need unit stride along their last dim")
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], hkv, d, dv,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_warps=4,
+    )  # fmt: skip
+
+
+def _default_num_splits(q: torch.Tensor, n_seqs: int, hkv: int, max_context: int) -> int:
+    """Split-K only pays when (sequence, kv-head) programs are too few to fill the GPU and contexts are long."""
+    if not q.is_cuda:
+        return 1
+    programs = max(1, n_seqs * hkv)
+    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    splits = min(math.ceil(2 * sms / programs), math.ceil(max_context / 256), 32)
+    return next_pow2(splits) if splits > 1 else 1
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    *,
+    decode_only: bool | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention (writes k/v into the caches first). See the module docstring.
+
+    Every knob choice gives the same result for every batch; the knobs only choose tile shapes, and all
+    choices are made from shapes and arguments, never tensor values (CUDA-graph safe, no host sync):
+      * `decode_only`: True -> one query row per tile (BLOCK_Q = 1), the decode shape; False -> up to
+        64 (query row, head) pairs per tile, the prefill shape. None (default) -> True iff T <= S, i.e.
+        the batch has room for at most one token per sequence on average (decode and CUDA-graph decode
+        buckets).
+      * `num_splits`: key-range splits per tile (flash-decoding); > 1 adds a reduce kernel. None
+        (default) -> 1 unless decode_only and (S x Hkv) programs would leave the GPU under-filled, then
+        enough splits to cover it, bounded by the block table's capacity / 256 keys (and 32).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("paged_attention_triton needs triton")
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    dv = v_cache.shape[3]
+    if hq % hkv:
+        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    n_seqs = seq_lens.shape[0]
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    if t == 0 or n_seqs == 0:
+        return q.new_zeros((t, hq, dv))
+
+    q = _last_dim_contiguous(q)
+    g = hq // hkv
+    block_g = next_pow2(g)
+    if decode_only is None:
+        decode_only = t <= n_seqs
+    block_q = 1 if decode_only else max(1, 64 // block_g)
+    block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    block_n = 32 if max(block_d, block_dv) > 128 else 64
+    block_size = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = (
+            _default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
+        )
+    num_splits = max(1, int(num_splits))
+    n_tiles = t // block_q + n_seqs
+
+    if num_splits == 1:
+        out = q.new_zeros((t, hq, dv))  # rows owned by no sequence stay zero
+        ws_m = ws_l = ws_acc = out  # unused
+        ws_strides = (0, 0, 0, 0, 0)
+    else:
+        out = q.new_empty((t, hq, dv))  # the reduce kernel writes every row
+        ws_m = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((num_splits, t, hq, dv), dtype=torch.float32, device=q.device)
+        ws_strides = (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
+
+    _paged_attn_kernel[(n_tiles, hkv, num_splits)](
+        q, k_cache, v_cache, out, ws_m, ws_l, ws_acc,
+        block_tables, seq_lens, query_start_loc,
+        n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
+        G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, SEARCH_STEPS=max(1, n_seqs.bit_length()),
+        USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
+        DOT_FP32=q.dtype == torch.float32 or not q.is_cuda,  # the interpreter's bf16 dot is wrong
+        num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        block_h = min(next_pow2(hq), max(1, 4096 // block_dv))
+        _split_reduce_kernel[(t, triton.cdiv(hq, block_h))](
+            ws_m, ws_l, ws_acc, out, query_start_loc,
+            n_seqs, hq, dv, *ws_strides, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the registered op
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mini_infer::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference."""
+    args = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
+    if use_triton(q):
+        return paged_attention_triton(*args, scale, sliding_window, softcap)
+    return paged_attention_reference(*args, scale, sliding_window, softcap)
+
+
+@paged_attention.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))

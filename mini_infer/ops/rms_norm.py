@@ -1,0 +1,104 @@
+"""`mini_infer::rms_norm`: RMSNorm over the last dim, numerically identical to HF `LlamaRMSNorm`.
+
+Inserted by the FuseRMSNorm pass in place of the pow/mean/rsqrt/mul chain. Semantics (must not change):
+`h = x.float(); h = h * rsqrt(mean(h**2, -1) + eps); return weight * h.to(x.dtype)` with torch type
+promotion for the last multiply. Imports nothing from mini_infer outside `mini_infer.ops`.
+The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_triton"]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch, exactly HF LlamaRMSNorm.forward."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, s_ptr,
+        n_rows, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # round the sum to its storage dtype first, as `x + residual` does in torch
+            s = (x + r).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)
+        var = tl.sum(x * x, axis=1) / n_cols
+        h = x * tl.rsqrt(var + eps)[:, None]
+        # HF casts back to the input dtype before the weight multiply: keep that rounding step
+        if HAS_RESIDUAL:
+            h = h.to(s_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = (w[None, :] * h).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A [rows, n_cols] view (or copy, when no view exists) with unit stride along the last dim."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
+    n_cols = x.shape[-1]
+    x2 = _rows(x, n_cols)
+    n_rows = x2.shape[0]
+    if n_rows == 0 or n_cols == 0:
+        return
+    out2 = out.view(-1, n_cols)
+    r2 = _rows(residual, n_cols) if residual is not None else x2
+    s2 = s.view(-1, n_cols) if s is not None else out2
+    w = weight.contiguous()
+    block_n = next_pow2(n_cols)
+    block_m = max(1, min(16, 4096 // block_n))
+    num_warps = 4 if block_n <= 4096 else 8
+    grid = (triton.cdiv(n_rows, block_m),)
+    _rms_norm_kernel[grid](
+        x2, r2, w, out2, s2,
+        n_rows, n_cols, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton RMSNorm (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rms_norm_triton needs triton")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match last dim of x {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _launch_rms_norm(x, None, weight, eps, out, None)
+    return out
+
+
+@torch.library.custom_op("mini_infer::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: Triton on CUDA when available, else the torch reference."""
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))

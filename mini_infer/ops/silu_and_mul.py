@@ -1,0 +1,69 @@
+"""`mini_infer::silu_and_mul`: the gated-MLP activation `silu(gate) * up`.
+
+Inserted by a fusion pass in place of `act_fn(gate_proj(x)) * up_proj(x)` (SiLU-gated MLPs). gate and
+up have the same shape; they may be views into one fused gate_up projection (row stride != width).
+The output is new and contiguous, dtype per torch promotion. Imports nothing from mini_infer outside
+`mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+__all__ = ["silu_and_mul", "silu_and_mul_reference", "silu_and_mul_triton"]
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _silu_and_mul_kernel(
+        g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
+
+
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton `silu(gate) * up` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        raise RuntimeError("silu_and_mul_triton needs triton")
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if gate.numel() == 0:
+        return out
+    n_cols = gate.shape[-1] if gate.dim() else 1
+    g2, u2, o2 = _rows(gate, n_cols), _rows(up, n_cols), out.view(-1, n_cols)
+    block = min(1024, next_pow2(n_cols))
+    grid = (g2.shape[0], triton.cdiv(n_cols, block))
+    _silu_and_mul_kernel[grid](g2, u2, o2, n_cols, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("mini_infer::silu_and_mul", mutates_args=())
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`: Triton on CUDA when available, else the torch reference."""
+    if use_triton(gate):
+        return silu_and_mul_triton(gate, up)
+    return silu_and_mul_reference(gate, up)
+
+
+@silu_and_mul.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
