@@ -1,0 +1,94 @@
+"""Capture: a transformers causal LM → a plain FX GraphModule in the packed token layout.
+
+The graph takes `input_ids [1, T]` and `position_ids [1, T]` (all tokens of a step in one row, T dynamic)
+and returns `logits [1, T, vocab]`; transformers runs with `use_cache=False`, so the graph holds no cache
+of its own (the attention pass adds the paged one). We use torch.export in non-strict mode, the route of
+TensorRT-LLM's AutoDeploy: it traces the HF Python code as is, keeps aten-level ops such as
+`scaled_dot_product_attention` visible for pattern matching, and gives every node fake-tensor metadata with
+a symbolic T. This module captures only; rewriting is the passes' job.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx as fx
+from torch.export import Dim
+
+DEFAULT_MAX_TOKENS = 1 << 16
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message names the module and op when they are known."""
+
+
+class _PackedCausalLM(torch.nn.Module):
+    """Calls the HF model in the packed layout and returns only the logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """ExportedProgram → GraphModule with a plain `forward(input_ids, position_ids)` signature."""
+    gm = ep.module()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    graph._codegen = fx.graph.CodeGen()
+    out = graph.output_node()
+    if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+        out.args = (out.args[0][0],)
+    gm.recompile()
+    return gm
+
+
+def _describe_failure(model: torch.nn.Module, exc: Exception) -> str:
+    text = str(exc)
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        self_obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(self_obj, torch.nn.Module) and self_obj is not model:
+            frames.append(f"{type(self_obj).__name__} ({code.co_filename}:{tb.tb_lineno})")
+        tb = tb.tb_next
+    where = f" in module {frames[-1]}" if frames else ""
+    return f"could not capture {type(model).__name__}{where}: {type(exc).__name__}: {text[:2000]}"
+
+
+def capture(model: torch.nn.Module, example_num_tokens: int = 8,
+            max_num_tokens: int = DEFAULT_MAX_TOKENS) -> fx.GraphModule:
+    """Export `model` (a transformers causal LM) into a GraphModule with a dynamic token dimension.
+
+    The result's parameters and buffers are the model's own tensors (no copy); node `meta["val"]` holds
+    fake tensors with a symbolic token count.
+    """
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        raise CaptureError(f"{type(model).__name__} is not a transformers model (it has no config)")
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, min(vocab, 100), (1, example_num_tokens), device=device)
+    pos = torch.arange(example_num_tokens, device=device)[None]
+    tokens = Dim("num_tokens", min=1, max=max_num_tokens)
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                _PackedCausalLM(model), (ids, pos),
+                dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, strict=False,
+            )
+    except Exception as exc:  # report what and where, never fall back silently
+        raise CaptureError(_describe_failure(model, exc)) from exc
+    gm = _plain_graph_module(ep)
+    gm.meta["capture_seconds"] = time.perf_counter() - start
+    gm.meta["model_config"] = model.config
+    return gm

@@ -1,0 +1,161 @@
+"""The pass manager: the one place that orders passes, cleans and validates the graph after each one,
+records what each did, writes graph dumps, and (with verify) finds the first pass that changes the output.
+
+It runs passes; it must not contain pass logic of its own beyond generic cleanup (dead code).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mini_infer.passes.base import GraphPass, PassContext
+
+
+class PassError(RuntimeError):
+    """A pass failed, broke the graph, or changed the model's output; the message names the pass."""
+
+
+@dataclass
+class PassStats:
+    """One row of the summary table."""
+
+    name: str
+    num_matches: int
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+    note: str = ""
+    max_abs_err: float | None = None
+
+
+class _FakeProp(fx.Interpreter):
+    """Re-derives every node's `meta["val"]` on fake tensors (symbolic token count kept)."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode) -> None:
+        super().__init__(gm)
+        self.mode = mode
+        self._attr_cache: dict[str, torch.Tensor] = {}
+
+    def get_attr(self, target, args, kwargs):  # noqa: D102
+        if target not in self._attr_cache:
+            self._attr_cache[target] = self.mode.from_tensor(super().get_attr(target, args, kwargs),
+                                                             static_shapes=True)
+        return self._attr_cache[target]
+
+    def run_node(self, n: fx.Node):  # noqa: D102
+        with self.mode:
+            result = super().run_node(n)
+        if n.op != "output":
+            n.meta["val"] = result
+        return result
+
+
+def propagate_fake(gm: fx.GraphModule) -> None:
+    """Shape-propagate `gm` on fake tensors from its placeholders' recorded values."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    missing = [n.name for n, v in zip(placeholders, vals) if v is None]
+    if missing:
+        raise PassError(f"graph inputs without fake values: {missing}")
+    mode = detect_fake_mode(vals) or FakeTensorMode()
+    _FakeProp(gm, mode).run(*vals)
+
+
+def count_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+
+def clean_and_validate(gm: fx.GraphModule) -> None:
+    """Drop dead code, lint, recompile, re-propagate fake tensors. Raises on a broken graph."""
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    propagate_fake(gm)
+
+
+def write_graph(gm: fx.GraphModule, path: Path) -> None:
+    path.write_text(gm.print_readable(print_output=False, include_stride=False, include_device=False))
+
+
+def format_table(stats: Sequence[PassStats]) -> str:
+    """The per-pass summary table as aligned text."""
+    has_err = any(s.max_abs_err is not None for s in stats)
+    head = ["pass", "matches", "nodes before", "nodes after", "ms"] + (["max |err|"] if has_err else []) + ["note"]
+    rows = [head]
+    for s in stats:
+        row = [s.name, str(s.num_matches), str(s.nodes_before), str(s.nodes_after), f"{s.seconds * 1e3:.1f}"]
+        if has_err:
+            row.append("" if s.max_abs_err is None else f"{s.max_abs_err:.2e}")
+        rows.append(row + [s.note])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# verify(gm, ctx) -> max abs error of the logits against eager, and the tolerance
+Verifier = Callable[[fx.GraphModule, PassContext], tuple[float, float]]
+
+
+class PassManager:
+    """Runs an ordered list of passes over a GraphModule."""
+
+    def __init__(self, passes: Sequence[GraphPass], dump_dir: str | Path | None = None,
+                 verifier: Verifier | None = None) -> None:
+        self.passes = list(passes)
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.verifier = verifier
+        self._check_order()
+
+    def _check_order(self) -> None:
+        seen: list[str] = []
+        for p in self.passes:
+            missing = [r for r in p.requires if r not in seen]
+            if missing:
+                raise ValueError(f"pass {p.name!r} requires {missing} to run before it; order given: "
+                                 f"{[q.name for q in self.passes]}")
+            seen.append(p.name)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassStats]:
+        """Apply every pass in order, in place. Returns one PassStats per pass."""
+        stats: list[PassStats] = []
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            write_graph(gm, self.dump_dir / "00_captured.txt")
+        for i, p in enumerate(self.passes, start=1):
+            before = count_nodes(gm)
+            if self.dump_dir is not None:
+                write_graph(gm, self.dump_dir / f"{i:02d}_{p.name}.before.txt")
+            start = time.perf_counter()
+            try:
+                result = p.apply(gm, ctx)
+                clean_and_validate(gm)
+            except PassError:
+                raise
+            except Exception as exc:
+                raise PassError(f"pass {p.name!r} failed or left an invalid graph: {type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - start
+            ctx.applied.append(p.name)
+            row = PassStats(p.name, result.num_matches, before, count_nodes(gm), seconds, result.note)
+            if self.verifier is not None:
+                err, tol = self.verifier(gm, ctx)
+                row.max_abs_err = err
+                if not err <= tol:
+                    stats.append(row)
+                    raise PassError(f"pass {p.name!r} changed the model's output: max |logits - eager| = {err:.3e} "
+                                    f"> tolerance {tol:.1e} (the passes before it, {ctx.applied[:-1]}, agreed)")
+            stats.append(row)
+            if self.dump_dir is not None:
+                write_graph(gm, self.dump_dir / f"{i:02d}_{p.name}.after.txt")
+        if self.dump_dir is not None:
+            (self.dump_dir / "summary.txt").write_text(format_table(stats) + "\n")
+        return stats

@@ -1,0 +1,72 @@
+"""Small helpers for matching FX nodes by hand: op tests, constant args, shapes from fake metadata.
+
+Only inspection helpers live here; no pass logic and no graph edits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def is_op(node: Any, *targets: Any) -> bool:
+    """True when `node` is a call_function to one of `targets` (OpOverload or OpOverloadPacket)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    for t in targets:
+        if node.target is t:
+            return True
+        if isinstance(t, torch._ops.OpOverloadPacket) and getattr(node.target, "overloadpacket", None) is t:
+            return True
+    return False
+
+
+def val(node: Any) -> Any:
+    """The fake value recorded for `node` (a FakeTensor, SymInt, ...), or None."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def shape(node: Any) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Shapes equal, comparing symbolic sizes by expression (never adds a guard)."""
+    sa, sb = shape(a), shape(b)
+    if sa is None or sb is None or len(sa) != len(sb):
+        return False
+    return all(str(x) == str(y) for x, y in zip(sa, sb))
+
+
+def ndim(node: Any) -> int | None:
+    s = shape(node)
+    return None if s is None else len(s)
+
+
+def is_last_dim(dims: Any, rank: int | None) -> bool:
+    """`dims` (an int or a one-element list) names the last dimension of a rank-`rank` tensor."""
+    if isinstance(dims, (list, tuple)):
+        if len(dims) != 1:
+            return False
+        dims = dims[0]
+    return isinstance(dims, int) and rank is not None and dims in (-1, rank - 1)
+
+
+def only_user(node: fx.Node, user: fx.Node) -> bool:
+    return len(node.users) == 1 and user in node.users
+
+
+def kwarg_or_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
