@@ -165,7 +165,9 @@ class SamplingBatch:
         )
         random_rows = [p for p, g in zip(params, greedy) if not g]
         if any(p.top_k not in (-1, 0) and p.top_k < vocab_size for p in random_rows):
-            ks = [vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+            ks = [
+                vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)
+            ]
             batch.top_k = dev(ks, torch.int64)
             batch.top_k_max = max(k for k, g in zip(ks, greedy) if not g)
         if any(p.top_p < 1.0 for p in random_rows):
@@ -186,7 +188,9 @@ class SamplingBatch:
             if any(rep):
                 batch.repetition_penalty = dev([p.repetition_penalty for p in params], torch.float32)
                 batch.prompt_mask = (
-                    _token_counts([h[0] if r else () for h, r in zip(token_histories, rep)], vocab_size, device)
+                    _token_counts(
+                        [h[0] if r else () for h, r in zip(token_histories, rep)], vocab_size, device
+                    )
                     > 0
                 )
 
@@ -221,7 +225,7 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # [R] int64
     logprobs: torch.Tensor | None = None  # [R] float32, of the sampled token
-    ranks: torch.Tensor | None = None  # [R] int64, 1 + number of tokens strictly more likely than the sampled one
+    ranks: torch.Tensor | None = None  # [R] int64: 1 + count of tokens more likely than the sampled one
     topk_ids: torch.Tensor | None = None  # [R, K] int64
     topk_logprobs: torch.Tensor | None = None  # [R, K] float32
 
