@@ -195,18 +195,20 @@ if HAS_TRITON:
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        ok = slot >= 0  # negative slot: padding token, write nothing
-        slot = tl.where(ok, slot, 0)
+        h = tl.arange(0, BLOCK_H)
+        # negative slot: padding token, write nothing. (The comparison is made on a tensor rather than
+        # the scalar because the interpreter mis-types `scalar_bool & tensor_bool`.)
+        ok = (slot + h * 0) >= 0
+        slot = tl.maximum(slot, 0)
         blk = slot // block_size
         off = slot % block_size
-        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        m = ok & (h < n_heads)[:, None] & (d < head_d)[None, :]
+        m = ok[:, None] & (h < n_heads)[:, None] & (d < head_d)[None, :]
         x = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0)
         dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
         tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
         dvr = tl.arange(0, BLOCK_DV)
-        m = ok & (h < n_heads)[:, None] & (dvr < head_dv)[None, :]
+        m = ok[:, None] & (h < n_heads)[:, None] & (dvr < head_dv)[None, :]
         x = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0)
         dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
         tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
@@ -342,7 +344,7 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         dv = tl.arange(0, BLOCK_DV)
-        owned = t < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
+        owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
         h_ok = owned & (h < n_heads)
         hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
         m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)

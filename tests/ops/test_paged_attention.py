@@ -1,0 +1,296 @@
+"""paged_attention: reference vs an independent per-sequence SDPA oracle, Triton vs reference.
+
+Every case builds each sequence's whole K/V history as one contiguous tensor, scatters it into a paged
+cache through a shuffled block table (prefix positions written up front, this step's positions left to
+the op), fills every other cache slot with NaN and unused block-table entries with -1: reading a slot or a
+block-table entry the op must not read turns the output into NaN or crashes.
+"""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
+from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton
+
+
+@dataclass
+class Case:
+    seqs: list  # (cached, new) per sequence
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    hist_k: list  # full K history per sequence [ctx, Hkv, D]
+    hist_v: list
+    scale: float
+    sliding_window: int
+    softcap: float
+
+    def args(self):
+        """Positional args of the op, with fresh copies of the caches (the op writes into them)."""
+        return (
+            self.q, self.k, self.v, self.k_cache.clone(), self.v_cache.clone(), self.slot_mapping,
+            self.block_tables, self.seq_lens, self.query_start_loc, self.scale, self.sliding_window,
+            self.softcap,
+        )  # fmt: skip
+
+
+def make_case(
+    seqs,
+    hq=4,
+    hkv=2,
+    d=16,
+    dv=None,
+    block_size=4,
+    dtype=torch.float32,
+    pad_tokens=0,
+    sliding_window=0,
+    softcap=0.0,
+    scale=None,
+    seed=0,
+    shuffle=True,
+    cache_fill=float("nan"),
+    device=DEVICE,
+):
+    """seqs: (cached, new) per sequence; (0, 0) is a padding sequence (qlen 0, seq_len 0)."""
+    dv = dv or d
+    gen = torch.Generator().manual_seed(seed)
+    ctxs = [c + n for c, n in seqs]
+    n_blocks = [math.ceil(c / block_size) for c in ctxs]
+    total_blocks = sum(n_blocks) + 3
+    order = torch.randperm(total_blocks, generator=gen) if shuffle else torch.arange(total_blocks)
+    block_tables = torch.full((len(seqs), max(n_blocks + [1]) + 1), -1, dtype=torch.int32)
+    k_cache = torch.full((total_blocks, block_size, hkv, d), cache_fill, dtype=dtype)
+    v_cache = torch.full((total_blocks, block_size, hkv, dv), cache_fill, dtype=dtype)
+    hist_k, hist_v, q_rows, k_rows, v_rows, slots = [], [], [], [], [], []
+    used = 0
+    for s, ((cached, new), ctx) in enumerate(zip(seqs, ctxs)):
+        block_tables[s, : n_blocks[s]] = order[used : used + n_blocks[s]].to(torch.int32)
+        used += n_blocks[s]
+        hk = torch.randn(ctx, hkv, d, generator=gen).to(dtype)
+        hv = torch.randn(ctx, hkv, dv, generator=gen).to(dtype)
+        hist_k.append(hk)
+        hist_v.append(hv)
+        for p in range(ctx):
+            slot = int(block_tables[s, p // block_size]) * block_size + p % block_size
+            if p < cached:  # already in the cache from earlier steps
+                k_cache[slot // block_size, slot % block_size] = hk[p]
+                v_cache[slot // block_size, slot % block_size] = hv[p]
+            else:
+                slots.append(slot)
+        q_rows.append(torch.randn(new, hq, d, generator=gen).to(dtype))
+        k_rows.append(hk[cached:])
+        v_rows.append(hv[cached:])
+    q_rows.append(torch.randn(pad_tokens, hq, d, generator=gen).to(dtype))
+    k_rows.append(torch.randn(pad_tokens, hkv, d, generator=gen).to(dtype))
+    v_rows.append(torch.randn(pad_tokens, hkv, dv, generator=gen).to(dtype))
+    slots += [-1] * pad_tokens
+    qsl = [0]
+    for _, new in seqs:
+        qsl.append(qsl[-1] + new)
+    return Case(
+        seqs=list(seqs),
+        q=torch.cat(q_rows).to(device),
+        k=torch.cat(k_rows).to(device),
+        v=torch.cat(v_rows).to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(ctxs, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        hist_k=hist_k,
+        hist_v=hist_v,
+        scale=scale if scale is not None else d**-0.5,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+
+
+def oracle(case: Case) -> torch.Tensor:
+    """Per sequence, per kv-head group: full contiguous K/V, explicit mask, float64."""
+    t, hq, _ = case.q.shape
+    hkv, dv = case.hist_v[0].shape[1], case.hist_v[0].shape[2]
+    g = hq // hkv
+    out = torch.zeros(t, hq, dv, dtype=torch.float64)
+    q0 = 0
+    for (cached, new), hk, hv in zip(case.seqs, case.hist_k, case.hist_v):
+        if new == 0:
+            continue
+        ctx = cached + new
+        qpos = torch.arange(cached, ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        mask = kpos <= qpos
+        if case.sliding_window > 0:
+            mask &= (qpos - kpos) < case.sliding_window
+        qs = case.q[q0 : q0 + new].cpu().double()
+        for h in range(hkv):
+            qg = qs[:, h * g : (h + 1) * g].transpose(0, 1)  # [G, new, D]
+            kh = hk[:, h].double().expand(g, ctx, -1)
+            vh = hv[:, h].double().expand(g, ctx, -1)
+            if case.softcap > 0:
+                sc = qg @ kh.transpose(1, 2) * case.scale
+                sc = case.softcap * torch.tanh(sc / case.softcap)
+                o = torch.softmax(sc.masked_fill(~mask, float("-inf")), -1) @ vh
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask, scale=case.scale)
+            out[q0 : q0 + new, h * g : (h + 1) * g] = o.transpose(0, 1)
+        q0 += new
+    return out.to(case.q.dtype)
+
+
+def check_cache(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Every position of every sequence holds its K/V; every other slot is untouched (NaN)."""
+    bs = k_cache.shape[1]
+    k_cache, v_cache, bt = k_cache.cpu(), v_cache.cpu(), case.block_tables.cpu()
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for s, (hk, hv) in enumerate(zip(case.hist_k, case.hist_v)):
+        pos = torch.arange(hk.shape[0])
+        blk, off = bt[s, pos // bs].long(), pos % bs
+        assert torch.equal(k_cache[blk, off], hk) and torch.equal(v_cache[blk, off], hv)
+        written[blk, off] = True
+    assert k_cache[~written].isnan().all() and v_cache[~written].isnan().all()
+
+
+CASES = {
+    "prefill": dict(seqs=[(0, 5), (0, 9), (0, 1), (0, 12)]),
+    "chunked_prefill": dict(seqs=[(6, 5), (3, 1), (9, 7), (0, 3)]),
+    "decode_gqa": dict(seqs=[(7, 1), (12, 1), (0, 1), (20, 1)], hq=4, hkv=2),
+    "decode_mqa_bs16": dict(seqs=[(7, 1), (30, 1), (15, 1)], hq=4, hkv=1, block_size=16),
+    "mha_bs16_dv": dict(seqs=[(20, 12), (0, 17)], hq=2, hkv=2, d=32, dv=16, block_size=16),
+    "sliding_window": dict(seqs=[(10, 4), (3, 1), (0, 9), (13, 1)], sliding_window=5),
+    "softcap": dict(seqs=[(5, 3), (8, 1), (0, 6)], softcap=2.0, scale=1.0),
+    "window_softcap_g4": dict(seqs=[(12, 3), (30, 1)], hq=8, hkv=2, sliding_window=8, softcap=5.0, scale=0.5),
+    "padding": dict(seqs=[(4, 3), (0, 0), (6, 1), (0, 0), (0, 0)], pad_tokens=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_oracle(name):
+    case = make_case(**CASES[name], device="cpu")
+    args = case.args()
+    out = paged_attention_reference(*args)
+    assert_close(out, oracle(case))
+    check_cache(case, args[3], args[4])
+
+
+def test_reference_long_prefill_is_chunked():
+    # more query rows than the reference's chunk (256): exercises its chunk loop
+    case = make_case([(40, 300), (2, 1)], hq=2, hkv=1, d=8, block_size=16, device="cpu")
+    assert_close(paged_attention_reference(*case.args()), oracle(case))
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_matches_reference(name):
+    case = make_case(**CASES[name])
+    args_t, args_r = case.args(), case.args()
+    out = paged_attention_triton(*args_t)
+    assert not out.isnan().any()
+    assert_close(out, paged_attention_reference(*args_r))
+    check_cache(case, args_t[3], args_t[4])
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("prefill", dict(decode_only=True)),  # decode tiles on a prefill batch: slower, still exact
+        ("chunked_prefill", dict(decode_only=True, num_splits=2)),
+        ("decode_gqa", dict(decode_only=False)),
+        ("sliding_window", dict(num_splits=3)),  # split-K over prefill tiles and a window
+        ("padding", dict(decode_only=True, num_splits=2)),  # reduce kernel zeroes unowned rows
+    ],
+)
+def test_triton_knobs_do_not_change_results(name, knobs):
+    case = make_case(**CASES[name])
+    out = paged_attention_triton(*case.args(), **knobs)
+    assert_close(out, paged_attention_reference(*case.args()))
+
+
+@requires_triton
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
+def test_triton_split_k_decode(hq, hkv):
+    case = make_case([(40, 1), (70, 1), (5, 1), (0, 0)], hq=hq, hkv=hkv, block_size=4, seed=3)
+    args = case.args()
+    out = paged_attention_triton(*args, decode_only=True, num_splits=4)
+    assert_close(out, oracle(case))
+    check_cache(case, args[3], args[4])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["chunked_prefill", "decode_gqa"])
+def test_triton_half_precision(dtype, name):
+    case = make_case(**CASES[name], dtype=dtype)
+    out = paged_attention_triton(*case.args())
+    assert out.dtype == dtype
+    assert_close(out, paged_attention_reference(*case.args()))
+    assert_close(out, oracle(case))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9)), min_size=1, max_size=4),
+    heads=st.sampled_from([(4, 2), (4, 1), (2, 2)]),
+    block_size=st.sampled_from([4, 16]),
+    sliding_window=st.sampled_from([0, 3, 8]),
+    pad_tokens=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(lens, heads, block_size, sliding_window, pad_tokens, seed):
+    seqs = [(c, n) if n else (0, 0) for c, n in lens]  # qlen 0 only as a padding sequence
+    kw = dict(hq=heads[0], hkv=heads[1], block_size=block_size, sliding_window=sliding_window)
+    case = make_case(seqs, pad_tokens=pad_tokens, seed=seed, **kw)
+    expected = oracle(case)
+    args = case.args()
+    assert_close(paged_attention_reference(*[a.cpu() if torch.is_tensor(a) else a for a in args]), expected)
+    if HAS_TRITON:
+        out = paged_attention_triton(*args)
+        assert_close(out, expected)
+        check_cache(case, args[3], args[4])
+
+
+def test_registered_op():
+    case = make_case(**CASES["chunked_prefill"])
+    args = case.args()
+    out = torch.ops.mini_infer.paged_attention(*args)
+    assert_close(out, oracle(case))
+    check_cache(case, args[3], args[4])
+
+
+def test_fake_impl():
+    with FakeTensorMode():
+        t, hq, hkv, d, dv = 7, 8, 2, 64, 32
+        out = torch.ops.mini_infer.paged_attention(
+            torch.empty(t, hq, d, dtype=torch.bfloat16),
+            torch.empty(t, hkv, d, dtype=torch.bfloat16),
+            torch.empty(t, hkv, dv, dtype=torch.bfloat16),
+            torch.empty(10, 16, hkv, d, dtype=torch.bfloat16),
+            torch.empty(10, 16, hkv, dv, dtype=torch.bfloat16),
+            torch.empty(t, dtype=torch.int64),
+            torch.empty(3, 4, dtype=torch.int32),
+            torch.empty(3, dtype=torch.int32),
+            torch.empty(4, dtype=torch.int32),
+            0.125,
+            0,
+            0.0,
+        )
+    assert out.shape == (t, hq, dv) and out.dtype == torch.bfloat16
+
+
+def test_opcheck():
+    case = make_case(**CASES["chunked_prefill"], cache_fill=0.0, device="cpu")
+    torch.library.opcheck(torch.ops.mini_infer.paged_attention.default, case.args())
