@@ -37,6 +37,7 @@ class _PackedCausalLM(torch.nn.Module):
 def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     """ExportedProgram → GraphModule with a plain `forward(input_ids, position_ids)` signature."""
     gm = ep.module()
+    gm._forward_pre_hooks.clear()  # export's input checks: the runtime feeds every token count
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":

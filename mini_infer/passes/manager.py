@@ -114,10 +114,9 @@ class PassManager:
         self.passes = list(passes)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.verifier = verifier
-        self._check_order()
 
-    def _check_order(self) -> None:
-        seen: list[str] = []
+    def _check_order(self, already_applied: list[str]) -> None:
+        seen: list[str] = list(already_applied)
         for p in self.passes:
             missing = [r for r in p.requires if r not in seen]
             if missing:
@@ -127,6 +126,7 @@ class PassManager:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassStats]:
         """Apply every pass in order, in place. Returns one PassStats per pass."""
+        self._check_order(ctx.applied)
         stats: list[PassStats] = []
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)

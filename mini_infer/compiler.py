@@ -1,0 +1,127 @@
+"""`compile_model`: capture a transformers causal LM and run the pass pipeline; `CompiledModel` holds the result.
+
+This is the compiler's front door. It wires capture → passes → a callable graph, and owns verification
+against the eager model. It never schedules requests or manages a KV cache (that is the runtime's job,
+using the cache layout the passes declared on the context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from mini_infer.passes import GraphPass, PassContext, resolve_passes
+from mini_infer.passes.capture import capture
+from mini_infer.passes.manager import PassManager, PassStats, format_table
+
+# Passes run in this order when the user names none. Passes registered by later modules (attention,
+# logits selection) join through `recommended_passes`.
+BASE_PIPELINE = ("cleanup", "fuse_rmsnorm", "fuse_rotary", "fuse_silu_mul")
+
+
+def recommended_passes(config, device: torch.device) -> list[str]:
+    """The pipeline for a model and device: cleanup, fusions, then paged attention and logits selection."""
+    from mini_infer.passes import PASSES
+
+    names = list(BASE_PIPELINE)
+    names += [n for n in ("paged_attention", "select_logits") if n in PASSES]
+    return names
+
+
+def logits_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """Allowed max |logits - eager|: 1e-4 of the logits' scale in fp32, 3e-2 in half precision."""
+    rel = 1e-4 if dtype == torch.float32 else 3e-2
+    return rel * max(scale, 1.0)
+
+
+class CompiledModel:
+    """A captured and rewritten model: call it like the graph, read what the passes did."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, stats: list[PassStats], model_name: str = "") -> None:
+        self.graph_module = gm
+        self.context = ctx
+        self.stats = stats
+        self.config = ctx.config
+        self.model_name = model_name
+        self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def kv_cache_specs(self):
+        return self.context.kv_cache_specs
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """Run the graph; inputs by name (`input_ids`, `position_ids`, plus what the passes declared)."""
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise ValueError(f"missing graph inputs: {missing} (the graph takes {self.input_names})")
+        with torch.inference_mode():
+            return self.graph_module(*(inputs[n] for n in self.input_names))
+
+    def example_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """Inputs that run `input_ids` ([1, T]) as one sequence from position 0."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.context.example_inputs(input_ids, position_ids)
+
+    def code(self) -> str:
+        """The graph as readable Python."""
+        return self.graph_module.print_readable(print_output=False, include_stride=False, include_device=False)
+
+    def summary(self) -> str:
+        """The per-pass table: matches, nodes before/after, time (and error when verified)."""
+        return format_table(self.stats)
+
+    def __repr__(self) -> str:
+        return f"CompiledModel({self.model_name or type(self.config).__name__}, passes={self.context.applied})"
+
+
+def _make_verifier(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, num_tokens: int = 13,
+                   seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, num_tokens), generator=gen).to(device)
+    pos = torch.arange(num_tokens, device=device)[None]
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+    tol = logits_tolerance(dtype, ref.abs().max().item())
+
+    def verify(gm: fx.GraphModule, ctx: PassContext) -> tuple[float, float]:
+        inputs = ctx.example_inputs(ids, pos)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        with torch.no_grad():
+            out = gm(*(inputs[n] for n in names)).float()
+        if out.shape[1] != ref.shape[1]:  # logits selected for the last token only
+            return (out[:, -1] - ref[:, -1]).abs().max().item(), tol
+        return (out - ref).abs().max().item(), tol
+
+    return verify
+
+
+def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | None = None,
+                  dump_dir: str | Path | None = None, verify: bool = False,
+                  device: torch.device | str | None = None, model_name: str = "") -> CompiledModel:
+    """Capture `model` (a transformers causal LM) and rewrite it with `passes`.
+
+    `passes=None` runs the recommended pipeline for the model and device. `dump_dir` gets each pass's graph
+    before and after plus a summary table. `verify=True` runs the eager model and the graph after every pass
+    on the same tokens and raises PassError naming the first pass whose logits diverge beyond tolerance.
+    """
+    first = next(model.parameters())
+    device = torch.device(device) if device is not None else first.device
+    config = model.config
+    names = recommended_passes(config, device) if passes is None else passes
+    pass_objs = resolve_passes(names)
+    gm = capture(model)
+    from mini_infer.passes.manager import count_nodes
+
+    captured_nodes = count_nodes(gm)
+    ctx = PassContext(config=config, device=device, dtype=first.dtype)
+    ctx.info["capture_seconds"] = gm.meta.get("capture_seconds")
+    verifier = _make_verifier(model, device, first.dtype) if verify else None
+    stats = PassManager(pass_objs, dump_dir=dump_dir, verifier=verifier).run(gm, ctx)
+    capture_row = PassStats("capture", 0, 0, captured_nodes, ctx.info["capture_seconds"] or 0.0,
+                            "torch.export (non-strict)")
+    return CompiledModel(gm, ctx, [capture_row, *stats], model_name)

@@ -1,0 +1,102 @@
+"""FuseRMSNorm: the HF RMSNorm sub-graph → `mini_infer.rms_norm`, and residual add + RMSNorm →
+`mini_infer.fused_add_rms_norm`.
+
+Matches `weight * (h * rsqrt(mean(h**2, -1, keepdim) + eps)).to(dtype)` with `h = x.to(float32)` (the cast is
+gone after Cleanup when x is already fp32), the form of Llama/Qwen2/Qwen3/Mistral/Mixtral/DeepSeek norms,
+the q/k norms of Qwen3 included. Then a norm whose input is `a + b` of two same-shape tensors becomes one
+fused op returning (normed, sum), the sum serving the residual stream. It matches nothing else: variants
+such as Gemma's `(1 + weight)` are left as they are.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.pattern import aten, dtype, is_last_dim, is_op, ndim, only_user, same_shape
+
+ops = torch.ops.mini_infer
+
+
+def _strip_f32_cast(node: fx.Node) -> fx.Node:
+    if is_op(node, aten.to.dtype, aten._to_copy.default) and dtype(node) == torch.float32:
+        return node.args[0]
+    return node
+
+
+def _match_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """`out` = weight * normed → (x, weight get_attr, eps), or None."""
+    if not is_op(out, aten.mul.Tensor) or len(out.args) != 2:
+        return None
+    a, b = out.args
+    for weight, normed in ((a, b), (b, a)):
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and ndim(weight) == 1):
+            continue
+        inner = normed
+        if is_op(inner, aten.to.dtype) and only_user(inner, out):
+            inner = inner.args[0]
+        if not is_op(inner, aten.mul.Tensor):
+            continue
+        for h, rs in (inner.args, inner.args[::-1]):
+            if not is_op(rs, aten.rsqrt.default) or not only_user(rs, inner):
+                continue
+            add = rs.args[0]
+            if not is_op(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
+                continue
+            mean = add.args[0]
+            if not is_op(mean, aten.mean.dim) or not (len(mean.args) > 2 and mean.args[2]):
+                continue
+            if not is_last_dim(mean.args[1], ndim(mean)):
+                continue
+            sq = mean.args[0]
+            if not is_op(sq, aten.pow.Tensor_Scalar) or sq.args[1] != 2 or sq.args[0] is not h:
+                continue
+            return _strip_f32_cast(h), weight, float(add.args[1])
+    return None
+
+
+class FuseRMSNorm(GraphPass):
+    """RMSNorm sub-graphs → rms_norm; residual add + rms_norm → fused_add_rms_norm."""
+
+    name = "fuse_rmsnorm"
+    requires = ("cleanup",)
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        norms = 0
+        for node in list(graph.nodes):
+            m = _match_norm(node)
+            if m is None:
+                continue
+            x, weight, eps = m
+            with graph.inserting_before(node):
+                new = graph.call_function(ops.rms_norm.default, (x, weight, eps))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            norms += 1
+        graph.eliminate_dead_code()
+        fused = 0
+        for node in list(graph.nodes):
+            if not is_op(node, ops.rms_norm.default):
+                continue
+            s = node.args[0]
+            if not (is_op(s, aten.add.Tensor) and len(s.args) == 2 and all(isinstance(a, fx.Node) for a in s.args)
+                    and same_shape(s.args[0], s) and same_shape(s.args[1], s) and "alpha" not in s.kwargs):
+                continue
+            with graph.inserting_after(s):
+                pair = graph.call_function(ops.fused_add_rms_norm.default, (s.args[0], s.args[1], *node.args[1:]))
+            with graph.inserting_after(pair):
+                normed = graph.call_function(operator.getitem, (pair, 0))
+                total = graph.call_function(operator.getitem, (pair, 1))
+            normed.meta["val"], total.meta["val"] = node.meta.get("val"), s.meta.get("val")
+            pair.meta["val"] = (normed.meta["val"], total.meta["val"])
+            node.replace_all_uses_with(normed)
+            graph.erase_node(node)
+            s.replace_all_uses_with(total)
+            graph.erase_node(s)
+            fused += 1
+        return PassResult(norms, f"{norms - fused} rms_norm, {fused} fused_add_rms_norm")

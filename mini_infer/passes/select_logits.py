@@ -1,0 +1,56 @@
+"""SelectLogits: run lm_head only on the rows the sampler needs.
+
+The captured graph computes logits for every token of the packed row; a prefill of 1,000 tokens needs
+only its last. This pass adds the graph input `logits_indices` ([R] int64, positions in the packed row) and
+gathers those hidden states before the final projection, so the graph returns [1, R, vocab]. Whatever
+follows lm_head (scaling, softcapping) is per row and stays correct.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.pattern import aten, is_op
+
+_ELEMENTWISE = (aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
+                aten.add.Tensor, aten.mul.Scalar, aten.div.Scalar)
+
+
+def _find_lm_head(out: fx.Node) -> fx.Node | None:
+    node = out
+    while isinstance(node, fx.Node):
+        if is_op(node, aten.linear.default):
+            return node
+        if not is_op(node, *_ELEMENTWISE):
+            return None
+        node = node.args[0]
+    return None
+
+
+class SelectLogits(GraphPass):
+    """Gather the rows named by `logits_indices` before lm_head."""
+
+    name = "select_logits"
+    requires = ("cleanup",)
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        out_node = graph.output_node()
+        logits = out_node.args[0]
+        head = _find_lm_head(logits)
+        if head is None:
+            raise ValueError(f"select_logits: could not find the lm_head linear feeding the output {logits}")
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders])
+        with graph.inserting_after(placeholders[-1]):
+            idx = graph.placeholder("logits_indices")
+        with fake_mode:
+            idx.meta["val"] = torch.empty((3,), dtype=torch.int64, device=ctx.device)
+        ctx.declare_input("logits_indices", lambda ids, pos: torch.tensor([ids.shape[1] - 1], device=ids.device))
+        with graph.inserting_before(head):
+            picked = graph.call_function(aten.index_select.default, (head.args[0], 1, idx))
+        head.replace_input_with(head.args[0], picked)
+        return PassResult(1)
