@@ -5,12 +5,18 @@ This module only describes and validates a request's options; sampling itself li
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 MAX_N = 128
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -52,31 +58,33 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field and its limit for any option out of range."""
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -85,13 +93,20 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_LEN:
-                raise ValueError(f"each stop string may be at most {MAX_STOP_STRING_LEN} characters, got {len(s)}")
+                raise ValueError(
+                    f"each stop string may be at most {MAX_STOP_STRING_LEN} characters, got {len(s)}"
+                )
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids entries must be integers >= 0, got {t!r}")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

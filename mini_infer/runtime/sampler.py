@@ -33,7 +33,6 @@ import torch
 
 from mini_infer.sampling_params import SamplingParams
 
-_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them only risks overflow)
 _TINY = 1e-20  # floor for the exponential noise, so that p / E never divides by zero
 
 
@@ -45,7 +44,8 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _SAMPLING_EPS or params.top_k == 1
+    """Argmax rows: temperature below 1e-5 (dividing by it only risks overflow) or top_k == 1."""
+    return params.greedy
 
 
 def _padded_ids(lists: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
