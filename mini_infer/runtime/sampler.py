@@ -26,9 +26,11 @@ greedy rows: after penalties only).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mini_infer.sampling_params import SamplingParams
@@ -48,22 +50,24 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy
 
 
-def _padded_ids(lists: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
-    """[rows, max_len] int64 on the host; ids out of [0, pad) and padding both map to `pad`."""
-    width = max((len(x) for x in lists), default=0)
-    out = torch.full((len(lists), max(width, 1)), pad, dtype=torch.int64)
-    for i, ids in enumerate(lists):  # host-side build, once per step; not the device hot path
-        if ids:
-            out[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    return out.masked_fill_((out < 0) | (out > pad), pad)
-
-
 def _token_counts(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float32 counts of each token id, by scatter_add over padded ids (pad slot dropped)."""
-    ids = _padded_ids(lists, vocab_size).to(device, non_blocking=True)
-    counts = torch.zeros(len(lists), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
+    """[rows, vocab] float32 counts of each token id: one scatter_add over the rows' ids laid end to end.
+
+    Row i's ids land at flat index i * (vocab + 1) + id; ids outside [0, vocab) go to the extra pad column
+    (i * (vocab + 1) + vocab), which is dropped. The flat index is built on the host with numpy (far faster
+    than a Python loop of small tensors) and copied over once.
+    """
+    rows, width = len(lists), vocab_size + 1
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=rows)
+    total = int(lengths.sum())
+    counts = torch.zeros(rows * width, dtype=torch.float32, device=device)
+    if total:
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+        ids = np.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+        ids += np.repeat(np.arange(rows, dtype=np.int64) * width, lengths)
+        index = torch.from_numpy(ids).to(device, non_blocking=True)
+        counts.scatter_add_(0, index, torch.ones(total, dtype=torch.float32, device=device))
+    return counts.view(rows, width)[:, :vocab_size]
 
 
 def _per_row_eos(eos_token_ids, rows: int) -> list[frozenset[int]]:
@@ -249,27 +253,33 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, top_k_max: int = 0
 ) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus (out of place)."""
+    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus (out of place).
+
+    `top_k_max` is the largest k among the rows that are sampled (0: unknown). When it is below the vocab,
+    every such row keeps at most that many tokens, so the work happens on `topk(top_k_max)` (sorted)
+    instead of a full sort of the vocab; top-p needs a full sort only when some sampled row has no top-k.
+    Ties at the k-th value are broken by position (exactly k tokens kept).
+    """
+    if top_k is None and top_p is None:
+        return logits
     vocab = logits.shape[-1]
     neg_inf = float("-inf")
-    if top_p is None:
-        if top_k is None:
-            return logits
-        # Only top-k: the k-th largest value is the threshold (ties with it are kept).
-        kmax = max(1, min(top_k_max or vocab, vocab))
-        kth = logits.topk(kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
-        return logits.masked_fill(logits < kth, neg_inf)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kmax = min(top_k_max or vocab, vocab) if top_k is not None else vocab
+    if kmax < vocab:
+        values, order = logits.topk(kmax, dim=-1)  # sorted, largest first
+    else:
+        values, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        pos = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(pos[None, :] >= top_k[:, None], neg_inf)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # Drop a token when the more likely ones already reach top_p; the most likely token always stays.
-    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        pos = torch.arange(values.shape[-1], device=logits.device)
+        values = values.masked_fill(pos[None, :] >= top_k[:, None], neg_inf)
+    if top_p is not None:
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Drop a token when the more likely ones already reach top_p; the most likely token always stays.
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False
+        values = values.masked_fill(drop, neg_inf)
+    return torch.full_like(logits, neg_inf).scatter_(1, order, values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -317,7 +327,9 @@ class Sampler:
 
         logits = apply_penalties(logits, batch)
         if batch.banned_ids is not None:
-            logits = logits.index_put((batch.banned_rows, batch.banned_ids), logits.new_tensor(float("-inf")))
+            # the -inf values are filled on the device: a Python scalar here would be a host-to-device copy
+            neg_inf = torch.full(batch.banned_ids.shape, float("-inf"), device=logits.device)
+            logits = logits.index_put((batch.banned_rows, batch.banned_ids), neg_inf)
 
         processed = logits
         if batch.all_greedy:

@@ -316,7 +316,7 @@ def sampling_cases(draw_):
     return params, torch.tensor(values, dtype=torch.float32).view(rows, vocab)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(sampling_cases())
 def test_property_support_inside_allowed_set(case):
     params, logits = case
@@ -351,3 +351,41 @@ def test_fast_flags():
     b = build([SamplingParams(top_p=0.5), SamplingParams(temperature=0, logprobs=2)])
     assert b.needs_topp and not b.all_random and not b.all_greedy and b.max_num_logprobs == 2
     assert math.isclose(float(b.temperature[1]), 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_no_host_sync_and_seeded_rows():
+    dev = "cuda"
+    vocab = 1000
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=5),
+        SamplingParams(seed=3, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(min_tokens=4, temperature=1.2),
+    ]
+    histories = [([1, 2, 3], [4, 5]), ([7], []), ([1, 9], [9, 9, 2]), ([0], [1])]
+
+    def seeded_draws(row, rows, steps):
+        gen = make_generator(3, dev)
+        got = []
+        for logits in steps:
+            ps = [params[2] if r == row else params[r % 2] for r in range(rows)]
+            hs = [histories[2] if r == row else histories[r % 2] for r in range(rows)]
+            gs = [gen if r == row else None for r in range(rows)]
+            x = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16)
+            x[row] = logits
+            got.append(Sampler()(x, SamplingBatch.build(ps, hs, gs, vocab, dev)).token_ids[row].item())
+        return got
+
+    batch = SamplingBatch.build(params, histories, [None, None, make_generator(3, dev), None], vocab, dev, 0)
+    logits = torch.randn(4, vocab, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.device.type == "cuda" and out.topk_ids.shape == (4, 5)
+    assert out.token_ids[0].item() == logits[0].float().argmax().item()
+    steps = [torch.randn(vocab, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+    assert seeded_draws(0, 1, steps) == seeded_draws(5, 8, steps)
