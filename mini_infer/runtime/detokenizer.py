@@ -47,13 +47,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_kwargs: dict = {"skip_special_tokens": skip_special_tokens}
-        if hasattr(tokenizer, "backend_tokenizer") or not hasattr(tokenizer, "convert_ids_to_tokens"):
-            # HF fast tokenizer or raw `tokenizers.Tokenizer`: no such option.
-            if hasattr(tokenizer, "backend_tokenizer"):
-                self._decode_kwargs["clean_up_tokenization_spaces"] = False
-        else:
-            self._decode_kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
+        if hasattr(tokenizer, "convert_ids_to_tokens"):  # a transformers tokenizer (a raw one has neither)
+            # Windows are diffed, so decoding must be local: no clean-up pass that rewrites " ." into ".".
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
+            if not hasattr(tokenizer, "backend_tokenizer"):  # Python ("slow") tokenizer
+                self._decode_kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
         context = list(prompt_token_ids)[-_PREFIX_CONTEXT:]
         self._ids: list[int] = context  # context ids, then every output id
         self.prefix_offset = 0  # start of the window decoded for comparison

@@ -167,6 +167,13 @@ def test_deltas_concatenate_to_decode(tok, sample, prompt_text):
     assert detok.output_token_ids == ids
 
 
+def test_long_stream_keeps_window_bounded(tok):
+    ids = encode(tok, " ".join(SAMPLES) * 6)
+    detok = IncrementalDetokenizer(tok, encode(tok, "Go:"))
+    assert "".join(stream(detok, ids)) == expected_text(tok, encode(tok, "Go:"), ids)
+    assert len(detok._ids) < 40  # ids before the decode window are dropped
+
+
 def test_multibyte_split_is_held_then_emitted_once(tok):
     ids = encode(tok, "a世")
     assert len(ids) >= 3, "世 should take several tokens"
