@@ -58,6 +58,50 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """Where mini-infer keeps converted weights (`MINI_INFER_CACHE_DIR`, default ~/.cache/mini-infer)."""
+    return Path(os.environ.get("MINI_INFER_CACHE_DIR", Path.home() / ".cache" / "mini-infer"))
+
+
+def _embedded_hf_dir() -> Path:
+    """The embedded GGUF converted once to a HF directory (safetensors + tokenizer), for fast later loads.
+
+    transformers de-quantizes GGUF in Python (tens of seconds, every time); the converted copy loads in about
+    a second. The conversion keeps the de-quantized float32 values exactly.
+    """
+    gguf = embedded_gguf_path()
+    target = cache_dir() / f"{DEFAULT_MODEL}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    from safetensors.torch import save_model
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = "float32"
+    config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_embedded_tokenizer():
+    """The tokenizer of the embedded SmolLM2 model (also used for text with presets of a large enough vocab)."""
+    return AutoTokenizer.from_pretrained(str(_embedded_hf_dir()))
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig | None, device: torch.device) -> torch.dtype:
     """'auto' is the checkpoint's dtype on a GPU and float32 on the CPU (bf16 matmuls are slow there)."""
     if isinstance(dtype, torch.dtype):
@@ -140,8 +184,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     """
     device = torch.device(device) if device is not None else default_device()
     if model is None or model == DEFAULT_MODEL:
-        gguf = embedded_gguf_path()
-        m, tok = _load_pretrained(str(gguf.parent), gguf.name, dtype, device)
+        m, tok = _load_pretrained(str(_embedded_hf_dir()), None, dtype, device)
         return LoadedModel(m, m.config, tok, "default", DEFAULT_MODEL)
     if model in ALL_PRESETS:
         config = preset_config(model)

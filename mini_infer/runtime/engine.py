@@ -1,0 +1,401 @@
+"""The engine: requests in, a step at a time, outputs out.
+
+`LLMEngine` loads and compiles the model, sizes and allocates the paged KV cache, and runs the loop:
+schedule → run the compiled graph → sample → detokenize and check stops → report. Bad requests are refused
+with a ValueError naming the field and limit before anything is queued; a failing step fails only the
+sequences in it (their blocks return to the pool) and the engine keeps serving. It is synchronous and
+single-threaded; the async server wraps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mini_infer.compiler import CompiledModel, compile_model
+from mini_infer.models.loader import LoadedModel, default_device, load_embedded_tokenizer, load_model
+from mini_infer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mini_infer.runtime.block_manager import BlockManager
+from mini_infer.runtime.detokenizer import RequestDetokenizer
+from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, cuda_kv_budget, num_blocks_for_budget
+from mini_infer.runtime.model_runner import ModelRunner
+from mini_infer.runtime.sampler import Sampler, SamplingBatch, make_generator
+from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig
+from mini_infer.runtime.sequence import Sequence
+from mini_infer.sampling_params import SamplingParams
+
+logger = logging.getLogger("mini_infer")
+
+_EMBEDDED_VOCAB = 49152
+
+
+@dataclass
+class EngineConfig:
+    """Engine options, under vLLM's names."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU: the cache budget (default 1 GiB); GPU: overrides utilization
+    num_kv_blocks: int | None = None  # exact block count (tests force preemption with a tiny cache)
+    passes: list[str] | None = None
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[RequestDetokenizer | None]
+    metrics: RequestMetrics
+    logprobs: list[list] = field(default_factory=list)
+    cumulative_logprob: list[float] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a compiled model and a paged KV cache."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 compiled: CompiledModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = torch.device(config.device) if config.device else default_device()
+        t0 = time.perf_counter()
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        text_cfg = self.model_config.get_text_config()
+        self.vocab_size = text_cfg.vocab_size
+        if self.tokenizer is None and self.loaded.source == "preset" and self.vocab_size >= _EMBEDDED_VOCAB:
+            self.tokenizer = load_embedded_tokenizer()  # presets have no tokenizer: borrow SmolLM2's for text
+        self.load_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.compiled = compiled or compile_model(self.loaded.model, passes=config.passes, device=self.device,
+                                                  model_name=self.loaded.name)
+        self.compile_seconds = time.perf_counter() - t1
+        self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
+        self.kv_cache = self._allocate_kv_cache()
+        max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy), self.block_manager)
+        self.runner = ModelRunner(self.compiled, self.kv_cache, self.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
+                      "finished_requests": 0}
+        logger.info("engine ready: load %.1fs, compile %.1fs, KV cache %d blocks x %d tokens (%.1f MiB)",
+                    self.load_seconds, self.compile_seconds, self.kv_cache.num_blocks, config.block_size,
+                    self.kv_cache.nbytes / 2**20)
+
+    # ------------------------------------------------------------------ set-up
+    def _allocate_kv_cache(self) -> KVCache:
+        cfg, specs = self.config, self.compiled.kv_cache_specs
+        if not specs:
+            raise ValueError("the compiled model declares no KV cache: run the paged_attention pass")
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, reserve_bytes=1 << 30)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+            num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
+            needed = -(-self.max_model_len // cfg.block_size)
+            if num_blocks < needed:
+                raise ValueError(
+                    f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * cfg.block_size} tokens, "
+                    f"fewer than max_model_len={self.max_model_len}: lower max_model_len or raise "
+                    "gpu_memory_utilization / kv_cache_memory_bytes")
+        return KVCache(specs, num_blocks, cfg.block_size, self.device)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.loaded.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.model_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return {i for i in ids if 0 <= i < self.vocab_size}
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name!r} has no tokenizer: pass prompts as "
+                             "{'prompt_token_ids': [...]}")
+        return list(self.tokenizer.encode(prompt))
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and limit for a prompt or options the engine cannot run."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which "
+                             "must leave room for at least one generated token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        params.validate(self.vocab_size)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request. `prompt` is text, a list of token ids, or {"prompt_token_ids": [...]}."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = self.tokenize(text)
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenize(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+        self.validate_prompt(ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seq = Sequence(request_id, list(ids), params, arrival_time=arrival, priority=priority)
+            seq.index = i
+            seq.generator = make_generator(params.seed + i, self.device) if params.seed is not None else None
+            seqs.append(seq)
+            detoks.append(RequestDetokenizer(self.tokenizer, ids, params) if self.tokenizer is not None else None)
+        req = _Request(request_id, text, list(ids), params, seqs, detoks, RequestMetrics(arrival),
+                       logprobs=[[] for _ in seqs], cumulative_logprob=[0.0 for _ in seqs],
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.requests[request_id] = req
+        self.stats["prompt_tokens"] += len(ids)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its KV blocks return to the pool. False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the outputs of every request that changed."""
+        out = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(out.preempted)
+        touched: dict[str, _Request] = {}
+        for seq in out.finished:  # the scheduler refused or capped these
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                if getattr(seq, "error", None):
+                    req.error = seq.error
+                self._flush(req, seq)
+                touched[req.request_id] = req
+        if out.scheduled:
+            try:
+                self._run_step(out, touched)
+            except Exception as exc:  # fail this step's sequences, keep serving the rest
+                logger.exception("step failed")
+                for seq, _ in out.scheduled:
+                    req = self.requests.get(seq.request_id)
+                    if req is None or seq.is_finished:
+                        continue
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    self.scheduler.finish(seq, "error")
+                    self._flush(req, seq)
+                    touched[req.request_id] = req
+        return [self._output(req) for req in touched.values()]
+
+    def _run_step(self, out, touched: dict[str, _Request]) -> None:
+        now = time.monotonic()
+        plp = {s.seq_id for s, _ in out.scheduled
+               if s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+               and getattr(s, "index", 0) == 0}
+        inputs, plan = self.runner.prepare(out.scheduled, out.sample, plp)
+        logits = self.runner.execute(inputs)
+        sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
+        token_ids: list[int] = []
+        so = None
+        if sampling:
+            batch = SamplingBatch.build(
+                [s.sampling_params for s in sampling], [(s.prompt_token_ids, s.output_token_ids) for s in sampling],
+                [getattr(s, "generator", None) for s in sampling], self.vocab_size, self.device,
+                eos_token_ids=self.eos_token_ids)
+            so = self.sampler(logits[plan.sample_rows], batch)
+            token_ids = so.token_ids.tolist()
+        if plan.prompt_rows:
+            self._record_prompt_logprobs(out, plan, logits)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+        sample_lp = self._sample_logprobs(so, sampling) if so is not None and so.logprobs is not None else None
+        for i, seq in enumerate(sampling):
+            seq.append_token(token_ids[i])
+        self.scheduler.update_after_step(out)
+        now = time.monotonic()
+        for i, seq in enumerate(sampling):
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            self.stats["generation_tokens"] += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if sample_lp is not None:
+                lp_entry, lp_value = sample_lp[i]
+                req.logprobs[seq.index].append(lp_entry)
+                req.cumulative_logprob[seq.index] += lp_value
+            self._check_stop(req, seq, token_ids[i])
+            touched[req.request_id] = req
+
+    def _sample_logprobs(self, so, sampling: list[Sequence]):
+        lps = so.logprobs.tolist()
+        ranks = so.ranks.tolist()
+        top_ids = so.topk_ids.tolist()
+        top_lps = so.topk_logprobs.tolist()
+        result = []
+        for i, seq in enumerate(sampling):
+            k = seq.sampling_params.logprobs
+            tok = int(so.token_ids[i])
+            entry = {tok: Logprob(lps[i], ranks[i], self._decode_one(tok))}
+            if k:
+                for tid, lp in zip(top_ids[i][:k], top_lps[i][:k]):
+                    entry.setdefault(tid, Logprob(lp, None, self._decode_one(tid)))
+                for r, tid in enumerate(top_ids[i][:k], start=1):
+                    entry[tid].rank = r
+            result.append((entry if k is not None else None, lps[i]))
+        return result
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _record_prompt_logprobs(self, out, plan, logits: torch.Tensor) -> None:
+        from mini_infer.runtime.sampler import compute_prompt_logprobs
+
+        for seq, _ in out.scheduled:
+            if seq.seq_id not in plan.prompt_rows:
+                continue
+            req = self.requests.get(seq.request_id)
+            row0, count, first_pos = plan.prompt_rows[seq.seq_id]
+            k = seq.sampling_params.prompt_logprobs or 0
+            nxt = torch.tensor(seq.prompt_token_ids[first_pos + 1: first_pos + 1 + count], device=logits.device)
+            tok_lp, top_ids, top_lp = compute_prompt_logprobs(logits[row0: row0 + count], nxt, k)
+            tok_lp, top_ids, top_lp = tok_lp.tolist(), top_ids.tolist(), top_lp.tolist()
+            for j in range(count):
+                tid = seq.prompt_token_ids[first_pos + 1 + j]
+                entry = {tid: Logprob(tok_lp[j], None, self._decode_one(tid))}
+                for r, (t, lp) in enumerate(zip(top_ids[j], top_lp[j]), start=1):
+                    entry.setdefault(t, Logprob(lp, r, self._decode_one(t)))
+                    entry[t].rank = r
+                req.prompt_logprobs.append(entry)
+
+    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        reason, stop_reason, stop_token = None, None, False
+        if token in p.stop_token_ids:
+            reason, stop_reason, stop_token = "stop", token, True
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            reason, stop_token = "stop", True
+        elif p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        detok = req.detoks[seq.index]
+        delta = ""
+        if detok is not None:
+            delta, stop_str = detok.add_tokens([token], stop_terminated=stop_token, finished=reason is not None)
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+        req.deltas.append((seq.index, delta, [token]))
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            if req.finished:
+                req.metrics.finished_time = time.monotonic()
+
+    def _flush(self, req: _Request, seq: Sequence) -> None:
+        detok = req.detoks[seq.index]
+        if detok is not None:
+            req.deltas.append((seq.index, detok.flush(), []))
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outputs = []
+        for seq, detok in zip(req.seqs, req.detoks):
+            outputs.append(CompletionOutput(
+                index=seq.index, text=detok.text if detok is not None else "",
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob[seq.index] if req.params.logprobs is not None else None,
+                logprobs=req.logprobs[seq.index] if req.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        per_sample: dict[int, tuple[str, list[int]]] = {}
+        for index, text, ids in req.deltas:
+            t, i = per_sample.get(index, ("", []))
+            per_sample[index] = (t + text, i + ids)
+        req.deltas = []
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+            self.stats["finished_requests"] += 1
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=outputs, finished=finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
+            num_cached_tokens=req.metrics.num_cached_tokens, error=req.error,
+            deltas=[per_sample.get(i, ("", [])) for i in range(len(req.seqs))])
