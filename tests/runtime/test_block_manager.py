@@ -207,8 +207,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=10, block_size=BLOCK)
-        self.device: dict[int, list[int | None]] = {b: [None] * BLOCK for b in range(10)}
+        self.bm: BlockManager
+        self.device: dict[int, list[int | None]]
         self.waiting: list[Sequence] = []
         self.live: list[Sequence] = []
         self.seqs: list[Sequence] = []  # every sequence ever created
@@ -229,10 +229,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs.append(seq)
         self.waiting.append(seq)
 
-    @initialize(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_size=4))
-    def warm_cache(self, prompts):
-        """Start with some prefixes cached (computed, committed, freed), so hits and evictions come early."""
+    @initialize(
+        num_blocks=st.integers(3, 10),
+        prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_size=4),
+    )
+    def warm_cache(self, num_blocks, prompts):
+        """Pick the pool size; start with some prefixes cached, so hits and evictions come early."""
+        self.bm = BlockManager(num_blocks=num_blocks, block_size=BLOCK)
+        self.device = {b: [None] * BLOCK for b in range(num_blocks)}
         for tokens in prompts:
+            if self.bm.num_blocks_for(len(tokens)) > num_blocks:
+                continue
             self._new(tokens)
             seq = self.waiting.pop()
             n = seq.num_tokens - self.bm.lookup(seq)[1]
@@ -263,7 +270,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.allocate(seq, n)
             assert seq.block_table == []
             return  # stays waiting
-        queries, hits, evictions = self.bm.prefix_cache_queries, self.bm.prefix_cache_hits, self.bm.num_evictions
+        queries, hits, evictions = (
+            self.bm.prefix_cache_queries,
+            self.bm.prefix_cache_hits,
+            self.bm.num_evictions,
+        )
         self.bm.allocate(seq, n)
         event(f"admit: hit={num_cached > 0} evicted={self.bm.num_evictions > evictions}")
         assert seq.num_computed_tokens == seq.num_cached_tokens == num_cached
