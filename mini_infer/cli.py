@@ -1,0 +1,170 @@
+"""The `mini-infer` command: `generate`, `dump-graph`, `serve`, `bench`.
+
+Argument parsing and printing only; each command calls the public Python API (LLM, compile_model, the
+server, the benchmark module). Flags use `vllm serve`'s names where one exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", dest="model_flag", default=None,
+                   help="local HF dir, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true",
+                   help="random weights: the preset of the same shape instead of loading weights")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    model = getattr(args, "model", None) or args.model_flag
+    if args.dry_run and model is None:
+        model = "smollm2-135m"
+    return dict(
+        model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        passes=args.passes.split(",") if args.passes else None, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mini_infer.llm import LLM
+    from mini_infer.sampling_params import SamplingParams
+
+    prompts = args.prompt or ["What is the capital of France?"]
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop or None,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(**_engine_kwargs(args))
+    tok = llm.get_tokenizer()
+    use_chat = not args.no_chat and tok is not None and getattr(tok, "chat_template", None)
+    start = time.perf_counter()
+    if use_chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    for prompt, out in zip(prompts, outs):
+        for c in out.outputs:
+            if len(prompts) > 1 or args.n > 1:
+                print(f"--- {prompt!r} [{c.index}] ({c.finish_reason})")
+            print(c.text if tok is not None else c.token_ids)
+    if args.verbose:
+        n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        print(f"[{n_tok} tokens in {seconds:.2f}s, {n_tok / seconds:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_dump_graph(args: argparse.Namespace) -> int:
+    from mini_infer.compiler import compile_model
+    from mini_infer.models import load_model
+
+    loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device)
+    passes = args.passes.split(",") if args.passes else None
+    cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name)
+    print(cm.summary())
+    print(f"graphs written to {args.out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from mini_infer.serving.server import serve
+    except ImportError as exc:
+        print(f"mini-infer serve needs the 'serve' extra (fastapi, uvicorn, prometheus-client): {exc}",
+              file=sys.stderr)
+        return 2
+    return serve(args, _engine_kwargs(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mini_infer.benchmark import run_offline_benchmark
+
+    result = run_offline_benchmark(_engine_kwargs(args), num_prompts=args.num_prompts, input_len=args.input_len,
+                                   output_len=args.output_len, seed=args.seed)
+    print(result.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mini-infer", description="compiler-style LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*", help="prompt(s); run through the chat template unless --no-chat")
+    _add_engine_args(g)
+    g.add_argument("--no-chat", action="store_true", help="send prompts as raw text, no chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("dump-graph", help="compile a model and write each pass's graph before/after")
+    d.add_argument("model", nargs="?", default=None)
+    _add_engine_args(d)
+    d.add_argument("--out", required=True, help="directory for the dumps")
+    d.add_argument("--verify", action="store_true", help="compare with eager HF after every pass")
+    d.set_defaults(func=cmd_dump_graph)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None)
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-waiting-requests", type=int, default=1024)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="offline throughput of the engine on random prompts")
+    b.add_argument("model", nargs="?", default=None)
+    _add_engine_args(b)
+    b.add_argument("--num-prompts", type=int, default=16)
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=64)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"mini-infer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
