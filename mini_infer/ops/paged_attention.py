@@ -47,6 +47,14 @@ __all__ = [
 # Longest run of query rows the reference attends in one matmul (bounds its fp32 score buffer).
 _REF_QUERY_CHUNK = 256
 
+# Triton launch shapes. "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step.
+# Tuned on an H200 (bf16, head dim 128, GQA 28/4) with tests/ops/bench_paged_attention.py --sweep;
+# shrunk at launch where fp32 or large head dims would overflow shared memory.
+_CONFIG = {
+    "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+    "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
+}
+
 
 # --------------------------------------------------------------------------------------------------
 # reference (plain torch)
@@ -230,6 +238,8 @@ if HAS_TRITON:
         dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
         tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
 
+    LOG2E = tl.constexpr(1.4426950408889634)
+
     @triton.jit
     def _tanh(x):
         # tanh without libdevice (also runs under the interpreter); saturates cleanly at +-1
@@ -297,6 +307,7 @@ if HAS_TRITON:
                 k_lo = k_lo + split * per
                 k_hi = tl.minimum(k_lo + per, k_hi)
 
+            first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
             m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -314,17 +325,23 @@ if HAS_TRITON:
                     sc = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
                 else:
                     sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
-                sc = sc * scale
+                # scores in log2 units (softmax with exp2)
                 if USE_SOFTCAP:
-                    sc = softcap * _tanh(sc / softcap)
-                visible = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-                if USE_WINDOW:
-                    visible = visible & ((q_pos[:, None] - kpos[None, :]) < sliding_window)
-                sc = tl.where(visible, sc, float("-inf"))
+                    sc = (softcap * LOG2E) * _tanh(sc * (scale / softcap))
+                else:
+                    sc = sc * (scale * LOG2E)
+                # Masking is needed only on tiles that reach past k_hi or past the first row's position
+                # (or under a window); the bulk of a long context skips it. Rows that are not real
+                # queries are never stored, so they need no mask.
+                if USE_WINDOW or (start + BLOCK_N > first_q_pos):
+                    visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+                    if USE_WINDOW:
+                        visible = visible & ((q_pos[:, None] - kpos[None, :]) < sliding_window)
+                    sc = tl.where(visible, sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-                p = tl.exp(sc - m_ref[:, None])
-                alpha = tl.exp(m_i - m_ref)
+                p = tl.exp2(sc - m_ref[:, None])
+                alpha = tl.exp2(m_i - m_ref)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 vt = tl.load(
                     vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
@@ -377,7 +394,7 @@ if HAS_TRITON:
             a = tl.load(
                 ws_acc_ptr + sp * s_was + t * s_wat + h[:, None] * s_wah + dv[None, :], mask=hd_ok, other=0.0
             )
-            wgt = tl.exp(m - m_ref)
+            wgt = tl.exp2(m - m_ref)  # m is in log2 units
             l_sum += wgt * lv
             acc += wgt[:, None] * a
         o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
@@ -471,10 +488,26 @@ def paged_attention_triton(
     block_g = next_pow2(g)
     if decode_only is None:
         decode_only = t <= n_seqs
-    block_q = 1 if decode_only else max(1, 64 // block_g)
-    block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+    cfg = _CONFIG["decode" if decode_only else "prefill"]
+    rows, block_n, num_stages = cfg.get("rows", 1), cfg["block_n"], cfg["num_stages"]
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    block_n = 32 if max(block_d, block_dv) > 128 else 64
+    dot_fp32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's bf16 dot is wrong
+    itemsize = 4 if dot_fp32 else q.element_size()
+    while True:
+        block_q = 1 if decode_only else max(1, rows // block_g)
+        block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+        # rough shared-memory need (q tile + pipelined K and V tiles); keep under 160 KiB
+        smem = itemsize * (block_r * block_d + num_stages * block_n * (block_d + block_dv))
+        if smem <= 160 * 1024:
+            break
+        if block_n > 32:
+            block_n //= 2
+        elif num_stages > 1:
+            num_stages -= 1
+        elif rows > 16 and not decode_only:
+            rows //= 2
+        else:
+            break
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
@@ -505,8 +538,7 @@ def paged_attention_triton(
         G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, SEARCH_STEPS=max(1, n_seqs.bit_length()),
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
-        DOT_FP32=q.dtype == torch.float32 or not q.is_cuda,  # the interpreter's bf16 dot is wrong
-        num_warps=4,
+        DOT_FP32=dot_fp32, num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         block_h = min(next_pow2(hq), max(1, 4096 // block_dv))

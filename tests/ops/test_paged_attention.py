@@ -63,15 +63,19 @@ def make_case(
     shuffle=True,
     cache_fill=float("nan"),
     device=DEVICE,
+    num_blocks=None,
+    max_blocks=None,
 ):
-    """seqs: (cached, new) per sequence; (0, 0) is a padding sequence (qlen 0, seq_len 0)."""
+    """seqs: (cached, new) per sequence; (0, 0) is a padding sequence (qlen 0, seq_len 0).
+
+    num_blocks / max_blocks fix the cache and block-table shapes (else: just enough, plus spares)."""
     dv = dv or d
     gen = torch.Generator().manual_seed(seed)
     ctxs = [c + n for c, n in seqs]
     n_blocks = [math.ceil(c / block_size) for c in ctxs]
-    total_blocks = sum(n_blocks) + 3
+    total_blocks = num_blocks or sum(n_blocks) + 3
     order = torch.randperm(total_blocks, generator=gen) if shuffle else torch.arange(total_blocks)
-    block_tables = torch.full((len(seqs), max(n_blocks + [1]) + 1), -1, dtype=torch.int32)
+    block_tables = torch.full((len(seqs), max_blocks or max(n_blocks + [1]) + 1), -1, dtype=torch.int32)
     k_cache = torch.full((total_blocks, block_size, hkv, d), cache_fill, dtype=dtype)
     v_cache = torch.full((total_blocks, block_size, hkv, dv), cache_fill, dtype=dtype)
     hist_k, hist_v, q_rows, k_rows, v_rows, slots = [], [], [], [], [], []
@@ -294,3 +298,35 @@ def test_fake_impl():
 def test_opcheck():
     case = make_case(**CASES["chunked_prefill"], cache_fill=0.0, device="cpu")
     torch.library.opcheck(torch.ops.mini_infer.paged_attention.default, case.args())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_cuda_graph_capture_and_replay(num_splits):
+    """The launch depends only on shapes: capture once, replay on a batch with other lengths and slots."""
+    shapes = dict(num_blocks=40, max_blocks=8, block_size=4, cache_fill=0.0)
+    a = make_case([(7, 1), (12, 1), (0, 1), (20, 1)], seed=1, **shapes)
+    b = make_case([(3, 1), (25, 1), (9, 1), (0, 0)], pad_tokens=1, seed=2, **shapes)  # same T
+    static = list(a.args())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_attention_triton(*static, num_splits=num_splits)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(*static, num_splits=num_splits)
+    for dst, src in zip(static, b.args()):
+        if torch.is_tensor(dst):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, oracle(b))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="launch-size limits are a GPU matter")
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 128), (torch.bfloat16, 256), (torch.float16, 64)])
+@pytest.mark.parametrize("seqs", [[(0, 150), (30, 70)], [(300, 1), (5, 1)]])
+def test_triton_real_head_dims(dtype, d, seqs):
+    case = make_case(seqs, hq=8, hkv=2, d=d, block_size=16, dtype=dtype)
+    assert_close(paged_attention_triton(*case.args()), paged_attention_reference(*case.args()))
