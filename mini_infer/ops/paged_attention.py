@@ -49,7 +49,7 @@ _REF_QUERY_CHUNK = 256
 
 # Triton launch shapes. "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step.
 # Tuned on an H200 (bf16, head dim 128, GQA 28/4) with tests/ops/bench_paged_attention.py --sweep;
-# shrunk at launch where fp32 or large head dims would overflow shared memory.
+# where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -430,6 +430,29 @@ def write_kv_cache_triton(
     )  # fmt: skip
 
 
+# (kind, device, dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
+_LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _launch_configs(kind: str, key: tuple):
+    """_CONFIG[kind], then ever smaller shapes (keys per step, pipeline stages, rows) until one fits."""
+    if key in _LAUNCH_OK:
+        yield _LAUNCH_OK[key]
+        return
+    cfg = _CONFIG[kind]
+    rows, block_n, num_warps, num_stages = cfg.get("rows", 1), cfg["block_n"], cfg["num_warps"], cfg["num_stages"]
+    while True:
+        yield rows, block_n, num_warps, num_stages
+        if block_n > 32:
+            block_n //= 2
+        elif num_stages > 1:
+            num_stages -= 1
+        elif rows > 16:
+            rows //= 2
+        else:
+            return
+
+
 def _default_num_splits(q: torch.Tensor, n_seqs: int, hkv: int, max_context: int) -> int:
     """Split-K only pays when (sequence, kv-head) programs are too few to fill the GPU and contexts are long."""
     if not q.is_cuda:
@@ -488,34 +511,14 @@ def paged_attention_triton(
     block_g = next_pow2(g)
     if decode_only is None:
         decode_only = t <= n_seqs
-    cfg = _CONFIG["decode" if decode_only else "prefill"]
-    rows, block_n, num_stages = cfg.get("rows", 1), cfg["block_n"], cfg["num_stages"]
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     dot_fp32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's bf16 dot is wrong
-    itemsize = 4 if dot_fp32 else q.element_size()
-    while True:
-        block_q = 1 if decode_only else max(1, rows // block_g)
-        block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
-        # rough shared-memory need (q tile + pipelined K and V tiles); keep under 160 KiB
-        smem = itemsize * (block_r * block_d + num_stages * block_n * (block_d + block_dv))
-        if smem <= 160 * 1024:
-            break
-        if block_n > 32:
-            block_n //= 2
-        elif num_stages > 1:
-            num_stages -= 1
-        elif rows > 16 and not decode_only:
-            rows //= 2
-        else:
-            break
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
             _default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
         )
     num_splits = max(1, int(num_splits))
-    n_tiles = t // block_q + n_seqs
-
     if num_splits == 1:
         out = q.new_zeros((t, hq, dv))  # rows owned by no sequence stay zero
         ws_m = ws_l = ws_acc = out  # unused
@@ -527,19 +530,31 @@ def paged_attention_triton(
         ws_acc = torch.empty((num_splits, t, hq, dv), dtype=torch.float32, device=q.device)
         ws_strides = (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
 
-    _paged_attn_kernel[(n_tiles, hkv, num_splits)](
-        q, k_cache, v_cache, out, ws_m, ws_l, ws_acc,
-        block_tables, seq_lens, query_start_loc,
-        n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-        G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, SEARCH_STEPS=max(1, n_seqs.bit_length()),
-        USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
-        DOT_FP32=dot_fp32, num_warps=cfg["num_warps"], num_stages=num_stages,
-    )  # fmt: skip
+    kind = "decode" if decode_only else "prefill"
+    key = (kind, q.device, q.dtype, block_g, block_d, block_dv)
+    for rows, block_n, num_warps, num_stages in _launch_configs(kind, key):
+        block_q = 1 if decode_only else max(1, rows // block_g)
+        block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+        try:
+            _paged_attn_kernel[(t // block_q + n_seqs, hkv, num_splits)](
+                q, k_cache, v_cache, out, ws_m, ws_l, ws_acc,
+                block_tables, seq_lens, query_start_loc,
+                n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
+                q.stride(0), q.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
+                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits,
+                SEARCH_STEPS=max(1, n_seqs.bit_length()), USE_WINDOW=sliding_window > 0,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages,
+            )  # fmt: skip
+        except triton.runtime.errors.OutOfResources:
+            continue  # too much shared memory (fp32, big head dims): try the next smaller shape
+        _LAUNCH_OK[key] = (rows, block_n, num_warps, num_stages)
+        break
+    else:
+        raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")
     if num_splits > 1:
         block_h = min(next_pow2(hq), max(1, 4096 // block_dv))
         _split_reduce_kernel[(t, triton.cdiv(hq, block_h))](

@@ -81,6 +81,7 @@ def sweep():
         results = []
         for values in itertools.product(*grid.values()):
             pa._CONFIG[kind] = dict(zip(grid, values))
+            pa._LAUNCH_OK.clear()
             try:
                 times = [cuda_ms(lambda a=a: paged_attention_triton(*a), iters=20) for a in cases]
             except Exception as e:  # out of shared memory, etc.
@@ -95,6 +96,7 @@ def sweep():
         if default:
             print("  current default:", " ".join(f"{t:.3f}" for t in default[0][1]))
     pa._CONFIG.update(saved)
+    pa._LAUNCH_OK.clear()
 
 
 def cpu():
