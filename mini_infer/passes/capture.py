@@ -90,6 +90,10 @@ def capture(model: torch.nn.Module, example_num_tokens: int = 8,
     except Exception as exc:  # report what and where, never fall back silently
         raise CaptureError(_describe_failure(model, exc)) from exc
     gm = _plain_graph_module(ep)
+    from mini_infer.passes.manager import _signature
+
+    for node in gm.graph.nodes:  # export's fake values are current: later propagation starts from them
+        node.meta["_sig"] = _signature(node)
     gm.meta["capture_seconds"] = time.perf_counter() - start
     gm.meta["model_config"] = model.config
     return gm

@@ -36,37 +36,61 @@ class PassStats:
     max_abs_err: float | None = None
 
 
-class _FakeProp(fx.Interpreter):
-    """Re-derives every node's `meta["val"]` on fake tensors (symbolic token count kept)."""
-
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode) -> None:
-        super().__init__(gm)
-        self.mode = mode
-        self._attr_cache: dict[str, torch.Tensor] = {}
-
-    def get_attr(self, target, args, kwargs):  # noqa: D102
-        if target not in self._attr_cache:
-            self._attr_cache[target] = self.mode.from_tensor(super().get_attr(target, args, kwargs),
-                                                             static_shapes=True)
-        return self._attr_cache[target]
-
-    def run_node(self, n: fx.Node):  # noqa: D102
-        with self.mode:
-            result = super().run_node(n)
-        if n.op != "output":
-            n.meta["val"] = result
-        return result
+def _signature(node: fx.Node) -> tuple:
+    """What a node computes, with its inputs named: equal signatures on equal inputs give equal values."""
+    return (node.op, node.target, repr(node.args), repr(node.kwargs))
 
 
-def propagate_fake(gm: fx.GraphModule) -> None:
-    """Shape-propagate `gm` on fake tensors from its placeholders' recorded values."""
+def _same_meta(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype == b.dtype and a.device == b.device and str(tuple(a.shape)) == str(tuple(b.shape))
+                and str(a.stride()) == str(b.stride()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and str(a) == str(b)
+
+
+def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
+    """Shape-propagate `gm` on fake tensors (symbolic token count kept); returns the number of nodes run.
+
+    With `incremental`, a node is re-run only if it is new, its signature changed since the last
+    propagation, or the metadata of one of its inputs changed; every node still ends up with a `val`
+    derived from its current inputs, so the whole graph is validated at the cost of what a pass touched.
+    """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in placeholders]
     missing = [n.name for n, v in zip(placeholders, vals) if v is None]
     if missing:
         raise PassError(f"graph inputs without fake values: {missing}")
     mode = detect_fake_mode(vals) or FakeTensorMode()
-    _FakeProp(gm, mode).run(*vals)
+    attr_cache = gm.meta.setdefault("_fake_attrs", {})
+    changed: set[fx.Node] = set()
+    ran = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        sig = _signature(node)
+        if (incremental and node.meta.get("_sig") == sig and "val" in node.meta
+                and not any(a in changed for a in node.all_input_nodes)):
+            continue
+        ran += 1
+        if node.op == "get_attr":
+            real = PassContext.tensor_of(gm, node)
+            key = (node.target, id(real))
+            if key not in attr_cache:
+                attr_cache[key] = mode.from_tensor(real, static_shapes=True)
+            new_val = attr_cache[key]
+        elif node.op == "call_function":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            with mode:
+                new_val = node.target(*args, **kwargs)
+        else:
+            raise PassError(f"node {node.name}: unsupported op kind {node.op!r} in a flat graph")
+        if "val" not in node.meta or not _same_meta(node.meta["val"], new_val):
+            changed.add(node)
+        node.meta["val"] = new_val
+        node.meta["_sig"] = sig
+    return ran
 
 
 def count_nodes(gm: fx.GraphModule) -> int:
