@@ -1,0 +1,138 @@
+"""Offline throughput: mini-infer against Hugging Face transformers on the same prompts, in the same run.
+
+Workloads:
+  * `cpu16` (default on CPU): 16 concurrent prompts of 64-256 random tokens, 64 output tokens each, the
+    embedded SmolLM2-135M-Instruct; peer: HF batched `generate` (left-padded, greedy, fixed length).
+  * `nanovllm` (default on GPU): 256 sequences, prompts uniform in [100, 1024] tokens, outputs uniform in
+    [100, 1024], temperature 0.6, ignore_eos, seed 0, on the `qwen3-0.6b` preset; peer: HF continuous
+    batching (`model.generate_batch`, attention `paged|sdpa`).
+Prints a table, writes JSON and a PNG bar chart to --out (default bench/out/).
+
+    python bench/throughput.py                       # CPU: cpu16 workload
+    python bench/throughput.py --workload nanovllm   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from mini_infer.benchmark import BenchResult, Workload, run_engine
+
+
+def hf_batched_generate(model, workload: Workload, pad_id: int) -> BenchResult:
+    """HF `generate` on the whole batch at once (left padding), greedy, every row to its max length."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in workload.prompts)
+    ids = torch.full((len(workload.prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(workload.prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    new = max(workload.output_lens)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = (out.shape[1] - width) * len(workload.prompts)
+    return BenchResult("hf-generate", len(workload.prompts), produced, seconds)
+
+
+def hf_generate_batch(model, workload: Workload, temperature: float) -> BenchResult:
+    """HF continuous batching (`generate_batch`, paged|sdpa attention)."""
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("paged|sdpa")
+    cfg = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=temperature > 0,
+                           temperature=temperature or None, eos_token_id=-1, use_cuda_graph=False)
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=workload.prompts, generation_config=cfg)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    model.set_attn_implementation("sdpa")
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    return BenchResult("hf-generate_batch", len(workload.prompts), produced, seconds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    on_gpu = torch.cuda.is_available()
+    ap.add_argument("--workload", choices=["cpu16", "nanovllm"], default="nanovllm" if on_gpu else "cpu16")
+    ap.add_argument("--model", default=None, help="default: SmolLM2 (cpu16) or qwen3-0.6b (nanovllm)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch, or none")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from mini_infer.llm import LLM
+
+    if args.workload == "cpu16":
+        model, n, inp, outp, temp = args.model, args.num_prompts or 16, (64, 256), (64, 64), 0.0
+        peers = ["hf-generate"]
+    else:
+        model, n, inp, outp, temp = args.model or "qwen3-0.6b", args.num_prompts or 256, (100, 1024), (100, 1024), 0.6
+        peers = ["hf-generate_batch"]
+    if args.peers != "auto":
+        peers = [] if args.peers == "none" else args.peers.split(",")
+
+    t0 = time.perf_counter()
+    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304)
+    startup = time.perf_counter() - t0
+    wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
+    results = [run_engine(llm, wl, temperature=temp)]
+    results[0].startup_seconds = startup
+    hf_model = llm.engine.loaded.model
+    pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
+    for peer in peers:
+        if peer == "hf-generate":
+            results.append(hf_batched_generate(hf_model, wl, pad if pad is not None else 0))
+        elif peer == "hf-generate_batch":
+            results.append(hf_generate_batch(hf_model, wl, temp))
+        else:
+            raise SystemExit(f"unknown peer {peer!r}")
+
+    base = results[0].output_tok_s
+    print(f"workload {args.workload}: {n} requests, prompt {inp}, output {outp}, model {model or 'SmolLM2-135M'}")
+    print(f"{'engine':<20}{'out tokens':>11}{'seconds':>10}{'out tok/s':>11}{'mini-infer x':>14}")
+    for r in results:
+        print(f"{r.name:<20}{r.output_tokens:>11}{r.seconds:>10.2f}{r.output_tok_s:>11.1f}"
+              f"{base / r.output_tok_s if r.output_tok_s else float('nan'):>14.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+            if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+    (out / f"throughput_{args.workload}.json").write_text(json.dumps(
+        {"meta": meta, "results": [r.as_dict() for r in results]}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.barh([r.name for r in results], [r.output_tok_s for r in results], color=["C0"] + ["C7"] * len(peers))
+        ax.set_xlabel("output tokens/s")
+        ax.set_title(f"throughput, {args.workload} ({meta['device']})")
+        fig.tight_layout()
+        fig.savefig(out / f"throughput_{args.workload}.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
