@@ -487,12 +487,15 @@ def paged_attention_triton(
     Every knob choice gives the same result for every batch; the knobs only choose tile shapes, and all
     choices are made from shapes and arguments, never tensor values (CUDA-graph safe, no host sync):
       * `decode_only`: True -> one query row per tile (BLOCK_Q = 1), the decode shape; False -> up to
-        64 (query row, head) pairs per tile, the prefill shape. None (default) -> True iff T <= S, i.e.
-        the batch has room for at most one token per sequence on average (decode and CUDA-graph decode
-        buckets).
+        `_CONFIG["prefill"]["rows"]` (query row, head) pairs per tile, the prefill shape. None (default,
+        and what the registered op uses) -> True iff T <= S, i.e. at most one token per sequence on
+        average: decode steps and CUDA-graph decode buckets. A prefill batch run as decode is slower
+        (K/V reloaded per query row), never wrong.
       * `num_splits`: key-range splits per tile (flash-decoding); > 1 adds a reduce kernel. None
         (default) -> 1 unless decode_only and (S x Hkv) programs would leave the GPU under-filled, then
         enough splits to cover it, bounded by the block table's capacity / 256 keys (and 32).
+    The first call for a new (dtype, head dims, kind) compiles, and may retry smaller launch shapes if
+    one runs out of shared memory: make it before capturing a CUDA graph (warm-up), as usual.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton")
