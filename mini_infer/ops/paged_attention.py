@@ -18,7 +18,8 @@ produce zeros. Softmax in fp32; the output has q's dtype and shape [T, Hq, Dv].
 Two implementations:
   * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
     (qlen == 1) of all sequences are batched into one padded gather + matmul; longer query runs go one
-    sequence (and one chunk of at most 256 query rows) at a time.
+    sequence (and one chunk of at most 256 query rows) at a time. It reads lengths on the host, so on
+    CUDA (no Triton) it syncs and cannot be captured in a CUDA graph.
   * `paged_attention_triton`: a KV-write kernel, then one unified kernel whose grid depends only on
     shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
     `num_splits` key-range splits. Each program finds its sequence by binary search over
@@ -363,10 +364,11 @@ if HAS_TRITON:
             else:
                 # partials for the reduce kernel: every split writes every row it owns, even if its key
                 # range is empty (m = -inf, l = 0, acc = 0)
-                w = split * s_wms + tok * s_wmt + head
+                sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
+                w = sp64 * s_wms + tok * s_wmt + head
                 tl.store(ws_m_ptr + w, m_i, mask=row_ok)
                 tl.store(ws_l_ptr + w, l_i, mask=row_ok)
-                wa = split * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + dv[None, :]
+                wa = sp64 * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + dv[None, :]
                 tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & dv_ok[None, :])
 
     @triton.jit
@@ -381,22 +383,24 @@ if HAS_TRITON:
         owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
         h_ok = owned & (h < n_heads)
         hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
+        m_ptrs = ws_m_ptr + t * s_wmt + h  # advanced by one split per step (64-bit pointer math)
         m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in range(NUM_SPLITS):
-            m = tl.load(ws_m_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=float("-inf"))
-            m_max = tl.maximum(m_max, m)
+        for _ in range(NUM_SPLITS):
+            m_max = tl.maximum(m_max, tl.load(m_ptrs, mask=h_ok, other=float("-inf")))
+            m_ptrs += s_wms
         m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        m_ptrs = ws_m_ptr + t * s_wmt + h
+        l_ptrs = ws_l_ptr + t * s_wmt + h
+        a_ptrs = ws_acc_ptr + t * s_wat + h[:, None] * s_wah + dv[None, :]
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for sp in range(NUM_SPLITS):
-            m = tl.load(ws_m_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=float("-inf"))
-            lv = tl.load(ws_l_ptr + sp * s_wms + t * s_wmt + h, mask=h_ok, other=0.0)
-            a = tl.load(
-                ws_acc_ptr + sp * s_was + t * s_wat + h[:, None] * s_wah + dv[None, :], mask=hd_ok, other=0.0
-            )
-            wgt = tl.exp2(m - m_ref)  # m is in log2 units
-            l_sum += wgt * lv
-            acc += wgt[:, None] * a
+        for _ in range(NUM_SPLITS):
+            wgt = tl.exp2(tl.load(m_ptrs, mask=h_ok, other=float("-inf")) - m_ref)  # m is in log2 units
+            l_sum += wgt * tl.load(l_ptrs, mask=h_ok, other=0.0)
+            acc += wgt[:, None] * tl.load(a_ptrs, mask=hd_ok, other=0.0)
+            m_ptrs += s_wms
+            l_ptrs += s_wms
+            a_ptrs += s_was
         o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(
             out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
