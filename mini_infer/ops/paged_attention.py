@@ -383,24 +383,21 @@ if HAS_TRITON:
         owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
         h_ok = owned & (h < n_heads)
         hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
-        m_ptrs = ws_m_ptr + t * s_wmt + h  # advanced by one split per step (64-bit pointer math)
+        m_off = t * s_wmt + h
+        a_off = t * s_wat + h[:, None] * s_wah + dv[None, :]
         m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for _ in range(NUM_SPLITS):
-            m_max = tl.maximum(m_max, tl.load(m_ptrs, mask=h_ok, other=float("-inf")))
-            m_ptrs += s_wms
+        for sp in range(NUM_SPLITS):
+            sp64 = t * 0 + sp  # int64 (t is): workspaces can pass 2**31 elements
+            m_max = tl.maximum(m_max, tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf")))
         m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        m_ptrs = ws_m_ptr + t * s_wmt + h
-        l_ptrs = ws_l_ptr + t * s_wmt + h
-        a_ptrs = ws_acc_ptr + t * s_wat + h[:, None] * s_wah + dv[None, :]
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for _ in range(NUM_SPLITS):
-            wgt = tl.exp2(tl.load(m_ptrs, mask=h_ok, other=float("-inf")) - m_ref)  # m is in log2 units
-            l_sum += wgt * tl.load(l_ptrs, mask=h_ok, other=0.0)
-            acc += wgt[:, None] * tl.load(a_ptrs, mask=hd_ok, other=0.0)
-            m_ptrs += s_wms
-            l_ptrs += s_wms
-            a_ptrs += s_was
+        for sp in range(NUM_SPLITS):
+            sp64 = t * 0 + sp
+            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf"))
+            wgt = tl.exp2(m - m_ref)  # m is in log2 units
+            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=h_ok, other=0.0)
+            acc += wgt[:, None] * tl.load(ws_acc_ptr + sp64 * s_was + a_off, mask=hd_ok, other=0.0)
         o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(
             out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
