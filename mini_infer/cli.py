@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None)
-    s.add_argument("--max-waiting-requests", type=int, default=1024)
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="past this many queued requests, answer 503 with Retry-After")
+    s.add_argument("--max-request-body-bytes", type=int, default=10 * 2**20,
+                   help="larger request bodies get 413")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="offline throughput of the engine on random prompts")

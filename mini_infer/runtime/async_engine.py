@@ -284,9 +284,9 @@ class AsyncLLMEngine:
     def _apply_abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         stream = self._streams.pop(request_id, None)
-        for obs in self._observers:
-            obs.on_abort(request_id)
-        if stream is not None:
+        if stream is not None:  # it was live (not finished, not refused)
+            for obs in self._observers:
+                obs.on_abort(request_id)
             self._post_many([(stream, _ABORTED)])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
