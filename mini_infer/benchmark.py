@@ -55,8 +55,8 @@ def run_engine(llm, workload: Workload, temperature: float = 0.0, warmup: bool =
     """Generate the workload with an `LLM` (ignore_eos, exact output lengths); returns timing."""
     from mini_infer.sampling_params import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
-              for i, n in enumerate(workload.output_lens)]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
     if warmup:
         llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], SamplingParams(max_tokens=4),
                      use_tqdm=False)

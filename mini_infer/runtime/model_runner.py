@@ -34,6 +34,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.cuda_graphs = None  # a CUDAGraphDecoder once enable_cuda_graphs() ran
         names = set(compiled.input_names)
         for required in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
             if required not in names:
@@ -92,6 +93,21 @@ class ModelRunner:
         inputs.update(self.kv_cache.tensors)
         return inputs, plan
 
-    def execute(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run the graph; returns logits [rows, vocab]."""
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode steps as CUDA graphs (CUDA only); returns the capture time in seconds."""
+        from mini_infer.runtime.cuda_graphs import CUDAGraphDecoder
+
+        if self.device.type != "cuda":
+            return 0.0
+        max_blocks = -(-max_model_len // self.block_size)
+        self.cuda_graphs = CUDAGraphDecoder(self.compiled, self.kv_cache, max_num_seqs, max_blocks, self.device)
+        self.cuda_graphs.capture()
+        return self.cuda_graphs.capture_seconds
+
+    def execute(self, inputs: dict[str, torch.Tensor], decode_seqs: int = 0) -> torch.Tensor:
+        """Run the graph; returns logits [rows, vocab]. `decode_seqs` > 0 marks a pure decode step of that
+        many sequences (one token each, each sampled), which replays a captured CUDA graph when one fits."""
+        graphs = self.cuda_graphs
+        if decode_seqs and graphs is not None and graphs.bucket_for(decode_seqs) is not None:
+            return graphs.run(inputs, decode_seqs)
         return self.compiled(**inputs)[0]

@@ -1,0 +1,125 @@
+"""Batch-1 decode latency: mini-infer beside the bandwidth floor, HF eager `generate`, and HF
+`generate(cache_implementation="static")` (its torch.compile path), in the same run on one GPU.
+
+Default: the `qwen2.5-7b` preset (bf16, random weights), prompt 128 tokens, 256 new tokens. The floor is
+(weight bytes + KV bytes read per step) / the device-to-device copy bandwidth measured in this run.
+
+    python bench/latency.py [--model qwen2.5-7b] [--prompt-len 128] [--new-tokens 256] [--peers hf-eager,hf-static]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    del a, b
+    return nbytes / times[len(times) // 2]
+
+
+def time_hf(model, ids: torch.Tensor, new: int, **kw) -> float:
+    model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)  # warm-up / compile
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
+    torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new
+    return new / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--peers", default="hf-eager,hf-static")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+
+    from mini_infer.llm import LLM
+    from mini_infer.sampling_params import SamplingParams
+
+    bw = copy_bandwidth()
+    t0 = time.perf_counter()
+    llm = LLM(args.model, max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens + 16,
+              kv_cache_memory_bytes=2 << 30)
+    eng = llm.engine
+    startup = time.perf_counter() - t0
+    vocab = eng.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    first = out.metrics.first_token_time - out.metrics.arrival_time
+    decode_tok_s = (args.new_tokens - 1) / (total - first)
+
+    model = eng.loaded.model
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.kv_cache_specs)
+    mean_ctx = args.prompt_len + args.new_tokens / 2
+    floor_tok_s = bw / (weight_bytes + kv_per_token * mean_ctx)
+    rows = [("bandwidth floor", floor_tok_s), ("mini-infer", decode_tok_s)]
+    ids = torch.tensor([prompt], device="cuda")
+    for peer in args.peers.split(",") if args.peers else []:
+        if peer == "hf-eager":
+            rows.append(("hf-eager", time_hf(model, ids, args.new_tokens)))
+        elif peer == "hf-static":
+            rows.append(("hf-static+compile", time_hf(model, ids, args.new_tokens, cache_implementation="static")))
+    print(f"{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; startup {startup:.1f}s (compile {eng.compile_seconds:.1f}s, "
+          f"cuda graphs {eng.capture_seconds:.1f}s); TTFT {first * 1e3:.1f} ms")
+    print(f"{'engine':<20}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
+    for name, tps in rows:
+        print(f"{name:<20}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / floor_tok_s:>10.2f}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (out_dir / "latency.json").write_text(json.dumps({
+        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "startup_s": startup,
+        "compile_s": eng.compile_seconds, "capture_s": eng.capture_seconds, "ttft_s": first,
+        "results": {name: tps for name, tps in rows}}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.barh([r[0] for r in rows], [r[1] for r in rows], color=["C7", "C0"] + ["C1"] * (len(rows) - 2))
+        ax.set_xlabel("decode tokens/s (batch 1)")
+        ax.set_title(f"{args.model} latency ({torch.cuda.get_device_name()})")
+        fig.tight_layout()
+        fig.savefig(out_dir / "latency.png", dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
