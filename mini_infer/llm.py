@@ -64,6 +64,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not show)
         try:
             while pending:
+                if not self.engine.has_unfinished_requests():  # they were aborted from elsewhere
+                    raise RuntimeError(f"requests {sorted(pending)} ended without a final output")
                 for out in self.engine.step():
                     if out.finished and out.request_id in pending:
                         done[out.request_id] = out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,16 @@ logger = logging.getLogger("mini_infer")
 _EMBEDDED_VOCAB = 49152
 
 
+def _is_int(v) -> bool:
+    """An integer token id (Python or numpy/torch integer scalar), not a bool."""
+    if isinstance(v, bool):
+        return False
+    try:
+        return operator.index(v) == v
+    except TypeError:
+        return False
+
+
 @dataclass
 class EngineConfig:
     """Engine options, under vLLM's names."""
@@ -53,6 +64,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     served_model_name: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -98,7 +110,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         text_cfg = self.model_config.get_text_config()
         self.vocab_size = text_cfg.vocab_size
-        if self.tokenizer is None and self.loaded.source == "preset" and self.vocab_size >= _EMBEDDED_VOCAB:
+        if self.tokenizer is None and self.loaded.source == "preset" and self.vocab_size == _EMBEDDED_VOCAB:
             self.tokenizer = load_embedded_tokenizer()  # presets have no tokenizer: borrow SmolLM2's for text
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -108,12 +120,16 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
         self.kv_cache = self._allocate_kv_cache()
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens is None:
+            max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step (as vLLM)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy), self.block_manager)
         self.runner = ModelRunner(self.compiled, self.kv_cache, self.device)
+        self.capture_seconds = 0.0 if config.enforce_eager else \
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
@@ -169,13 +185,22 @@ class LLMEngine:
         """Raise ValueError naming the field and limit for a prompt or options the engine cannot run."""
         if not token_ids:
             raise ValueError("prompt must not be empty (0 tokens)")
+        bad = [t for t in token_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which "
                              "must leave room for at least one generated token")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        capacity = self.kv_cache.num_blocks * self.config.block_size
+        if len(token_ids) >= capacity:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; the KV cache holds {capacity} tokens in all, "
+                             "which must leave room for at least one generated token")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer and model {self.loaded.name!r} has none: "
+                             "use stop_token_ids")
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None, priority: int = 0,
@@ -200,6 +225,7 @@ class LLMEngine:
         else:
             ids = list(prompt)
         self.validate_prompt(ids, params)
+        ids = [operator.index(t) for t in ids]
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs, detoks = [], []
         for i in range(params.n):
@@ -253,11 +279,15 @@ class LLMEngine:
                 logger.exception("step failed")
                 for seq, _ in out.scheduled:
                     req = self.requests.get(seq.request_id)
-                    if req is None or seq.is_finished:
+                    if req is None:
                         continue
-                    req.error = f"{type(exc).__name__}: {exc}"
-                    self.scheduler.finish(seq, "error")
-                    self._flush(req, seq)
+                    req.error = req.error or f"{type(exc).__name__}: {exc}"
+                    for s in req.seqs:  # all samples of the request, scheduled this step or not
+                        if not s.is_finished:
+                            self.scheduler.finish(s, "error")
+                            self._flush(req, s)
+                    if req.metrics.finished_time is None:
+                        req.metrics.finished_time = time.monotonic()
                     touched[req.request_id] = req
         return [self._output(req) for req in touched.values()]
 
@@ -267,7 +297,8 @@ class LLMEngine:
                if s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                and getattr(s, "index", 0) == 0}
         inputs, plan = self.runner.prepare(out.scheduled, out.sample, plp)
-        logits = self.runner.execute(inputs)
+        decode = len(out.scheduled) if all(n == 1 for _, n in out.scheduled) and all(out.sample) else 0
+        logits = self.runner.execute(inputs, decode_seqs=decode if not plan.prompt_rows else 0)
         sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
         token_ids: list[int] = []
         so = None
@@ -335,6 +366,15 @@ class LLMEngine:
                 continue
             req = self.requests.get(seq.request_id)
             row0, count, first_pos = plan.prompt_rows[seq.seq_id]
+            # After a preemption the prompt is computed again: keep the entries recorded the first time.
+            skip = len(req.prompt_logprobs) - 1 - first_pos
+            if skip < 0:  # positions before first_pos were never computed (a prefix-cache hit)
+                raise RuntimeError(f"request {req.request_id!r}: prompt logprobs missing for positions "
+                                   f"{len(req.prompt_logprobs)}..{first_pos}")
+            if skip >= count:
+                continue
+            if skip > 0:
+                row0, count, first_pos = row0 + skip, count - skip, first_pos + skip
             k = seq.sampling_params.prompt_logprobs or 0
             nxt = torch.tensor(seq.prompt_token_ids[first_pos + 1: first_pos + 1 + count], device=logits.device)
             tok_lp, top_ids, top_lp = compute_prompt_logprobs(logits[row0: row0 + count], nxt, k)
