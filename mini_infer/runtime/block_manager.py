@@ -123,8 +123,12 @@ class BlockManager:
         return self._lookup(hashes)
 
     def lookup(self, seq: Sequence) -> tuple[list[int], int]:
-        """`get_computed_blocks(seq.token_ids)`, with the sequence's block hashes cached until `free(seq)`."""
-        if not self.enable_prefix_caching:
+        """`get_computed_blocks(seq.token_ids)`, with the sequence's block hashes cached until `free(seq)`.
+
+        A sequence that asks for prompt logprobs gets no hits (as in vLLM): the logits of cached positions
+        are never computed. Its own blocks are still committed for others to hit.
+        """
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return [], 0
         state = self._state(seq)
         n = self._max_cacheable_blocks(seq.num_tokens)
