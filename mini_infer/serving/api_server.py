@@ -430,14 +430,24 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(_, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             msg = f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return error_response(400, msg, code="invalid_json")
-        where = ".".join(loc)
-        msg = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in errors[:5])
+        locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+        # A value that matches no member of a union gives one error per member (loc ends in the member's
+        # type name): report the field itself, and the types it may take.
+        common = locs[0] if locs else []
+        for loc in locs[1:]:
+            n = 0
+            while n < min(len(common), len(loc)) and common[n] == loc[n]:
+                n += 1
+            common = common[:n]
+        where = ".".join(common)
+        if len(errors) > 1 and all(len(loc) == len(common) + 1 for loc in locs):
+            kinds = ", ".join(loc[-1] for loc in locs)
+            msg = f"{where or 'body'}: invalid value, expected one of: {kinds}"
+        else:
+            msg = "; ".join(f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in zip(locs[:5], errors))
         return error_response(400, msg or "invalid request", param=where or None)
 
     @app.exception_handler(StarletteHTTPException)

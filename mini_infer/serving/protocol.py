@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -83,8 +83,18 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(
+        None, description='a string, or a list of text parts {"type": "text", "text": "..."}')
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not all(isinstance(p, dict) for p in v):
+            raise ValueError('content must be a string or a list of parts like {"type": "text", "text": "..."}')
+        return v
 
 
 class ChatCompletionRequest(_SamplingFields):
