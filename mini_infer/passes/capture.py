@@ -15,6 +15,7 @@ import time
 import torch
 import torch.fx as fx
 from torch.export import Dim
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DEFAULT_MAX_TOKENS = 1 << 16
 
@@ -82,7 +83,9 @@ def capture(model: torch.nn.Module, example_num_tokens: int = 8,
     tokens = Dim("num_tokens", min=1, max=max_num_tokens)
     start = time.perf_counter()
     try:
-        with torch.no_grad():
+        # The math SDPA backend: CUDA's fused backends check alignment on T and would guard it away
+        # (the attention pass replaces SDPA anyway).
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
             ep = torch.export.export(
                 _PackedCausalLM(model), (ids, pos),
                 dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, strict=False,
