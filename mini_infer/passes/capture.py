@@ -80,18 +80,30 @@ def capture(model: torch.nn.Module, example_num_tokens: int = 8,
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, min(vocab, 100), (1, example_num_tokens), device=device)
     pos = torch.arange(example_num_tokens, device=device)[None]
-    tokens = Dim("num_tokens", min=1, max=max_num_tokens)
     start = time.perf_counter()
-    try:
-        # The math SDPA backend: CUDA's fused backends check alignment on T and would guard it away
-        # (the attention pass replaces SDPA anyway).
-        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-            ep = torch.export.export(
-                _PackedCausalLM(model), (ids, pos),
-                dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, strict=False,
-            )
-    except Exception as exc:  # report what and where, never fall back silently
-        raise CaptureError(_describe_failure(model, exc)) from exc
+    ep = None
+    # First a named dim; guards export cannot prove over the whole range (CUDA's stride reasoning emits
+    # some that hold for every T >= 1) become runtime asserts instead of errors. Failing that, Dim.AUTO, and
+    # then we check that T stayed symbolic: a graph specialized to the example's T is refused.
+    attempts = (Dim("num_tokens", min=1, max=max_num_tokens), Dim.AUTO)
+    for i, tokens in enumerate(attempts):
+        try:
+            # The math SDPA backend: CUDA's fused backends check alignment on T and would guard it away
+            # (the attention pass replaces SDPA anyway).
+            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+                ep = torch.export.export(
+                    _PackedCausalLM(model), (ids, pos),
+                    dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, strict=False,
+                    prefer_deferred_runtime_asserts_over_guards=True,
+                )
+            break
+        except Exception as exc:  # report what and where, never fall back silently to eager
+            if i == len(attempts) - 1 or "Constraints violated" not in str(exc):
+                raise CaptureError(_describe_failure(model, exc)) from exc
+    in_val = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name.endswith("input_ids")).meta["val"]
+    if isinstance(in_val.shape[1], int):
+        raise CaptureError(f"could not capture {type(model).__name__} with a dynamic token count: export "
+                           f"specialized it to {in_val.shape[1]}")
     gm = _plain_graph_module(ep)
     from mini_infer.passes.manager import _signature
 

@@ -82,8 +82,12 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
             new_val = attr_cache[key]
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            with mode:
-                new_val = node.target(*args, **kwargs)
+            try:
+                with mode:
+                    new_val = node.target(*args, **kwargs)
+            except Exception as exc:
+                raise PassError(f"shape propagation failed at node {node.name} ({node.target}): "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
         else:
             raise PassError(f"node {node.name}: unsupported op kind {node.op!r} in a flat graph")
         if "val" not in node.meta or not _same_meta(node.meta["val"], new_val):
