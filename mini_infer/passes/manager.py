@@ -36,25 +36,49 @@ class PassStats:
     max_abs_err: float | None = None
 
 
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"T({v.dtype},{v.device},{tuple(v.shape)},{v.stride()})"
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_describe(x) for x in v) + ")"
+    return repr(v)
+
+
 def _signature(node: fx.Node) -> tuple:
-    """What a node computes, with its inputs named: equal signatures on equal inputs give equal values."""
-    return (node.op, node.target, repr(node.args), repr(node.kwargs))
+    """What determines a node's metadata: its op and its inputs' metadata (not their identity), so a pass
+    that swaps in an input with the same metadata leaves the node's value valid."""
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: _describe(n.meta.get("val")))
+    return (node.op, node.target, repr(args))
 
 
-def _same_meta(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.dtype == b.dtype and a.device == b.device and str(tuple(a.shape)) == str(tuple(b.shape))
-                and str(a.stride()) == str(b.stride()))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and str(a) == str(b)
+_DECOMPOSITIONS = None
+
+
+def _run_fake(node: fx.Node, mode: FakeTensorMode, args, kwargs):
+    """Run `node`'s op on fake values; ops whose device kernels cannot take symbolic sizes (CUDA's
+    `aten.linear` calls numel()) go through their aten decomposition instead."""
+    global _DECOMPOSITIONS
+    with mode:
+        try:
+            return node.target(*args, **kwargs)
+        except RuntimeError as exc:
+            if "symbolic" not in str(exc):
+                raise
+            if _DECOMPOSITIONS is None:
+                from torch._decomp import core_aten_decompositions
+
+                _DECOMPOSITIONS = core_aten_decompositions()
+            decomp = _DECOMPOSITIONS.get(node.target)
+            if decomp is None:
+                raise
+            return decomp(*args, **kwargs)
 
 
 def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
     """Shape-propagate `gm` on fake tensors (symbolic token count kept); returns the number of nodes run.
 
-    With `incremental`, a node is re-run only if it is new, its signature changed since the last
-    propagation, or the metadata of one of its inputs changed; every node still ends up with a `val`
+    With `incremental`, a node is re-run only if it is new or its signature (op and the metadata of its
+    inputs, updated in topological order) changed since it last ran; every node still ends up with a `val`
     derived from its current inputs, so the whole graph is validated at the cost of what a pass touched.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -64,14 +88,12 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
         raise PassError(f"graph inputs without fake values: {missing}")
     mode = detect_fake_mode(vals) or FakeTensorMode()
     attr_cache = gm.meta.setdefault("_fake_attrs", {})
-    changed: set[fx.Node] = set()
     ran = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         sig = _signature(node)
-        if (incremental and node.meta.get("_sig") == sig and "val" in node.meta
-                and not any(a in changed for a in node.all_input_nodes)):
+        if incremental and node.meta.get("_sig") == sig and "val" in node.meta:
             continue
         ran += 1
         if node.op == "get_attr":
@@ -83,15 +105,12 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
             try:
-                with mode:
-                    new_val = node.target(*args, **kwargs)
+                new_val = _run_fake(node, mode, args, kwargs)
             except Exception as exc:
                 raise PassError(f"shape propagation failed at node {node.name} ({node.target}): "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
         else:
             raise PassError(f"node {node.name}: unsupported op kind {node.op!r} in a flat graph")
-        if "val" not in node.meta or not _same_meta(node.meta["val"], new_val):
-            changed.add(node)
         node.meta["val"] = new_val
         node.meta["_sig"] = sig
     return ran
