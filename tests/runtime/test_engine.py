@@ -155,9 +155,10 @@ def test_greedy_matches_hf_default_settings(name):
 
 @pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
 def test_greedy_matches_hf_with_prefix_cache_hits(name):
-    common = random_prompts(1, [27])[0]
+    common = random_prompts(1, [28])[0]  # 7 whole blocks of 4
     suffixes = random_prompts(2, (0, 3, 9, 14, 1))
-    prompts = [common + s for s in suffixes]  # one prompt is exactly the shared prefix
+    # one prompt is exactly the shared prefix: all its blocks are cached, but its last token must be computed
+    prompts = [common + s for s in suffixes]
     cached = make_engine(name, enable_prefix_caching=True)
     run(cached, [prompts[2]], prefix="warm")  # its full blocks stay cached after it finishes
     hits_before = cached.block_manager.prefix_cache_hits
@@ -481,11 +482,11 @@ def test_failing_step_fails_only_its_requests(llama, monkeypatch):
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(inputs):
+    def flaky(inputs, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device failure")
-        return real(inputs)
+        return real(inputs, **kw)
 
     monkeypatch.setattr(runner, "execute", flaky)
     llama.add_request("a", PROMPTS[0], GREEDY)
@@ -509,11 +510,11 @@ def test_failing_step_with_several_requests(monkeypatch):
     real = engine.runner.execute
     state = {"fail": True}
 
-    def flaky(inputs):
+    def flaky(inputs, **kw):
         if state["fail"]:
             state["fail"] = False
             raise RuntimeError("boom")
-        return real(inputs)
+        return real(inputs, **kw)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     col = Collector(engine)
