@@ -53,7 +53,11 @@ def _is_noop_cast(node: fx.Node) -> bool:
     src, out = val(node.args[0]), val(node)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
-    return dtype(node.args[0]) == out.dtype and src.device == out.device
+    # a cast that names a device may move data (fake values live on the CPU during validation, so their
+    # devices cannot tell): keep it
+    if any(isinstance(a, torch.device) for a in (*node.args, *node.kwargs.values())):
+        return False
+    return dtype(node.args[0]) == out.dtype
 
 
 def _is_noop_view(node: fx.Node) -> bool:

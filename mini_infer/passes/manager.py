@@ -51,27 +51,16 @@ def _signature(node: fx.Node) -> tuple:
     return (node.op, node.target, repr(args))
 
 
-_DECOMPOSITIONS = None
-
-
-def _run_fake(node: fx.Node, mode: FakeTensorMode, args, kwargs):
-    """Run `node`'s op on fake values; ops whose device kernels cannot take symbolic sizes (CUDA's
-    `aten.linear` calls numel()) go through their aten decomposition instead."""
-    global _DECOMPOSITIONS
+def _cpu_fake(mode: FakeTensorMode, v):
+    """A fake CPU tensor with v's shape (symbols kept), strides and dtype."""
+    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
+        return v
     with mode:
-        try:
-            return node.target(*args, **kwargs)
-        except RuntimeError as exc:
-            if "symbolic" not in str(exc):
-                raise
-            if _DECOMPOSITIONS is None:
-                from torch._decomp import core_aten_decompositions
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
 
-                _DECOMPOSITIONS = core_aten_decompositions()
-            decomp = _DECOMPOSITIONS.get(node.target)
-            if decomp is None:
-                raise
-            return decomp(*args, **kwargs)
+
+def _cpu_device(a):
+    return torch.device("cpu") if isinstance(a, torch.device) and a.type != "cpu" else a
 
 
 def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
@@ -87,6 +76,10 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
     if missing:
         raise PassError(f"graph inputs without fake values: {missing}")
     mode = detect_fake_mode(vals) or FakeTensorMode()
+    # Validation runs on CPU fakes whatever the target device: shape semantics do not depend on it, and
+    # some CUDA fake kernels (aten.linear, SDPA) reject symbolic sizes that their CPU twins accept.
+    for n, v in zip(placeholders, vals):
+        n.meta["val"] = _cpu_fake(mode, v)
     attr_cache = gm.meta.setdefault("_fake_attrs", {})
     ran = 0
     for node in gm.graph.nodes:
@@ -100,12 +93,14 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
             real = PassContext.tensor_of(gm, node)
             key = (node.target, id(real))
             if key not in attr_cache:
-                attr_cache[key] = mode.from_tensor(real, static_shapes=True)
+                attr_cache[key] = _cpu_fake(mode, mode.from_tensor(real, static_shapes=True))
             new_val = attr_cache[key]
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            args, kwargs = torch.utils._pytree.tree_map(_cpu_device, (args, kwargs))
             try:
-                new_val = _run_fake(node, mode, args, kwargs)
+                with mode:
+                    new_val = node.target(*args, **kwargs)
             except Exception as exc:
                 raise PassError(f"shape propagation failed at node {node.name} ({node.target}): "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc

@@ -77,7 +77,7 @@ class PagedAttention(GraphPass):
         ids_val = placeholders[0].meta["val"]
         fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders])
         num_tokens = ids_val.shape[1]
-        device = ctx.device
+        device = ids_val.device  # the fakes' device (validation runs on CPU fakes)
 
         def fake(shape_, dtype):
             with fake_mode:

@@ -48,7 +48,7 @@ class SelectLogits(GraphPass):
         with graph.inserting_after(placeholders[-1]):
             idx = graph.placeholder("logits_indices")
         with fake_mode:
-            idx.meta["val"] = torch.empty((3,), dtype=torch.int64, device=ctx.device)
+            idx.meta["val"] = torch.empty((3,), dtype=torch.int64, device=placeholders[0].meta["val"].device)
         ctx.declare_input("logits_indices", lambda ids, pos: torch.tensor([ids.shape[1] - 1], device=ids.device))
         with graph.inserting_before(head):
             picked = graph.call_function(aten.index_select.default, (head.args[0], 1, idx))
