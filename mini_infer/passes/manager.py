@@ -78,6 +78,8 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
     mode = detect_fake_mode(vals) or FakeTensorMode()
     # Validation runs on CPU fakes whatever the target device: shape semantics do not depend on it, and
     # some CUDA fake kernels (aten.linear, SDPA) reject symbolic sizes that their CPU twins accept.
+    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in vals):
+        incremental = False  # first propagation of a graph traced on another device: move every value
     for n, v in zip(placeholders, vals):
         n.meta["val"] = _cpu_fake(mode, v)
     attr_cache = gm.meta.setdefault("_fake_attrs", {})
