@@ -1,0 +1,1 @@
+"""Tests of model intake: presets and the loader."""

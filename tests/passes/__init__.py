@@ -1,0 +1,1 @@
+"""Tests of capture, the pass manager and each graph pass."""

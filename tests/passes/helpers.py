@@ -1,0 +1,188 @@
+"""Shared bits of the pass tests (vLLM's TestBackend idea): capture each tiny model once per process, hand
+every test its own copy of the cleaned graph, run passes on it, and compare logits with eager HF.
+
+Capturing costs seconds per architecture, so models, captured graphs and pipelines are cached for the
+whole test session (`functools.cache`); tests get fresh GraphModule copies that share the parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections import Counter
+
+import torch
+import torch.fx as fx
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from mini_infer.compiler import recommended_passes
+from mini_infer.models.loader import LoadedModel, load_model
+from mini_infer.models.presets import TINY_PRESETS
+from mini_infer.passes import PassContext, resolve_passes
+from mini_infer.passes.capture import capture
+from mini_infer.passes.manager import PassManager, PassStats
+
+aten = torch.ops.aten
+mi = torch.ops.mini_infer
+CPU = torch.device("cpu")
+
+ARCHS = tuple(TINY_PRESETS)  # all nine tiny presets
+NUM_LAYERS = 2  # every tiny preset has two decoder layers
+VOCAB = 512
+METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+
+# A few examples per property: each one runs eager HF and the graph, and the parametrization multiplies.
+FEW = settings(max_examples=4, deadline=None)
+num_tokens = st.integers(1, 40)
+start_pos = st.integers(0, 200)
+
+
+@functools.cache
+def loaded(name: str) -> LoadedModel:
+    lm = load_model(name, dtype="float32", device="cpu", seed=0)
+    assert lm.config.num_hidden_layers == NUM_LAYERS
+    return lm
+
+
+@functools.cache
+def captured(name: str) -> fx.GraphModule:
+    """The raw capture of `name` (shared: never run a pass on it, take `copy_gm` first)."""
+    return capture(loaded(name).model)
+
+
+def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of `gm`'s graph; parameters and node fake values are shared."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta.update({k: v for k, v in gm.meta.items() if k != "_fake_attrs"})  # the manager's per-graph cache
+    return new
+
+
+def new_context(name: str, applied: tuple[str, ...] = ()) -> PassContext:
+    lm = loaded(name)
+    return PassContext(config=lm.config, device=CPU, dtype=torch.float32, applied=list(applied))
+
+
+@functools.cache
+def _cleaned(name: str) -> fx.GraphModule:
+    gm = copy_gm(captured(name))
+    PassManager(resolve_passes(["cleanup"])).run(gm, new_context(name))
+    return gm
+
+
+def run_passes(name: str, passes) -> tuple[fx.GraphModule, PassContext, list[PassStats]]:
+    """A fresh copy of `name`'s cleaned graph with `passes` applied (cleanup already ran)."""
+    gm = copy_gm(_cleaned(name))
+    ctx = new_context(name, applied=("cleanup",))
+    stats = PassManager(resolve_passes(passes)).run(gm, ctx)
+    return gm, ctx, stats
+
+
+@functools.cache
+def single_pass(name: str, pass_name: str):
+    """Cached `run_passes(name, [pass_name])` for tests that only read or run the result."""
+    return run_passes(name, [pass_name])
+
+
+@functools.cache
+def full_pipeline(name: str):
+    """The recommended pipeline on `name` (the cleanup that `run_passes` starts from included)."""
+    names = recommended_passes(loaded(name).config, CPU)
+    assert names[0] == "cleanup"
+    return run_passes(name, names[1:])
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def placeholder_names(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def random_ids(num: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, num), generator=gen)
+
+
+def positions(start: int, num: int) -> torch.Tensor:
+    return (start + torch.arange(num))[None]
+
+
+def eager_logits(name: str, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded(name).model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+
+def run_graph(gm: fx.GraphModule, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    names = placeholder_names(gm)
+    missing = [n for n in names if n not in inputs]
+    assert not missing, f"no value for graph inputs {missing}"
+    with torch.no_grad():
+        return gm(*(inputs[n] for n in names))
+
+
+def graph_logits(gm: fx.GraphModule, ctx: PassContext, ids: torch.Tensor, pos: torch.Tensor,
+                 **overrides: torch.Tensor) -> torch.Tensor:
+    """Run `gm` on one sequence with the example inputs the passes declared (overridable by name)."""
+    inputs = ctx.example_inputs(ids, pos)
+    inputs.update(overrides)
+    return run_graph(gm, inputs)
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
+    """fp32 contract: max |actual - expected| <= rel * max(1, max |expected|)."""
+    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
+    assert torch.isfinite(actual).all(), "non-finite logits"
+    err = (actual.float() - expected.float()).abs().max().item()
+    tol = rel * max(1.0, expected.abs().max().item())
+    assert err <= tol, f"max |logits - eager| = {err:.3e} > {tol:.3e}"
+
+
+def check_against_eager(name: str, gm: fx.GraphModule, ctx: PassContext, num: int, start: int, seed: int = 0,
+                        **overrides: torch.Tensor) -> None:
+    """Graph logits at a new token count and new positions equal eager HF's (all rows, or the selected)."""
+    ids, pos = random_ids(num, seed), positions(start, num)
+    if "logits_indices" in placeholder_names(gm) and "logits_indices" not in overrides:
+        overrides["logits_indices"] = torch.arange(num)
+    assert_logits_close(graph_logits(gm, ctx, ids, pos, **overrides), eager_logits(name, ids, pos))
+
+
+def blocks_for(num: int, block_size: int) -> int:
+    return max(1, math.ceil(num / block_size))
+
+
+# -- toy "causal LMs" for matcher unit tests: a config, an embedding, a body, a head ----------------------
+
+
+class ToyLM(torch.nn.Module):
+    """Just enough of a transformers causal LM for `capture`: `config`, and `.logits` from a forward."""
+
+    def __init__(self, body: torch.nn.Module, hidden: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(vocab_size=vocab)
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.body = body
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.head(self.body(self.emb(input_ids), position_ids)))
+
+
+def run_toy(body: torch.nn.Module, passes, hidden: int = 16):
+    """Capture ToyLM(body), run cleanup then `passes`; return (gm, stats of `passes`, eager model)."""
+    torch.manual_seed(0)
+    model = ToyLM(body, hidden).eval().requires_grad_(False)
+    gm = capture(model)
+    ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32)
+    stats = PassManager(resolve_passes(["cleanup", *passes])).run(gm, ctx)
+    ids = torch.randint(0, 32, (1, 11))
+    pos = positions(3, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids, pos), model(ids, pos).logits, atol=1e-5, rtol=1e-5)
+    return gm, stats[1:], model
