@@ -59,6 +59,35 @@ def _cpu_fake(mode: FakeTensorMode, v):
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
 
 
+def _linear_meta(x, w, b=None):
+    out = torch.matmul(x, w.t())
+    return out + b if b is not None else out
+
+
+def _sdpa_meta(q, k, v, *args, **kwargs):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+# Shape rules for composite ops whose fake kernels, in some torch versions, call numel() on symbolic sizes.
+_SHAPE_RULES = {
+    torch.ops.aten.linear.default: _linear_meta,
+    torch.ops.aten.scaled_dot_product_attention.default: _sdpa_meta,
+}
+
+
+def _run_fake(node: fx.Node, mode: FakeTensorMode, args, kwargs):
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with enable_python_dispatcher(), mode:  # as export traces: composite ops see symbolic sizes
+        try:
+            return node.target(*args, **kwargs)
+        except RuntimeError:
+            rule = _SHAPE_RULES.get(node.target)
+            if rule is None:
+                raise
+            return rule(*args, **kwargs)
+
+
 def _cpu_device(a):
     return torch.device("cpu") if isinstance(a, torch.device) and a.type != "cpu" else a
 
@@ -101,8 +130,7 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
             args, kwargs = torch.utils._pytree.tree_map(_cpu_device, (args, kwargs))
             try:
-                with mode:
-                    new_val = node.target(*args, **kwargs)
+                new_val = _run_fake(node, mode, args, kwargs)
             except Exception as exc:
                 raise PassError(f"shape propagation failed at node {node.name} ({node.target}): "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
