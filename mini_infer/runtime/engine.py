@@ -286,8 +286,6 @@ class LLMEngine:
                         if not s.is_finished:
                             self.scheduler.finish(s, "error")
                             self._flush(req, s)
-                    if req.metrics.finished_time is None:
-                        req.metrics.finished_time = time.monotonic()
                     touched[req.request_id] = req
         return [self._output(req) for req in touched.values()]
 
@@ -434,6 +432,8 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
             self.stats["finished_requests"] += 1
+            if req.metrics.finished_time is None:  # finished by the scheduler or a failed step
+                req.metrics.finished_time = time.monotonic()
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=outputs, finished=finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,

@@ -408,6 +408,25 @@ def test_no_leak_after_finish_and_abort():
     assert_no_leak(engine)
 
 
+def test_generation_is_capped_by_max_model_len_and_by_the_cache():
+    engine = make_engine(LLAMA, max_model_len=16)
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    (out,) = run(engine, [PROMPTS[0]], unbounded)  # 3 prompt tokens: 13 generated, then max_model_len
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == hf_ref(LLAMA, tuple(PROMPTS[0]), 13)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert_no_leak(engine)
+    small = make_engine(LLAMA, num_kv_blocks=4, block_size=4)  # 16 tokens of cache in all
+    (out,) = run(small, [PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert out.outputs[0].finish_reason == "length" and out.error is None
+    ids = out.outputs[0].token_ids  # KV for 16 tokens (the last sampled token needs none)
+    assert 16 - len(PROMPTS[3]) <= len(ids) <= 17 - len(PROMPTS[3])
+    assert ids == hf_ref(LLAMA, tuple(PROMPTS[3]), len(ids))
+    assert out.metrics.finished_time is not None
+    assert_no_leak(small)
+
+
 # ---------------------------------------------------------------------- bad input
 
 
