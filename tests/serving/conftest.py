@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None, threads: int | None = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -37,6 +37,10 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if threads is not None:
+            # The test process and the server share the machine; on a small, busy one, torch's thread
+            # pool oversubscribes the cores and CPU matmuls run ~10x slower than with one thread.
+            env["OMP_NUM_THREADS"] = str(threads)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)
         self.health_statuses: list[int] = []
