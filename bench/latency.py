@@ -39,7 +39,8 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
 
 
 def time_hf(model, ids: torch.Tensor, new: int, **kw) -> float:
-    model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)  # warm-up / compile
+    # warm-up at the timed length: HF's static cache (and its compiled graph) is sized by max_new_tokens
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)

@@ -52,8 +52,11 @@ def hf_generate_batch(model, workload: Workload, temperature: float) -> BenchRes
     from transformers import GenerationConfig
 
     model.set_attn_implementation("paged|sdpa")
-    cfg = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=temperature > 0,
-                           temperature=temperature or None, eos_token_id=-1, use_cuda_graph=False)
+    # generate_batch takes one max_new_tokens for all requests: the workload's mean, so that the total
+    # number of generated tokens matches.
+    mean_out = round(sum(workload.output_lens) / len(workload.output_lens))
+    cfg = GenerationConfig(max_new_tokens=mean_out, do_sample=temperature > 0,
+                           temperature=temperature or None, eos_token_id=-1)
     start = time.perf_counter()
     outs = model.generate_batch(inputs=workload.prompts, generation_config=cfg)
     if torch.cuda.is_available():
@@ -94,6 +97,9 @@ def main() -> None:
     wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
     results = [run_engine(llm, wl, temperature=temp)]
     results[0].startup_seconds = startup
+    print(f"mini-infer: {results[0].output_tok_s:.1f} output tok/s ({results[0].seconds:.1f}s; startup "
+          f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
+          flush=True)
     hf_model = llm.engine.loaded.model
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     for peer in peers:
