@@ -66,7 +66,8 @@ def serve(args, engine_kwargs: dict) -> int:
             engine = load_engine(state, engine_kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
             state.load_error = exc
-            logger.exception("loading the engine failed")
+            if not isinstance(exc, (ValueError, FileNotFoundError)):  # a bad name or option needs no traceback
+                logger.exception("loading the engine failed")
             print(f"mini-infer serve: error: could not load {name!r}: {exc}", file=sys.stderr, flush=True)
             server.should_exit = True
             return

@@ -209,6 +209,32 @@ def test_token_id_completion_and_prompt_logprobs(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
 
 
+def test_streaming_several_prompts_and_samples(client):
+    """2 prompts x n=2, echo + logprobs: every choice index streams its tokens once and finishes once, and
+    the streamed tokens equal the non-streaming response's."""
+    body = {"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 5, "echo": True, "logprobs": 2,
+            "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    tokens: dict[int, list[str]] = {}
+    finishes: dict[int, list[str]] = {}
+    for e in events[:-1]:
+        chunk = json.loads(e)
+        assert chunk["object"] == "text_completion" and chunk["id"] == json.loads(events[0])["id"]
+        (c,) = chunk["choices"]
+        tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+        if c["finish_reason"]:
+            finishes.setdefault(c["index"], []).append(c["finish_reason"])
+    assert sorted(tokens) == [0, 1, 2, 3] and finishes == {i: ["length"] for i in range(4)}
+    for choice in full["choices"]:
+        assert tokens[choice["index"]] == choice["logprobs"]["tokens"]
+        assert len(choice["logprobs"]["tokens"]) == (3 if choice["index"] < 2 else 2) + 5
+    assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 20, "total_tokens": 25}
+
+
 def test_overload_gives_503_with_retry_after(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
