@@ -44,6 +44,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why the runtime rejected it (with finish_reason "error")
 
     @property
     def token_ids(self) -> list[int]:
