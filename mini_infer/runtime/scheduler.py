@@ -221,7 +221,7 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.can_allocate(seq, n):
-                victim = self.running[0]
+                victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -248,7 +248,7 @@ class Scheduler:
                 break
             n = self._num_new_tokens(seq, budget, num_computed=num_cached)
             if not bm.can_allocate(seq, n):
-                break
+                self.waiting.append(self.waiting.pop(0)); break
             bm.allocate_prompt(seq, n)
             del self.waiting[0]
             seq.status = SequenceStatus.RUNNING
