@@ -114,6 +114,8 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     config = model.config
     names = recommended_passes(config, device) if passes is None else passes
     pass_objs = resolve_passes(names)
+    manager = PassManager(pass_objs, dump_dir=dump_dir)
+    manager._check_order([])  # an ordering mistake fails before the (slow) capture
     gm = capture(model)
     from mini_infer.passes.manager import count_nodes
 
@@ -121,7 +123,8 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     ctx = PassContext(config=config, device=device, dtype=first.dtype)
     ctx.info["capture_seconds"] = gm.meta.get("capture_seconds")
     verifier = _make_verifier(model, device, first.dtype) if verify else None
-    stats = PassManager(pass_objs, dump_dir=dump_dir, verifier=verifier).run(gm, ctx)
+    manager.verifier = verifier
+    stats = manager.run(gm, ctx)
     capture_row = PassStats("capture", 0, 0, captured_nodes, ctx.info["capture_seconds"] or 0.0,
                             "torch.export (non-strict)")
     return CompiledModel(gm, ctx, [capture_row, *stats], model_name)

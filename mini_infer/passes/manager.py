@@ -210,11 +210,12 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = p.apply(gm, ctx)
-                clean_and_validate(gm)
-            except PassError:
-                raise
             except Exception as exc:
-                raise PassError(f"pass {p.name!r} failed or left an invalid graph: {type(exc).__name__}: {exc}") from exc
+                raise PassError(f"pass {p.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            try:
+                clean_and_validate(gm)
+            except Exception as exc:
+                raise PassError(f"pass {p.name!r} left an invalid graph: {type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             ctx.applied.append(p.name)
             row = PassStats(p.name, result.num_matches, before, count_nodes(gm), seconds, result.note)

@@ -105,12 +105,7 @@ class _Nothing(GraphPass):
         return PassResult(0, "did nothing")
 
 
-_UNNAMED = pytest.mark.xfail(strict=True, reason="PassManager.run re-raises a PassError from clean_and_validate / "
-                                                 "propagate_fake unchanged (`except PassError: raise`), so the "
-                                                 "message names the node but not the pass")
-
-
-@pytest.mark.parametrize("bad", [_EraseInUse, _UseBeforeDef, pytest.param(_WrongShape, marks=_UNNAMED), _Raises])
+@pytest.mark.parametrize("bad", [_EraseInUse, _UseBeforeDef, _WrongShape, _Raises])
 def test_broken_graph_is_a_pass_error_naming_the_pass(bad):
     gm, ctx = _fresh()
     with pytest.raises(PassError, match=f"pass '{bad.name}'") as info:
@@ -119,7 +114,6 @@ def test_broken_graph_is_a_pass_error_naming_the_pass(bad):
     assert ctx.applied == ["cleanup", "fuse_rotary"]  # the failing pass is not recorded as applied
 
 
-@_UNNAMED
 def test_input_without_fake_value_names_the_pass():
     gm, ctx = _fresh()
     with pytest.raises(PassError, match="untyped_input"):
