@@ -214,7 +214,7 @@ def _param_of(message: str, fields: Iterable[str], prompt_param: str) -> str | N
 
 _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
-                    "prompt_logprobs", "request_id", "skip_special_tokens", "include_stop_str_in_output"}
+                    "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output"}
 
 
 def _context_error(max_model_len: int, prompt_len: int, max_tokens: int, where: str) -> APIError:
