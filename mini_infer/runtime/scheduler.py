@@ -248,7 +248,7 @@ class Scheduler:
                 break
             n = self._num_new_tokens(seq, budget, num_computed=num_cached)
             if not bm.can_allocate(seq, n):
-                self.waiting.append(self.waiting.pop(0)); break
+                break
             bm.allocate_prompt(seq, n)
             del self.waiting[0]
             seq.status = SequenceStatus.RUNNING

@@ -43,7 +43,9 @@ class FakeEngine:
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.bm = sched.block_manager
-        self.device: dict[int, list[int | None]] = {b: [None] * self.bm.block_size for b in range(self.bm.num_blocks)}
+        self.device: dict[int, list[int | None]] = {
+            b: [None] * self.bm.block_size for b in range(self.bm.num_blocks)
+        }
         self.steps = 0
         self.max_steps = 5000
 
@@ -69,7 +71,9 @@ class FakeEngine:
         for seq, n in out.scheduled:
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = seq.block_table[pos // bm.block_size]
-                assert bm.ref_counts[block] == 1 and bm.block_hashes[block] is None, "write into a shared block"
+                assert bm.ref_counts[block] == 1 and bm.block_hashes[block] is None, (
+                    "write into a shared block"
+                )
                 self.device[block][pos % bm.block_size] = seq.token_ids[pos]
         # the engine's part of the contract
         for (seq, n), sample in zip(out.scheduled, out.sample):
@@ -121,7 +125,9 @@ def test_budget_and_max_num_seqs_respected():
         out = eng.step()
         peak = max(peak, len(out.scheduled))
     assert peak == 4
-    assert all(s.finish_reason == "length" and len(s.output_token_ids) == s.sampling_params.max_tokens for s in seqs)
+    assert all(
+        s.finish_reason == "length" and len(s.output_token_ids) == s.sampling_params.max_tokens for s in seqs
+    )
     assert_drained(sched, bm)
 
 
@@ -215,7 +221,9 @@ def test_queue_head_blocks_later_requests():
 
 def test_preemption_under_tiny_cache_everything_finishes_without_leaks():
     sched, bm = make(num_blocks=6, block_size=4, max_num_batched_tokens=32)  # 24 token slots
-    seqs = [make_seq([i, 1, 2, 3, 0, i], f"r{i}", max_tokens=8) for i in range(4)]  # 14 tokens each at the end
+    seqs = [
+        make_seq([i, 1, 2, 3, 0, i], f"r{i}", max_tokens=8) for i in range(4)
+    ]  # 14 tokens each at the end
     for s in seqs:
         sched.add(s)
     eng = FakeEngine(sched)
@@ -310,7 +318,7 @@ def test_finish_before_update_still_caches_the_prompt():
     sched, bm = make(num_blocks=16, block_size=4)
     a = make_seq(list(range(8)), "a", max_tokens=1)
     sched.add(a)
-    (seq, n), = sched.schedule().scheduled
+    ((seq, n),) = sched.schedule().scheduled
     seq.num_computed_tokens += n
     seq.append_token(0)
     sched.finish(seq, "stop")  # before update_after_step: finish commits the blocks itself
@@ -408,7 +416,9 @@ prompts = st.builds(
     st.lists(st.integers(0, VOCAB - 1), max_size=14),
 )
 
-add_op = st.tuples(st.just("add"), prompts, st.integers(1, 8), st.integers(0, 3))  # prompt, max_tokens, priority
+add_op = st.tuples(
+    st.just("add"), prompts, st.integers(1, 8), st.integers(0, 3)
+)  # prompt, max_tokens, priority
 ops = st.lists(
     st.one_of(
         add_op,
