@@ -14,13 +14,18 @@ arrival. When a running sequence cannot get a cache block, the scheduler preempt
 last running sequence in policy order (lowest priority, latest arrival; possibly the one asking):
 its blocks are freed, ``num_computed_tokens`` is reset to 0 and it goes back to the waiting queue
 (ahead of everything that arrived after it). Its output tokens are kept: on re-admission its
-"prompt" is ``prompt + outputs`` (``seq.token_ids``), which also hits the prefix cache.
+"prompt" is ``prompt + outputs`` (``seq.token_ids``), which also hits the prefix cache. Only running
+sequences preempt: a high-priority arrival waits for free blocks rather than evicting lower-priority
+running work. With FCFS, the oldest unfinished sequence is scheduled in every step (it is never the
+victim unless it could not fit alone), so nothing starves. ``long_prefill_token_threshold`` (chunked
+prefill only) caps any one sequence's prefill chunk, so long prompts do not crowd out short ones.
 
 A sequence needs cache slots and positions for all of its ``num_tokens`` tokens. One that can never
 get them (more tokens than the whole cache or ``max_model_len``; with chunked prefill off, more than
 ``max_num_batched_tokens`` at admission) is finished by the scheduler instead of looping: with
 ``finish_reason="error"`` and ``seq.error`` set if its prompt alone is too long, else with
-``"length"``. Such sequences are reported in ``SchedulerOutput.finished``.
+``"length"``. Such sequences are reported in ``SchedulerOutput.finished``. (The engine's own stop
+check should end a sequence at ``max_model_len`` first; this is the safety net.)
 
 Engine contract (one step)::
 
