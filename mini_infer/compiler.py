@@ -19,7 +19,7 @@ from mini_infer.passes.manager import PassManager, PassStats, format_table
 
 # Passes run in this order when the user names none. Passes registered by later modules (attention,
 # logits selection) join through `recommended_passes`.
-BASE_PIPELINE = ("cleanup", "fuse_rmsnorm", "fuse_rotary", "fuse_silu_mul")
+BASE_PIPELINE = ("cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul")
 
 
 def recommended_passes(config, device: torch.device) -> list[str]:

@@ -29,7 +29,8 @@ from tests.passes.helpers import (
     start_pos,
 )
 
-PIPELINE = ["cleanup", "fuse_rmsnorm", "fuse_rotary", "fuse_silu_mul", "paged_attention", "select_logits"]
+PIPELINE = ["cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul", "paged_attention",
+            "select_logits"]
 
 
 @pytest.fixture(autouse=True)
@@ -94,8 +95,8 @@ def test_dump_dir(compiled):
     assert {p.name for p in dump.iterdir()} == expected
     rows = (dump / "summary.txt").read_text().splitlines()[2:]
     assert [r.split()[0] for r in rows] == PIPELINE
-    assert "scaled_dot_product_attention" in (dump / "05_paged_attention.before.txt").read_text()
-    assert "scaled_dot_product_attention" not in (dump / "05_paged_attention.after.txt").read_text()
+    assert "scaled_dot_product_attention" in (dump / "06_paged_attention.before.txt").read_text()
+    assert "scaled_dot_product_attention" not in (dump / "06_paged_attention.after.txt").read_text()
 
 
 def test_inputs_and_cache_specs(compiled):
