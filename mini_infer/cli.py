@@ -27,6 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs the graph eagerly)")
     p.add_argument("--dry-run", action="store_true",
                    help="random weights: the preset of the same shape instead of loading weights")
 
@@ -41,7 +42,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        passes=args.passes.split(",") if args.passes else None, seed=args.seed,
+        passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
     )
 
 
