@@ -29,13 +29,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs the graph eagerly)")
     p.add_argument("--dry-run", action="store_true",
-                   help="random weights: the preset of the same shape instead of loading weights")
+                   help="random weights in the model's architecture (vLLM's --load-format dummy); with no model, "
+                        "the smollm2-135m preset")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     model = getattr(args, "model", None) or args.model_flag
-    if args.dry_run and model is None:
-        model = "smollm2-135m"
     return dict(
         model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -43,6 +42,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
+        load_format="dummy" if args.dry_run else "auto",
     )
 
 

@@ -196,14 +196,44 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
     return model.eval().requires_grad_(False), tokenizer
 
 
+def _load_dummy(model: str | None, dtype, device: torch.device, seed: int) -> LoadedModel:
+    """The model's architecture with random weights: its config (from a preset, a directory or a GGUF file)
+    and tokenizer, never its weights."""
+    from transformers import AutoConfig
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model is None or model == DEFAULT_MODEL:
+        model = "smollm2-135m"
+    if model in ALL_PRESETS:
+        config = preset_config(model)
+        m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
+        return LoadedModel(m, m.config, None, "preset", model)
+    path = Path(model).expanduser()
+    kwargs = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+    where = str(path.parent) if kwargs else str(path)
+    if not (path.is_file() and kwargs) and not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"cannot load the config of {model!r} for random weights: not a preset, a .gguf "
+                                 "file or a directory with config.json")
+    config = AutoConfig.from_pretrained(where, **kwargs)
+    m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
+    tokenizer = None
+    if kwargs or any((path / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    return LoadedModel(m, m.config, tokenizer, "dummy", path.stem if kwargs else path.name)
+
+
 def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, load_format: str = "auto") -> LoadedModel:
     """Load `model`: None (the embedded SmolLM2-135M-Instruct), a local HF directory (config.json +
     safetensors, sharded or not), a `.gguf` file, or a preset name (random weights).
 
     Raises ModelNotFoundError for anything else, at once: mini-infer never downloads from a hub.
     """
     device = torch.device(device) if device is not None else default_device()
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy' (random weights), got {load_format!r}")
+    if load_format == "dummy":
+        return _load_dummy(model, dtype, device, seed)
     if model is None or model == DEFAULT_MODEL:
         m, tok = _load_pretrained(str(_embedded_hf_dir()), None, dtype, device)
         return LoadedModel(m, m.config, tok, "default", DEFAULT_MODEL)

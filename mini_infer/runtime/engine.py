@@ -65,6 +65,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
+    load_format: str = "auto"  # "dummy": the model's architecture with random weights
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -105,7 +106,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device) if config.device else default_device()
         t0 = time.perf_counter()
-        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed,
+                                           load_format=config.load_format)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         text_cfg = self.model_config.get_text_config()

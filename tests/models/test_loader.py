@@ -143,3 +143,18 @@ def test_qwen_directory_without_tokenizer_files_has_no_tokenizer(tmp_path):
     load_model("tiny-qwen2", device="cpu").model.save_pretrained(tmp_path, safe_serialization=True)
     tok = load_model(str(tmp_path), device="cpu").tokenizer
     assert tok is None, f"got {type(tok).__name__} with {len(tok)} tokens"
+
+
+def test_dummy_load_format_keeps_architecture_not_weights(tmp_path):
+    """load_format='dummy' (mini-infer --dry-run): the directory's config with random weights."""
+    real = load_model("tiny-qwen2", device="cpu", seed=1).model
+    real.save_pretrained(tmp_path, safe_serialization=True)
+    dummy = load_model(str(tmp_path), device="cpu", load_format="dummy", seed=7)
+    assert dummy.source == "dummy"
+    assert type(dummy.model) is type(real)
+    assert dummy.config.hidden_size == real.config.hidden_size
+    w_real = real.model.layers[0].self_attn.q_proj.weight
+    w_dummy = dummy.model.model.layers[0].self_attn.q_proj.weight
+    assert w_real.shape == w_dummy.shape and not torch.equal(w_real, w_dummy)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model("tiny-llama", device="cpu", load_format="pt")
