@@ -72,6 +72,10 @@ def write_kv_cache_reference(
         slots, k, v = slots[valid], k[valid], v[valid]
     if slots.numel() == 0:
         return
+    if k_cache.is_contiguous() and v_cache.is_contiguous():  # one row copy per token into the flat view
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
     block_size = k_cache.shape[1]
     blk, off = slots // block_size, slots % block_size
     k_cache.index_put_((blk, off), k.to(k_cache.dtype))
@@ -159,6 +163,55 @@ def _attend_reference(
     out[rows[qvalid]] = o[qvalid].to(out.dtype)
 
 
+_PLAN_CACHE: list = []  # [(weakref(block_tables), version, weakref(lens), version, args, plan)], one entry
+
+
+def _decode_gather_plan(block_tables, lens, block_size: int, sliding_window: int, dtype):
+    """Flat cache slots to gather [S * L] and the additive key mask [S, 1, 1, L] of a decode step.
+
+    The same metadata tensors reach every layer of a step, so the plan is computed once per step: it is
+    cached on the identity (weak references: a freed tensor never matches) and version of those tensors.
+    """
+    import weakref
+
+    args = (block_size, sliding_window, dtype)
+    if _PLAN_CACHE:
+        bt_ref, bt_ver, ln_ref, ln_ver, c_args, plan = _PLAN_CACHE[0]
+        if (bt_ref() is block_tables and ln_ref() is lens and bt_ver == block_tables._version
+                and ln_ver == lens._version and c_args == args):
+            return plan
+    seq_lens, lens = lens, lens.to(torch.int64)
+    length = -(-int(lens.max()) // block_size) * block_size
+    pos = torch.arange(length, device=lens.device)
+    valid = pos[None, :] < lens[:, None]  # [S, L]
+    safe = torch.where(valid, pos[None, :], 0)
+    blk = block_tables.to(torch.int64).gather(1, safe // block_size)
+    slots = (blk * block_size + safe % block_size).flatten()
+    if sliding_window > 0:
+        valid &= (lens[:, None] - 1 - pos[None, :]) < sliding_window
+    mask = torch.zeros(valid.shape, dtype=dtype, device=lens.device).masked_fill_(~valid, float("-inf"))
+    plan = (slots, mask[:, None, None, :], length)
+    _PLAN_CACHE[:] = [(weakref.ref(block_tables), block_tables._version, weakref.ref(seq_lens), seq_lens._version,
+                       args, plan)]
+    return plan
+
+
+def _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int):
+    """Every sequence has one query row: gather each one's keys into a padded [S, L] batch and run one
+    SDPA with GQA and an additive key mask. The gather is per token: positions past a sequence's length
+    read its position 0 instead (always written by the sequence itself), so whatever the cache holds there,
+    even NaN, is never read; the mask then hides them."""
+    n, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    slots, mask, length = _decode_gather_plan(block_tables, seq_lens, block_size, sliding_window, k_cache.dtype)
+    keys = k_cache.view(-1, hkv, d).index_select(0, slots).view(n, length, hkv, d)
+    vals = v_cache.view(-1, hkv, v_cache.shape[3]).index_select(0, slots).view(n, length, hkv, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(n, hq, 1, d).to(keys.dtype), keys.transpose(1, 2), vals.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    return out.view(n, hq, -1).to(q.dtype)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,6 +238,12 @@ def paged_attention_reference(
     qlens = qsl[1:] - qsl[:-1]
     common = (k_cache, v_cache)
     opts = (scale, int(sliding_window), float(softcap), out)
+
+    # a pure decode step without softcap (the common case): one gather and one SDPA for all sequences
+    if softcap <= 0 and t == n_seqs and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and bool((qlens == 1).all()):
+        out[:] = _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, int(sliding_window))
+        return out
 
     # decode rows of every sequence: one batched gather + matmul
     dec = torch.nonzero(qlens == 1).flatten()
