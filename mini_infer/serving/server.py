@@ -83,6 +83,8 @@ def serve(args, engine_kwargs: dict) -> int:
         server.run()
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind
         return int(exc.code or 1)
+    except KeyboardInterrupt:  # Ctrl-C during start-up or a second Ctrl-C during shutdown: stop quietly
+        return 0
     finally:
         if state.engine is not None:
             state.engine.shutdown(timeout=5)
