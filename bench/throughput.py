@@ -97,6 +97,11 @@ def main() -> None:
     wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
     results = [run_engine(llm, wl, temperature=temp)]
     results[0].startup_seconds = startup
+    st = llm.engine.stats
+    print(f"mini-infer step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
+          f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
+          f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
+          f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each)", flush=True)
     print(f"mini-infer: {results[0].output_tok_s:.1f} output tok/s ({results[0].seconds:.1f}s; startup "
           f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
           flush=True)

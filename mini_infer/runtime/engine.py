@@ -137,7 +137,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
-                      "finished_requests": 0}
+                      "finished_requests": 0, "decode_steps": 0, "decode_seconds": 0.0, "mixed_steps": 0,
+                      "mixed_seconds": 0.0}
         logger.info("engine ready: load %.1fs, compile %.1fs, KV cache %d blocks x %d tokens (%.1f MiB)",
                     self.load_seconds, self.compile_seconds, self.kv_cache.num_blocks, config.block_size,
                     self.kv_cache.nbytes / 2**20)
@@ -276,7 +277,11 @@ class LLMEngine:
                 touched[req.request_id] = req
         if out.scheduled:
             try:
+                start = time.perf_counter()
                 self._run_step(out, touched)
+                kind = "decode" if all(n == 1 for _, n in out.scheduled) and all(out.sample) else "mixed"
+                self.stats[f"{kind}_steps"] += 1  # wall time per kind: each step ends in a host sync
+                self.stats[f"{kind}_seconds"] += time.perf_counter() - start
             except Exception as exc:  # fail this step's sequences, keep serving the rest
                 logger.exception("step failed")
                 for seq, _ in out.scheduled:
