@@ -128,26 +128,27 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     capture_row = PassStats("capture", 0, 0, captured_nodes, ctx.info["capture_seconds"] or 0.0,
                             "torch.export (non-strict)")
     stats = [capture_row, *stats]
-    if device.type == "cpu":
-        bound = bind_cpu_kernels(gm)
-        if bound.num_matches:
-            stats.append(bound)
+    bound = bind_kernels(gm, device)
+    if bound.num_matches:
+        stats.append(bound)
     return CompiledModel(gm, ctx, stats, model_name)
 
 
-def bind_cpu_kernels(gm: fx.GraphModule) -> PassStats:
-    """On CPU, call each mini_infer op's reference function directly instead of through the dispatcher.
+def bind_kernels(gm: fx.GraphModule, device: torch.device, backend: str | None = None) -> PassStats:
+    """Call each mini_infer op's kernel function directly instead of through the dispatcher.
 
-    The op would run that same function; the dispatcher and custom-op wrappers add about 80 us per call,
-    ~15 ms per decode step of a 30-layer model. This runs after validation (the references are real
-    kernels, not fake-tensor rules), so the graph stays validated with the ops in it; dumps show the ops.
+    The op would run that same function (the torch reference on CPU, the Triton launcher on CUDA); the
+    dispatcher and custom-op wrappers add about 80 us per call, ~15 ms per step of a 30-layer model, which
+    on a GPU makes uncaptured steps host-bound. This runs after validation (kernels are not fake-tensor
+    rules), so the graph was validated with the ops in it; dumps show the ops.
     """
     import time
 
-    from mini_infer.ops import reference_impls
+    from mini_infer.ops import backend_for, kernel_impls
 
     start = time.perf_counter()
-    impls = reference_impls()
+    backend = backend or backend_for(device)
+    impls = kernel_impls(backend)
     n = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in impls:
@@ -156,5 +157,5 @@ def bind_cpu_kernels(gm: fx.GraphModule) -> PassStats:
             n += 1
     gm.recompile()
     nodes = sum(1 for nd in gm.graph.nodes if nd.op not in ("placeholder", "output", "get_attr"))
-    return PassStats("bind_cpu_kernels", n, nodes, nodes, time.perf_counter() - start,
-                     "ops call their torch reference directly")
+    return PassStats("bind_kernels", n, nodes, nodes, time.perf_counter() - start,
+                     f"ops call their {backend} kernels directly")

@@ -74,11 +74,11 @@ def test_logits_tolerance():
 
 def test_summary_lists_every_pass(compiled):
     cm, _ = compiled
-    # on CPU the ops are bound to their torch references after the verified passes
-    assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_cpu_kernels"]
+    # the ops are bound to their kernels (torch references on CPU) after the verified passes
+    assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_kernels"]
     lines = cm.summary().splitlines()
     assert "max |err|" in lines[0]
-    assert [line.split()[0] for line in lines[2:]] == ["capture", *PIPELINE, "bind_cpu_kernels"]
+    assert [line.split()[0] for line in lines[2:]] == ["capture", *PIPELINE, "bind_kernels"]
     assert all(s.max_abs_err is not None and s.max_abs_err <= 1e-4 for s in cm.stats[1:-1])
     assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2  # norms, rotaries, silu_and_mul, attentions
     matches = {s.name: s.num_matches for s in cm.stats}
@@ -149,7 +149,7 @@ def test_verify_names_the_wrong_pass(cached_capture, tmp_path):
     # without verify the same pipeline compiles (and is wrong): verification is what catches it
     cm = compile_model(loaded("tiny-qwen2").model, passes=passes)
     assert [s.name for s in cm.stats] == ["capture", "cleanup", "fuse_rmsnorm", "scale_logits", "fuse_rotary",
-                                          "bind_cpu_kernels"]
+                                          "bind_kernels"]
 
 
 def test_unknown_pass_fails_before_capture(monkeypatch):
@@ -195,7 +195,7 @@ def test_bf16_pipeline_matches_like_fp32():
 @pytest.mark.parametrize("name", ARCHS)
 def test_verify_passes_on_every_architecture(cached_capture, name):
     cm = compile_model(loaded(name).model, verify=True)
-    assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_cpu_kernels"]
+    assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_kernels"]
     assert isinstance(cm, CompiledModel) and len(cm.kv_cache_specs) == 2
 
 
@@ -207,3 +207,29 @@ def test_full_pipeline_equals_eager(name, num, start):
     check_against_eager(name, gm, ctx, num, start, seed=num * 13 + start)
     # block size of the example inputs is 16: the cache covers every token
     assert ctx.example_inputs(random_ids(num, 0), positions(0, num))["k_cache_0"].shape[0] == math.ceil(num / 16)
+
+
+def test_bound_kernels_match_the_ops():
+    """bind_kernels swaps op nodes for the functions the ops dispatch to; the Triton-bound graph (under the
+    interpreter here) gives the reference-bound graph's logits, and no mini_infer op node is left."""
+    import torch.fx as fx
+
+    from mini_infer.compiler import bind_kernels
+
+    cm = compile_model(loaded("tiny-llama").model)
+    ids, pos = random_ids(6, 3), positions(0, 6)
+    ref = cm(**cm.example_inputs(ids, pos))
+    assert not any(getattr(n.target, "namespace", None) == "mini_infer" for n in cm.graph_module.graph.nodes)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(cm.graph_module.graph, {}))
+    gm = fx.GraphModule(cm.graph_module, graph)  # same weights, its own nodes
+    for node in gm.graph.nodes:  # back to the ops, then to the Triton launchers
+        if "op" in node.meta:
+            node.target = node.meta["op"]
+    stats = bind_kernels(gm, torch.device("cpu"), backend="triton")
+    assert stats.num_matches == 5 + 4 + 2 + 2
+    names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and callable(n.target)]
+    assert "paged_attention_triton" in names and "rms_norm_triton" in names
+    inputs = cm.example_inputs(ids, pos)
+    out = gm(*(inputs[n] for n in cm.input_names))
+    assert_logits_close(out, ref, rel=1e-4)
