@@ -609,7 +609,9 @@ def paged_attention_triton(
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
                 G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits,
-                SEARCH_STEPS=max(1, n_seqs.bit_length()), USE_WINDOW=sliding_window > 0,
+                # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
+                # so batches of changing size do not each compile a new kernel
+                SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
