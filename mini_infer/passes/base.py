@@ -108,6 +108,16 @@ class PassContext:
         return inputs
 
 
+def replace_with_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> fx.Node:
+    """Put `target(*args)` where `node` is and route `node`'s users to it (node is left for dead-code removal).
+    The new node inherits `node`'s metadata (its fake value included), since it computes the same thing."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    return new
+
+
 class GraphPass:
     """Base class of graph passes. Subclasses set `name` (and `requires`) and implement `apply`."""
 

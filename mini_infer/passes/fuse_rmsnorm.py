@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
-from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.pattern import aten, dtype, is_last_dim, is_op, ndim, only_user, same_shape
 
 ops = torch.ops.mini_infer
@@ -73,10 +73,7 @@ class FuseRMSNorm(GraphPass):
             if m is None:
                 continue
             x, weight, eps = m
-            with graph.inserting_before(node):
-                new = graph.call_function(ops.rms_norm.default, (x, weight, eps))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
+            replace_with_call(gm, node, ops.rms_norm.default, (x, weight, eps))
             norms += 1
         graph.eliminate_dead_code()
         fused = 0

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401
-from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.pattern import aten, is_last_dim, is_op, ndim, shape
 
 ops = torch.ops.mini_infer
@@ -76,9 +76,6 @@ class FuseRotary(GraphPass):
             m = _match(node)
             if m is None:
                 continue
-            with graph.inserting_before(node):
-                new = graph.call_function(ops.apply_rotary.default, m)
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
+            replace_with_call(gm, node, ops.apply_rotary.default, m)
             n += 1
         return PassResult(n)

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401
-from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.pattern import aten, is_op, only_user, same_shape
 
 ops = torch.ops.mini_infer
@@ -31,10 +31,7 @@ class FuseSiluMul(GraphPass):
             for act, up in (node.args, node.args[::-1]):
                 if (is_op(act, aten.silu.default) and only_user(act, node) and isinstance(up, fx.Node)
                         and same_shape(act, up)):
-                    with graph.inserting_before(node):
-                        new = graph.call_function(ops.silu_and_mul.default, (act.args[0], up))
-                    new.meta.update(node.meta)
-                    node.replace_all_uses_with(new)
+                    replace_with_call(gm, node, ops.silu_and_mul.default, (act.args[0], up))
                     n += 1
                     break
         return PassResult(n)
