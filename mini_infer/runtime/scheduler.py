@@ -193,9 +193,9 @@ class Scheduler:
         prefix cache and free them. Idempotent."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq in self.running:
             self.running.remove(seq)
-        else:
+        elif seq in self.waiting:  # (a sequence refused in add() is in neither queue)
             self.waiting.remove(seq)
         self.block_manager.commit_computed(seq)
         self.block_manager.free(seq)
@@ -329,15 +329,7 @@ class Scheduler:
             )
         else:
             reason = "length"
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.commit_computed(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self._forget(seq)
+        self.finish(seq, reason)
 
     def _forget(self, seq: Sequence) -> None:
         seqs = self._by_request.get(seq.request_id)

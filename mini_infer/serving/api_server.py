@@ -580,6 +580,10 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await _add_all(eng, request_id, prompts, params, body.priority, "prompt")
         gen = _CompletionBuilder(state, body, request_id, texts, prompts, limits)
+        return await _respond(request, body, eng, streams, gen)
+
+    async def _respond(request: Request, body, eng, streams, gen) -> Response:
+        """A stream of SSE chunks, or the collected body (499 when the client left before the end)."""
         if body.stream:
             return StreamingResponse(gen.stream(_merge(eng, streams)), media_type="text/event-stream")
         result = await _unless_disconnected(request, gen.collect(_merge(eng, streams)))
@@ -637,12 +641,7 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _add_all(eng, request_id, [ids], [params], body.priority, "messages")
         gen = _ChatBuilder(state, body, request_id, len(ids))
-        if body.stream:
-            return StreamingResponse(gen.stream(_merge(eng, streams)), media_type="text/event-stream")
-        result = await _unless_disconnected(request, gen.collect(_merge(eng, streams)))
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(result)
+        return await _respond(request, body, eng, streams, gen)
 
     return app
 
