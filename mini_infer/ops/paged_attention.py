@@ -49,7 +49,7 @@ __all__ = [
 _REF_QUERY_CHUNK = 256
 
 # Triton launch shapes. "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step.
-# Tuned on an H200 (bf16, head dim 128, GQA 28/4) with tests/ops/bench_paged_attention.py --sweep;
+# Tuned on an H200 (bf16, head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep;
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},

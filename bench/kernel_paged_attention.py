@@ -1,6 +1,6 @@
 """Timing of paged_attention (not a test): Triton on CUDA vs torch SDPA on contiguous K/V, and the CPU reference.
 
-    python -m tests.ops.bench_paged_attention [--cpu-only | --sweep]
+    python bench/kernel_paged_attention.py [--cpu-only | --sweep]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 """
