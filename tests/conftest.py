@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():  # session scope: module- and session-scoped fixtures (model compiles) run under it too
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import torch
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-torch.set_num_threads(1)  # the machine is shared: oversubscribed OpenMP makes small ops 100x slower
+import pytest
 
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-from mini_infer.cli import main  # noqa: E402
-from tests import _model_cache as mc  # noqa: E402
+from mini_infer.cli import main
+from tests import _model_cache as mc
 
 ANSWER = "The capital of France is Paris."
 

@@ -33,25 +33,11 @@ PIPELINE = ["cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse
             "select_logits"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # see tests/passes/conftest.py: tiny models on a busy two-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """tiny-llama through the real front door: capture, recommended passes, verify, dumps."""
     dump = tmp_path_factory.mktemp("dump")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cm = compile_model(loaded("tiny-llama").model, verify=True, dump_dir=dump, model_name="tiny-llama")
-    finally:
-        torch.set_num_threads(before)
+    cm = compile_model(loaded("tiny-llama").model, verify=True, dump_dir=dump, model_name="tiny-llama")
     return cm, dump
 
 

@@ -7,18 +7,14 @@ Greedy ids are checked against HF `generate` on the same model object.
 
 from __future__ import annotations
 
-import torch
+import time
 
-torch.set_num_threads(1)  # the machine is shared: oversubscribed OpenMP makes small ops 100x slower
+import pytest
 
-import time  # noqa: E402
-
-import pytest  # noqa: E402
-
-from mini_infer.llm import LLM  # noqa: E402
-from mini_infer.models.loader import ModelNotFoundError  # noqa: E402
-from mini_infer.sampling_params import SamplingParams  # noqa: E402
-from tests import _model_cache as mc  # noqa: E402
+from mini_infer.llm import LLM
+from mini_infer.models.loader import ModelNotFoundError
+from mini_infer.sampling_params import SamplingParams
+from tests import _model_cache as mc
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]

@@ -11,19 +11,16 @@ prefix caching and chunked prefill), and a failing step failing only its own req
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
-torch.set_num_threads(1)  # the machine is shared: oversubscribed OpenMP makes small ops 100x slower
-
-import functools  # noqa: E402
-
-import pytest  # noqa: E402
-
-from mini_infer.models.presets import TINY_DENSE_PRESETS  # noqa: E402
-from mini_infer.outputs import RequestOutput  # noqa: E402
-from mini_infer.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
-from mini_infer.sampling_params import SamplingParams  # noqa: E402
-from tests import _model_cache as mc  # noqa: E402
+from mini_infer.models.presets import TINY_DENSE_PRESETS
+from mini_infer.outputs import RequestOutput
+from mini_infer.runtime.engine import EngineConfig, LLMEngine
+from mini_infer.sampling_params import SamplingParams
+from tests import _model_cache as mc
 
 NEW = 12
 LENGTHS = (3, 17, 40, 9, 26)  # mixed lengths, all past tiny-mistral's window of 8 once generated
