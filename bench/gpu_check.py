@@ -1,6 +1,8 @@
 """GPU correctness check of the whole engine: greedy token ids from mini-infer (Triton kernels, CUDA graphs)
 against HF `generate` on the same model, in float32 (TF32 off) so that any mismatch is a bug, not rounding.
-Also compares CUDA-graph decode with eager decode. Prints one line per check; exits 1 on a mismatch.
+Runs three engines: CUDA graphs (decode and mixed steps captured), CUDA graphs with 64-token steps (chunked
+prefill mixed with decodes, padded into the captured mixed shape), and eager; all must equal HF. Prints one line
+per check; exits 1 on a mismatch.
 
     python bench/gpu_check.py [--model qwen3-0.6b]
 """
@@ -30,26 +32,31 @@ def main() -> int:
     prompts = [torch.randint(100, 5000, (n,), generator=gen).tolist() for n in (5, 17, 64, 130, 300, 1)]
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     results = {}
-    for eager in (False, True):
-        t = time.perf_counter()
-        from mini_infer.runtime.engine import EngineConfig, LLMEngine
+    configs = {"graphs": {}, "graphs, 64-token steps": {"max_num_batched_tokens": 64},
+               "eager": {"enforce_eager": True}}
+    from mini_infer.runtime.engine import EngineConfig, LLMEngine
 
+    for name, kw in configs.items():
+        t = time.perf_counter()
         eng = LLMEngine(EngineConfig(model=args.model, max_num_seqs=8, max_model_len=1024,
-                                     kv_cache_memory_bytes=1 << 30, enforce_eager=eager), loaded=loaded)
+                                     kv_cache_memory_bytes=1 << 30, **kw), loaded=loaded)
         llm = LLM.__new__(LLM)
         llm.engine, llm._counter = eng, 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results[eager] = [o.outputs[0].token_ids for o in outs]
-        print(f"engine (enforce_eager={eager}): {time.perf_counter() - t:.1f}s incl. compile "
-              f"{eng.compile_seconds:.1f}s, graphs {eng.capture_seconds:.1f}s; blocks in use after: "
-              f"{eng.block_manager.num_used_blocks}")
+        results[name] = [o.outputs[0].token_ids for o in outs]
+        graphs = eng.runner.cuda_graphs
+        print(f"engine ({name}): {time.perf_counter() - t:.1f}s incl. compile {eng.compile_seconds:.1f}s, "
+              f"graphs {eng.capture_seconds:.1f}s ({len(graphs.graphs) if graphs else 0} shapes); "
+              f"decode steps {eng.stats['decode_steps']}, mixed steps {eng.stats['mixed_steps']}; "
+              f"blocks in use after: {eng.block_manager.num_used_blocks}")
         del eng, llm
     ok = True
-    same = results[False] == results[True]
-    print(f"cuda-graph decode == eager decode: {same}")
-    ok &= same
+    for name in configs:
+        same = results[name] == results["eager"]
+        print(f"{name} == eager: {same}")
+        ok &= same
     model = loaded.model
-    for p, got in zip(prompts, results[False]):
+    for p, got in zip(prompts, results["graphs"]):
         ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=args.new_tokens,
                              min_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
         match = sum(1 for a, b in zip(got, ref) if a == b)

@@ -29,7 +29,7 @@ def main() -> None:
     for _ in range(5):
         eng.step()
     graphs = eng.runner.cuda_graphs
-    replay = graphs.graphs[graphs.bucket_for(args.batch)]
+    replay = graphs.graphs[graphs.bucket_for(args.batch, args.batch, args.batch, decode=True)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()

@@ -66,7 +66,7 @@ class LLM:
             while pending:
                 if not self.engine.has_unfinished_requests():  # they were aborted from elsewhere
                     raise RuntimeError(f"requests {sorted(pending)} ended without a final output")
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in pending:
                         done[out.request_id] = out
                         pending.discard(out.request_id)

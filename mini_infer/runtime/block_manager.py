@@ -276,7 +276,7 @@ class BlockManager:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
-        seq.block_table.clear()
+        seq.block_table = []  # a new list, not clear(): the model runner mirrors tables by identity
         self._states.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:

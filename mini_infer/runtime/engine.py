@@ -121,7 +121,9 @@ class LLMEngine:
         self.compile_seconds = time.perf_counter() - t1
         self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
         self.kv_cache = self._allocate_kv_cache()
-        max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        # vLLM's defaults: a larger token budget on a GPU (fewer, fuller prefill steps), 2048 elsewhere
+        default_batched = 8192 if self.device.type == "cuda" else 2048
+        max_batched = config.max_num_batched_tokens or max(default_batched, config.max_num_seqs)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens is None:
             max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step (as vLLM)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -131,7 +133,7 @@ class LLMEngine:
             policy=config.scheduling_policy), self.block_manager)
         self.runner = ModelRunner(self.compiled, self.kv_cache, self.device)
         self.capture_seconds = 0.0 if config.enforce_eager else \
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, min(max_batched, 16384))
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
@@ -262,8 +264,9 @@ class LLMEngine:
         return len(self.requests)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the outputs of every request that changed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduled step; returns the outputs of every request that changed (with `final_only`,
+        of every request that finished: the offline path, which reads no partial outputs)."""
         out = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(out.preempted)
@@ -294,6 +297,11 @@ class LLMEngine:
                             self.scheduler.finish(s, "error")
                             self._flush(req, s)
                     touched[req.request_id] = req
+        if final_only:
+            for req in touched.values():
+                if not req.finished:
+                    req.deltas.clear()
+            return [self._output(req) for req in touched.values() if req.finished]
         return [self._output(req) for req in touched.values()]
 
     def _run_step(self, out, touched: dict[str, _Request]) -> None:
@@ -302,8 +310,8 @@ class LLMEngine:
                if s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                and getattr(s, "index", 0) == 0}
         inputs, plan = self.runner.prepare(out.scheduled, out.sample, plp)
-        decode = len(out.scheduled) if all(n == 1 for _, n in out.scheduled) and all(out.sample) else 0
-        logits = self.runner.execute(inputs, decode_seqs=decode if not plan.prompt_rows else 0)
+        decode = all(n == 1 for _, n in out.scheduled) and all(out.sample)
+        logits = self.runner.execute(inputs, decode=decode, padded=not plan.prompt_rows)
         sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
         token_ids: list[int] = []
         so = None

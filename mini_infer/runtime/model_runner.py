@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mini_infer.compiler import CompiledModel
@@ -34,7 +35,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
-        self.cuda_graphs = None  # a CUDAGraphDecoder once enable_cuda_graphs() ran
+        self.cuda_graphs = None  # a CUDAGraphRunner once enable_cuda_graphs() ran
+        # Host mirror of block tables, one row per recently scheduled sequence, updated incrementally:
+        # a sequence's table only grows in place (the block manager gives a reset table a new list).
+        self._tables = np.zeros((64, 8), dtype=np.int32)
+        self._table_rows: dict[int, list] = {}  # seq_id -> [row, the table list, entries mirrored]
+        self._free_rows = list(range(63, -1, -1))
         names = set(compiled.input_names)
         for required in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
             if required not in names:
@@ -45,6 +51,52 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
+    def _mirror_rows(self, seqs: list[Sequence], width: int) -> np.ndarray:
+        """Rows of the host block-table mirror holding `seqs`' tables (at least `width` columns synced)."""
+        if width > self._tables.shape[1]:
+            grown = np.zeros((self._tables.shape[0], max(width, 2 * self._tables.shape[1])), dtype=np.int32)
+            grown[:, : self._tables.shape[1]] = self._tables
+            self._tables = grown
+        if len(seqs) > len(self._free_rows) + sum(1 for s in seqs if s.seq_id in self._table_rows):
+            self._evict_rows({s.seq_id for s in seqs}, len(seqs))
+        rows = np.empty(len(seqs), dtype=np.int64)
+        tables = self._tables
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            entry = self._table_rows.get(seq.seq_id)
+            if entry is None or entry[1] is not table:  # new to the mirror, or its table was reset
+                row = entry[0] if entry is not None else self._free_rows.pop()
+                entry = self._table_rows[seq.seq_id] = [row, table, 0]
+            n = len(table)
+            if entry[2] < n:
+                m = min(n, tables.shape[1])
+                tables[entry[0], entry[2]:m] = table[entry[2]:m]
+                entry[2] = m
+            rows[i] = entry[0]
+        return rows
+
+    def _evict_rows(self, keep: set[int], needed: int) -> None:
+        """Free the mirror rows of sequences not in `keep`; grow the mirror if a step needs more rows."""
+        for seq_id in [k for k in self._table_rows if k not in keep]:
+            self._free_rows.append(self._table_rows.pop(seq_id)[0])
+        have = self._tables.shape[0]
+        if have < needed:
+            grown = np.zeros((2 * needed, self._tables.shape[1]), dtype=np.int32)
+            grown[:have] = self._tables
+            self._tables = grown
+            self._free_rows.extend(range(2 * needed - 1, have - 1, -1))
+
+    @staticmethod
+    def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+        """seq.token_ids[start:end] without concatenating the whole prompt and output."""
+        prompt = seq.prompt_token_ids
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return seq.output_token_ids[start - p: end - p]
+        return prompt[start:] + seq.output_token_ids[: end - p]
+
     def prepare(self, scheduled: list[tuple[Sequence, int]], sample: list[bool],
                 prompt_logprob_seqs: set[int] | None = None) -> tuple[dict[str, torch.Tensor], StepPlan]:
         """Graph inputs for one step and where each needed logits row will be."""
@@ -54,7 +106,6 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         qsl = [0]
-        tables: list[list[int]] = []
         logits_idx: list[int] = []
         plan = StepPlan()
         prompt_logprob_seqs = prompt_logprob_seqs or set()
@@ -62,14 +113,17 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             row0 = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            positions = range(start, end)
-            pos.extend(positions)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            if n == 1:  # decode: no ranges
+                ids.append(self._token_slice(seq, start, end)[0])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(self._token_slice(seq, start, end))
+                pos.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             qsl.append(len(ids))
-            tables.append(table[: -(-end // bs)])
             if seq.seq_id in prompt_logprob_seqs:
                 # rows predicting prompt tokens start+1 .. min(end, P-1): positions start .. min(end, P-1)-1
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -79,13 +133,15 @@ class ModelRunner:
             if samples:
                 plan.sample_rows.append(len(logits_idx))
                 logits_idx.append(len(ids) - 1)
-        width = max(len(t) for t in tables)
-        block_tables = [t + [0] * (width - len(t)) for t in tables]
+        width = -(-max(seq_lens) // bs)
+        rows = self._mirror_rows([seq for seq, _ in scheduled], width)
+        block_tables = torch.from_numpy(self._tables[rows, :width])
         inputs = {
             "input_ids": self._tensor(ids, torch.int64)[None],
             "position_ids": self._tensor(pos, torch.int64)[None],
             "slot_mapping": self._tensor(slots, torch.int64),
-            "block_tables": self._tensor(block_tables, torch.int32),
+            "block_tables": block_tables.to(self.device, non_blocking=True) if self.device.type != "cpu"
+            else block_tables,
             "seq_lens": self._tensor(seq_lens, torch.int32),
             "query_start_loc": self._tensor(qsl, torch.int32),
             "logits_indices": self._tensor(logits_idx or [len(ids) - 1], torch.int64),
@@ -93,21 +149,29 @@ class ModelRunner:
         inputs.update(self.kv_cache.tensors)
         return inputs, plan
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode steps as CUDA graphs (CUDA only); returns the capture time in seconds."""
-        from mini_infer.runtime.cuda_graphs import CUDAGraphDecoder
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
+                           force: bool = False) -> float:
+        """Capture decode steps (and, with `max_num_batched_tokens`, mixed steps up to that many tokens) as
+        CUDA graphs; returns the capture time in seconds. On CPU nothing is captured unless `force`, which
+        runs steps eagerly in their padded shapes (to test the padding)."""
+        from mini_infer.runtime.cuda_graphs import CUDAGraphRunner
 
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not force:
             return 0.0
         max_blocks = -(-max_model_len // self.block_size)
-        self.cuda_graphs = CUDAGraphDecoder(self.compiled, self.kv_cache, max_num_seqs, max_blocks, self.device)
+        self.cuda_graphs = CUDAGraphRunner(self.compiled, self.kv_cache, max_num_seqs, max_blocks, self.device,
+                                           max_num_batched_tokens)
         self.cuda_graphs.capture()
         return self.cuda_graphs.capture_seconds
 
-    def execute(self, inputs: dict[str, torch.Tensor], decode_seqs: int = 0) -> torch.Tensor:
-        """Run the graph; returns logits [rows, vocab]. `decode_seqs` > 0 marks a pure decode step of that
-        many sequences (one token each, each sampled), which replays a captured CUDA graph when one fits."""
+    def execute(self, inputs: dict[str, torch.Tensor], decode: bool = False, padded: bool = True) -> torch.Tensor:
+        """Run the graph; returns logits [rows, vocab]. `decode` marks a pure decode step (one token per
+        sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape replays
+        it; otherwise (prompt logprobs, oversized steps) the graph runs as is."""
         graphs = self.cuda_graphs
-        if decode_seqs and graphs is not None and graphs.bucket_for(decode_seqs) is not None:
-            return graphs.run(inputs, decode_seqs)
+        if graphs is not None and padded:
+            shape = graphs.bucket_for(inputs["input_ids"].shape[1], inputs["seq_lens"].shape[0],
+                                      inputs["logits_indices"].shape[0], decode)
+            if shape is not None:
+                return graphs.run(inputs, shape)
         return self.compiled(**inputs)[0]
