@@ -17,16 +17,17 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
     args = ap.parse_args()
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=1024, kv_cache_memory_bytes=2 << 30)
+    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(args.batch):
-        eng.add_request(None, {"prompt_token_ids": list(range(1000 + i, 1128 + i))}, params)
-    for _ in range(5):
+        eng.add_request(None, {"prompt_token_ids": list(range(1000 + i, 1000 + args.prompt_len + i))}, params)
+    while eng.stats["decode_steps"] < 5:  # all prompts prefilled, a few decode steps done
         eng.step()
     graphs = eng.runner.cuda_graphs
     replay = graphs.graphs[graphs.bucket_for(args.batch, args.batch, args.batch, decode=True)]

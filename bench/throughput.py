@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: SmolLM2 (cpu16) or qwen3-0.6b (nanovllm)")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch, or none")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (engine default)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
@@ -92,7 +93,7 @@ def main() -> None:
         peers = [] if args.peers == "none" else args.peers.split(",")
 
     t0 = time.perf_counter()
-    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304)
+    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304, max_num_batched_tokens=args.max_num_batched_tokens)
     startup = time.perf_counter() - t0
     wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
     results = [run_engine(llm, wl, temperature=temp)]
