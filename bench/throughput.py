@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch, or none")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (engine default)")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlap host scheduling with the device")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
@@ -93,7 +94,8 @@ def main() -> None:
         peers = [] if args.peers == "none" else args.peers.split(",")
 
     t0 = time.perf_counter()
-    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304, max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
     results = [run_engine(llm, wl, temperature=temp)]
@@ -125,7 +127,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+    meta = {"async_scheduling": args.async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(

@@ -27,7 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs the graph eagerly)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (steps run the graph eagerly)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch the next step before the previous one's sampled ids are read back")
     p.add_argument("--dry-run", action="store_true",
                    help="random weights in the model's architecture (vLLM's --load-format dummy); with no model, "
                         "the smollm2-135m preset")
@@ -42,6 +44,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         load_format="dummy" if args.dry_run else "auto",
     )
 

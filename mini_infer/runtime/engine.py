@@ -3,8 +3,14 @@
 `LLMEngine` loads and compiles the model, sizes and allocates the paged KV cache, and runs the loop:
 schedule → run the compiled graph → sample → detokenize and check stops → report. Bad requests are refused
 with a ValueError naming the field and limit before anything is queued; a failing step fails only the
-sequences in it (their blocks return to the pool) and the engine keeps serving. It is synchronous and
-single-threaded; the async server wraps it.
+sequences in it (their blocks return to the pool) and the engine keeps serving. It is single-threaded;
+the async server wraps it.
+
+A step is launched (inputs built, graph and sampler queued on the device, counts advanced, a placeholder
+token appended for every sampled sequence) and then completed (sampled ids read back, placeholders
+replaced, stops checked). With `async_scheduling` the next step is scheduled and launched before the
+previous one is completed, so the host's work overlaps the device's: the next step reads the previous
+step's sampled ids on the device, and a sequence that stops meanwhile has its extra row discarded.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class EngineConfig:
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
     load_format: str = "auto"  # "dummy": the model's architecture with random weights
+    async_scheduling: bool = False  # overlap the host's scheduling with the device's previous step
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -76,6 +83,24 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+PLACEHOLDER = -1  # a sampled token id not read back from the device yet
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device, not yet completed."""
+
+    out: object  # SchedulerOutput
+    sampling: list[Sequence]
+    out_index: list[int]  # per sampling sequence: its placeholder's index in output_token_ids
+    so: object  # SamplerOutput | None
+    kind: str  # "decode" or "mixed"
+
+    def pending_rows(self) -> dict[int, tuple[int, int]]:
+        """seq_id -> (row of its sampled id in so.token_ids, placeholder index in its output)."""
+        return {seq.seq_id: (i, j) for i, (seq, j) in enumerate(zip(self.sampling, self.out_index))}
 
 
 @dataclass
@@ -137,6 +162,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
+        self._inflight: _Launched | None = None  # async scheduling: the step launched, not completed
+        self._touched: dict[str, _Request] = {}  # requests with news since the last step() returned
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "finished_requests": 0, "decode_steps": 0, "decode_seconds": 0.0, "mixed_steps": 0,
@@ -250,14 +277,18 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its KV blocks return to the pool. False if it is unknown or already done."""
+        if request_id not in self.requests:
+            return False
+        self._drain()  # its sampled ids in flight land first (no placeholder reaches the prefix cache)
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self._touched.pop(request_id, None)
         self.scheduler.abort(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self.scheduler.has_unfinished()
+        return bool(self.requests) or self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -266,11 +297,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs of every request that changed (with `final_only`,
-        of every request that finished: the offline path, which reads no partial outputs)."""
+        of every request that finished: the offline path, which reads no partial outputs). With
+        `async_scheduling` the outputs are those of the step launched by the previous call."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(out.preempted)
-        touched: dict[str, _Request] = {}
+        touched = self._touched
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._needs_tokens_now(out, prev):
+            self._complete_safely(prev)
+            prev = None
         for seq in out.finished:  # the scheduler refused or capped these
             req = self.requests.get(seq.request_id)
             if req is not None:
@@ -278,25 +315,25 @@ class LLMEngine:
                     req.error = seq.error
                 self._flush(req, seq)
                 touched[req.request_id] = req
+        launched = None
         if out.scheduled:
             try:
-                start = time.perf_counter()
-                self._run_step(out, touched)
-                kind = "decode" if all(n == 1 for _, n in out.scheduled) and all(out.sample) else "mixed"
-                self.stats[f"{kind}_steps"] += 1  # wall time per kind: each step ends in a host sync
-                self.stats[f"{kind}_seconds"] += time.perf_counter() - start
+                launched = self._launch(out, prev)
             except Exception as exc:  # fail this step's sequences, keep serving the rest
-                logger.exception("step failed")
-                for seq, _ in out.scheduled:
-                    req = self.requests.get(seq.request_id)
-                    if req is None:
-                        continue
-                    req.error = req.error or f"{type(exc).__name__}: {exc}"
-                    for s in req.seqs:  # all samples of the request, scheduled this step or not
-                        if not s.is_finished:
-                            self.scheduler.finish(s, "error")
-                            self._flush(req, s)
-                    touched[req.request_id] = req
+                self._fail(out.scheduled, exc)
+        if prev is not None:
+            self._complete_safely(prev)
+        if launched is not None:
+            self.scheduler.update_after_step(out)  # after prev completed: no placeholder below the computed count
+            if self.config.async_scheduling:
+                self._inflight = launched
+            else:
+                self._complete_safely(launched)
+        kind = launched.kind if launched is not None else prev.kind if prev is not None else None
+        if kind is not None:  # wall time per kind of step launched (each call ends in a host sync)
+            self.stats[f"{kind}_steps"] += 1
+            self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
+        self._touched = {}
         if final_only:
             for req in touched.values():
                 if not req.finished:
@@ -304,16 +341,51 @@ class LLMEngine:
             return [self._output(req) for req in touched.values() if req.finished]
         return [self._output(req) for req in touched.values()]
 
-    def _run_step(self, out, touched: dict[str, _Request]) -> None:
+    def _drain(self) -> None:
+        """Complete the step in flight, if any (its outputs come with the next step())."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._complete_safely(prev)
+
+    def _needs_tokens_now(self, out, prev: _Launched) -> bool:
+        """Whether this step needs the in-flight step's ids on the host before it launches: penalties
+        read the output ids, and a sequence capped by the scheduler must report its last id."""
+        pending = prev.pending_rows()
+        if any(s.seq_id in pending for s in out.finished):
+            return True
+        for seq, _ in out.scheduled:
+            if seq.seq_id in pending:
+                p = seq.sampling_params
+                if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                    return True
+        return False
+
+    def _fail(self, scheduled, exc: Exception) -> None:
+        logger.exception("step failed")
+        for seq, _ in scheduled:
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            req.error = req.error or f"{type(exc).__name__}: {exc}"
+            for s in req.seqs:  # all samples of the request, scheduled this step or not
+                if not s.is_finished:
+                    self.scheduler.finish(s, "error")
+                    self._flush(req, s)
+            self._touched[req.request_id] = req
+
+    def _launch(self, out, prev: _Launched | None) -> _Launched:
+        """Build inputs, queue the graph and the sampler, advance the computed counts and append a
+        placeholder for every sampled sequence. Ids still in flight from `prev` are read on the device."""
         now = time.monotonic()
         plp = {s.seq_id for s, _ in out.scheduled
                if s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                and getattr(s, "index", 0) == 0}
         inputs, plan = self.runner.prepare(out.scheduled, out.sample, plp)
+        if prev is not None:
+            self._feed_pending(inputs, out, prev)
         decode = all(n == 1 for _, n in out.scheduled) and all(out.sample)
         logits = self.runner.execute(inputs, decode=decode, padded=not plan.prompt_rows)
         sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
-        token_ids: list[int] = []
         so = None
         if sampling:
             batch = SamplingBatch.build(
@@ -321,7 +393,6 @@ class LLMEngine:
                 [getattr(s, "generator", None) for s in sampling], self.vocab_size, self.device,
                 eos_token_ids=self.eos_token_ids)
             so = self.sampler(logits[plan.sample_rows], batch)
-            token_ids = so.token_ids.tolist()
         if plan.prompt_rows:
             self._record_prompt_logprobs(out, plan, logits)
         for seq, n in out.scheduled:
@@ -330,12 +401,55 @@ class LLMEngine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
+        out_index = []
+        limit = self.scheduler.max_tokens_per_seq
+        for seq in sampling:
+            out_index.append(len(seq.output_token_ids))
+            seq.append_token(PLACEHOLDER)
+            p = seq.sampling_params
+            if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
+                    or seq.num_tokens >= self.max_model_len or seq.num_tokens > limit:
+                seq.stop_pending = True  # its last token is in flight: not scheduled again
+        return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed")
+
+    def _feed_pending(self, inputs: dict[str, torch.Tensor], out, prev: _Launched) -> None:
+        """Copy the in-flight step's sampled ids into this step's input rows holding their placeholders."""
+        pending = prev.pending_rows()
+        dst, src = [], []
+        row0 = 0
+        for seq, n in out.scheduled:
+            hit = pending.get(seq.seq_id)
+            if hit is not None:
+                offset = seq.num_prompt_tokens + hit[1] - seq.num_computed_tokens
+                if 0 <= offset < n:
+                    dst.append(row0 + offset)
+                    src.append(hit[0])
+            row0 += n
+        if dst:
+            dev = prev.so.token_ids.device
+            ids = inputs["input_ids"]
+            ids[0, torch.tensor(dst, device=dev)] = prev.so.token_ids[torch.tensor(src, device=dev)].to(ids.dtype)
+
+    def _complete_safely(self, launched: _Launched) -> None:
+        try:
+            self._complete(launched)
+        except Exception as exc:
+            self._fail(launched.out.scheduled, exc)
+
+    def _complete(self, launched: _Launched) -> None:
+        """Read the sampled ids back, replace the placeholders, record logprobs, check stops."""
+        sampling, so = launched.sampling, launched.so
+        token_ids = so.token_ids.tolist() if so is not None else []
         sample_lp = self._sample_logprobs(so, sampling) if so is not None and so.logprobs is not None else None
-        for i, seq in enumerate(sampling):
-            seq.append_token(token_ids[i])
-        self.scheduler.update_after_step(out)
         now = time.monotonic()
+        touched = self._touched
         for i, seq in enumerate(sampling):
+            idx, token = launched.out_index[i], token_ids[i]
+            outs = seq.output_token_ids
+            if idx < len(outs) and outs[idx] == PLACEHOLDER:
+                outs[idx] = token
+            if seq.is_finished:  # aborted, failed or stopped while this step was in flight
+                continue
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue
@@ -347,7 +461,7 @@ class LLMEngine:
                 lp_entry, lp_value = sample_lp[i]
                 req.logprobs[seq.index].append(lp_entry)
                 req.cumulative_logprob[seq.index] += lp_value
-            self._check_stop(req, seq, token_ids[i])
+            self._check_stop(req, seq, token, idx + 1)
             touched[req.request_id] = req
 
     def _sample_logprobs(self, so, sampling: list[Sequence]):
@@ -400,16 +514,18 @@ class LLMEngine:
                     entry[t].rank = r
                 req.prompt_logprobs.append(entry)
 
-    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
+    def _check_stop(self, req: _Request, seq: Sequence, token: int, n_out: int) -> None:
+        """Stops after output token number `n_out` (= `token`); later placeholders are dropped on a stop."""
         p = seq.sampling_params
         reason, stop_reason, stop_token = None, None, False
+        num_tokens = seq.num_prompt_tokens + n_out
         if token in p.stop_token_ids:
             reason, stop_reason, stop_token = "stop", token, True
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason, stop_token = "stop", True
-        elif p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
             reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
+        elif num_tokens >= self.max_model_len or num_tokens > self.scheduler.max_tokens_per_seq:
             reason = "length"
         detok = req.detoks[seq.index]
         delta = ""
@@ -419,6 +535,8 @@ class LLMEngine:
                 reason, stop_reason = "stop", stop_str
         req.deltas.append((seq.index, delta, [token]))
         if reason is not None:
+            del seq.output_token_ids[n_out:]  # a placeholder of a step still in flight
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
             if req.finished:

@@ -151,6 +151,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """Most tokens a running sequence may hold (the cache's size and max_model_len bound it)."""
+        return self._token_limit(admission=False)
+
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs, or a rejection is still to be reported."""
         return bool(self.waiting or self.running or self._pending_finished)
@@ -217,6 +222,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < cfg.max_num_seqs:
             seq = self.running[i]
+            if seq.stop_pending:  # its last token is still in flight (async scheduling)
+                i += 1
+                continue
             if seq.num_tokens > run_limit:
                 self._finish_too_long(seq, run_limit)
                 out.finished.append(seq)

@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # why the runtime rejected it (with finish_reason "error")
+    stop_pending: bool = False  # async scheduling: its last token is in flight, do not schedule it again
 
     @property
     def token_ids(self) -> list[int]:

@@ -27,6 +27,7 @@ LENGTHS = (3, 17, 40, 9, 26)  # mixed lengths, all past tiny-mistral's window of
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 SMOL = None  # load_model(None): the embedded SmolLM2-135M-Instruct
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+ASYNC_SCHEDULING = False  # tests/runtime/test_engine_async.py runs this module again with it on
 
 
 # ---------------------------------------------------------------------- helpers
@@ -40,6 +41,7 @@ def make_engine(name: str | None, **kw) -> LLMEngine:
     else:
         kw.setdefault("num_kv_blocks", 256)
         kw.setdefault("block_size", 4)
+    kw.setdefault("async_scheduling", ASYNC_SCHEDULING)
     lm = mc.loaded(name)
     return LLMEngine(EngineConfig(model=name, device="cpu", **kw), loaded=lm, compiled=mc.compiled(name))
 
