@@ -33,6 +33,7 @@ from mini_infer.runtime.model_runner import ModelRunner
 from mini_infer.runtime.sampler import Sampler, SamplingBatch, make_generator
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig
 from mini_infer.runtime.sequence import Sequence
+from mini_infer.runtime.transfer import to_device
 from mini_infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("mini_infer")
@@ -392,7 +393,12 @@ class LLMEngine:
                 [s.sampling_params for s in sampling], [(s.prompt_token_ids, s.output_token_ids) for s in sampling],
                 [getattr(s, "generator", None) for s in sampling], self.vocab_size, self.device,
                 eos_token_ids=self.eos_token_ids)
-            so = self.sampler(logits[plan.sample_rows], batch)
+            rows = plan.sample_rows
+            if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous (every decode step): a view
+                sample_logits = logits[rows[0]: rows[0] + len(rows)]
+            else:
+                sample_logits = logits[to_device(rows, torch.int64, logits.device)]
+            so = self.sampler(sample_logits, batch)
         if plan.prompt_rows:
             self._record_prompt_logprobs(out, plan, logits)
         for seq, n in out.scheduled:
@@ -428,7 +434,7 @@ class LLMEngine:
         if dst:
             dev = prev.so.token_ids.device
             ids = inputs["input_ids"]
-            ids[0, torch.tensor(dst, device=dev)] = prev.so.token_ids[torch.tensor(src, device=dev)].to(ids.dtype)
+            ids[0, to_device(dst, torch.int64, dev)] = prev.so.token_ids[to_device(src, torch.int64, dev)].to(ids.dtype)
 
     def _complete_safely(self, launched: _Launched) -> None:
         try:

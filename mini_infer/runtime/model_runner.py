@@ -16,6 +16,7 @@ import torch
 from mini_infer.compiler import CompiledModel
 from mini_infer.runtime.kv_cache import KVCache
 from mini_infer.runtime.sequence import Sequence
+from mini_infer.runtime.transfer import to_device
 
 
 @dataclass
@@ -48,8 +49,7 @@ class ModelRunner:
                                  "paged_attention and select_logits passes")
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        return to_device(data, dtype, self.device)
 
     def _mirror_rows(self, seqs: list[Sequence], width: int) -> np.ndarray:
         """Rows of the host block-table mirror holding `seqs`' tables (at least `width` columns synced)."""
@@ -135,13 +135,12 @@ class ModelRunner:
                 logits_idx.append(len(ids) - 1)
         width = -(-max(seq_lens) // bs)
         rows = self._mirror_rows([seq for seq, _ in scheduled], width)
-        block_tables = torch.from_numpy(self._tables[rows, :width])
+        block_tables = self._tables[rows, :width]
         inputs = {
             "input_ids": self._tensor(ids, torch.int64)[None],
             "position_ids": self._tensor(pos, torch.int64)[None],
             "slot_mapping": self._tensor(slots, torch.int64),
-            "block_tables": block_tables.to(self.device, non_blocking=True) if self.device.type != "cpu"
-            else block_tables,
+            "block_tables": self._tensor(block_tables, torch.int32),
             "seq_lens": self._tensor(seq_lens, torch.int32),
             "query_start_loc": self._tensor(qsl, torch.int32),
             "logits_indices": self._tensor(logits_idx or [len(ids) - 1], torch.int64),

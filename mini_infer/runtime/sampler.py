@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mini_infer.runtime.transfer import to_device
 from mini_infer.sampling_params import SamplingParams
 
 _TINY = 1e-20  # floor for the exponential noise, so that p / E never divides by zero
@@ -65,7 +66,7 @@ def _token_counts(lists: Sequence[Sequence[int]], vocab_size: int, device: torch
         ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
         ids = np.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
         ids += np.repeat(np.arange(rows, dtype=np.int64) * width, lengths)
-        index = torch.from_numpy(ids).to(device, non_blocking=True)
+        index = to_device(ids, torch.int64, torch.device(device))
         counts.scatter_add_(0, index, torch.ones(total, dtype=torch.float32, device=device))
     return counts.view(rows, width)[:, :vocab_size]
 
@@ -156,7 +157,7 @@ class SamplingBatch:
         eos = _per_row_eos(eos_token_ids, rows)
 
         def dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(values, dtype, device)
 
         greedy = [is_greedy(p) for p in params]
         batch = cls(
