@@ -30,10 +30,10 @@ from mini_infer.runtime.block_manager import BlockManager
 from mini_infer.runtime.detokenizer import RequestDetokenizer
 from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, cuda_kv_budget, num_blocks_for_budget
 from mini_infer.runtime.model_runner import ModelRunner
-from mini_infer.runtime.sampler import Sampler, SamplingBatch, make_generator
+from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig
 from mini_infer.runtime.sequence import Sequence
-from mini_infer.runtime.transfer import to_device
+from mini_infer.runtime.transfer import HostCopy, to_device
 from mini_infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("mini_infer")
@@ -96,8 +96,9 @@ class _Launched:
     out: object  # SchedulerOutput
     sampling: list[Sequence]
     out_index: list[int]  # per sampling sequence: its placeholder's index in output_token_ids
-    so: object  # SamplerOutput | None
+    so: object  # SamplerOutput | None (device tensors)
     kind: str  # "decode" or "mixed"
+    so_host: HostCopy | None = None  # so's tensors on their way to the host
 
     def pending_rows(self) -> dict[int, tuple[int, int]]:
         """seq_id -> (row of its sampled id in so.token_ids, placeholder index in its output)."""
@@ -416,7 +417,9 @@ class LLMEngine:
             if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
                     or seq.num_tokens >= self.max_model_len or seq.num_tokens > limit:
                 seq.stop_pending = True  # its last token is in flight: not scheduled again
-        return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed")
+        so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs]) \
+            if so is not None else None
+        return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed", so_host)
 
     def _feed_pending(self, inputs: dict[str, torch.Tensor], out, prev: _Launched) -> None:
         """Copy the in-flight step's sampled ids into this step's input rows holding their placeholders."""
@@ -444,7 +447,9 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched) -> None:
         """Read the sampled ids back, replace the placeholders, record logprobs, check stops."""
-        sampling, so = launched.sampling, launched.so
+        sampling, so = launched.sampling, None
+        if launched.so_host is not None:
+            so = SamplerOutput(*launched.so_host.wait())
         token_ids = so.token_ids.tolist() if so is not None else []
         sample_lp = self._sample_logprobs(so, sampling) if so is not None and so.logprobs is not None else None
         now = time.monotonic()
