@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch, or none")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (engine default)")
-    ap.add_argument("--async-scheduling", action="store_true", help="overlap host scheduling with the device")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap host scheduling with the device (engine default: on for CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
@@ -127,7 +128,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"async_scheduling": args.async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+    meta = {"async_scheduling": llm.engine.async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(

@@ -28,8 +28,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (steps run the graph eagerly)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch the next step before the previous one's sampled ids are read back")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch the next step before the previous one's sampled ids are read back "
+                        "(default: on for CUDA)")
     p.add_argument("--dry-run", action="store_true",
                    help="random weights in the model's architecture (vLLM's --load-format dummy); with no model, "
                         "the smollm2-135m preset")

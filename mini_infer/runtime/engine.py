@@ -73,7 +73,9 @@ class EngineConfig:
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
     load_format: str = "auto"  # "dummy": the model's architecture with random weights
-    async_scheduling: bool = False  # overlap the host's scheduling with the device's previous step
+    # overlap the host's scheduling with the device's previous step; None: on for CUDA (on a CPU the device's
+    # work is the host's, so there is nothing to overlap)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -164,6 +166,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
         self._inflight: _Launched | None = None  # async scheduling: the step launched, not completed
         self._touched: dict[str, _Request] = {}  # requests with news since the last step() returned
         self._ids = itertools.count()
@@ -327,7 +331,7 @@ class LLMEngine:
             self._complete_safely(prev)
         if launched is not None:
             self.scheduler.update_after_step(out)  # after prev completed: no placeholder below the computed count
-            if self.config.async_scheduling:
+            if self.async_scheduling:
                 self._inflight = launched
             else:
                 self._complete_safely(launched)

@@ -24,7 +24,7 @@ def test_async_scheduling_overlaps_steps():
     """The pipeline really runs ahead: while a step is in flight, the next one is launched with that
     step's sampled ids read on the device, and a sequence stopping by max_tokens is not scheduled again."""
     engine = test_engine.make_engine(test_engine.LLAMA)
-    assert engine.config.async_scheduling
+    assert engine.async_scheduling
     fed = []
     real = engine._feed_pending
 
@@ -43,4 +43,4 @@ def test_async_scheduling_overlaps_steps():
 
 
 def test_module_fixtures_are_async(llama):  # noqa: F811  (the imported fixture)
-    assert llama.config.async_scheduling
+    assert llama.async_scheduling
