@@ -1,0 +1,206 @@
+"""Batch-1 GEMMs of a decode step: cuBLAS (`F.linear`) beside a plain Triton GEMV, against the copy bandwidth.
+
+The batch-1 decode of a 7B model is ~200 weight GEMMs with one row (x [1, K] @ W[N, K]^T), each reading its
+weight once: this measures how close each weight shape gets to the copy bandwidth, with weights cold in L2
+(several copies cycled, as in a real step where 15 GB of weights pass through a 60 MB L2). The Triton GEMV is
+an experiment (is there headroom over cuBLAS at M = 1?), not an engine kernel. Prints a table, writes JSON and
+a PNG bar chart to --out.
+
+    python bench/kernel_gemv.py                  # qwen2.5-7b's shapes
+    python bench/kernel_gemv.py --check          # correctness only (also on CPU, under TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# qwen2.5-7b: (name, N, K, count per step)
+SHAPES = [("qkv (merged)", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up (merged)", 37888, 3584, 28),
+          ("down_proj", 3584, 18944, 28), ("lm_head", 152064, 3584, 1)]
+CONFIGS = [(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)]
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def triton_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int]) -> torch.Tensor:
+    bn, bk, warps = cfg
+    n, k = w.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return y
+
+
+def time_graph(fn, reps_target_ms: float = 20.0, rounds: int = 5) -> float:
+    """ms per call of `fn` (which cycles its own inputs), from CUDA-graph replays; median of rounds."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(1, int(reps_target_ms / max(start.elapsed_time(end), 1e-3)))
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of an eager device copy (read + write) of 1 GiB."""
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * a.nbytes / (statistics.median(times) / 1e3)
+
+
+def check(device: str) -> bool:
+    ok = True
+    for n, k in [(40, 96), (33, 1000), (8, 64)]:
+        w = torch.randn(n, k, device=device, dtype=torch.float32)
+        x = torch.randn(1, k, device=device, dtype=torch.float32)
+        for cfg in [(4, 256, 4), (16, 512, 8)]:
+            got = triton_gemv(x, w, cfg)
+            err = (got - F.linear(x, w)).abs().max().item()
+            ok &= err < 1e-3
+            print(f"check N={n} K={k} cfg={cfg}: max err {err:.2e}")
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    if args.check:
+        dev = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
+        ok = check(dev)
+        print("CHECK", "PASSED" if ok else "FAILED")
+        return 0 if ok else 1
+    if not torch.cuda.is_available() or triton is None:
+        print("bench/kernel_gemv.py times CUDA kernels: it needs a CUDA GPU and triton (try --check on CPU)")
+        return 1
+    bw = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows, step = [], {"cublas": 0.0, "triton": 0.0, "floor": 0.0}
+    print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | bf16, M = 1, weights cold in L2")
+    print(f"{'gemm':<18}{'N':>7}{'K':>7}{'MB':>8} | {'cuBLAS us':>9}{'TB/s':>6}{'%copy':>6} | "
+          f"{'Triton us':>9}{'TB/s':>6}{'%copy':>6} {'best cfg':>14}")
+    for name, n, k, count in SHAPES:
+        nbytes = n * k * 2
+        copies = max(1, min(16, -(-3 * l2 // nbytes)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0]).float()
+
+        def cublas(ws=ws, x=x):
+            for w in ws:
+                F.linear(x, w)
+
+        t_cublas = time_graph(cublas) / copies
+        best = None
+        for cfg in CONFIGS:
+            got = triton_gemv(x, ws[0], cfg).float()
+            if not torch.allclose(got, ref, atol=2e-2, rtol=2e-2):
+                print(f"  {name} cfg {cfg}: MISMATCH (max err {(got - ref).abs().max().item():.3e})")
+                continue
+
+            def tri(cfg=cfg, ws=ws, x=x):
+                for w in ws:
+                    triton_gemv(x, w, cfg)
+
+            t = time_graph(tri, reps_target_ms=10.0, rounds=3) / copies
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        t_tri, cfg = best
+        row = {"gemm": name, "N": n, "K": k, "per_step": count, "bytes": nbytes, "cublas_ms": t_cublas,
+               "triton_ms": t_tri, "triton_cfg": cfg, "cublas_Bps": nbytes / (t_cublas / 1e3),
+               "triton_Bps": nbytes / (t_tri / 1e3)}
+        rows.append(row)
+        step["cublas"] += count * t_cublas
+        step["triton"] += count * t_tri
+        step["floor"] += count * nbytes / bw * 1e3
+        print(f"{name:<18}{n:>7}{k:>7}{nbytes / 1e6:>8.1f} | {t_cublas * 1e3:>9.1f}{row['cublas_Bps'] / 1e12:>6.2f}"
+              f"{100 * row['cublas_Bps'] / bw:>5.0f}% | {t_tri * 1e3:>9.1f}{row['triton_Bps'] / 1e12:>6.2f}"
+              f"{100 * row['triton_Bps'] / bw:>5.0f}% {str(cfg):>14}")
+        del ws
+        torch.cuda.empty_cache()
+    print(f"all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best Triton GEMV {step['triton']:.3f} ms, "
+          f"copy-bandwidth floor {step['floor']:.3f} ms")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "date": time.strftime("%Y-%m-%d"), "copy_Bps": bw}
+    (out / "kernel_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "step_ms": step}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3))
+        xs = range(len(rows))
+        ax.bar([i - 0.2 for i in xs], [r["cublas_Bps"] / 1e12 for r in rows], 0.4, label="cuBLAS")
+        ax.bar([i + 0.2 for i in xs], [r["triton_Bps"] / 1e12 for r in rows], 0.4, label="Triton GEMV")
+        ax.axhline(bw / 1e12, ls="--", c="k", lw=1, label="copy")
+        ax.set_xticks(list(xs), [r["gemm"] for r in rows], fontsize=7)
+        ax.set_ylabel("TB/s")
+        ax.legend(fontsize=7)
+        ax.set_title(f"batch-1 GEMMs, qwen2.5-7b shapes ({meta['device']})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "kernel_gemv.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
