@@ -23,11 +23,12 @@ BASE_PIPELINE = ("cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", 
 
 
 def recommended_passes(config, device: torch.device) -> list[str]:
-    """The pipeline for a model and device: cleanup, fusions, then paged attention and logits selection."""
+    """The pipeline for a model and device: cleanup, fusions, then paged attention and logits selection, then
+    the remaining weight linears as `mini_infer.linear` (last: earlier passes match `aten.linear`)."""
     from mini_infer.passes import PASSES
 
     names = list(BASE_PIPELINE)
-    names += [n for n in ("paged_attention", "select_logits") if n in PASSES]
+    names += [n for n in ("paged_attention", "select_logits", "gemv_linear") if n in PASSES]
     return names
 
 

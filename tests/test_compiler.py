@@ -30,7 +30,7 @@ from tests.passes.helpers import (
 )
 
 PIPELINE = ["cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul", "paged_attention",
-            "select_logits"]
+            "select_logits", "gemv_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,11 @@ def test_summary_lists_every_pass(compiled):
     assert "max |err|" in lines[0]
     assert [line.split()[0] for line in lines[2:]] == ["capture", *PIPELINE, "bind_kernels"]
     assert all(s.max_abs_err is not None and s.max_abs_err <= 1e-4 for s in cm.stats[1:-1])
-    assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2  # norms, rotaries, silu_and_mul, attentions
+    # norms, rotaries, silu_and_mul, attentions, weight linears (qkv, o, gate_up, down per layer; lm_head)
+    assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2 + 9
     matches = {s.name: s.num_matches for s in cm.stats}
     assert (matches["fuse_rmsnorm"], matches["fuse_rotary"], matches["fuse_silu_mul"],
-            matches["paged_attention"], matches["select_logits"]) == (5, 4, 2, 2, 1)
+            matches["paged_attention"], matches["select_logits"], matches["gemv_linear"]) == (5, 4, 2, 2, 1, 9)
     assert cm.context.applied == PIPELINE
     assert repr(cm) == f"CompiledModel(tiny-llama, passes={PIPELINE})"
     assert "paged_attention_reference" in cm.code()
@@ -213,9 +214,9 @@ def test_bound_kernels_match_the_ops():
         if "op" in node.meta:
             node.target = node.meta["op"]
     stats = bind_kernels(gm, torch.device("cpu"), backend="triton")
-    assert stats.num_matches == 5 + 4 + 2 + 2
+    assert stats.num_matches == 5 + 4 + 2 + 2 + 9  # ... and the weight linears (the lm_head's one row: GEMV)
     names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and callable(n.target)]
-    assert "paged_attention_triton" in names and "rms_norm_triton" in names
+    assert "paged_attention_triton" in names and "rms_norm_triton" in names and "linear_triton" in names
     inputs = cm.example_inputs(ids, pos)
     out = gm(*(inputs[n] for n in cm.input_names))
     assert_logits_close(out, ref, rel=1e-4)

@@ -13,6 +13,7 @@ nothing from mini_infer outside this package.
 | fused_add_rms_norm(x, residual, weight, eps)          | (Tensor, Tensor)    | s = x + residual; (rms_norm(s, weight, eps), s)       |
 | apply_rotary(x, cos, sin)                             | Tensor (contiguous) | x * cos + rotate_half(x) * sin (HF neox-style)        |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
+| linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
 |   query_start_loc, scale, sliding_window, softcap)    |                     | sliding window (>0), softcap (>0); mutates the caches |
@@ -24,12 +25,13 @@ points: `write_kv_cache_triton` and the `decode_only` / `num_splits` knobs of `p
 
 from mini_infer.ops import apply_rotary as _apply_rotary_mod  # noqa: F401  (registers the op)
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod  # noqa: F401
+from mini_infer.ops import linear as _linear_mod  # noqa: F401
 from mini_infer.ops import paged_attention as _paged_attention_mod  # noqa: F401
 from mini_infer.ops import rms_norm as _rms_norm_mod  # noqa: F401
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod  # noqa: F401
 from mini_infer.ops._triton_support import HAS_TRITON
 
-OPS = ("rms_norm", "fused_add_rms_norm", "apply_rotary", "silu_and_mul", "paged_attention")
+OPS = ("rms_norm", "fused_add_rms_norm", "apply_rotary", "silu_and_mul", "paged_attention", "linear")
 
 
 def kernel_impls(backend: str) -> dict:

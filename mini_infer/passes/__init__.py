@@ -5,12 +5,14 @@ from mini_infer.passes.cleanup import Cleanup
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
+from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.select_logits import SelectLogits
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, FuseRMSNorm, FuseRotary, FuseSiluMul, MergeProjections, PagedAttention, SelectLogits)
+    p.name: p for p in (Cleanup, FuseRMSNorm, FuseRotary, FuseSiluMul, MergeProjections, GemvLinear, PagedAttention,
+                        SelectLogits)
 }
 
 

@@ -1,0 +1,68 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops import linear as linear_mod
+from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton, linear_reference, linear_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (33, 1000), (7, 64), (130, 520)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_reference(dtype, n, k, bias):
+    torch.manual_seed(n + k)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    x = torch.randn(1, 1, k, device=DEVICE).to(dtype)  # the packed [1, T=1, K] layout
+    out = gemv_triton(x, w, b)
+    assert out.shape == (1, 1, n)
+    assert_close(out, linear_reference(x, w, b))
+
+
+@requires_triton
+def test_gemv_strided_input_and_tile_configs():
+    torch.manual_seed(0)
+    w = torch.randn(50, 300, device=DEVICE)
+    x = torch.randn(1, 600, device=DEVICE)[:, ::2]  # a non-contiguous row
+    for cfg in [(4, 512, 4), (8, 256, 4), (16, 1024, 8)]:
+        assert_close(gemv_triton(x, w, None, cfg), F.linear(x, w))
+
+
+@requires_triton
+def test_dispatch_by_shape(monkeypatch):
+    """One row with K <= GEMV_MAX_K takes the GEMV; more rows, longer rows or mixed dtypes take F.linear."""
+    calls = []
+    real = linear_mod.gemv_triton
+    monkeypatch.setattr(linear_mod, "gemv_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = torch.randn(24, 64, device=DEVICE)
+    x1 = torch.randn(1, 1, 64, device=DEVICE)
+    assert_close(linear_triton(x1, w, None), F.linear(x1, w))
+    assert calls == [1]
+    x3 = torch.randn(1, 3, 64, device=DEVICE)
+    assert_close(linear_triton(x3, w, None), F.linear(x3, w))
+    assert calls == [1]
+    wl = torch.randn(4, GEMV_MAX_K + 1, device=DEVICE)
+    xl = torch.randn(1, GEMV_MAX_K + 1, device=DEVICE)
+    assert_close(linear_triton(xl, wl, None), F.linear(xl, wl))
+    assert calls == [1]
+
+
+def test_registered_op_and_fake():
+    torch.manual_seed(3)
+    x, w, b = torch.randn(2, 5, 16), torch.randn(8, 16), torch.randn(8)
+    assert_close(torch.ops.mini_infer.linear(x, w, b), F.linear(x, w, b))
+    assert_close(torch.ops.mini_infer.linear(x, w, None), F.linear(x, w))
+    with FakeTensorMode():
+        out = torch.ops.mini_infer.linear(torch.empty(1, 7, 64, dtype=torch.bfloat16),
+                                          torch.empty(96, 64, dtype=torch.bfloat16), None)
+    assert out.shape == (1, 7, 96) and out.dtype == torch.bfloat16
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.mini_infer.linear.default, (torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)))
