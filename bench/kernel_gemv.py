@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kernel_norm import copy_bandwidth, time_calls  # the sibling script's timing
 
 # qwen2.5-7b: (name, N, K, count per step)
 SHAPES = [("qkv (merged)", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up (merged)", 37888, 3584, 28),
@@ -59,48 +59,6 @@ def triton_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int]) -> 
     return y
 
 
-def time_graph(fn, reps_target_ms: float = 20.0, rounds: int = 5) -> float:
-    """ms per call of `fn` (which cycles its own inputs), from CUDA-graph replays; median of rounds."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(1, int(reps_target_ms / max(start.elapsed_time(end), 1e-3)))
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of an eager device copy (read + write) of 1 GiB."""
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * a.nbytes / (statistics.median(times) / 1e3)
-
-
 def check(device: str) -> bool:
     ok = True
     for n, k in [(40, 96), (33, 1000), (8, 64)]:
@@ -127,7 +85,7 @@ def main() -> int:
     if not torch.cuda.is_available() or triton is None:
         print("bench/kernel_gemv.py times CUDA kernels: it needs a CUDA GPU and triton (try --check on CPU)")
         return 1
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(1.0, 20.0, 5)["gbps"] * 1e9
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, step = [], {"cublas": 0.0, "triton": 0.0, "floor": 0.0}
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | bf16, M = 1, weights cold in L2")
@@ -140,11 +98,7 @@ def main() -> int:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = F.linear(x, ws[0]).float()
 
-        def cublas(ws=ws, x=x):
-            for w in ws:
-                F.linear(x, w)
-
-        t_cublas = time_graph(cublas) / copies
+        t_cublas = time_calls([lambda w=w, x=x: F.linear(x, w) for w in ws], 20.0, 5)[0]
         best = None
         for cfg in CONFIGS:
             got = triton_gemv(x, ws[0], cfg).float()
@@ -152,11 +106,7 @@ def main() -> int:
                 print(f"  {name} cfg {cfg}: MISMATCH (max err {(got - ref).abs().max().item():.3e})")
                 continue
 
-            def tri(cfg=cfg, ws=ws, x=x):
-                for w in ws:
-                    triton_gemv(x, w, cfg)
-
-            t = time_graph(tri, reps_target_ms=10.0, rounds=3) / copies
+            t = time_calls([lambda w=w, x=x, cfg=cfg: triton_gemv(x, w, cfg) for w in ws], 10.0, 3)[0]
             if best is None or t < best[0]:
                 best = (t, cfg)
         t_tri, cfg = best
