@@ -1,10 +1,10 @@
-"""Batch-1 GEMMs of a decode step: cuBLAS (`F.linear`) beside a plain Triton GEMV, against the copy bandwidth.
+"""Batch-1 GEMMs of a decode step: cuBLAS (`F.linear`) beside the engine's Triton GEMV, against copy bandwidth.
 
 The batch-1 decode of a 7B model is ~200 weight GEMMs with one row (x [1, K] @ W[N, K]^T), each reading its
 weight once: this measures how close each weight shape gets to the copy bandwidth, with weights cold in L2
-(several copies cycled, as in a real step where 15 GB of weights pass through a 60 MB L2). The Triton GEMV is
-an experiment (is there headroom over cuBLAS at M = 1?), not an engine kernel. Prints a table, writes JSON and
-a PNG bar chart to --out.
+(several copies cycled, as in a real step where 15 GB of weights pass through a 60 MB L2). The GEMV is
+`mini_infer.ops.linear.gemv_triton`, swept over tile configs (the best one per shape is reported). Prints a
+table, writes JSON and a PNG bar chart to --out.
 
     python bench/kernel_gemv.py                  # qwen2.5-7b's shapes
     python bench/kernel_gemv.py --check          # correctness only (also on CPU, under TRITON_INTERPRET=1)
@@ -24,39 +24,20 @@ import torch
 import torch.nn.functional as F
 from kernel_norm import copy_bandwidth, time_calls  # the sibling script's timing
 
+from mini_infer.ops._triton_support import triton  # None without triton
+from mini_infer.ops.linear import gemv_triton
+
 # qwen2.5-7b: (name, N, K, count per step)
 SHAPES = [("qkv (merged)", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up (merged)", 37888, 3584, 28),
           ("down_proj", 3584, 18944, 28), ("lm_head", 152064, 3584, 1)]
-CONFIGS = [(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)]
-
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
-except ImportError:  # pragma: no cover
-    triton = None
+# (weight rows per program, K per step, warps, pipeline stages)
+CONFIGS = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024) for w in (4, 8) for st in (1, 3, 4)]
 
 
-def triton_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int]) -> torch.Tensor:
-    bn, bk, warps = cfg
-    n, k = w.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    return y
+
+def triton_gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int]) -> torch.Tensor:
+    """The engine's GEMV kernel (mini_infer/ops/linear.py) with tile config `cfg`."""
+    return gemv_triton(x, w, None, cfg)
 
 
 def check(device: str) -> bool:
@@ -64,7 +45,7 @@ def check(device: str) -> bool:
     for n, k in [(40, 96), (33, 1000), (8, 64)]:
         w = torch.randn(n, k, device=device, dtype=torch.float32)
         x = torch.randn(1, k, device=device, dtype=torch.float32)
-        for cfg in [(4, 256, 4), (16, 512, 8)]:
+        for cfg in [(4, 256, 4, 1), (16, 512, 8, 3)]:
             got = triton_gemv(x, w, cfg)
             err = (got - F.linear(x, w)).abs().max().item()
             ok &= err < 1e-3
@@ -122,7 +103,7 @@ def main() -> int:
               f"{100 * row['triton_Bps'] / bw:>5.0f}% {str(cfg):>14}")
         del ws
         torch.cuda.empty_cache()
-    print(f"all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best Triton GEMV {step['triton']:.3f} ms, "
+    print(f"all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best GEMV tile {step['triton']:.3f} ms, "
           f"copy-bandwidth floor {step['floor']:.3f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

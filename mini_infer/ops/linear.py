@@ -19,9 +19,9 @@ from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 __all__ = ["GEMV_MAX_K", "linear", "linear_reference", "linear_triton", "gemv_triton"]
 
 GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/kernel_gemv.py)
-# (weight rows per program, K elements per step, warps): the best tile for every qwen2.5-7b shape the GEMV
-# serves on an H200 (bench/kernel_gemv.py sweep)
-_GEMV_CONFIG = (4, 512, 4)
+# (weight rows per program, K elements per step, warps, pipeline stages): the best tile for every qwen2.5-7b
+# shape the GEMV serves on an H200 (bench/kernel_gemv.py sweep)
+_GEMV_CONFIG = (4, 512, 4, 1)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,7 +52,7 @@ if HAS_TRITON:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: tuple[int, int, int] = _GEMV_CONFIG) -> torch.Tensor:
+                config: tuple[int, int, int, int] = _GEMV_CONFIG) -> torch.Tensor:
     """One row times `weight`.T (+ bias) with the GEMV kernel; `x` holds exactly K elements (any leading dims
     of size 1). fp32 accumulation, output in x's dtype."""
     if not HAS_TRITON:
@@ -65,10 +65,10 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         xr = xr.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    bn, bk, warps = config
+    bn, bk, warps, stages = config
     _gemv_kernel[(triton.cdiv(n, bn),)](
         xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 

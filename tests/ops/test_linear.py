@@ -30,7 +30,7 @@ def test_gemv_strided_input_and_tile_configs():
     torch.manual_seed(0)
     w = torch.randn(50, 300, device=DEVICE)
     x = torch.randn(1, 600, device=DEVICE)[:, ::2]  # a non-contiguous row
-    for cfg in [(4, 512, 4), (8, 256, 4), (16, 1024, 8)]:
+    for cfg in [(4, 512, 4, 1), (8, 256, 4, 3), (16, 1024, 8, 4)]:
         assert_close(gemv_triton(x, w, None, cfg), F.linear(x, w))
 
 

@@ -13,11 +13,11 @@ from tests.passes.helpers import (
     eager_logits,
     full_pipeline,
     graph_logits,
+    mi,
     op_counts,
     placeholder_names,
     positions,
     random_ids,
-    mi,
     single_pass,
     start_pos,
 )
