@@ -15,6 +15,7 @@ step's sampled ids on the device, and a sequence that stops meanwhile has its ex
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -31,7 +32,7 @@ from mini_infer.runtime.detokenizer import RequestDetokenizer
 from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, cuda_kv_budget, num_blocks_for_budget
 from mini_infer.runtime.model_runner import ModelRunner
 from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig
+from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mini_infer.runtime.sequence import Sequence
 from mini_infer.runtime.transfer import HostCopy, to_device
 from mini_infer.sampling_params import SamplingParams
@@ -95,13 +96,14 @@ PLACEHOLDER = -1  # a sampled token id not read back from the device yet
 class _Launched:
     """A step queued on the device, not yet completed."""
 
-    out: object  # SchedulerOutput
+    out: SchedulerOutput
     sampling: list[Sequence]
     out_index: list[int]  # per sampling sequence: its placeholder's index in output_token_ids
-    so: object  # SamplerOutput | None (device tensors)
+    so: SamplerOutput | None  # device tensors
     kind: str  # "decode" or "mixed"
     so_host: HostCopy | None = None  # so's tensors on their way to the host
 
+    @functools.cached_property
     def pending_rows(self) -> dict[int, tuple[int, int]]:
         """seq_id -> (row of its sampled id in so.token_ids, placeholder index in its output)."""
         return {seq.seq_id: (i, j) for i, (seq, j) in enumerate(zip(self.sampling, self.out_index))}
@@ -356,7 +358,7 @@ class LLMEngine:
     def _needs_tokens_now(self, out, prev: _Launched) -> bool:
         """Whether this step needs the in-flight step's ids on the host before it launches: penalties
         read the output ids, and a sequence capped by the scheduler must report its last id."""
-        pending = prev.pending_rows()
+        pending = prev.pending_rows
         if any(s.seq_id in pending for s in out.finished):
             return True
         for seq, _ in out.scheduled:
@@ -427,7 +429,7 @@ class LLMEngine:
 
     def _feed_pending(self, inputs: dict[str, torch.Tensor], out, prev: _Launched) -> None:
         """Copy the in-flight step's sampled ids into this step's input rows holding their placeholders."""
-        pending = prev.pending_rows()
+        pending = prev.pending_rows
         dst, src = [], []
         row0 = 0
         for seq, n in out.scheduled:
