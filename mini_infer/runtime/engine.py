@@ -337,9 +337,12 @@ class LLMEngine:
                 self._inflight = launched
             else:
                 self._complete_safely(launched)
+        # wall time per kind of step launched (each call ends in a host sync); a call that only completes the
+        # last step in flight adds its time to that step's kind
+        if launched is not None:
+            self.stats[f"{launched.kind}_steps"] += 1
         kind = launched.kind if launched is not None else prev.kind if prev is not None else None
-        if kind is not None:  # wall time per kind of step launched (each call ends in a host sync)
-            self.stats[f"{kind}_steps"] += 1
+        if kind is not None:
             self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
         self._touched = {}
         if final_only:
