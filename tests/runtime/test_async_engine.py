@@ -25,10 +25,11 @@ def llm():
     return LLM("tiny-llama", **CFG)
 
 
-@pytest.fixture(scope="module")
-def engine(llm):
-    core = LLMEngine(EngineConfig(model="tiny-llama", **CFG), loaded=llm.engine.loaded,
-                     compiled=llm.engine.compiled)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync-scheduling", "async-scheduling"])
+def engine(llm, request):
+    """The server's engine, with and without async scheduling (the CUDA default)."""
+    core = LLMEngine(EngineConfig(model="tiny-llama", async_scheduling=request.param, **CFG),
+                     loaded=llm.engine.loaded, compiled=llm.engine.compiled)
     eng = AsyncLLMEngine(core)
     yield eng
     eng.shutdown()
