@@ -61,6 +61,11 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling reads the tokens generated so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field and its limit for any option out of range."""
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:

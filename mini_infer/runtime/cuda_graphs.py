@@ -119,8 +119,7 @@ class CUDAGraphRunner:
         self.static["seq_lens"].zero_()
         self.static["query_start_loc"].zero_()
         self.static["logits_indices"].zero_()
-        order = sorted(self.shapes(), key=lambda sh: (sh[0], sh[1]), reverse=True)
-        for shape in order:
+        for shape in sorted(self.shapes(), reverse=True):
             inputs = self._inputs(shape)
             try:
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture

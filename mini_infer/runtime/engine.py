@@ -364,12 +364,7 @@ class LLMEngine:
         pending = prev.pending_rows
         if any(s.seq_id in pending for s in out.finished):
             return True
-        for seq, _ in out.scheduled:
-            if seq.seq_id in pending:
-                p = seq.sampling_params
-                if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                    return True
-        return False
+        return any(seq.seq_id in pending and seq.sampling_params.has_penalties for seq, _ in out.scheduled)
 
     def _fail(self, scheduled, exc: Exception) -> None:
         logger.exception("step failed")
@@ -418,13 +413,10 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
         out_index = []
-        limit = self.scheduler.max_tokens_per_seq
         for seq in sampling:
             out_index.append(len(seq.output_token_ids))
             seq.append_token(PLACEHOLDER)
-            p = seq.sampling_params
-            if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
-                    or seq.num_tokens >= self.max_model_len or seq.num_tokens > limit:
+            if self._reaches_length(seq, len(seq.output_token_ids)):
                 seq.stop_pending = True  # its last token is in flight: not scheduled again
         so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs]) \
             if so is not None else None
@@ -534,18 +526,23 @@ class LLMEngine:
                     entry[t].rank = r
                 req.prompt_logprobs.append(entry)
 
+    def _reaches_length(self, seq: Sequence, n_out: int) -> bool:
+        """Whether output token number `n_out` is the sequence's last by length: max_tokens, max_model_len, or
+        more tokens than the cache can hold for one sequence."""
+        p = seq.sampling_params
+        num_tokens = seq.num_prompt_tokens + n_out
+        return (p.max_tokens is not None and n_out >= p.max_tokens) or num_tokens >= self.max_model_len \
+            or num_tokens > self.scheduler.max_tokens_per_seq
+
     def _check_stop(self, req: _Request, seq: Sequence, token: int, n_out: int) -> None:
         """Stops after output token number `n_out` (= `token`); later placeholders are dropped on a stop."""
         p = seq.sampling_params
         reason, stop_reason, stop_token = None, None, False
-        num_tokens = seq.num_prompt_tokens + n_out
         if token in p.stop_token_ids:
             reason, stop_reason, stop_token = "stop", token, True
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason, stop_token = "stop", True
-        elif p.max_tokens is not None and n_out >= p.max_tokens:
-            reason = "length"
-        elif num_tokens >= self.max_model_len or num_tokens > self.scheduler.max_tokens_per_seq:
+        elif self._reaches_length(seq, n_out):
             reason = "length"
         detok = req.detoks[seq.index]
         delta = ""

@@ -54,23 +54,20 @@ class ModelRunner:
     def _mirror_rows(self, seqs: list[Sequence], width: int) -> np.ndarray:
         """Rows of the host block-table mirror holding `seqs`' tables (at least `width` columns synced)."""
         if width > self._tables.shape[1]:
-            grown = np.zeros((self._tables.shape[0], max(width, 2 * self._tables.shape[1])), dtype=np.int32)
-            grown[:, : self._tables.shape[1]] = self._tables
-            self._tables = grown
-        if len(seqs) > len(self._free_rows) + sum(1 for s in seqs if s.seq_id in self._table_rows):
-            self._evict_rows({s.seq_id for s in seqs}, len(seqs))
+            self._grow_tables(self._tables.shape[0], max(width, 2 * self._tables.shape[1]))
         rows = np.empty(len(seqs), dtype=np.int64)
-        tables = self._tables
         for i, seq in enumerate(seqs):
             table = seq.block_table
             entry = self._table_rows.get(seq.seq_id)
             if entry is None or entry[1] is not table:  # new to the mirror, or its table was reset
+                if entry is None and not self._free_rows:
+                    self._evict_rows({s.seq_id for s in seqs}, len(seqs))
                 row = entry[0] if entry is not None else self._free_rows.pop()
                 entry = self._table_rows[seq.seq_id] = [row, table, 0]
             n = len(table)
             if entry[2] < n:
-                m = min(n, tables.shape[1])
-                tables[entry[0], entry[2]:m] = table[entry[2]:m]
+                m = min(n, self._tables.shape[1])
+                self._tables[entry[0], entry[2]:m] = table[entry[2]:m]
                 entry[2] = m
             rows[i] = entry[0]
         return rows
@@ -81,10 +78,13 @@ class ModelRunner:
             self._free_rows.append(self._table_rows.pop(seq_id)[0])
         have = self._tables.shape[0]
         if have < needed:
-            grown = np.zeros((2 * needed, self._tables.shape[1]), dtype=np.int32)
-            grown[:have] = self._tables
-            self._tables = grown
+            self._grow_tables(2 * needed, self._tables.shape[1])
             self._free_rows.extend(range(2 * needed - 1, have - 1, -1))
+
+    def _grow_tables(self, rows: int, cols: int) -> None:
+        grown = np.zeros((rows, cols), dtype=np.int32)
+        grown[: self._tables.shape[0], : self._tables.shape[1]] = self._tables
+        self._tables = grown
 
     @staticmethod
     def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:

@@ -181,7 +181,7 @@ class SamplingBatch:
             batch.min_p = dev([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
 
         rep = [p.repetition_penalty != 1.0 for p in params]
-        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, params)]
+        pen = [p.has_penalties for p in params]
         if any(pen):
             batch.output_counts = _token_counts(
                 [h[1] if w else () for h, w in zip(token_histories, pen)], vocab_size, device
