@@ -1,10 +1,14 @@
 """GPU correctness check of the whole engine: greedy token ids from mini-infer (Triton kernels, CUDA graphs)
 against HF `generate` on the same model, in float32 (TF32 off) so that any mismatch is a bug, not rounding.
-Runs four engines: CUDA graphs (decode and mixed steps captured), CUDA graphs with 64-token steps (chunked
-prefill mixed with decodes, padded into the captured mixed shape), the same without async scheduling (the CUDA default), and eager; all must equal HF. Prints one line
-per check; exits 1 on a mismatch.
 
-    python bench/gpu_check.py [--model qwen3-0.6b]
+For every tiny preset (every architecture family: dense, sliding window, MoE, DeepSeek) and any `--model` given,
+one compile serves four engines: CUDA graphs (decode and mixed steps captured), CUDA graphs with 16-token steps
+(chunked prefill mixed with decodes, padded into the captured mixed shape), the same without async scheduling
+(the CUDA default is async), and eager; all must equal HF. Prints one line per check and a summary table;
+exits 1 on any mismatch or error (an architecture that fails to compile is a failure, with its error).
+
+    python bench/gpu_check.py                       # every tiny-* preset
+    python bench/gpu_check.py --model qwen3-0.6b    # plus a real-shape preset
 """
 
 from __future__ import annotations
@@ -12,60 +16,95 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 
 import torch
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
+    from mini_infer.compiler import compile_model
     from mini_infer.llm import LLM
     from mini_infer.models import load_model
+    from mini_infer.runtime.engine import EngineConfig, LLMEngine
     from mini_infer.sampling_params import SamplingParams
 
-    loaded = load_model(args.model, dtype="float32", device="cuda")
+    loaded = load_model(name, dtype="float32", device="cuda")
+    vocab = loaded.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 5000, (n,), generator=gen).tolist() for n in (5, 17, 64, 130, 300, 1)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    results = {}
-    configs = {"graphs": {}, "graphs, 64-token steps": {"max_num_batched_tokens": 64},
-               "graphs, 64-token steps, sync scheduling": {"max_num_batched_tokens": 64, "async_scheduling": False},
+    lengths = (5, 17, 64, 130, 1) if max_len < 1024 else (5, 17, 64, 130, 300, 1)
+    prompts = [torch.randint(min(100, vocab // 4), min(5000, vocab), (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    compiled = compile_model(loaded.model, device="cuda", model_name=name)
+    print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
+    configs = {"graphs": {"max_num_batched_tokens": 512},
+               "graphs, 16-token steps": {"max_num_batched_tokens": 16},
+               "graphs, 16-token steps, sync": {"max_num_batched_tokens": 16, "async_scheduling": False},
                "eager": {"enforce_eager": True}}
-    from mini_infer.runtime.engine import EngineConfig, LLMEngine
-
-    for name, kw in configs.items():
+    results = {}
+    for cname, kw in configs.items():
         t = time.perf_counter()
-        eng = LLMEngine(EngineConfig(model=args.model, max_num_seqs=8, max_model_len=1024,
-                                     kv_cache_memory_bytes=1 << 30, **kw), loaded=loaded)
+        eng = LLMEngine(EngineConfig(model=name, max_num_seqs=8, max_model_len=max_len,
+                                     kv_cache_memory_bytes=256 << 20, **kw), loaded=loaded, compiled=compiled)
         llm = LLM.__new__(LLM)
         llm.engine, llm._counter = eng, 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results[name] = [o.outputs[0].token_ids for o in outs]
+        results[cname] = [o.outputs[0].token_ids for o in outs]
         graphs = eng.runner.cuda_graphs
-        print(f"engine ({name}): {time.perf_counter() - t:.1f}s incl. compile {eng.compile_seconds:.1f}s, "
-              f"graphs {eng.capture_seconds:.1f}s ({len(graphs.graphs) if graphs else 0} shapes); "
-              f"decode steps {eng.stats['decode_steps']}, mixed steps {eng.stats['mixed_steps']}; "
-              f"blocks in use after: {eng.block_manager.num_used_blocks}")
+        leaked = eng.block_manager.num_used_blocks
+        print(f"[{name}] {cname}: {time.perf_counter() - t:.1f}s, graphs {len(graphs.graphs) if graphs else 0} "
+              f"shapes; decode steps {eng.stats['decode_steps']}, mixed {eng.stats['mixed_steps']}; "
+              f"blocks in use after: {leaked}")
+        if leaked:
+            return False, f"{cname}: {leaked} KV blocks leaked"
         del eng, llm
-    ok = True
-    for name in configs:
-        same = results[name] == results["eager"]
-        print(f"{name} == eager: {same}")
-        ok &= same
-    model = loaded.model
+    ok, notes = True, []
+    for cname in configs:
+        if results[cname] != results["eager"]:
+            ok = False
+            notes.append(f"{cname} != eager")
+    matched = 0
     for p, got in zip(prompts, results["graphs"]):
-        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
-        match = sum(1 for a, b in zip(got, ref) if a == b)
-        first_diff = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        print(f"prompt {len(p):>4} tokens: {match}/{len(ref)} ids equal HF (first difference at {first_diff})")
-        ok &= got == ref
-    print("GPU CHECK", "PASSED" if ok else "FAILED")
-    return 0 if ok else 1
+        ref = loaded.model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+        same = sum(1 for a, b in zip(got, ref) if a == b)
+        matched += same
+        if got != ref:
+            ok = False
+            first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+            notes.append(f"prompt of {len(p)}: {same}/{len(ref)} ids equal HF (first difference at {first})")
+    notes.insert(0, f"{matched}/{len(prompts) * new_tokens} ids equal HF")
+    del loaded, compiled
+    torch.cuda.empty_cache()
+    return ok, "; ".join(notes)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", default=[], help="real-shape presets to check too")
+    ap.add_argument("--only", action="append", default=None, help="check only these presets")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from mini_infer.models.presets import TINY_PRESETS
+
+    names = args.only or [*TINY_PRESETS, *args.model]
+    rows = []
+    for name in names:
+        try:
+            ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024)
+        except Exception as exc:  # one architecture's failure must not hide the others'
+            traceback.print_exc()
+            ok, note = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append((name, ok, note))
+        print(f"[{name}] {'PASSED' if ok else 'FAILED'}: {note}", flush=True)
+    print("\n| model | greedy == HF (fp32), graphs on/off, async/sync | notes |\n|---|---|---|")
+    for name, ok, note in rows:
+        print(f"| `{name}` | {'yes' if ok else '**no**'} | {note} |")
+    all_ok = all(ok for _, ok, _ in rows)
+    print("GPU CHECK", "PASSED" if all_ok else "FAILED")
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
+    from mini_infer.compiler import tensor_bytes
     from mini_infer.llm import LLM
+    from mini_infer.models import load_model
     from mini_infer.sampling_params import SamplingParams
 
     bw = copy_bandwidth()
@@ -80,14 +82,17 @@ def main() -> None:
     first = out.metrics.first_token_time - out.metrics.arrival_time
     decode_tok_s = (args.new_tokens - 1) / (total - first)
 
-    model = eng.loaded.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.kv_cache_specs)
+    gm = eng.compiled.graph_module  # the weights the compiled graph reads (the engine released the HF model)
+    weight_bytes = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+                                 if "embed_tokens" not in n])
+    kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     mean_ctx = args.prompt_len + args.new_tokens / 2
     floor_tok_s = bw / (weight_bytes + kv_per_token * mean_ctx)
     rows = [("bandwidth floor", floor_tok_s), ("mini-infer", decode_tok_s)]
     ids = torch.tensor([prompt], device="cuda")
-    for peer in args.peers.split(",") if args.peers else []:
+    peers = args.peers.split(",") if args.peers else []
+    model = load_model(args.model, device="cuda").model if peers else None  # the same weights (seeded preset)
+    for peer in peers:
         if peer == "hf-eager":
             rows.append(("hf-eager", time_hf(model, ids, args.new_tokens)))
         elif peer == "hf-static":

@@ -24,6 +24,12 @@ URL, model, date, git commit) and `serving.png` (TTFT and ITL p50/p99 against ra
     python bench/serving.py --launch "--dry-run --max-model-len 2048" --rates 1,2,4,inf   # starts mini-infer
     python bench/serving.py --base-url http://127.0.0.1:8000/v1 --rates 1,4,inf --num-prompts 200
     python bench/serving.py --endpoint chat --input-len 256,1024 --output-len 64,256
+    python bench/serving.py --launch "--dry-run" --long-prefill 8000 --rates 4   # head-of-line probe first
+
+`--long-prefill WORDS` first runs a head-of-line probe (before the rates): one streaming request of WORDS words
+(max_tokens 1), then, while it prefills, --long-prefill-shorts requests of 16 words (max_tokens 16) 50 ms apart;
+it reports the long request's TTFT beside each short one's (a short request stuck behind the whole prefill has
+a TTFT close to the long one's). Results go to serving.json under "long_prefill_probe".
 """
 
 from __future__ import annotations
@@ -324,6 +330,34 @@ class OpenAIClient:
             raise SystemExit(f"serving.py: error: warm-up request to {self.base_url} failed: {res.error}")
 
 
+# --------------------------------------------------------------------------------------- head-of-line probe
+async def long_prefill_probe(client: OpenAIClient, long_words: int, n_short: int, seed: int) -> dict:
+    """TTFT of short requests sent while one long prompt prefills (see the module docstring)."""
+    long_prompt, *shorts = make_prompts([long_words] + [16] * n_short, seed, 10_000)
+    t0 = time.perf_counter()
+    long_res = RequestResult(-1, long_words, 1)
+    short_res = [RequestResult(i, 16, 16) for i in range(n_short)]
+
+    async def short(i: int) -> None:
+        await asyncio.sleep(0.2 + 0.05 * i)  # the long prompt is in its prefill by then
+        await client.request(short_res[i], shorts[i], t0)
+
+    await asyncio.gather(client.request(long_res, long_prompt, t0), *(short(i) for i in range(n_short)))
+    ok = [r.ttft_s * 1e3 for r in short_res if r.ok]
+    probe = {"long_words": long_words, "long_ok": long_res.ok, "long_error": long_res.error,
+             "long_ttft_ms": long_res.ttft_s * 1e3 if long_res.ttft_s is not None else None,
+             "short_ttft_ms": ok, "short_failed": n_short - len(ok),
+             "short_ttft_p50_ms": float(np.percentile(ok, 50)) if ok else None,
+             "short_ttft_max_ms": max(ok) if ok else None}
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    print(f"long-prefill probe: {long_words}-word prompt TTFT {f(probe['long_ttft_ms'])} ms; {len(ok)}/{n_short} "
+          f"short requests sent during it: TTFT p50 {f(probe['short_ttft_p50_ms'])} ms, max "
+          f"{f(probe['short_ttft_max_ms'])} ms", flush=True)
+    return probe
+
+
 # ---------------------------------------------------------------------------------------------- one rate
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
@@ -512,6 +546,8 @@ async def bench(args: argparse.Namespace, base_url: str, launched: dict | None) 
         await client.probe()
         words, out_lens = make_lengths(args.num_prompts, args.input_len, args.output_len, args.seed)
         summaries, runs = [], []
+        probe = await long_prefill_probe(client, args.long_prefill, args.long_prefill_shorts, args.seed) \
+            if args.long_prefill else None
         for k, rate in enumerate(args.rates):
             prompts = make_prompts(words, args.seed, k)
             counts = await client.count_tokens(prompts)
@@ -540,7 +576,7 @@ async def bench(args: argparse.Namespace, base_url: str, launched: dict | None) 
             "ignore_eos_sent": client.ignore_eos, "stream_usage_requested": client.stream_usage,
             "notes": client.notes, "client_host": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                                    "python": platform.python_version()}},
-            "summary": summaries, "runs": runs}
+            "summary": summaries, "runs": runs, "long_prefill_probe": probe}
     finally:
         await client.close()
 
@@ -564,6 +600,9 @@ def main() -> None:
     ap.add_argument("--launch", default=None, metavar="ARGS",
                     help="start `mini-infer serve ARGS` on a free loopback port for the run, then stop it")
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for its /health")
+    ap.add_argument("--long-prefill", type=int, default=0, metavar="WORDS",
+                    help="first run the head-of-line probe with a prompt of WORDS words (0: no probe)")
+    ap.add_argument("--long-prefill-shorts", type=int, default=8, help="short requests sent during the probe")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.num_prompts < 1:

@@ -109,8 +109,16 @@ def main() -> None:
     print(f"mini-infer: {results[0].output_tok_s:.1f} output tok/s ({results[0].seconds:.1f}s; startup "
           f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
           flush=True)
-    hf_model = llm.engine.loaded.model
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
+    async_scheduling = llm.engine.async_scheduling
+    hf_model = None
+    if peers:  # a second copy of the same (seeded) model: the engine released its HF model after compiling
+        from mini_infer.models import load_model
+
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        hf_model = load_model(model, device="cuda" if torch.cuda.is_available() else "cpu").model
     for peer in peers:
         if peer == "hf-generate":
             results.append(hf_batched_generate(hf_model, wl, pad if pad is not None else 0))
@@ -128,7 +136,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"async_scheduling": llm.engine.async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+    meta = {"async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(

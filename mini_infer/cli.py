@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import time
 
 
@@ -34,6 +36,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="random weights in the model's architecture (vLLM's --load-format dummy); with no model, "
                         "the smollm2-135m preset")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens) from the model's generation_config.json; vllm: none")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one sequence prefills per step, so short requests are not stuck "
+                        "behind a long prompt (default: 4%% of max-model-len, at least 256, at most half the "
+                        "step budget; 0: no cap)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,27 +55,51 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
-        load_format="dummy" if args.dry_run else "auto",
+        load_format="dummy" if args.dry_run else "auto", generation_config=args.generation_config,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
+
+
+def _token_ids(text: str) -> list[int]:
+    """`--prompt-token-ids 1,2,3` as a list of ints."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from mini_infer.llm import LLM
+    from mini_infer.runtime.engine import EngineConfig
+    from mini_infer.runtime.preflight import check_before_load
     from mini_infer.sampling_params import SamplingParams
 
-    prompts = args.prompt or ["What is the capital of France?"]
+    token_prompts = args.prompt_token_ids or []
+    texts = args.prompt or ([] if token_prompts else ["What is the capital of France?"])
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop or None,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)
+    info = check_before_load(EngineConfig(**kwargs))  # seconds before loading: bad options, files, prompts
+    if texts and not info.has_tokenizer:
+        raise ValueError(f"model {info.source.name!r} has no tokenizer, so it cannot take the text prompt "
+                         f"{texts[0]!r}: pass token ids, e.g. --prompt-token-ids 1,2,3")
+    llm = LLM(**kwargs)
     tok = llm.get_tokenizer()
     use_chat = not args.no_chat and tok is not None and getattr(tok, "chat_template", None)
     start = time.perf_counter()
-    if use_chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = []
+    if texts and use_chat:
+        outs += llm.chat([[{"role": "user", "content": p}] for p in texts], params, use_tqdm=False)
+    elif texts:
+        outs += llm.generate(texts, params, use_tqdm=False)
+    if token_prompts:
+        outs += llm.generate([{"prompt_token_ids": ids} for ids in token_prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    prompts = [*texts, *(",".join(map(str, ids)) for ids in token_prompts)]
     for prompt, out in zip(prompts, outs):
         for c in out.outputs:
             if len(prompts) > 1 or args.n > 1:
@@ -91,8 +124,11 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM stops the server as Ctrl-C does, at any moment (uvicorn takes both over once it runs)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        from mini_infer.serving.server import serve
+        from mini_infer.serving.launcher import serve
     except ImportError as exc:
         print(f"mini-infer serve needs the 'serve' extra (fastapi, uvicorn, prometheus-client): {exc}",
               file=sys.stderr)
@@ -117,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompt", nargs="*", help="prompt(s); run through the chat template unless --no-chat")
     _add_engine_args(g)
+    g.add_argument("--prompt-token-ids", type=_token_ids, action="append", default=None, metavar="IDS",
+                   help="a prompt as comma-separated token ids (e.g. 1,2,3; repeat for more prompts): for models "
+                        "without a tokenizer; the output is token ids too")
     g.add_argument("--no-chat", action="store_true", help="send prompts as raw text, no chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -146,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="past this many queued requests, answer 503 with Retry-After")
     s.add_argument("--max-request-body-bytes", type=int, default=10 * 2**20,
                    help="larger request bodies get 413")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds the requests in flight get to finish before they are ended "
+                        "(streams get an error event)")
+    s.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers (and between reads of its body) "
+                        "before its connection is closed")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="offline throughput of the engine on random prompts")
@@ -170,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as exc:
-        print(f"mini-infer {args.command}: error: {exc}", file=sys.stderr)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"mini-infer {args.command}: error: {first}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (and, for serve, SIGTERM): a requested stop, not a crash
+        print(f"mini-infer {args.command}: interrupted", file=sys.stderr)
+        return 0 if args.command == "serve" else 130
 
 
 if __name__ == "__main__":

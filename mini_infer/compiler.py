@@ -1,8 +1,8 @@
 """`compile_model`: capture a transformers causal LM and run the pass pipeline; `CompiledModel` holds the result.
 
 This is the compiler's front door. It wires capture → passes → a callable graph, and owns verification
-against the eager model. It never schedules requests or manages a KV cache (that is the runtime's job,
-using the cache layout the passes declared on the context).
+against the eager model. It never schedules requests or manages a KV cache (that is the runtime's job, using
+the inputs and caches the passes declared on the context: `CompiledModel.input_specs` / `cache_specs`).
 """
 
 from __future__ import annotations
@@ -13,23 +13,10 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from mini_infer.passes import GraphPass, PassContext, resolve_passes
+from mini_infer.contract import CacheSpec, InputSpec
+from mini_infer.passes import GraphPass, PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
-from mini_infer.passes.manager import PassManager, PassStats, format_table
-
-# Passes run in this order when the user names none. Passes registered by later modules (attention,
-# logits selection) join through `recommended_passes`.
-BASE_PIPELINE = ("cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul")
-
-
-def recommended_passes(config, device: torch.device) -> list[str]:
-    """The pipeline for a model and device: cleanup, fusions, then paged attention and logits selection, then
-    the remaining weight linears as `mini_infer.linear` (last: earlier passes match `aten.linear`)."""
-    from mini_infer.passes import PASSES
-
-    names = list(BASE_PIPELINE)
-    names += [n for n in ("paged_attention", "select_logits", "gemv_linear") if n in PASSES]
-    return names
+from mini_infer.passes.manager import PassManager, PassStats, check_pass_order, count_nodes, format_table
 
 
 def logits_tolerance(dtype: torch.dtype, scale: float) -> float:
@@ -38,8 +25,19 @@ def logits_tolerance(dtype: torch.dtype, scale: float) -> float:
     return rel * max(scale, 1.0)
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct tensors (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
 class CompiledModel:
-    """A captured and rewritten model: call it like the graph, read what the passes did."""
+    """A captured and rewritten model: call it like the graph, read what the passes did and declared."""
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, stats: list[PassStats], model_name: str = "") -> None:
         self.graph_module = gm
@@ -48,10 +46,29 @@ class CompiledModel:
         self.config = ctx.config
         self.model_name = model_name
         self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        declared = set(ctx.input_specs) | {n for s in ctx.cache_specs for n in s.input_names()}
+        undeclared = [n for n in self.input_names if n not in declared]
+        if undeclared:
+            raise ValueError(f"graph inputs {undeclared} were added without a declaration (InputSpec or CacheSpec)")
 
     @property
-    def kv_cache_specs(self):
-        return self.context.kv_cache_specs
+    def input_specs(self) -> list[InputSpec]:
+        """The per-step inputs the runtime feeds (graph order), caches excluded."""
+        return [self.context.input_specs[n] for n in self.input_names if n in self.context.input_specs]
+
+    @property
+    def cache_specs(self) -> list[CacheSpec]:
+        return self.context.cache_specs
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters and buffers the graph holds."""
+        gm = self.graph_module
+        return tensor_bytes([*gm.parameters(), *gm.buffers()])
+
+    def cache_bytes_per_token(self) -> int:
+        """Cache bytes one token costs over every layer."""
+        return sum(s.bytes_per_token() for s in self.cache_specs)
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         """Run the graph; inputs by name (`input_ids`, `position_ids`, plus what the passes declared)."""
@@ -72,8 +89,18 @@ class CompiledModel:
         return self.graph_module.print_readable(print_output=False, include_stride=False, include_device=False)
 
     def summary(self) -> str:
-        """The per-pass table: matches, nodes before/after, time (and error when verified)."""
-        return format_table(self.stats)
+        """The per-pass table (matches, nodes before/after, time, error when verified), then what the graph
+        holds: weight bytes, and the caches it declared with their bytes per token."""
+        lines = [format_table(self.stats), "",
+                 f"weights: {self.weight_bytes / 1e9:.3f} GB",
+                 f"caches: {self.cache_bytes_per_token()} bytes per token over {len(self.cache_specs)} layer caches"]
+        kinds: dict[str, int] = {}
+        for s in self.cache_specs:
+            kinds[type(s).__name__] = kinds.get(type(s).__name__, 0) + 1
+        if kinds:
+            first = {type(s).__name__: s for s in reversed(self.cache_specs)}
+            lines += [f"  {n} x{c}: {first[n].describe()}" for n, c in kinds.items()]
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"CompiledModel({self.model_name or type(self.config).__name__}, passes={self.context.applied})"
@@ -103,28 +130,33 @@ def _make_verifier(model: torch.nn.Module, device: torch.device, dtype: torch.dt
 
 def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | None = None,
                   dump_dir: str | Path | None = None, verify: bool = False,
-                  device: torch.device | str | None = None, model_name: str = "") -> CompiledModel:
+                  device: torch.device | str | None = None, model_name: str = "", *,
+                  quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None,
+                  rank: int = 0, world_size: int = 1) -> CompiledModel:
     """Capture `model` (a transformers causal LM) and rewrite it with `passes`.
 
-    `passes=None` runs the recommended pipeline for the model and device. `dump_dir` gets each pass's graph
+    `passes` holds pass names and `GraphPass` instances with arguments (e.g. `QuantizeFP8(skip=["lm_head"])`),
+    in stage order (capture → cleanup → sharding → quantization → fusion → attention → lowering; an out-of-order
+    list, a repeated pass or a missing prerequisite is a ValueError naming the pass, before capture).
+    `passes=None` runs the recommended pipeline for the model and options. `quantization`, `kv_cache_dtype`,
+    `rank` and `world_size` reach the passes through the `PassContext`. `dump_dir` gets each pass's graph
     before and after plus a summary table. `verify=True` runs the eager model and the graph after every pass
     on the same tokens and raises PassError naming the first pass whose logits diverge beyond tolerance.
+    The graph shares the model's weights until a pass replaces one; the caller should drop the model after
+    compiling so that replaced weights are freed.
     """
     first = next(model.parameters())
     device = torch.device(device) if device is not None else first.device
-    config = model.config
-    names = recommended_passes(config, device) if passes is None else passes
-    pass_objs = resolve_passes(names)
+    ctx = PassContext(config=model.config, device=device, dtype=first.dtype, rank=rank, world_size=world_size,
+                      quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    pass_objs = recommended_passes(ctx) if passes is None else resolve_passes(passes)
+    check_pass_order(pass_objs)  # an ordering mistake fails before the (slow) capture
+    _check_options_served(ctx, pass_objs)
     manager = PassManager(pass_objs, dump_dir=dump_dir)
-    manager._check_order([])  # an ordering mistake fails before the (slow) capture
     gm = capture(model)
-    from mini_infer.passes.manager import count_nodes
-
     captured_nodes = count_nodes(gm)
-    ctx = PassContext(config=config, device=device, dtype=first.dtype)
     ctx.info["capture_seconds"] = gm.meta.get("capture_seconds")
-    verifier = _make_verifier(model, device, first.dtype) if verify else None
-    manager.verifier = verifier
+    manager.verifier = _make_verifier(model, device, first.dtype) if verify else None
     stats = manager.run(gm, ctx)
     capture_row = PassStats("capture", 0, 0, captured_nodes, ctx.info["capture_seconds"] or 0.0,
                             "torch.export (non-strict)")
@@ -133,6 +165,19 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     if bound.num_matches:
         stats.append(bound)
     return CompiledModel(gm, ctx, stats, model_name)
+
+
+def _check_options_served(ctx: PassContext, passes: Sequence[GraphPass]) -> None:
+    """A quantization mode must be implemented by a pass in the list (never silently ignored)."""
+    if ctx.quantization is None:
+        return
+    modes = {m for p in passes for m in p.quantization_modes}
+    if ctx.quantization not in modes:
+        from mini_infer.passes import PASSES
+
+        known = sorted({m for cls in PASSES.values() for m in cls.quantization_modes})
+        raise ValueError(f"quantization={ctx.quantization!r}: no pass in the pipeline implements it "
+                         f"(modes the registered passes implement: {known or 'none'})")
 
 
 def bind_kernels(gm: fx.GraphModule, device: torch.device, backend: str | None = None) -> PassStats:

@@ -1,6 +1,9 @@
 """Per-request sampling options, under vLLM's names, with validation that names the bad field and its limit.
 
-This module only describes and validates a request's options; sampling itself lives in runtime/sampler.py.
+Also the rules the library and the server share about those options: whether a prompt plus `max_tokens` fits
+the context (`check_context_length`), and the defaults a model's `generation_config` recommends
+(`model_sampling_defaults`). This module only describes and validates options; sampling itself lives in
+runtime/sampler.py.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise ValueError(
-                    f"each stop string may be at most {MAX_STOP_STRING_LEN} characters, got {len(s)}"
+                    f"stop strings may be at most {MAX_STOP_STRING_LEN} characters each, got {len(s)}"
                 )
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
             raise ValueError(
@@ -116,3 +119,50 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"stop_token_ids entries must be in [0, {vocab_size}), got {t}")
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt and `max_tokens` that do not fit the model's context; the same rule for `LLM` and the server."""
+
+    def __init__(self, max_model_len: int, prompt_len: int, max_tokens: int, where: str = "prompt") -> None:
+        self.max_model_len, self.prompt_len, self.max_tokens, self.where = max_model_len, prompt_len, max_tokens, where
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {where} or completion.")
+
+    @property
+    def prompt_too_long(self) -> bool:
+        """True when the prompt alone leaves no room for a generated token (else max_tokens is at fault)."""
+        return self.prompt_len >= self.max_model_len
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, where: str = "prompt") -> None:
+    """Raise ContextLengthExceeded unless a `prompt_len`-token prompt and `max_tokens` generated tokens fit in
+    `max_model_len`. `max_tokens=None` means the rest of the context and 0 (scoring the prompt) runs one token:
+    both need room for one."""
+    if max_tokens is None:
+        max_tokens = max(0, max_model_len - prompt_len)
+    if prompt_len + max(1, max_tokens) > max_model_len:
+        raise ContextLengthExceeded(max_model_len, prompt_len, max_tokens, where)
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+_GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def model_sampling_defaults(generation_config, mode: str = "auto") -> dict:
+    """The sampling defaults a model's creators set in its `generation_config` (vLLM's `--generation-config`):
+    with mode "auto", its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+    `max_tokens`) where they differ from transformers' defaults; with "vllm", none (SamplingParams' own)."""
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")
+    if mode == "vllm" or generation_config is None:
+        return {}
+    diff = generation_config.to_diff_dict()
+    defaults = {k: diff[k] for k in _GENERATION_FIELDS if diff.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults.get("top_k", 1) <= 0:  # transformers' "no top-k" is 0, ours -1
+        defaults["top_k"] = -1
+    return defaults

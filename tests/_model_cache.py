@@ -23,10 +23,10 @@ def _load(name: str | None, dtype, device: str | None, seed: int):
 
 
 @functools.cache
-def _compile(model_id: int, passes: tuple | None, device: str | None, model_name: str):
+def _compile(model_id: int, passes: tuple | None, device: str | None, model_name: str, options: tuple):
     model = _MODELS[model_id]
     return compile_model(model, passes=list(passes) if passes is not None else None, device=device,
-                         model_name=model_name)
+                         model_name=model_name, **dict(options))
 
 
 _MODELS: dict[int, torch.nn.Module] = {}
@@ -43,13 +43,14 @@ def compiled(name: str | None):
     return cached_compile(lm.model, device="cpu", model_name=lm.name)
 
 
-def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None, model_name=""):
+def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None, model_name="", **options):
+    """`compile_model`, memoized by model, passes, device and options (quantization, kv_cache_dtype, ...)."""
     if dump_dir is not None or verify:
         return compile_model(model, passes=passes, dump_dir=dump_dir, verify=verify, device=device,
-                             model_name=model_name)
+                             model_name=model_name, **options)
     _MODELS[id(model)] = model
     return _compile(id(model), tuple(passes) if passes is not None else None,
-                    str(device) if device is not None else None, model_name)
+                    str(device) if device is not None else None, model_name, tuple(sorted(options.items())))
 
 
 def cached_load(model=None, dtype="auto", device=None, seed=0, load_format="auto"):

@@ -1,11 +1,14 @@
-"""The `mini-infer` command: generate (default model and prompt), dump-graph, errors, the console script."""
+"""The `mini-infer` command: generate (default model and prompt, token-id prompts), dump-graph, the console
+script; bad options and broken models refused in one line with status 2 before anything loads; Ctrl-C."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,76 @@ def test_console_script():
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ANSWER
+
+
+def test_generate_token_ids_on_a_preset_without_tokenizer(monkeypatch, capsys):
+    mc.patch_engine(monkeypatch)
+    assert main(["generate", "--model", "tiny-llama", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
+                 "--ignore-eos"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    expected = mc.hf_greedy(mc.loaded("tiny-llama").model, [5, 6, 7], 4)
+    assert line == str(expected)
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    import mini_infer.runtime.engine as engine_mod
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_model ran: the check came too late")
+
+    monkeypatch.setattr(engine_mod, "load_model", refuse)
+
+
+def _broken_checkpoint(path, weights: bytes | None) -> str:
+    mc.loaded("tiny-llama").model.config.save_pretrained(path)
+    if weights is not None:
+        (path / "model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["text to a model without tokenizer", "max-num-seqs 0", "max-model-len too big",
+                                  "kv-cache-memory-bytes 1", "device cuda", "only config.json",
+                                  "random safetensors", "missing absolute path"])
+def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_path, capsys, case):
+    if case == "device cuda" and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    argv = {
+        "text to a model without tokenizer": ["--model", "tiny-llama", "hello"],
+        "max-num-seqs 0": ["--max-num-seqs", "0", "hello"],
+        "max-model-len too big": ["--model", "tiny-llama", "--max-model-len", "4096", "--prompt-token-ids", "1,2"],
+        "kv-cache-memory-bytes 1": ["--kv-cache-memory-bytes", "1", "hello"],
+        "device cuda": ["--device", "cuda", "hello"],
+        "only config.json": ["--model", _broken_checkpoint(tmp_path / "a", None), "--prompt-token-ids", "1,2"],
+        "random safetensors": ["--model", _broken_checkpoint(tmp_path / "b", bytes(range(256)) * 40),
+                               "--prompt-token-ids", "1,2"],
+        "missing absolute path": ["--model", str(tmp_path / "nothing" / "here"), "hello"],
+    }[case]
+    start = time.perf_counter()
+    assert main(["generate", *argv]) == 2
+    assert time.perf_counter() - start < 2.0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("mini-infer generate: error: "), err
+    expected = {"text to a model without tokenizer": "--prompt-token-ids", "max-num-seqs 0": "max_num_seqs",
+                "max-model-len too big": "max_model_len=4096", "kv-cache-memory-bytes 1": "kv_cache_memory_bytes=1",
+                "device cuda": "device='cuda'", "only config.json": "no weights",
+                "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory"}
+    assert expected[case] in err
+
+
+def test_ctrl_c_during_generate_is_one_line(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mini_infer.cli", "-v", "generate", "--model", "tiny-llama",
+                             "--prompt-token-ids", "1,2,3", "--n", "8", "--max-tokens", "1000", "--ignore-eos"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in proc.stderr:  # the engine is up (INFO log line): generation is running
+        lines.append(line)
+        if "engine ready" in line:
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(lines) + rest
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "mini-infer generate: interrupted"

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 
 import mini_infer.compiler as compiler
-from mini_infer.compiler import CompiledModel, compile_model, logits_tolerance, recommended_passes
-from mini_infer.passes import GraphPass, PassResult
+from mini_infer.compiler import CompiledModel, compile_model, logits_tolerance
+from mini_infer.passes import GraphPass, PassContext, PassResult, recommended_passes
 from mini_infer.passes.manager import PassError
 from tests.passes.helpers import (
     ARCHS,
@@ -29,8 +29,10 @@ from tests.passes.helpers import (
     start_pos,
 )
 
-PIPELINE = ["cleanup", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul", "paged_attention",
-            "select_logits", "gemv_linear"]
+PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul",
+            "paged_attention", "gemv_linear"]
+# DeepSeek's latent attention gets its own attention pass, before paged_attention (which then matches nothing)
+MLA_PIPELINE = [*PIPELINE[:6], "mla_latent_cache", *PIPELINE[6:]]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,8 @@ def cached_capture(monkeypatch):
 
 
 def test_recommended_pipeline():
-    assert recommended_passes(loaded("tiny-llama").config, CPU) == PIPELINE
+    ctx = PassContext(config=loaded("tiny-llama").config, device=CPU, dtype=torch.float32)
+    assert [p.name for p in recommended_passes(ctx)] == PIPELINE
 
 
 def test_logits_tolerance():
@@ -62,9 +65,14 @@ def test_summary_lists_every_pass(compiled):
     cm, _ = compiled
     # the ops are bound to their kernels (torch references on CPU) after the verified passes
     assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_kernels"]
-    lines = cm.summary().splitlines()
+    table, footer = cm.summary().split("\n\n")
+    lines = table.splitlines()
     assert "max |err|" in lines[0]
     assert [line.split()[0] for line in lines[2:]] == ["capture", *PIPELINE, "bind_kernels"]
+    # what the graph holds: every weight once, and the caches the passes declared
+    assert f"weights: {cm.weight_bytes / 1e9:.3f} GB" in footer
+    assert "caches: 512 bytes per token over 2 layer caches" in footer  # 2 layers x K+V x 2 heads x 16 x 4 B
+    assert "FullAttentionSpec x2" in footer
     assert all(s.max_abs_err is not None and s.max_abs_err <= 1e-4 for s in cm.stats[1:-1])
     # norms, rotaries, silu_and_mul, attentions, weight linears (qkv, o, gate_up, down per layer; lm_head)
     assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2 + 9
@@ -84,18 +92,17 @@ def test_dump_dir(compiled):
     assert {p.name for p in dump.iterdir()} == expected
     rows = (dump / "summary.txt").read_text().splitlines()[2:]
     assert [r.split()[0] for r in rows] == PIPELINE
-    assert "scaled_dot_product_attention" in (dump / "06_paged_attention.before.txt").read_text()
-    assert "scaled_dot_product_attention" not in (dump / "06_paged_attention.after.txt").read_text()
+    assert "scaled_dot_product_attention" in (dump / "07_paged_attention.before.txt").read_text()
+    assert "scaled_dot_product_attention" not in (dump / "07_paged_attention.after.txt").read_text()
 
 
 def test_inputs_and_cache_specs(compiled):
     cm, _ = compiled
-    assert cm.input_names == ["input_ids", "position_ids", "slot_mapping", "block_tables", "seq_lens",
-                              "query_start_loc", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1",
-                              "logits_indices"]
-    assert [(s.k_input, s.num_kv_heads, s.head_size, s.sliding_window) for s in cm.kv_cache_specs] == [
+    assert cm.input_names == ["input_ids", "position_ids", "logits_indices", "slot_mapping", "block_tables",
+                              "seq_lens", "query_start_loc", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
+    assert [(s.k_input, s.num_kv_heads, s.head_size, s.attention_window) for s in cm.cache_specs] == [
         ("k_cache_0", 2, 16, None), ("k_cache_1", 2, 16, None)]
-    with pytest.raises(ValueError, match="missing graph inputs: \\['slot_mapping'"):
+    with pytest.raises(ValueError, match="missing graph inputs: \\['logits_indices', 'slot_mapping'"):
         cm(input_ids=random_ids(3, 0), position_ids=positions(0, 3))
 
 
@@ -169,7 +176,7 @@ def test_bf16_pipeline_matches_like_fp32():
     matches = {s.name: s.num_matches for s in cm.stats}
     assert (matches["fuse_rmsnorm"], matches["fuse_rotary"], matches["fuse_silu_mul"],
             matches["paged_attention"]) == (9, 4, 2, 2)
-    assert {s.dtype for s in cm.kv_cache_specs} == {torch.bfloat16}
+    assert {s.dtype for s in cm.cache_specs} == {torch.bfloat16}
     ids = random_ids(21, 2)
     inputs = cm.example_inputs(ids, positions(30, 21))
     inputs["logits_indices"] = torch.arange(21)
@@ -182,8 +189,9 @@ def test_bf16_pipeline_matches_like_fp32():
 @pytest.mark.parametrize("name", ARCHS)
 def test_verify_passes_on_every_architecture(cached_capture, name):
     cm = compile_model(loaded(name).model, verify=True)
-    assert [s.name for s in cm.stats] == ["capture", *PIPELINE, "bind_kernels"]
-    assert isinstance(cm, CompiledModel) and len(cm.kv_cache_specs) == 2
+    pipeline = MLA_PIPELINE if name.startswith("tiny-deepseek") else PIPELINE
+    assert [s.name for s in cm.stats] == ["capture", *pipeline, "bind_kernels"]
+    assert isinstance(cm, CompiledModel) and len(cm.cache_specs) == 2
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -193,7 +201,8 @@ def test_full_pipeline_equals_eager(name, num, start):
     gm, ctx, _ = full_pipeline(name)
     check_against_eager(name, gm, ctx, num, start, seed=num * 13 + start)
     # block size of the example inputs is 16: the cache covers every token
-    assert ctx.example_inputs(random_ids(num, 0), positions(0, num))["k_cache_0"].shape[0] == math.ceil(num / 16)
+    first_cache = ctx.cache_specs[0].input_names()[0]  # k_cache_0, or latent_cache_0 for DeepSeek
+    assert ctx.example_inputs(random_ids(num, 0), positions(0, num))[first_cache].shape[0] == math.ceil(num / 16)
 
 
 def test_bound_kernels_match_the_ops():

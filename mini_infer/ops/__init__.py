@@ -1,6 +1,7 @@
 """Custom ops that the compiler passes insert into FX graphs (`torch.ops.mini_infer.<name>`).
 
-Importing this package registers every op. Each op lives in its own module with three parts: a fake
+Importing this package registers every op. Each op lives in a module of its own (or of its family: the
+quantization ops in quant.py, the W8A8 linears in int8_linear.py / fp8_linear.py) with three parts: a fake
 impl (shapes and dtypes only; works with torch.export's symbolic shapes), `<op>_reference` in plain
 torch (the CPU run-time path and the test oracle), and `<op>_triton` (used when the tensors are on
 CUDA). The registered op dispatches: CUDA tensors and Triton importable -> Triton, otherwise the
@@ -12,26 +13,82 @@ nothing from mini_infer outside this package.
 | rms_norm(x, weight, eps)                              | Tensor              | HF LlamaRMSNorm over the last dim                     |
 | fused_add_rms_norm(x, residual, weight, eps)          | (Tensor, Tensor)    | s = x + residual; (rms_norm(s, weight, eps), s)       |
 | apply_rotary(x, cos, sin)                             | Tensor (contiguous) | x * cos + rotate_half(x) * sin (HF neox-style)        |
+| apply_rotary_interleaved(x, cos, sin)                 | Tensor (contiguous) | GPT-J style: pairs (x[2i], x[2i+1]) turned by angle i;|
+|                                                       |                     | cos/sin [..., D/2]; fp32 math, x's dtype (DeepSeek)   |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
-|   query_start_loc, scale, sliding_window, softcap)    |                     | sliding window (>0), softcap (>0); mutates the caches |
+|   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
+|   k_scale=None, v_scale=None)                         |                     | fp8 caches store k / k_scale, reads multiply it back  |
+| mla_attention(q_nope, q_pe, c_kv, k_pe,               | Tensor [T, H, Dv]   | DeepSeek MLA: write cat(c_kv, k_pe) at slot_mapping   |
+|   latent_cache!, slot_mapping, block_tables,          |                     | into the latent cache, then causal attention with     |
+|   seq_lens, query_start_loc, w_uk, w_uv, scale)       |                     | k_h = cat(W_UK_h c, k_pe), v_h = W_UV_h c (absorbed   |
+|                                                       |                     | for decode, expanded for prefill); mutates the cache  |
+| moe_topk(router_logits, top_k, scoring, renormalize,  | (Tensor fp32,       | MoE routing of HF's Mixtral / Qwen-MoE / DeepSeek-V2  |
+|   routed_scaling_factor, n_group, topk_group,         |  Tensor int32)      | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
+|   correction_bias)                                    |  [T, top_k] each    | renormalize, scale; ties: lower expert index          |
+| fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
+|   activation)                                         |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]  |
+| quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
+| rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
+| fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |
+|   dtype)                                              |                     |                                                       |
+| silu_and_mul_quant(gate, up, dtype)                   | (x_q, scale)        | quantize_per_token(silu(gate) * up, dtype)            |
+| int8_linear(x_q, x_scale, w_q, w_scale, bias,         | Tensor [.., N]      | exact int32 x_q @ w_q.T, then (acc * x_scale *        |
+|   out_dtype)                                          |                     | w_scale + bias) in fp32 -> out_dtype                  |
+| w8a8_linear(x, w_q, w_scale, bias)                    | Tensor (x's dtype)  | int8_linear(*quantize_per_token(x, int8), ...)        |
+| fp8_linear(x_q, x_scale, w_q, w_scale, bias,          | Tensor [.., N]      | as int8_linear with float8_e4m3fn operands, fp32      |
+|   out_dtype)                                          |                     | accumulation; CUDA needs compute capability >= 8.9    |
+| fp8_w8a8_linear(x, w_q, w_scale, bias)                | Tensor (x's dtype)  | fp8_linear(*quantize_per_token(x, fp8), ...)          |
 
-Layouts for paged_attention are in `mini_infer/ops/paged_attention.py`'s docstring. Extra Triton entry
+Layouts for paged_attention are in `mini_infer/ops/paged_attention.py`'s docstring, those for mla_attention
+(and the arrangement of w_uk / w_uv from kv_b_proj) in `mini_infer/ops/mla_attention.py`'s; the routing rules per
+model family in `moe_topk.py`'s, the expert weight layout in `fused_moe.py`'s. Extra Triton entry
 points: `write_kv_cache_triton` and the `decode_only` / `num_splits` knobs of `paged_attention_triton`
-(split-K flash-decoding).
+(split-K flash-decoding); `write_latent_cache_triton`, `latent_attention_triton` (the absorbed path's kernel)
+and the `path` / `num_splits` knobs of `mla_attention_triton`. The quantization scheme is in `quant.py`'s
+docstring; `scaled_mm_triton` (int8_linear.py) is the GEMM kernel of both W8A8 linears, `fp8_supported(device)`
+(fp8_linear.py) says where the FP8 linears run.
 """
 
-from mini_infer.ops import apply_rotary as _apply_rotary_mod  # noqa: F401  (registers the op)
-from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod  # noqa: F401
-from mini_infer.ops import linear as _linear_mod  # noqa: F401
-from mini_infer.ops import paged_attention as _paged_attention_mod  # noqa: F401
-from mini_infer.ops import rms_norm as _rms_norm_mod  # noqa: F401
-from mini_infer.ops import silu_and_mul as _silu_and_mul_mod  # noqa: F401
+from mini_infer.ops import apply_rotary as _apply_rotary_mod  # (importing a module registers its ops)
+from mini_infer.ops import apply_rotary_interleaved as _apply_rotary_interleaved_mod
+from mini_infer.ops import fp8_linear as _fp8_linear_mod
+from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
+from mini_infer.ops import fused_moe as _fused_moe_mod
+from mini_infer.ops import int8_linear as _int8_linear_mod
+from mini_infer.ops import linear as _linear_mod
+from mini_infer.ops import mla_attention as _mla_attention_mod
+from mini_infer.ops import moe_topk as _moe_topk_mod
+from mini_infer.ops import paged_attention as _paged_attention_mod
+from mini_infer.ops import quant as _quant_mod
+from mini_infer.ops import rms_norm as _rms_norm_mod
+from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops._triton_support import HAS_TRITON
 
-OPS = ("rms_norm", "fused_add_rms_norm", "apply_rotary", "silu_and_mul", "paged_attention", "linear")
+# op name -> the module defining `<name>_reference` and `<name>_triton`
+_MODULE_OF = {
+    "rms_norm": _rms_norm_mod,
+    "fused_add_rms_norm": _fused_add_rms_norm_mod,
+    "apply_rotary": _apply_rotary_mod,
+    "apply_rotary_interleaved": _apply_rotary_interleaved_mod,
+    "silu_and_mul": _silu_and_mul_mod,
+    "paged_attention": _paged_attention_mod,
+    "linear": _linear_mod,
+    "mla_attention": _mla_attention_mod,
+    "moe_topk": _moe_topk_mod,
+    "fused_moe": _fused_moe_mod,
+    "quantize_per_token": _quant_mod,
+    "rms_norm_quant": _quant_mod,
+    "fused_add_rms_norm_quant": _quant_mod,
+    "silu_and_mul_quant": _quant_mod,
+    "int8_linear": _int8_linear_mod,
+    "w8a8_linear": _int8_linear_mod,
+    "fp8_linear": _fp8_linear_mod,
+    "fp8_w8a8_linear": _fp8_linear_mod,
+}
+OPS = tuple(_MODULE_OF)
 
 
 def kernel_impls(backend: str) -> dict:
@@ -42,7 +99,7 @@ def kernel_impls(backend: str) -> dict:
 
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return {getattr(torch.ops.mini_infer, name).default: getattr(globals()[f"_{name}_mod"], f"{name}_{backend}")
+    return {getattr(torch.ops.mini_infer, name).default: getattr(_MODULE_OF[name], f"{name}_{backend}")
             for name in OPS}
 
 

@@ -13,7 +13,7 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
-__all__ = ["apply_rotary", "apply_rotary_reference", "apply_rotary_triton"]
+__all__ = ["apply_rotary", "apply_rotary_reference", "apply_rotary_triton", "launch_rows"]
 
 
 def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
@@ -69,6 +69,22 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def launch_rows(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, half: int) -> None:
+    """Launch a rotary kernel with `_rotary_kernel`'s signature: programs over blocks of rows (x's leading dims,
+    seen as three through a 4-D view), `half` columns each; cos/sin already expanded to their full shape."""
+    x4, c4, s4 = _as_4d(x), _as_4d(cos), _as_4d(sin)
+    o4 = out.view(x4.shape)
+    n0, n1, n2, _ = x4.shape
+    n_rows = n0 * n1 * n2
+    block_h = next_pow2(half)
+    block_r = max(1, min(64, 2048 // block_h))
+    kernel[(triton.cdiv(n_rows, block_r),)](
+        x4, c4, s4, o4, n_rows, n1, n2, half,
+        *x4.stride(), *c4.stride(), *s4.stride(), *o4.stride()[:3],
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+
+
 def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Triton rotary for any strides of x; cos/sin are broadcast (stride 0) to x's shape, never copied."""
     if not HAS_TRITON:
@@ -79,18 +95,7 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     out = torch.empty(x.shape, dtype=_out_dtype(x, cos, sin), device=x.device)
     if x.numel() == 0:
         return out
-    x4, c4, s4 = _as_4d(x), _as_4d(cos.expand(x.shape)), _as_4d(sin.expand(x.shape))
-    o4 = out.view(x4.shape)
-    n0, n1, n2, _ = x4.shape
-    n_rows = n0 * n1 * n2
-    block_h = next_pow2(d // 2)
-    block_r = max(1, min(64, 2048 // block_h))
-    grid = (triton.cdiv(n_rows, block_r),)
-    _rotary_kernel[grid](
-        x4, c4, s4, o4, n_rows, n1, n2, d // 2,
-        *x4.stride(), *c4.stride(), *s4.stride(), *o4.stride()[:3],
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
+    launch_rows(_rotary_kernel, x, cos.expand(x.shape), sin.expand(x.shape), out, d // 2)
     return out
 
 

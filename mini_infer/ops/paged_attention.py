@@ -15,6 +15,13 @@ Query row j of sequence s sits at position `seq_lens[s] - qlen_s + j` and sees c
 `p <= pos` (and `pos - p < sliding_window` when sliding_window > 0). Rows of q owned by no sequence
 produce zeros. Softmax in fp32; the output has q's dtype and shape [T, Hq, Dv].
 
+FP8 KV cache: when both caches are float8_e4m3fn, `k_scale` and `v_scale` (fp32, shape [1], one per layer,
+required then) scale them: the write stores `k / k_scale` saturated to +-448 and rounded to nearest-even
+e4m3 (the Triton write gives the reference's bytes exactly), and every read dequantizes, `cache * scale`:
+the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
+dequantized values; the Triton kernel converts fp8 to q's dtype (exact) for its dots and folds k_scale into
+the score scale and v_scale into the output. Other caches take no scales (None, the default).
+
 Two implementations:
   * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
     (qlen == 1) of all sequences are batched into one padded gather + matmul; longer query runs go one
@@ -62,10 +69,57 @@ _CONFIG = {
 # --------------------------------------------------------------------------------------------------
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> bool:
+    """True for an FP8 cache pair (both float8_e4m3fn, with fp32 [1] scales); False for unscaled caches
+    (no scales). Raises ValueError naming the argument on any other combination."""
+    fp8 = (k_cache.dtype == FP8, v_cache.dtype == FP8)
+    if not any(fp8):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"paged_attention: k_scale/v_scale apply to float8_e4m3fn caches only, the caches "
+                             f"are {k_cache.dtype}/{v_cache.dtype}")
+        return False
+    if not all(fp8):
+        raise ValueError(f"paged_attention: an fp8 cache needs both caches float8_e4m3fn, got "
+                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.dtype != torch.float32 or t.numel() != 1:
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise ValueError(f"paged_attention: float8_e4m3fn caches need {name} as an fp32 tensor of one "
+                             f"element, got {got}")
+    return True
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x in the cache's dtype: for an fp8 cache x / scale, saturated to +-448, rounded to nearest-even."""
+    if cache.dtype != FP8:
+        return x.to(cache.dtype)
+    return (x.to(torch.float32) / scale.reshape(())).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (uint8 view; CPU torch has no index_copy_/index_select for float8), any
+    other tensor as itself: the reference moves cache rows through this view."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _from_cache(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows (through `_raw`) as fp32, dequantized when the cache is fp8 (scale given)."""
+    if scale is None:
+        return x.to(torch.float32)
+    return x.view(FP8).to(torch.float32) * scale.reshape(())
+
+
 def write_kv_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write k[i], v[i] at flat slot slot_mapping[i] of the caches, skipping negative slots."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Write k[i], v[i] at flat slot slot_mapping[i] of the caches, skipping negative slots (fp8 caches:
+    k / k_scale and v / v_scale, see the module docstring)."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     if not bool(valid.all()):
@@ -73,13 +127,13 @@ def write_kv_cache_reference(
     if slots.numel() == 0:
         return
     if k_cache.is_contiguous() and v_cache.is_contiguous():  # one row copy per token into the flat view
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        _raw(k_cache).view(-1, *k_cache.shape[2:]).index_copy_(0, slots, _raw(_to_cache(k, k_cache, k_scale)))
+        _raw(v_cache).view(-1, *v_cache.shape[2:]).index_copy_(0, slots, _raw(_to_cache(v, v_cache, v_scale)))
         return
     block_size = k_cache.shape[1]
     blk, off = slots // block_size, slots % block_size
-    k_cache.index_put_((blk, off), k.to(k_cache.dtype))
-    v_cache.index_put_((blk, off), v.to(v_cache.dtype))
+    _raw(k_cache).index_put_((blk, off), _raw(_to_cache(k, k_cache, k_scale)))
+    _raw(v_cache).index_put_((blk, off), _raw(_to_cache(v, v_cache, v_scale)))
 
 
 def _gather_blocks(cache: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
@@ -103,6 +157,8 @@ def _attend_reference(
     sliding_window: int,
     softcap: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention for n sequences padded to max_q query rows and a common key length, written into out."""
     n = bt_rows.shape[0]
@@ -125,8 +181,8 @@ def _attend_reference(
     cols = torch.minimum(first_blk[:, None] + torch.arange(n_blk, device=dev), last_blk[:, None])
     blk = bt_rows.gather(1, cols).to(torch.int64).flatten()  # [n * n_blk]
     n_keys = n_blk * block_size
-    kk = _gather_blocks(k_cache, blk).view(n, n_keys, hkv, d).to(torch.float32)  # [n, L, Hkv, D]
-    vv = _gather_blocks(v_cache, blk).view(n, n_keys, hkv, dv).to(torch.float32)
+    kk = _from_cache(_gather_blocks(_raw(k_cache), blk).view(n, n_keys, hkv, d), k_scale)  # [n, L, Hkv, D] fp32
+    vv = _from_cache(_gather_blocks(_raw(v_cache), blk).view(n, n_keys, hkv, dv), v_scale)
     kpos = first_blk[:, None] * block_size + torch.arange(n_keys, device=dev)  # [n, L]
     kvalid = kpos < ctx[:, None]  # also false on the repeated padding blocks (they sit past ctx)
     # padding positions may hold anything (uninitialized cache memory, even NaN): zero V there, since
@@ -175,7 +231,9 @@ def _decode_gather_plan(block_tables, lens, block_size: int, sliding_window: int
     import weakref
 
     args = (block_size, sliding_window, dtype)
-    if _PLAN_CACHE:
+    # tensors made under inference_mode (e.g. a sub-batch's metadata) have no version counter: not cached
+    cacheable = not (block_tables.is_inference() or lens.is_inference())
+    if cacheable and _PLAN_CACHE:
         bt_ref, bt_ver, ln_ref, ln_ver, c_args, plan = _PLAN_CACHE[0]
         if (bt_ref() is block_tables and ln_ref() is lens and bt_ver == block_tables._version
                 and ln_ver == lens._version and c_args == args):
@@ -191,21 +249,26 @@ def _decode_gather_plan(block_tables, lens, block_size: int, sliding_window: int
         valid &= (lens[:, None] - 1 - pos[None, :]) < sliding_window
     mask = torch.zeros(valid.shape, dtype=dtype, device=lens.device).masked_fill_(~valid, float("-inf"))
     plan = (slots, mask[:, None, None, :], length)
-    _PLAN_CACHE[:] = [(weakref.ref(block_tables), block_tables._version, weakref.ref(seq_lens), seq_lens._version,
-                       args, plan)]
+    if cacheable:
+        _PLAN_CACHE[:] = [(weakref.ref(block_tables), block_tables._version, weakref.ref(seq_lens),
+                           seq_lens._version, args, plan)]
     return plan
 
 
-def _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int):
+def _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int,
+                           k_scale=None, v_scale=None):
     """Every sequence has one query row: gather each one's keys into a padded [S, L] batch and run one
     SDPA with GQA and an additive key mask. The gather is per token: positions past a sequence's length
     read its position 0 instead (always written by the sequence itself), so whatever the cache holds there,
-    even NaN, is never read; the mask then hides them."""
+    even NaN, is never read; the mask then hides them. An fp8 cache is dequantized to fp32 after the gather."""
     n, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    slots, mask, length = _decode_gather_plan(block_tables, seq_lens, block_size, sliding_window, k_cache.dtype)
-    keys = k_cache.view(-1, hkv, d).index_select(0, slots).view(n, length, hkv, d)
-    vals = v_cache.view(-1, hkv, v_cache.shape[3]).index_select(0, slots).view(n, length, hkv, -1)
+    dtype = torch.float32 if k_scale is not None else k_cache.dtype
+    slots, mask, length = _decode_gather_plan(block_tables, seq_lens, block_size, sliding_window, dtype)
+    keys = _raw(k_cache).view(-1, hkv, d).index_select(0, slots).view(n, length, hkv, d)
+    vals = _raw(v_cache).view(-1, hkv, v_cache.shape[3]).index_select(0, slots).view(n, length, hkv, -1)
+    if k_scale is not None:
+        keys, vals = _from_cache(keys, k_scale), _from_cache(vals, v_scale)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(n, hq, 1, d).to(keys.dtype), keys.transpose(1, 2), vals.transpose(1, 2),
         attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
@@ -225,9 +288,11 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch paged attention (writes k/v into the caches first). See the module docstring."""
-    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     t, hq, _ = q.shape
     out = q.new_zeros((t, hq, v_cache.shape[3]))
     n_seqs = seq_lens.shape[0]
@@ -238,18 +303,20 @@ def paged_attention_reference(
     qlens = qsl[1:] - qsl[:-1]
     common = (k_cache, v_cache)
     opts = (scale, int(sliding_window), float(softcap), out)
+    scales = (k_scale, v_scale)
 
     # a pure decode step without softcap (the common case): one gather and one SDPA for all sequences
     if softcap <= 0 and t == n_seqs and k_cache.is_contiguous() and v_cache.is_contiguous() \
             and bool((qlens == 1).all()):
-        out[:] = _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, int(sliding_window))
+        out[:] = _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, int(sliding_window),
+                                        k_scale, v_scale)
         return out
 
     # decode rows of every sequence: one batched gather + matmul
     dec = torch.nonzero(qlens == 1).flatten()
     if dec.numel():
         ones = torch.ones_like(dec)
-        _attend_reference(q, *common, block_tables[dec], qsl[:-1][dec], ones, lens[dec], 1, *opts)
+        _attend_reference(q, *common, block_tables[dec], qsl[:-1][dec], ones, lens[dec], 1, *opts, *scales)
 
     # longer query runs: per sequence, in chunks of at most _REF_QUERY_CHUNK rows
     multi = torch.nonzero(qlens > 1).flatten()
@@ -262,7 +329,7 @@ def paged_attention_reference(
                 cn = min(_REF_QUERY_CHUNK, ql - c0)
                 ctx_c = ln - ql + c0 + cn
                 meta = torch.tensor([[q0 + c0, cn, ctx_c]], dtype=torch.int64, device=q.device)
-                _attend_reference(q, *common, bt, meta[:, 0], meta[:, 1], meta[:, 2], cn, *opts)
+                _attend_reference(q, *common, bt, meta[:, 0], meta[:, 1], meta[:, 2], cn, *opts, *scales)
     return out
 
 
@@ -271,12 +338,20 @@ def paged_attention_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from mini_infer.ops.quant import round_to_fp8_e4m3  # the fp8 rounding of the activation quantization
+
+    @triton.jit
+    def _to_cache_values(x, scale_ptr, KV_FP8: tl.constexpr):
+        """Values to store in the cache: for an fp8 cache x / scale, saturated and rounded as the reference."""
+        if KV_FP8:
+            x = round_to_fp8_e4m3(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
+        return x
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, n_heads, head_d, head_dv,
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, block_size, n_heads, head_d, head_dv,
         s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -289,12 +364,14 @@ if HAS_TRITON:
         off = slot % block_size
         d = tl.arange(0, BLOCK_D)
         m = ok[:, None] & (h < n_heads)[:, None] & (d < head_d)[None, :]
-        x = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0)
+        x = _to_cache_values(tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0),
+                             ks_ptr, KV_FP8)
         dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
         tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
         dvr = tl.arange(0, BLOCK_DV)
         m = ok[:, None] & (h < n_heads)[:, None] & (dvr < head_dv)[None, :]
-        x = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0)
+        x = _to_cache_values(tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0),
+                             vs_ptr, KV_FP8)
         dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
         tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
 
@@ -308,14 +385,14 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
         n_seqs, scale, softcap, sliding_window, block_size, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -368,6 +445,9 @@ if HAS_TRITON:
                 k_hi = tl.minimum(k_lo + per, k_hi)
 
             first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
+            qk_scale = scale
+            if KV_FP8:  # scores of the stored (k / k_scale) keys, times k_scale
+                qk_scale = scale * tl.load(ks_ptr)
             m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -387,9 +467,9 @@ if HAS_TRITON:
                     sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
                 # scores in log2 units (softmax with exp2)
                 if USE_SOFTCAP:
-                    sc = (softcap * LOG2E) * _tanh(sc * (scale / softcap))
+                    sc = (softcap * LOG2E) * _tanh(sc * (qk_scale / softcap))
                 else:
-                    sc = sc * (scale * LOG2E)
+                    sc = sc * (qk_scale * LOG2E)
                 # Masking is needed only on tiles that reach past k_hi or past the first row's position
                 # (or under a window); the bulk of a long context skips it. Rows that are not real
                 # queries are never stored, so they need no mask.
@@ -409,10 +489,14 @@ if HAS_TRITON:
                 )  # fmt: skip
                 if DOT_FP32:
                     pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                elif KV_FP8:  # fp8 -> q's 16-bit dtype is exact; p in fp8 would lose too much
+                    pv = tl.dot(p.to(qv.dtype), vt.to(qv.dtype))
                 else:
                     pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
+            if KV_FP8:  # the stored values are v / v_scale
+                acc = acc * tl.load(vs_ptr)
 
             if NUM_SPLITS == 1:
                 o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -468,12 +552,20 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _scale_args(k_scale, v_scale, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale pointers (`placeholder`, never read, for unscaled caches)."""
+    return (k_scale if k_scale is not None else placeholder, v_scale if v_scale is not None else placeholder)
+
+
 def write_kv_cache_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Triton KV-cache write: one program per token, negative slots skipped inside the kernel."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Triton KV-cache write: one program per token, negative slots skipped inside the kernel (fp8 caches:
+    k / k_scale and v / v_scale, the reference's bytes)."""
     if not HAS_TRITON:
         raise RuntimeError("write_kv_cache_triton needs triton")
+    kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     t, hkv, d = k.shape
     dv = v.shape[2]
     if t == 0:
@@ -482,15 +574,15 @@ def write_kv_cache_triton(
         raise ValueError("paged_attention: the caches need unit stride along their last dim")
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], hkv, d, dv,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slot_mapping, *_scale_args(k_scale, v_scale, slot_mapping), k_cache.shape[1],
+        hkv, d, dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_warps=4,
+        KV_FP8=kv_fp8, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_warps=4,
     )  # fmt: skip
 
 
-# (kind, device, dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
+# (kind, device, q dtype, cache dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
 _LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
 
 
@@ -538,6 +630,8 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     decode_only: bool | None = None,
     num_splits: int | None = None,
@@ -565,7 +659,8 @@ def paged_attention_triton(
     if hq % hkv:
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
     n_seqs = seq_lens.shape[0]
-    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if t == 0 or n_seqs == 0:
         return q.new_zeros((t, hq, dv))
 
@@ -594,14 +689,14 @@ def paged_attention_triton(
         ws_strides = (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
 
     kind = "decode" if decode_only else "prefill"
-    key = (kind, q.device, q.dtype, block_g, block_d, block_dv)
+    key = (kind, q.device, q.dtype, k_cache.dtype, block_g, block_d, block_dv)
     for rows, block_n, num_warps, num_stages in _launch_configs(kind, key):
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         try:
             _paged_attn_kernel[(t // block_q + n_seqs, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc,
-                block_tables, seq_lens, query_start_loc,
+                block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens),
                 n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -612,7 +707,8 @@ def paged_attention_triton(
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
-                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, num_warps=num_warps,
+                num_stages=num_stages,
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape
@@ -649,14 +745,18 @@ def paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference."""
     args = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
     if use_triton(q):
-        return paged_attention_triton(*args, scale, sliding_window, softcap)
-    return paged_attention_reference(*args, scale, sliding_window, softcap)
+        return paged_attention_triton(*args, scale, sliding_window, softcap, k_scale, v_scale)
+    return paged_attention_reference(*args, scale, sliding_window, softcap, k_scale, v_scale)
 
 
 @paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+      k_scale=None, v_scale=None):
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))

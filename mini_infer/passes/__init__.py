@@ -1,23 +1,31 @@
-"""Graph passes: capture, the pass manager, and one file per pass. `PASSES` maps names to classes."""
+"""Graph passes: capture, the pass manager, and one file per pass. `PASSES` maps names to classes.
 
-from mini_infer.passes.base import GraphPass, KVCacheSpec, PassContext, PassResult
+`PASSES` is kept in pipeline order: `recommended_passes` takes every registered pass that has something to do
+for the context (`GraphPass.default_for`), ordered by stage and, within a stage, by registration order.
+"""
+
+from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassContext, PassResult
 from mini_infer.passes.cleanup import Cleanup
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
 from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
+from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.select_logits import SelectLogits
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, FuseRMSNorm, FuseRotary, FuseSiluMul, MergeProjections, GemvLinear, PagedAttention,
-                        SelectLogits)
+    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, MergeProjections, FuseSiluMul,
+                        MlaLatentCache, PagedAttention, GemvLinear)
 }
 
 
 def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
-    """Make a pass class available by name (to `compile_model(passes=[...])` and the CLI)."""
+    """Make a pass class available by name (to `compile_model(passes=[...])`, the CLI and, through its
+    `default_for`, the recommended pipeline)."""
+    if cls.stage not in STAGES:
+        raise ValueError(f"pass {cls.name!r}: unknown stage {cls.stage!r}; stages: {', '.join(STAGES)}")
     PASSES[cls.name] = cls
     return cls
 
@@ -35,4 +43,11 @@ def resolve_passes(passes) -> list[GraphPass]:
     return out
 
 
-__all__ = ["PASSES", "GraphPass", "KVCacheSpec", "PassContext", "PassResult", "register_pass", "resolve_passes"]
+def recommended_passes(ctx: PassContext) -> list[GraphPass]:
+    """The pipeline for a model and its options: each registered pass's `default_for(ctx)`, by stage."""
+    chosen = [inst for cls in PASSES.values() if (inst := cls.default_for(ctx)) is not None]
+    return sorted(chosen, key=lambda p: STAGES.index(p.stage))  # stable: registration order within a stage
+
+
+__all__ = ["PASSES", "STAGES", "GraphPass", "PassConfigError", "PassContext", "PassResult", "recommended_passes",
+           "register_pass", "resolve_passes"]

@@ -1,22 +1,35 @@
-"""What every graph pass shares: the `GraphPass` base class, its result, and the `PassContext`.
+"""What every graph pass shares: the `GraphPass` base class and its stages, its result, and the `PassContext`.
 
-A pass is a small object with a `name` and `apply(gm, ctx) -> PassResult`; it rewrites the GraphModule in
-place and reports how many places it matched. The context is the pass's window on everything beyond the
-graph: the model config, target device and dtype, parameters by node, the KV-cache layout the runtime must
-allocate, and the extra graph inputs a pass adds (with a builder of example values for verification).
-Passes never import the runtime.
+A pass is a small object with a `name`, a `stage`, optional constructor arguments (validated when it is built)
+and `apply(gm, ctx) -> PassResult`; it rewrites the GraphModule in place and reports how many places it matched.
+The context is the pass's window on everything beyond the graph: the model config, target device and dtype,
+the distributed rank and world size, the quantization mode and KV-cache dtype the user asked for, parameters by
+node, and the declarations the runtime reads as data — the graph inputs a pass adds (`InputSpec`) and the
+caches its ops use (`CacheSpec`, see `mini_infer.contract`). Passes never import the runtime.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from collections.abc import Callable
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from mini_infer.contract import CacheSpec, InputSpec, StepBatch
+from mini_infer.contract.inputs import INPUT_IDS, POSITION_IDS
+
+# Passes run in stages, in this order; a pass list is validated against it (see PassManager).
+STAGES = ("capture", "cleanup", "sharding", "quantization", "fusion", "attention", "lowering")
+# Fake sizes of the step dimensions other than the token count (validation only: no op's shape rule reads them).
+_FAKE_DIMS = {"seqs": 4, "seqs+1": 5, "logits": 3, "blocks": 8}
+FAKE_BLOCK_SIZE = 16  # block size of caches in fake values and in `example_inputs`
+
+
+class PassConfigError(ValueError):
+    """A pass was given an invalid argument; the message names the pass, the argument and the value."""
 
 
 @dataclass
@@ -27,34 +40,6 @@ class PassResult:
     note: str = ""
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """One attention layer's paged cache, as the pass that inserted it declares it.
-
-    The runtime allocates `[num_blocks, block_size, num_kv_heads, head_size]` for K and
-    `[..., head_size_v]` for V, and passes them as the graph inputs named `k_input` / `v_input`.
-    `sliding_window` (tokens) lets the runtime free blocks that fall out of the window.
-    """
-
-    layer_idx: int
-    k_input: str
-    v_input: str
-    num_kv_heads: int
-    head_size: int
-    head_size_v: int
-    dtype: torch.dtype
-    sliding_window: int | None = None
-
-    def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_kv_heads * (self.head_size + self.head_size_v) * itemsize
-
-
-# Builds an example value for an extra graph input from the verification inputs
-# (input_ids [1, T], position_ids [1, T], treated as one sequence starting at position 0).
-InputBuilder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 @dataclass
 class PassContext:
     """Everything a pass may read or declare beyond the graph itself."""
@@ -62,10 +47,21 @@ class PassContext:
     config: Any
     device: torch.device
     dtype: torch.dtype
-    kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)
-    extra_inputs: dict[str, InputBuilder] = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
+    quantization: str | None = None  # "w8a8", "fp8" or None
+    kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
+    input_specs: dict[str, InputSpec] = field(default_factory=lambda: {s.name: s for s in (INPUT_IDS, POSITION_IDS)})
+    cache_specs: list[CacheSpec] = field(default_factory=list)
+    declared_by: dict[str, str] = field(default_factory=dict)  # input or cache name -> pass that declared it
     applied: list[str] = field(default_factory=list)
+    current_pass: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype caches store (the KV-cache dtype if set, else the model dtype)."""
+        return self.kv_cache_dtype or self.dtype
 
     # -- parameters and buffers by node -------------------------------------------------------------
     @staticmethod
@@ -80,7 +76,11 @@ class PassContext:
 
     @staticmethod
     def add_tensor(gm: fx.GraphModule, name: str, value: torch.Tensor, before: fx.Node) -> fx.Node:
-        """Register `value` as a new buffer of `gm` (unique name) and return a get_attr node for it."""
+        """Register `value` as a new buffer of `gm` (unique name) and return a get_attr node for it.
+
+        A pass that derives a weight from others (merged, stacked, quantized, sharded) adds the result here and
+        stops referring to the originals; the pass manager then drops every tensor no node refers to, so the
+        graph owns one copy (see `drop_unused_tensors`)."""
         base = name.replace(".", "_")
         target, i = base, 0
         while hasattr(gm, target):
@@ -93,19 +93,72 @@ class PassContext:
         return node
 
     # -- declarations for the runtime ---------------------------------------------------------------
-    def declare_kv_cache(self, spec: KVCacheSpec) -> None:
-        self.kv_cache_specs.append(spec)
+    def declare_input(self, spec: InputSpec) -> None:
+        """Declare a graph input the runtime must feed every step (idempotent for an identical spec)."""
+        old = self.input_specs.get(spec.name)
+        if old is not None and (old.dtype, old.shape, old.pad) != (spec.dtype, spec.shape, spec.pad):
+            raise ValueError(f"pass {self.current_pass!r} declares input {spec.name!r} as {spec}, but "
+                             f"{self.declared_by.get(spec.name, 'capture')!r} declared it as {old}")
+        if old is None:
+            self.input_specs[spec.name] = spec
+            self.declared_by[spec.name] = self.current_pass
 
-    def declare_input(self, name: str, builder: InputBuilder) -> None:
-        """Declare an extra graph input the runtime must feed, with an example builder for verify."""
-        self.extra_inputs[name] = builder
+    def declare_cache(self, spec: CacheSpec) -> None:
+        """Declare a per-layer cache the runtime must allocate and pass in (by its tensors' names)."""
+        taken = [n for n in spec.input_names() if n in self.declared_by or n in self.input_specs]
+        if taken:
+            raise ValueError(f"pass {self.current_pass!r}: cache inputs {taken} are already declared")
+        self.cache_specs.append(spec)
+        for n in spec.input_names():
+            self.declared_by[n] = self.current_pass
+
+    def add_input(self, gm: fx.GraphModule, spec: InputSpec) -> fx.Node:
+        """Declare `spec` and return its placeholder (added after the last one, or the existing one)."""
+        self.declare_input(spec)
+        existing = _placeholder(gm, spec.name)
+        if existing is not None:
+            return existing
+        sizes = tuple(_FAKE_DIMS.get(d, d) if not isinstance(d, int) else d for d in spec.shape)
+        num_tokens = _placeholder(gm, "input_ids").meta["val"].shape[1]
+        sizes = tuple(num_tokens if d == "tokens" else d for d in sizes)
+        return _new_placeholder(gm, spec.name, sizes, spec.dtype)
+
+    def add_cache(self, gm: fx.GraphModule, spec: CacheSpec) -> dict[str, fx.Node]:
+        """Declare `spec` and add a placeholder for each of its tensors; returns them by name."""
+        self.declare_cache(spec)
+        nodes = {t.name: _new_placeholder(gm, t.name, (2, FAKE_BLOCK_SIZE, *t.shape), t.dtype)
+                 for t in spec.tensors()}
+        for name, value in spec.fixed_tensors().items():
+            nodes[name] = _new_placeholder(gm, name, tuple(value.shape), value.dtype)
+        return nodes
 
     def example_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """All graph inputs for running `input_ids` as a single sequence (for verification and tests)."""
-        inputs = {"input_ids": input_ids, "position_ids": position_ids}
-        for name, build in self.extra_inputs.items():
-            inputs[name] = build(input_ids, position_ids)
+        """All graph inputs for running `input_ids` ([1, T]) as one sequence whose context is exactly these
+        tokens (for verification and tests), built by the declared builders; caches are fresh and zeroed."""
+        step = StepBatch.single_sequence(input_ids, position_ids, FAKE_BLOCK_SIZE)
+        device = input_ids.device
+        inputs = {name: spec.value(step).to(device) for name, spec in self.input_specs.items()}
+        num_blocks = max(1, math.ceil(step.num_tokens / FAKE_BLOCK_SIZE))
+        for spec in self.cache_specs:
+            inputs.update(spec.allocate(num_blocks, FAKE_BLOCK_SIZE, device))
         return inputs
+
+
+def _placeholder(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
+
+
+def _new_placeholder(gm: fx.GraphModule, name: str, sizes: tuple, dtype: torch.dtype) -> fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders])
+    device = placeholders[0].meta["val"].device  # the fakes' device (validation runs on CPU fakes)
+    with gm.graph.inserting_after(placeholders[-1]):
+        node = gm.graph.placeholder(name)
+    if node.name != name:
+        raise ValueError(f"graph input name {name!r} is taken by another node")
+    with fake_mode:
+        node.meta["val"] = torch.empty(sizes, dtype=dtype, device=device)
+    return node
 
 
 def replace_with_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> fx.Node:
@@ -119,19 +172,33 @@ def replace_with_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) ->
 
 
 class GraphPass:
-    """Base class of graph passes. Subclasses set `name` (and `requires`) and implement `apply`."""
+    """Base class of graph passes. Subclasses set `name`, `stage` (and `requires`) and implement `apply`.
+
+    Arguments go to the subclass's `__init__`, which validates them (raise `self.invalid(...)`). The
+    recommended pipeline builds each pass through `default_for(ctx)`: an instance configured from the context,
+    or None when the pass has nothing to do for that model and options.
+    """
 
     name: ClassVar[str] = ""
+    stage: ClassVar[str] = "fusion"
     requires: ClassVar[tuple[str, ...]] = ()  # passes that must have run before this one
+    quantization_modes: ClassVar[tuple[str, ...]] = ()  # values of `PassContext.quantization` it implements
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError
 
-    def uuid(self) -> str:
-        """A stable hash of the pass's source and settings (for compiled-graph cache keys)."""
-        src = inspect.getsource(type(self))
-        state = repr(sorted(vars(self).items()))
-        return hashlib.sha256((src + state).encode()).hexdigest()[:16]
+    @classmethod
+    def default_for(cls, ctx: PassContext) -> GraphPass | None:
+        """The instance the recommended pipeline runs for `ctx` (None: leave this pass out)."""
+        return cls()
+
+    def invalid(self, argument: str, value: Any, why: str) -> PassConfigError:
+        return PassConfigError(f"pass {self.name!r}: invalid {argument}={value!r}: {why}")
+
+    def arguments(self) -> dict[str, Any]:
+        """The pass's settings (for its repr and the summary)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        args = ", ".join(f"{k}={v!r}" for k, v in self.arguments().items())
+        return f"{type(self).__name__}({args})"

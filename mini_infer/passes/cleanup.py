@@ -73,6 +73,7 @@ class Cleanup(GraphPass):
     """Remove asserts, wrapper sub-graphs, no-op casts and views, and dead code."""
 
     name = "cleanup"
+    stage = "cleanup"
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph

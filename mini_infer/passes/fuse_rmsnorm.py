@@ -63,6 +63,7 @@ class FuseRMSNorm(GraphPass):
     """RMSNorm sub-graphs → rms_norm; residual add + rms_norm → fused_add_rms_norm."""
 
     name = "fuse_rmsnorm"
+    stage = "fusion"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

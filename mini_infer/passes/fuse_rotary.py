@@ -67,6 +67,7 @@ class FuseRotary(GraphPass):
     """q*cos + rotate_half(q)*sin (and the same for k) → apply_rotary."""
 
     name = "fuse_rotary"
+    stage = "fusion"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

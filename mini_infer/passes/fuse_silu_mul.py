@@ -20,6 +20,7 @@ class FuseSiluMul(GraphPass):
     """mul(silu(a), b) → silu_and_mul(a, b)."""
 
     name = "fuse_silu_mul"
+    stage = "fusion"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

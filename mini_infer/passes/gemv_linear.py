@@ -22,6 +22,7 @@ class GemvLinear(GraphPass):
     """linear(x, W, b) with W, b parameters → mini_infer.linear(x, W, b)."""
 
     name = "gemv_linear"
+    stage = "lowering"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mini_infer.passes.base import GraphPass, PassContext
+from mini_infer.passes.base import STAGES, GraphPass, PassContext
 
 
 class PassError(RuntimeError):
@@ -51,12 +51,12 @@ def _signature(node: fx.Node) -> tuple:
     return (node.op, node.target, repr(args))
 
 
-def _cpu_fake(mode: FakeTensorMode, v):
-    """A fake CPU tensor with v's shape (symbols kept), strides and dtype."""
-    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
+def _fake_on(mode: FakeTensorMode, v, device: torch.device):
+    """A fake tensor with v's shape (symbols kept), strides and dtype on `device`."""
+    if not isinstance(v, torch.Tensor) or v.device == device:
         return v
     with mode:
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
 
 
 def _linear_meta(x, w, b=None):
@@ -88,13 +88,12 @@ def _run_fake(node: fx.Node, mode: FakeTensorMode, args, kwargs):
             return rule(*args, **kwargs)
 
 
-def _cpu_device(a):
-    return torch.device("cpu") if isinstance(a, torch.device) and a.type != "cpu" else a
+def propagate_fake(gm: fx.GraphModule, device: torch.device | str | None = None, incremental: bool = True) -> int:
+    """Shape-propagate `gm` on fake tensors of `device` (symbolic token count kept); returns the nodes run.
 
-
-def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
-    """Shape-propagate `gm` on fake tensors (symbolic token count kept); returns the number of nodes run.
-
+    Validation runs on the device the graph will run on (default: the device of its input values): an op's
+    rules can differ by device (transformers' MoE path feeds `histc` int32 on CUDA, which has no CPU kernel).
+    Composite ops whose fake kernels reject symbolic sizes on some devices fall back to `_SHAPE_RULES`.
     With `incremental`, a node is re-run only if it is new or its signature (op and the metadata of its
     inputs, updated in topological order) changed since it last ran; every node still ends up with a `val`
     derived from its current inputs, so the whole graph is validated at the cost of what a pass touched.
@@ -105,12 +104,18 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
     if missing:
         raise PassError(f"graph inputs without fake values: {missing}")
     mode = detect_fake_mode(vals) or FakeTensorMode()
-    # Validation runs on CPU fakes whatever the target device: shape semantics do not depend on it, and
-    # some CUDA fake kernels (aten.linear, SDPA) reject symbolic sizes that their CPU twins accept.
-    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in vals):
-        incremental = False  # first propagation of a graph traced on another device: move every value
+    target = torch.device(device) if device is not None else next(
+        (v.device for v in vals if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", 0)
+    if any(isinstance(v, torch.Tensor) and v.device != target for v in vals):
+        incremental = False  # values of another device: move every one
     for n, v in zip(placeholders, vals):
-        n.meta["val"] = _cpu_fake(mode, v)
+        n.meta["val"] = _fake_on(mode, v, target)
+
+    def on_target(a):
+        return target if isinstance(a, torch.device) else a
+
     attr_cache = gm.meta.setdefault("_fake_attrs", {})
     ran = 0
     for node in gm.graph.nodes:
@@ -122,13 +127,13 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
         ran += 1
         if node.op == "get_attr":
             real = PassContext.tensor_of(gm, node)
-            key = (node.target, id(real))
+            key = (node.target, id(real), target)
             if key not in attr_cache:
-                attr_cache[key] = _cpu_fake(mode, mode.from_tensor(real, static_shapes=True))
+                attr_cache[key] = _fake_on(mode, mode.from_tensor(real, static_shapes=True), target)
             new_val = attr_cache[key]
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            args, kwargs = torch.utils._pytree.tree_map(_cpu_device, (args, kwargs))
+            args, kwargs = torch.utils._pytree.tree_map(on_target, (args, kwargs))
             try:
                 new_val = _run_fake(node, mode, args, kwargs)
             except Exception as exc:
@@ -141,17 +146,45 @@ def propagate_fake(gm: fx.GraphModule, incremental: bool = True) -> int:
     return ran
 
 
+def drop_unused_tensors(gm: fx.GraphModule) -> int:
+    """Delete parameters and buffers no `get_attr` node refers to (weights a pass replaced); returns how many.
+
+    The graph then holds the only reference the compiled model keeps to each weight it uses: with the HF
+    model released (the engine does that after compiling), replaced weights are freed."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    names = [name for name, _ in gm.named_parameters(remove_duplicate=False)] + \
+        [name for name, _ in gm.named_buffers(remove_duplicate=False)]
+    dropped = 0
+    for name in names:
+        if name in used:
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if attr in owner._parameters:
+            del owner._parameters[attr]
+        elif attr in owner._buffers:
+            del owner._buffers[attr]
+        else:
+            continue
+        dropped += 1
+    if dropped:
+        gm.meta.pop("_fake_attrs", None)
+    return dropped
+
+
 def count_nodes(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
 
 
-def clean_and_validate(gm: fx.GraphModule) -> None:
-    """Drop dead code, lint, recompile, re-propagate fake tensors. Raises on a broken graph."""
+def clean_and_validate(gm: fx.GraphModule, device: torch.device | None = None) -> None:
+    """Drop dead code and unused weights, lint, recompile, re-propagate fake tensors on `device`. Raises on a
+    broken graph."""
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
+    drop_unused_tensors(gm)
     gm.graph.lint()
     gm.recompile()
-    propagate_fake(gm)
+    propagate_fake(gm, device)
 
 
 def write_graph(gm: fx.GraphModule, path: Path) -> None:
@@ -174,6 +207,27 @@ def format_table(stats: Sequence[PassStats]) -> str:
     return "\n".join(lines)
 
 
+def check_pass_order(passes: Sequence[GraphPass], already_applied: Sequence[str] = ()) -> None:
+    """The one ordering rule: stages in `STAGES` order, each pass once, every `requires` met earlier."""
+    seen: list[str] = list(already_applied)
+    stage_of = {name: i for i, name in enumerate(STAGES)}
+    order = [q.name for q in passes]
+    last = None
+    for p in passes:
+        if p.stage not in stage_of:
+            raise ValueError(f"pass {p.name!r} has unknown stage {p.stage!r}; stages: {' -> '.join(STAGES)}")
+        if last is not None and stage_of[p.stage] < stage_of[last.stage]:
+            raise ValueError(f"pass {p.name!r} (stage {p.stage!r}) is listed after {last.name!r} (stage "
+                             f"{last.stage!r}); stages run in the order {' -> '.join(STAGES)}; order given: {order}")
+        if p.name in seen:
+            raise ValueError(f"pass {p.name!r} is listed twice (or already ran); order given: {order}")
+        missing = [r for r in p.requires if r not in seen]
+        if missing:
+            raise ValueError(f"pass {p.name!r} requires {missing} to run before it; order given: {order}")
+        seen.append(p.name)
+        last = p
+
+
 # verify(gm, ctx) -> max abs error of the logits against eager, and the tolerance
 Verifier = Callable[[fx.GraphModule, PassContext], tuple[float, float]]
 
@@ -187,18 +241,14 @@ class PassManager:
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.verifier = verifier
 
-    def _check_order(self, already_applied: list[str]) -> None:
-        seen: list[str] = list(already_applied)
-        for p in self.passes:
-            missing = [r for r in p.requires if r not in seen]
-            if missing:
-                raise ValueError(f"pass {p.name!r} requires {missing} to run before it; order given: "
-                                 f"{[q.name for q in self.passes]}")
-            seen.append(p.name)
+    def check_order(self, already_applied: list[str]) -> None:
+        """Raise ValueError naming the pass if the list is out of stage order, repeats a pass, or runs a pass
+        before one it requires."""
+        check_pass_order(self.passes, already_applied)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> list[PassStats]:
         """Apply every pass in order, in place. Returns one PassStats per pass."""
-        self._check_order(ctx.applied)
+        self.check_order(ctx.applied)
         stats: list[PassStats] = []
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -208,12 +258,14 @@ class PassManager:
             if self.dump_dir is not None:
                 write_graph(gm, self.dump_dir / f"{i:02d}_{p.name}.before.txt")
             start = time.perf_counter()
+            ctx.current_pass = p.name
             try:
                 result = p.apply(gm, ctx)
             except Exception as exc:
                 raise PassError(f"pass {p.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            ctx.current_pass = ""
             try:
-                clean_and_validate(gm)
+                clean_and_validate(gm, ctx.device)
             except Exception as exc:
                 raise PassError(f"pass {p.name!r} left an invalid graph: {type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start

@@ -3,9 +3,10 @@
 q/k/v projections (3 GEMMs) and the SwiGLU gate/up projections (2 GEMMs) each read one tensor; one GEMM with
 the weights concatenated along the output dimension reads that input once and launches once, then
 `split_with_sizes` hands each former consumer its slice (a view, no copy). At batch 1 decode a 7B model's
-step is dominated by these small GEMMs. Merged weights are new buffers of the graph; the original
-parameters stay with the HF model (which the graph does not own), so this pass costs their size in memory
-once. Only linears whose weights are parameters of the same dtype, all with or all without bias, merge.
+step is dominated by these small GEMMs. Merged weights are new buffers of the graph and the originals are
+no longer referenced: the pass manager drops them from the graph, and once the engine releases the HF model
+they are freed, so the model's weights are held once (while merging, one group's originals and its merged
+copy coexist). Only linears whose weights are parameters of the same dtype, all with or all without bias, merge.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class MergeProjections(GraphPass):
     """Linears sharing an input (q/k/v, gate/up) → one linear + split."""
 
     name = "merge_projections"
+    stage = "fusion"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

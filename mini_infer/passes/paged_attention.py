@@ -4,8 +4,9 @@ The captured graph attends over its own T tokens with a mask built from position
 attention writes the step's K/V into the layer's cache and attends over every sequence's cached plus new
 tokens, so one graph serves prefill, chunked prefill, decode, and any mix of sequences in one packed row.
 The pass adds graph inputs: the attention metadata shared by all layers (`slot_mapping`, `block_tables`,
-`seq_lens`, `query_start_loc`) and per layer `k_cache_<i>` / `v_cache_<i>`, and declares each layer's cache
-layout (KV heads, head sizes, dtype, sliding window) on the context for the runtime to allocate. The mask
+`seq_lens`, `query_start_loc`, declared as `InputSpec`s) and per layer `k_cache_<i>` / `v_cache_<i>`, declared
+as a `FullAttentionSpec` or `SlidingWindowSpec` (KV heads, head sizes, the context's cache dtype, window) that
+the runtime allocates. The mask
 sub-graph and HF's repeat_kv expansion die with the SDPA node. Everything the kernel reads at run time
 comes in through those inputs (static buffers on GPU), nothing through Python state.
 """
@@ -16,15 +17,15 @@ import math
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 import mini_infer.ops  # noqa: F401
-from mini_infer.passes.base import GraphPass, KVCacheSpec, PassContext, PassResult
+from mini_infer.contract import FullAttentionSpec, SlidingWindowSpec
+from mini_infer.contract.caches import FP8_DTYPES
+from mini_infer.contract.inputs import ATTENTION_METADATA
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, shape
 
 ops = torch.ops.mini_infer
-METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
-VERIFY_BLOCK_SIZE = 16
 
 
 def _unrepeat_kv(node: fx.Node) -> fx.Node:
@@ -47,25 +48,11 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
-def _single_sequence_builders(ctx: PassContext):
-    """Example metadata running the verification tokens as one sequence (for verify and tests)."""
-    bs = VERIFY_BLOCK_SIZE
-
-    def nblocks(ids: torch.Tensor) -> int:
-        return max(1, math.ceil(ids.shape[1] / bs))
-
-    return {
-        "slot_mapping": lambda ids, pos: torch.arange(ids.shape[1], device=ids.device, dtype=torch.int64),
-        "block_tables": lambda ids, pos: torch.arange(nblocks(ids), device=ids.device, dtype=torch.int32)[None],
-        "seq_lens": lambda ids, pos: torch.tensor([ids.shape[1]], device=ids.device, dtype=torch.int32),
-        "query_start_loc": lambda ids, pos: torch.tensor([0, ids.shape[1]], device=ids.device, dtype=torch.int32),
-    }
-
-
 class PagedAttention(GraphPass):
     """SDPA (+ mask + repeat_kv) → paged_attention with per-layer paged caches as graph inputs."""
 
     name = "paged_attention"
+    stage = "attention"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -73,31 +60,9 @@ class PagedAttention(GraphPass):
         sdpas = [n for n in graph.nodes if is_op(n, aten.scaled_dot_product_attention.default)]
         if not sdpas:
             return PassResult(0, "no scaled_dot_product_attention in the graph")
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        ids_val = placeholders[0].meta["val"]
-        fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders])
-        num_tokens = ids_val.shape[1]
-        device = ids_val.device  # the fakes' device (validation runs on CPU fakes)
-
-        def fake(shape_, dtype):
-            with fake_mode:
-                return torch.empty(shape_, dtype=dtype, device=device)
-
-        last = placeholders[-1]
-        meta_nodes: dict[str, fx.Node] = {}
-        meta_vals = {
-            "slot_mapping": fake((num_tokens,), torch.int64),
-            "block_tables": fake((4, 8), torch.int32),
-            "seq_lens": fake((4,), torch.int32),
-            "query_start_loc": fake((5,), torch.int32),
-        }
-        builders = _single_sequence_builders(ctx)
-        for name in METADATA_INPUTS:
-            with graph.inserting_after(last):
-                node = graph.placeholder(name)
-            node.meta["val"] = meta_vals[name]
-            meta_nodes[name] = last = node
-            ctx.declare_input(name, builders[name])
+        if ctx.cache_dtype in FP8_DTYPES:
+            raise ValueError(f"paged_attention: KV-cache dtype {ctx.cache_dtype} is not supported by this pass")
+        meta = [ctx.add_input(gm, spec) for spec in ATTENTION_METADATA]
 
         for layer_idx, sdpa in enumerate(sdpas):
             q, k, v = sdpa.args[:3]
@@ -112,32 +77,21 @@ class PagedAttention(GraphPass):
             scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
             window = layer_sliding_window(ctx.config, layer_idx)
             softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
-            spec = KVCacheSpec(layer_idx, f"k_cache_{layer_idx}", f"v_cache_{layer_idx}", hkv, d, dv, ctx.dtype,
-                               window)
-            ctx.declare_kv_cache(spec)
-            cache_nodes = []
-            for cname, hd in ((spec.k_input, d), (spec.v_input, dv)):
-                with graph.inserting_after(last):
-                    node = graph.placeholder(cname)
-                node.meta["val"] = fake((2, VERIFY_BLOCK_SIZE, hkv, hd), ctx.dtype)
-                ctx.declare_input(cname, lambda ids, pos, hkv=hkv, hd=hd: torch.zeros(
-                    max(1, math.ceil(ids.shape[1] / VERIFY_BLOCK_SIZE)), VERIFY_BLOCK_SIZE, hkv, hd,
-                    dtype=ctx.dtype, device=ids.device))
-                cache_nodes.append(node)
-                last = node
+            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, sliding_window=window) if window \
+                else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype)
+            caches = ctx.add_cache(gm, spec)
             with graph.inserting_before(sdpa):
                 packed = []
                 for x in (q, k, v):  # [1, H, T, D] → [T, H, D]
                     sel = graph.call_function(aten.select.int, (x, 0, 0))
                     packed.append(graph.call_function(aten.transpose.int, (sel, 0, 1)))
                 attn = graph.call_function(ops.paged_attention.default, (
-                    *packed, *cache_nodes, *(meta_nodes[n] for n in METADATA_INPUTS),
-                    scale, window or 0, softcap))
+                    *packed, caches[spec.k_input], caches[spec.v_input], *meta, scale, window or 0, softcap))
                 back = graph.call_function(aten.transpose.int, (attn, 0, 1))  # [H, T, Dv]
                 out = graph.call_function(aten.unsqueeze.default, (back, 0))
             sdpa.replace_all_uses_with(out)
             graph.erase_node(sdpa)
         ctx.info["attention_layers"] = len(sdpas)
-        windows = sorted({s.sliding_window for s in ctx.kv_cache_specs if s.sliding_window})
+        windows = sorted({s.attention_window for s in ctx.cache_specs if s.attention_window})
         note = f"{len(sdpas)} layers" + (f", sliding window {windows}" if windows else "")
         return PassResult(len(sdpas), note)

@@ -1,17 +1,18 @@
 """SelectLogits: run lm_head only on the rows the sampler needs.
 
 The captured graph computes logits for every token of the packed row; a prefill of 1,000 tokens needs
-only its last. This pass adds the graph input `logits_indices` ([R] int64, positions in the packed row) and
+only its last. This pass adds the graph input `logits_indices` ([R] int64, positions in the packed row; declared as
+`LOGITS_INDICES`) and
 gathers those hidden states before the final projection, so the graph returns [1, R, vocab]. Whatever
-follows lm_head (scaling, softcapping) is per row and stays correct.
+follows lm_head (scaling, softcapping) is per row and stays correct. It runs right after cleanup (stage
+"cleanup"), so later passes (quantization, sharding, lowering) see the lm_head linear on the selected rows.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
+from mini_infer.contract.inputs import LOGITS_INDICES
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op
 
@@ -34,6 +35,7 @@ class SelectLogits(GraphPass):
     """Gather the rows named by `logits_indices` before lm_head."""
 
     name = "select_logits"
+    stage = "cleanup"
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -43,13 +45,7 @@ class SelectLogits(GraphPass):
         head = _find_lm_head(logits)
         if head is None:
             raise ValueError(f"select_logits: could not find the lm_head linear feeding the output {logits}")
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders])
-        with graph.inserting_after(placeholders[-1]):
-            idx = graph.placeholder("logits_indices")
-        with fake_mode:
-            idx.meta["val"] = torch.empty((3,), dtype=torch.int64, device=placeholders[0].meta["val"].device)
-        ctx.declare_input("logits_indices", lambda ids, pos: torch.tensor([ids.shape[1] - 1], device=ids.device))
+        idx = ctx.add_input(gm, LOGITS_INDICES)
         with graph.inserting_before(head):
             picked = graph.call_function(aten.index_select.default, (head.args[0], 1, idx))
         head.replace_input_with(head.args[0], picked)

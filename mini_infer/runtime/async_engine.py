@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         self._applied = 0  # adds applied since the last snapshot (loop thread)
         self._dead: BaseException | None = None
         self._stopping = False
+        self._stop_reason = "the engine is shutting down"
         self._ids = itertools.count()
         self._observers: list[EngineObserver] = []
         self._stats: dict[str, Any] = {}
@@ -160,7 +161,7 @@ class AsyncLLMEngine:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine is dead: {self._dead!r}")
             if self._stopping:
-                raise EngineDeadError("the engine is shutting down")
+                raise EngineDeadError(self._stop_reason)
             if self.max_waiting_requests is not None and self._num_waiting() >= self.max_waiting_requests:
                 raise EngineOverloaded(
                     f"too many waiting requests (limit {self.max_waiting_requests}); retry later")
@@ -217,12 +218,15 @@ class AsyncLLMEngine:
         """Abort a request (any thread); applied before the loop's next step. Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the loop thread; open streams end with RequestAborted."""
+    def shutdown(self, timeout: float | None = 10.0, reason: str = "the engine is shutting down") -> bool:
+        """Stop the loop thread; open streams end with RequestAborted(`reason`). Returns whether the thread has
+        stopped (False: it was still in a step after `timeout` seconds)."""
+        self._stop_reason = reason
         self._stopping = True
         self._inbox.put(_STOP)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------------ the loop thread
     def _num_waiting(self) -> int:
@@ -247,9 +251,10 @@ class AsyncLLMEngine:
         # orderly shutdown: end every open stream
         for rid in list(self._streams):
             self.engine.abort_request(rid)
-        self._post_many([(s, _ABORTED) for s in self._streams.values()])
+        self._post_many([(s, RequestAborted(f"request {s.request_id} ended: {self._stop_reason}"))
+                         for s in self._streams.values()])
         self._streams.clear()
-        self._fail_inbox(RequestAborted("the engine is shutting down"))
+        self._fail_inbox(RequestAborted(self._stop_reason))
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add/abort; block for the first one when idle. False once told to stop."""

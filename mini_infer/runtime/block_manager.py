@@ -3,7 +3,8 @@
 Pure Python, no torch: the device-side cache is indexed by the block ids handed out here.
 
 Blocks are the ints ``0 .. num_blocks - 1``; each holds ``block_size`` consecutive tokens of one
-sequence. Every block is in exactly one of three places:
+sequence. Under a sliding attention window, blocks a sequence's later queries can no longer read go back to
+the pool while the sequence runs (``release_out_of_window``; they stay in its table as stale entries). Every block is in exactly one of three places:
 
 - the *free pool*: unreferenced and carrying no hash (its contents are garbage);
 - the *evictable LRU*: unreferenced but carrying a hash, so a later request whose prompt starts
@@ -21,6 +22,7 @@ Lifecycle, as the scheduler drives it::
     can_allocate(seq, n) / allocate(seq, n)   # first call on an empty table takes prefix hits first
     ... engine computes n tokens, seq.num_computed_tokens += n ...
     commit_computed(seq)                      # hash blocks that became full, so others can hit them
+    release_out_of_window(seq, window)        # sliding-window models: blocks no query can read again
     free(seq)                                 # when finished, aborted or preempted
 
 The token ids of a full, computed block must never change afterwards (the hashes are cached per
@@ -212,9 +214,9 @@ class BlockManager:
         if state.num_committed >= num_full:
             return
         hashes = self._extend_hashes(state.hashes, seq.token_ids, num_full)
-        for i in range(state.num_committed, num_full):
+        for i in range(max(state.num_committed, seq.num_released_blocks), num_full):
             block, h = seq.block_table[i], hashes[i]
-            if self.block_hashes[block] is not None:  # a hit or a shared (forked) block: already cached
+            if self.block_hashes[block] is not None:  # a prefix-cache hit: already cached
                 continue
             if h in self.hash_to_block:  # same prefix cached elsewhere: keep that one
                 continue
@@ -222,44 +224,25 @@ class BlockManager:
             self.hash_to_block[h] = block
         state.num_committed = num_full
 
-    def can_fork(self, parent: Sequence) -> bool:
-        """Whether `fork(parent, child)` would find the (at most one) fresh block it needs."""
-        return self.num_free_blocks >= (1 if parent.num_computed_tokens % self.block_size else 0)
+    def release_out_of_window(self, seq: Sequence, window: int) -> int:
+        """Return to the pool the leading blocks of `seq` that no later query can read under an attention
+        window of `window` tokens; returns how many were released.
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Give `child` (empty block table) the KV of `parent`'s computed tokens, sharing what it can.
-
-        The parent's full blocks are shared (ref + 1). If its computed tokens end inside a block, the
-        child gets a fresh block for it and the returned ``(src_block, dst_block)`` pairs name the
-        device-cache copies the engine must do before the child's next step. Sets
-        ``child.num_computed_tokens = parent.num_computed_tokens``. The child's tokens must equal the
-        parent's up to there. Raises RuntimeError when no block is free (see `can_fork`).
+        The next query sits at position `seq.num_computed_tokens` (or later) and reads keys from
+        `position - window + 1` on, so blocks wholly before `num_computed_tokens - window + 1` are dead. They
+        keep their place in the block table (stale ids that attention never reads: positions stay aligned
+        with table columns) and `seq.num_released_blocks` counts them. With async scheduling the step in
+        flight may still read such a block; a block reused by another sequence is written only by a later
+        step on the same device queue, after that read. Released full blocks keep their prefix-cache hash.
         """
-        if child.block_table:
-            raise ValueError(f"fork target {child.request_id!r} already holds blocks")
-        num_computed = parent.num_computed_tokens
-        num_full, partial = divmod(num_computed, self.block_size)
-        if self.num_blocks_for(num_computed) > len(parent.block_table):
-            raise ValueError(f"parent {parent.request_id!r} holds fewer blocks than its computed tokens need")
-        if not self.can_fork(parent):
-            raise RuntimeError("out of KV-cache blocks for fork")
-        shared = parent.block_table[:num_full]
-        for b in shared:
-            self.ref_counts[b] += 1
-        child.block_table.extend(shared)
-        copies: list[tuple[int, int]] = []
-        if partial:
-            dst = self._take_block()
-            copies.append((parent.block_table[num_full], dst))
-            child.block_table.append(dst)
-        child.num_computed_tokens = num_computed
-        child.num_cached_tokens = parent.num_cached_tokens
-        parent_state = self._states.get(parent.seq_id)
-        state = self._state(child)
-        if parent_state is not None:
-            state.hashes = parent_state.hashes[:num_full]
-            state.num_committed = min(parent_state.num_committed, num_full)
-        return copies
+        dead = max(seq.num_computed_tokens - window + 1, 0) // self.block_size
+        dead = min(dead, len(seq.block_table))
+        released = 0
+        for i in range(seq.num_released_blocks, dead):
+            self._release(seq.block_table[i])
+            released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, dead)
+        return released
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks and clear its block table. Idempotent.
@@ -269,14 +252,10 @@ class BlockManager:
         evicted before its first ones (the shared prefix outlives the tail). Leaves
         ``seq.num_computed_tokens`` alone: the caller resets it on preemption.
         """
-        for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                if self.block_hashes[b] is not None:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+        for b in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(b)
         seq.block_table = []  # a new list, not clear(): the model runner mirrors tables by identity
+        seq.num_released_blocks = 0
         self._states.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
@@ -324,7 +303,7 @@ class BlockManager:
                 assert self.block_hashes[b] is not None, f"evictable block {b} carries no hash"
         counts = [0] * self.num_blocks
         for state in self._states.values():
-            table = state.seq.block_table
+            table = state.seq.block_table[state.seq.num_released_blocks:]  # the live part
             assert len(set(table)) == len(table), f"{state.seq.request_id!r} holds a block twice"
             for b in table:
                 counts[b] += 1
@@ -341,7 +320,7 @@ class BlockManager:
                 [], seq.token_ids, min(len(seq.block_table), seq.num_tokens // self.block_size)
             )
             for i, b in enumerate(seq.block_table):
-                if self.block_hashes[b] is not None:
+                if i >= seq.num_released_blocks and self.block_hashes[b] is not None:
                     assert i < len(chain) and self.block_hashes[b] == chain[i], (
                         f"block {b} at position {i} of {seq.request_id!r} carries a hash of other tokens"
                     )
@@ -379,6 +358,14 @@ class BlockManager:
 
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)
+
+    def _release(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            if self.block_hashes[b] is not None:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
     def _take_block(self) -> int:
         if self._free:

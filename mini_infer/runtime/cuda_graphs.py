@@ -6,11 +6,14 @@ A step's shape is (T tokens, S sequences, L logits rows). Two families of padded
     sequence, every sequence sampled);
   * mixed buckets: T in token buckets above max_num_seqs up to max_num_batched_tokens, with S = L =
     max_num_seqs (any mix of prefill chunks and decodes, at most one logits row per sequence).
-A step runs in the smallest bucket that holds it: its inputs fill the first rows of the static buffers and
-the rest is padding (token rows: slot -1, nothing written, owned by no sequence so attention yields zeros;
-sequence rows: length 0, no query rows; logits rows: index 0, ignored). The graph is replayed and the first
-L rows of its logits are the answer. Steps that fit no bucket (prompt logprobs, more tokens than the token
-budget) run uncaptured.
+A step runs in the smallest bucket that holds it. Every graph input the passes declared (`InputSpec`) gets a
+static buffer at its largest size; a step's values fill the leading part of each buffer and the rest of every
+padded dimension (tokens, sequences, logits rows) holds the spec's `pad` value: for the attention metadata,
+token rows get slot -1 (nothing written) and belong to no sequence (query offsets repeat the last one), so
+attention yields zeros for them; sequence rows get length 0; logits rows index 0, ignored. The graph is
+replayed and the first L rows of its logits are the answer. Steps that fit no bucket (prompt logprobs, more
+tokens than the token budget) run uncaptured. A shape whose capture fails (out of memory, or an op that cannot
+be captured) is logged and its steps run uncaptured.
 
 On a CPU device nothing is captured: the padded shape runs eagerly through the same static buffers, which
 is how the padding rules are tested without a GPU. This module captures and replays; it does not build
@@ -25,6 +28,7 @@ import time
 import torch
 
 from mini_infer.compiler import CompiledModel
+from mini_infer.contract import PADDED_DIMS, InputSpec
 from mini_infer.runtime.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -57,24 +61,27 @@ class CUDAGraphRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.max_num_seqs = max_num_seqs
+        self.max_blocks = max_blocks_per_seq
         self.decode_sizes = decode_buckets(max_num_seqs)
         self.token_sizes = token_buckets(max_num_seqs, max_num_batched_tokens) if max_num_batched_tokens else []
         t_max = max([max_num_seqs, *self.token_sizes])
-        s = max_num_seqs
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.specs: list[InputSpec] = compiled.input_specs
         self.static = {
-            "input_ids": torch.zeros(1, t_max, **i64),
-            "position_ids": torch.zeros(1, t_max, **i64),
-            "slot_mapping": torch.full((t_max,), -1, **i64),
-            "block_tables": torch.zeros(s, max_blocks_per_seq, **i32),
-            "seq_lens": torch.zeros(s, **i32),
-            "query_start_loc": torch.zeros(s + 1, **i32),
-            "logits_indices": torch.zeros(s, **i64),
+            spec.name: torch.zeros(self._sizes(spec, (t_max, max_num_seqs)), dtype=spec.dtype, device=device)
+            for spec in self.specs
         }
+        for spec in self.specs:  # an all-padding step until the first real one
+            if spec.pad is not None and spec.pad != "last":
+                self.static[spec.name].fill_(spec.pad)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.use_graphs = device.type == "cuda"
+
+    def _sizes(self, spec: InputSpec, shape: tuple[int, int]) -> tuple[int, ...]:
+        """The buffer's shape in bucket (T, S): logits rows are at most one per sequence, tables full width."""
+        t, s = shape
+        return spec.sizes(tokens=t, seqs=s, logits=s, blocks=self.max_blocks)
 
     # ------------------------------------------------------------------ shapes
     def shapes(self) -> list[tuple[int, int]]:
@@ -95,30 +102,22 @@ class CUDAGraphRunner:
         return None
 
     def _inputs(self, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        t, s = shape
-        st = self.static
-        views = {
-            "input_ids": st["input_ids"][:, :t], "position_ids": st["position_ids"][:, :t],
-            "slot_mapping": st["slot_mapping"][:t], "block_tables": st["block_tables"][:s],
-            "seq_lens": st["seq_lens"][:s], "query_start_loc": st["query_start_loc"][: s + 1],
-            "logits_indices": st["logits_indices"][:s],
-        }
+        views = {}
+        for spec in self.specs:
+            sizes = self._sizes(spec, shape)
+            views[spec.name] = self.static[spec.name][tuple(slice(0, n) for n in sizes)]
         views.update(self.kv_cache.tensors)
         return views
 
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
         """Capture every shape, largest first (so smaller ones reuse its memory pool). A shape whose capture
-        runs out of memory is skipped (its steps run uncaptured) and logged."""
+        fails (out of memory, an op that cannot run in a graph) is skipped (its steps run uncaptured) and
+        logged."""
         if not self.use_graphs:
             return
         start = time.perf_counter()
         pool = None
-        # all-padding inputs: no cache writes, no attention; the graph still runs every kernel
-        self.static["slot_mapping"].fill_(-1)
-        self.static["seq_lens"].zero_()
-        self.static["query_start_loc"].zero_()
-        self.static["logits_indices"].zero_()
         for shape in sorted(self.shapes(), reverse=True):
             inputs = self._inputs(shape)
             try:
@@ -132,6 +131,11 @@ class CUDAGraphRunner:
                 logger.warning("CUDA graph for %d tokens x %d sequences: out of memory, runs uncaptured", *shape)
                 torch.cuda.empty_cache()
                 continue
+            except RuntimeError as exc:  # e.g. a host sync inside an op: not capturable
+                logger.warning("CUDA graph for %d tokens x %d sequences could not be captured (%s: %s); its steps "
+                               "run uncaptured", *shape, type(exc).__name__, str(exc).splitlines()[0])
+                torch.cuda.synchronize(self.device)
+                continue
             pool = graph.pool()
             self.graphs[shape] = graph
             self.outputs[shape] = out
@@ -141,31 +145,36 @@ class CUDAGraphRunner:
         self.token_sizes = [t for t in self.token_sizes if (t, self.max_num_seqs) in self.graphs]
 
     # ------------------------------------------------------------------ replay
-    def run(self, inputs: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
-        """Run a step (inputs as the eager graph takes them) in padded shape `shape`; returns its logits rows."""
-        t_pad, s_pad = shape
-        st = self.static
-        t = inputs["input_ids"].shape[1]
-        s = inputs["seq_lens"].shape[0]
-        n_logits = inputs["logits_indices"].shape[0]
-        st["input_ids"][:, :t].copy_(inputs["input_ids"])
-        st["position_ids"][:, :t].copy_(inputs["position_ids"])
-        st["slot_mapping"][:t].copy_(inputs["slot_mapping"])
-        width = inputs["block_tables"].shape[1]
-        st["block_tables"][:s, :width].copy_(inputs["block_tables"])
-        st["seq_lens"][:s].copy_(inputs["seq_lens"])
-        st["query_start_loc"][: s + 1].copy_(inputs["query_start_loc"])
-        st["logits_indices"][:n_logits].copy_(inputs["logits_indices"])
-        if t_pad > t:
-            st["slot_mapping"][t:t_pad].fill_(-1)
-        if s_pad > s:
-            st["seq_lens"][s:s_pad].zero_()
-            st["query_start_loc"][s + 1: s_pad + 1].fill_(t)
-        if s_pad > n_logits:
-            st["logits_indices"][n_logits:s_pad].zero_()
+    def _fill(self, spec: InputSpec, value: torch.Tensor, real: tuple[int, ...], padded: tuple[int, ...]) -> None:
+        """Copy `value` into the leading part of the spec's buffer and pad the rest of each padded dimension."""
+        buf = self.static[spec.name]
+        buf[tuple(slice(0, n) for n in real)].copy_(value)
+        if spec.pad is None:
+            return
+        for dim, name in enumerate(spec.shape):
+            if name not in PADDED_DIMS or real[dim] >= padded[dim]:
+                continue
+            region = tuple(slice(0, padded[i]) if i != dim else slice(real[dim], padded[dim])
+                           for i in range(len(real)))
+            if spec.pad == "last":  # repeat the last real element along this dimension (a device copy)
+                last = tuple(slice(0, padded[i]) if i != dim else slice(real[dim] - 1, real[dim])
+                             for i in range(len(real)))
+                buf[region].copy_(buf[last].expand_as(buf[region]))
+            else:
+                buf[region].fill_(spec.pad)
+
+    def run(self, inputs: dict[str, torch.Tensor], plan, shape: tuple[int, int]) -> torch.Tensor:
+        """Run a step (inputs as the eager graph takes them; `plan` gives its sizes) in padded shape `shape`;
+        returns its logits rows."""
+        for spec in self.specs:
+            value = inputs[spec.name]
+            real = tuple(value.shape)
+            padded = self._sizes(spec, shape)
+            padded = tuple(p if name in PADDED_DIMS else r for p, r, name in zip(padded, real, spec.shape))
+            self._fill(spec, value, real, padded)
         if self.use_graphs:
             self.graphs[shape].replay()
             out = self.outputs[shape]
         else:
             out = self.compiled(**self._inputs(shape))
-        return out[0][:n_logits]
+        return out[0][:plan.num_logits]

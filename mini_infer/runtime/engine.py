@@ -1,7 +1,9 @@
 """The engine: requests in, a step at a time, outputs out.
 
-`LLMEngine` loads and compiles the model, sizes and allocates the paged KV cache, and runs the loop:
-schedule → run the compiled graph → sample → detokenize and check stops → report. Bad requests are refused
+`LLMEngine` loads and compiles the model (then releases the HF model: the graph owns the weights it uses),
+measures the activation memory and sizes the caches the passes declared, and runs the loop:
+schedule → run the compiled graph → sample → hand the tokens to the output processor (detokenization, stop
+checks, logprobs, outputs; runtime/output_processor.py) → apply its stop decisions → report. Bad requests are refused
 with a ValueError naming the field and limit before anything is queued; a failing step fails only the
 sequences in it (their blocks return to the pool) and the engine keeps serving. It is single-threaded;
 the async server wraps it.
@@ -15,31 +17,34 @@ step's sampled ids on the device, and a sequence that stops meanwhile has its ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
-from mini_infer.models.loader import LoadedModel, default_device, load_embedded_tokenizer, load_model
-from mini_infer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mini_infer.contract import attention_window
+from mini_infer.models.loader import LoadedModel, default_device, load_model
+from mini_infer.outputs import RequestOutput
 from mini_infer.runtime.block_manager import BlockManager
-from mini_infer.runtime.detokenizer import RequestDetokenizer
-from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, cuda_kv_budget, num_blocks_for_budget
+from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, num_blocks_for_budget
+from mini_infer.runtime.limits import fit_max_model_len, long_prefill_threshold
+from mini_infer.runtime.memory import MemoryReport, gpu_cache_budget, profile_activations, release_host_memory
 from mini_infer.runtime.model_runner import ModelRunner
+from mini_infer.runtime.output_processor import OutputProcessor, RequestState
+from mini_infer.runtime.preflight import check_before_load
 from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mini_infer.runtime.sequence import Sequence
 from mini_infer.runtime.transfer import HostCopy, to_device
-from mini_infer.sampling_params import SamplingParams
+from mini_infer.sampling_params import GENERATION_CONFIG_MODES, SamplingParams, check_context_length
 
 logger = logging.getLogger("mini_infer")
-
-_EMBEDDED_VOCAB = 49152
 
 
 def _is_int(v) -> bool:
@@ -50,6 +55,19 @@ def _is_int(v) -> bool:
         return operator.index(v) == v
     except TypeError:
         return False
+
+
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                   "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+QUANTIZATION_MODES = ("w8a8", "fp8")
+
+
+def resolve_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """vLLM's `--kv-cache-dtype` names → a torch dtype (None: the model's dtype)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    return KV_CACHE_DTYPES[name]
 
 
 @dataclass
@@ -68,17 +86,27 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU: the cache budget (default 1 GiB); GPU: overrides utilization
     num_kv_blocks: int | None = None  # exact block count (tests force preemption with a tiny cache)
-    passes: list[str] | None = None
+    passes: list | None = None  # pass names and/or GraphPass instances; None: the recommended pipeline
+    quantization: str | None = None  # "w8a8" / "fp8" (vLLM's name), through the quantization passes
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16", "float16", "float32", "fp8"
     scheduling_policy: str = "fcfs"
     seed: int = 0
-    served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
     load_format: str = "auto"  # "dummy": the model's architecture with random weights
     # overlap the host's scheduling with the device's previous step; None: on for CUDA (on a CPU the device's
     # work is the host's, so there is nothing to overlap)
     async_scheduling: bool | None = None
+    # "auto": sampling defaults from the model's generation_config (vLLM's); "vllm": SamplingParams' own
+    generation_config: str = "auto"
+    # most prompt tokens one sequence prefills per step; None: 4% of max_model_len (vLLM's rule, see
+    # runtime/limits.py), 0: no cap
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} or None; "
+                             f"got {self.quantization!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -87,6 +115,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got "
+                             f"{self.generation_config!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
 PLACEHOLDER = -1  # a sampled token id not read back from the device yet
@@ -109,32 +149,13 @@ class _Launched:
         return {seq.seq_id: (i, j) for i, (seq, j) in enumerate(zip(self.sampling, self.out_index))}
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[RequestDetokenizer | None]
-    metrics: RequestMetrics
-    logprobs: list[list] = field(default_factory=list)
-    cumulative_logprob: list[float] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    deltas: list[tuple[str, list[int]]] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
 class LLMEngine:
     """Continuous-batching engine over a compiled model and a paged KV cache."""
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  compiled: CompiledModel | None = None) -> None:
         self.config = config = config or EngineConfig()
+        check_before_load(config, loaded)  # options, device, model files: refused before anything loads
         self.device = torch.device(config.device) if config.device else default_device()
         t0 = time.perf_counter()
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed,
@@ -143,69 +164,110 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         text_cfg = self.model_config.get_text_config()
         self.vocab_size = text_cfg.vocab_size
-        if self.tokenizer is None and self.loaded.source == "preset" and self.vocab_size == _EMBEDDED_VOCAB:
-            self.tokenizer = load_embedded_tokenizer()  # presets have no tokenizer: borrow SmolLM2's for text
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.compiled = compiled or compile_model(self.loaded.model, passes=config.passes, device=self.device,
-                                                  model_name=self.loaded.name)
+        self.compiled = compiled or compile_model(
+            self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
+            quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype))
         self.compile_seconds = time.perf_counter() - t1
+        # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
+        # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
+        self.generation_config = getattr(self.loaded.model, "generation_config", None)
+        self.loaded = dataclasses.replace(self.loaded, model=None)
+        release_host_memory()
         self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
-        self.kv_cache = self._allocate_kv_cache()
         # vLLM's defaults: a larger token budget on a GPU (fewer, fuller prefill steps), 2048 elsewhere
         default_batched = 8192 if self.device.type == "cuda" else 2048
         max_batched = config.max_num_batched_tokens or max(default_batched, config.max_num_seqs)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens is None:
             max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step (as vLLM)
+        self.max_num_batched_tokens = max_batched
+        self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy), self.block_manager)
+            policy=config.scheduling_policy, attention_window=attention_window(self.compiled.cache_specs),
+            long_prefill_token_threshold=long_prefill_threshold(
+                config.long_prefill_token_threshold, config.enable_chunked_prefill, self.max_model_len,
+                max_batched)), self.block_manager)
         self.runner = ModelRunner(self.compiled, self.kv_cache, self.device)
+        graphs_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         self.capture_seconds = 0.0 if config.enforce_eager else \
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, min(max_batched, 16384))
+        graph_bytes = torch.cuda.memory_reserved(self.device) - graphs_before if self.device.type == "cuda" else 0
+        self.memory = MemoryReport(
+            weights=self.compiled.weight_bytes, activations=self._activation_reserve, graphs=graph_bytes,
+            kv_cache=self.kv_cache.nbytes, kv_tokens=self.kv_cache.capacity_tokens,
+            kv_bytes_per_token=self.compiled.cache_bytes_per_token())
         self.sampler = Sampler()
-        self.eos_token_ids = self._eos_ids()
-        self.requests: dict[str, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids())
+        self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
         self._inflight: _Launched | None = None  # async scheduling: the step launched, not completed
-        self._touched: dict[str, _Request] = {}  # requests with news since the last step() returned
+        self._touched: dict[str, RequestState] = {}  # requests with news since the last step() returned
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "finished_requests": 0, "decode_steps": 0, "decode_seconds": 0.0, "mixed_steps": 0,
                       "mixed_seconds": 0.0}
-        logger.info("engine ready: load %.1fs, compile %.1fs, KV cache %d blocks x %d tokens (%.1f MiB)",
-                    self.load_seconds, self.compile_seconds, self.kv_cache.num_blocks, config.block_size,
-                    self.kv_cache.nbytes / 2**20)
+        logger.info("engine ready: load %.1fs, compile %.1fs, CUDA graphs %.1fs; KV cache %d blocks x %d tokens",
+                    self.load_seconds, self.compile_seconds, self.capture_seconds, self.kv_cache.num_blocks,
+                    config.block_size)
+        logger.info(self.memory.line())
+        cache_passes = {self.compiled.context.declared_by.get(n) for spec in self.compiled.cache_specs
+                        for n in spec.input_names()}
+        for row in self.compiled.stats:  # what the passes that declared the caches say about them
+            if row.name in cache_passes and row.note:
+                logger.info("%s: %s", row.name, row.note)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Token ids that end a sequence (unless `ignore_eos`); held by the output processor, which checks stops."""
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.output_processor.eos_token_ids = set(ids)
 
     # ------------------------------------------------------------------ set-up
+    def _cache_budget(self) -> int:
+        """Bytes for the cache: `kv_cache_memory_bytes` if set; on a GPU what `gpu_memory_utilization` leaves
+        after the weights and the measured activation need (see runtime/memory.py); 1 GiB on a CPU."""
+        cfg = self.config
+        self._activation_reserve = 0
+        if cfg.kv_cache_memory_bytes is not None:
+            return cfg.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        prof = profile_activations(self.compiled, self.max_num_batched_tokens, self.config.max_num_seqs,
+                                   cfg.block_size, self.vocab_size, self.device)
+        self._activation_reserve = prof.step_bytes + (0 if cfg.enforce_eager else prof.forward_bytes)
+        logger.info("activations: %.2f GB at the largest step (%d tokens, %d sequences), %.2f GB with sampling",
+                    prof.forward_bytes / 1e9, self.max_num_batched_tokens, cfg.max_num_seqs, prof.step_bytes / 1e9)
+        return gpu_cache_budget(self.device, cfg.gpu_memory_utilization, self._activation_reserve)
+
     def _allocate_kv_cache(self) -> KVCache:
-        cfg, specs = self.config, self.compiled.kv_cache_specs
+        cfg, specs = self.config, self.compiled.cache_specs
         if not specs:
-            raise ValueError("the compiled model declares no KV cache: run the paged_attention pass")
+            raise ValueError("the compiled model declares no cache: run the paged_attention pass")
         if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        else:
-            if cfg.kv_cache_memory_bytes is not None:
-                budget = cfg.kv_cache_memory_bytes
-            elif self.device.type == "cuda":
-                budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, reserve_bytes=1 << 30)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-            num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
-            needed = -(-self.max_model_len // cfg.block_size)
-            if num_blocks < needed:
-                raise ValueError(
-                    f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * cfg.block_size} tokens, "
-                    f"fewer than max_model_len={self.max_model_len}: lower max_model_len or raise "
-                    "gpu_memory_utilization / kv_cache_memory_bytes")
+            self._activation_reserve = 0
+            return KVCache(specs, cfg.num_kv_blocks, cfg.block_size, self.device)
+        budget = self._cache_budget()
+        num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
+        try:
+            self.max_model_len = fit_max_model_len(self.max_model_len, cfg.max_model_len is not None,
+                                                   num_blocks * cfg.block_size, budget)
+        except ValueError as exc:
+            per_token = sum(s.bytes_per_token() for s in specs)
+            owners = sorted({self.compiled.context.declared_by.get(s.input_names()[0], "?") for s in specs})
+            raise ValueError(f"{exc} (caches of {per_token} bytes per token, declared by {owners})") from None
         return KVCache(specs, num_blocks, cfg.block_size, self.device)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        gen = getattr(self.loaded.model, "generation_config", None)
+        gen = self.generation_config
         for src in (getattr(gen, "eos_token_id", None), getattr(self.model_config, "eos_token_id", None),
                     getattr(self.tokenizer, "eos_token_id", None)):
             if isinstance(src, int):
@@ -228,16 +290,14 @@ class LLMEngine:
         bad = [t for t in token_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which "
-                             "must leave room for at least one generated token")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         capacity = self.kv_cache.num_blocks * self.config.block_size
         if len(token_ids) >= capacity:
             raise ValueError(f"prompt is {len(token_ids)} tokens; the KV cache holds {capacity} tokens in all, "
                              "which must leave room for at least one generated token")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        check_context_length(len(token_ids), params.max_tokens, self.max_model_len)  # the server's rule too
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer and model {self.loaded.name!r} has none: "
                              "use stop_token_ids")
@@ -267,16 +327,13 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         ids = [operator.index(t) for t in ids]
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs, detoks = [], []
+        seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, list(ids), params, arrival_time=arrival, priority=priority)
             seq.index = i
             seq.generator = make_generator(params.seed + i, self.device) if params.seed is not None else None
             seqs.append(seq)
-            detoks.append(RequestDetokenizer(self.tokenizer, ids, params) if self.tokenizer is not None else None)
-        req = _Request(request_id, text, list(ids), params, seqs, detoks, RequestMetrics(arrival),
-                       logprobs=[[] for _ in seqs], cumulative_logprob=[0.0 for _ in seqs],
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        req = self.output_processor.new_request(request_id, text, ids, params, seqs, arrival)
         self.requests[request_id] = req
         self.stats["prompt_tokens"] += len(ids)
         for seq in seqs:
@@ -390,7 +447,7 @@ class LLMEngine:
         if prev is not None:
             self._feed_pending(inputs, out, prev)
         decode = all(n == 1 for _, n in out.scheduled) and all(out.sample)
-        logits = self.runner.execute(inputs, decode=decode, padded=not plan.prompt_rows)
+        logits = self.runner.execute(inputs, plan, decode=decode, padded=not plan.prompt_rows)
         sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
         so = None
         if sampling:
@@ -452,7 +509,8 @@ class LLMEngine:
         if launched.so_host is not None:
             so = SamplerOutput(*launched.so_host.wait())
         token_ids = so.token_ids.tolist() if so is not None else []
-        sample_lp = self._sample_logprobs(so, sampling) if so is not None and so.logprobs is not None else None
+        sample_lp = self.output_processor.sample_logprobs(so, sampling) \
+            if so is not None and so.logprobs is not None else None
         now = time.monotonic()
         touched = self._touched
         for i, seq in enumerate(sampling):
@@ -466,36 +524,16 @@ class LLMEngine:
             if req is None:
                 continue
             self.stats["generation_tokens"] += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            if sample_lp is not None:
-                lp_entry, lp_value = sample_lp[i]
-                req.logprobs[seq.index].append(lp_entry)
-                req.cumulative_logprob[seq.index] += lp_value
-            self._check_stop(req, seq, token, idx + 1)
+            n_out = idx + 1
+            reason = self.output_processor.add_token(req, seq, token, now, sample_lp[i] if sample_lp else None,
+                                                     self._reaches_length(seq, n_out))
+            if reason is not None:
+                del seq.output_token_ids[n_out:]  # a placeholder of a step still in flight
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.scheduler.finish(seq, reason)
+                if req.finished:
+                    req.metrics.finished_time = time.monotonic()
             touched[req.request_id] = req
-
-    def _sample_logprobs(self, so, sampling: list[Sequence]):
-        lps = so.logprobs.tolist()
-        ranks = so.ranks.tolist()
-        top_ids = so.topk_ids.tolist()
-        top_lps = so.topk_logprobs.tolist()
-        result = []
-        for i, seq in enumerate(sampling):
-            k = seq.sampling_params.logprobs
-            tok = int(so.token_ids[i])
-            entry = {tok: Logprob(lps[i], ranks[i], self._decode_one(tok))}
-            if k:
-                for tid, lp in zip(top_ids[i][:k], top_lps[i][:k]):
-                    entry.setdefault(tid, Logprob(lp, None, self._decode_one(tid)))
-                for r, tid in enumerate(top_ids[i][:k], start=1):
-                    entry[tid].rank = r
-            result.append((entry if k is not None else None, lps[i]))
-        return result
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _record_prompt_logprobs(self, out, plan, logits: torch.Tensor) -> None:
         from mini_infer.runtime.sampler import compute_prompt_logprobs
@@ -505,26 +543,13 @@ class LLMEngine:
                 continue
             req = self.requests.get(seq.request_id)
             row0, count, first_pos = plan.prompt_rows[seq.seq_id]
-            # After a preemption the prompt is computed again: keep the entries recorded the first time.
-            skip = len(req.prompt_logprobs) - 1 - first_pos
-            if skip < 0:  # positions before first_pos were never computed (a prefix-cache hit)
-                raise RuntimeError(f"request {req.request_id!r}: prompt logprobs missing for positions "
-                                   f"{len(req.prompt_logprobs)}..{first_pos}")
-            if skip >= count:
-                continue
-            if skip > 0:
-                row0, count, first_pos = row0 + skip, count - skip, first_pos + skip
-            k = seq.sampling_params.prompt_logprobs or 0
-            nxt = torch.tensor(seq.prompt_token_ids[first_pos + 1: first_pos + 1 + count], device=logits.device)
-            tok_lp, top_ids, top_lp = compute_prompt_logprobs(logits[row0: row0 + count], nxt, k)
-            tok_lp, top_ids, top_lp = tok_lp.tolist(), top_ids.tolist(), top_lp.tolist()
-            for j in range(count):
-                tid = seq.prompt_token_ids[first_pos + 1 + j]
-                entry = {tid: Logprob(tok_lp[j], None, self._decode_one(tid))}
-                for r, (t, lp) in enumerate(zip(top_ids[j], top_lp[j]), start=1):
-                    entry.setdefault(t, Logprob(lp, r, self._decode_one(t)))
-                    entry[t].rank = r
-                req.prompt_logprobs.append(entry)
+
+            def compute(skip, n, k, row0=row0, first_pos=first_pos, seq=seq):
+                nxt = torch.tensor(seq.prompt_token_ids[first_pos + skip + 1: first_pos + skip + 1 + n],
+                                   device=logits.device)
+                return compute_prompt_logprobs(logits[row0 + skip: row0 + skip + n], nxt, k)
+
+            self.output_processor.add_prompt_logprobs(req, seq, first_pos, count, compute)
 
     def _reaches_length(self, seq: Sequence, n_out: int) -> bool:
         """Whether output token number `n_out` is the sequence's last by length: max_tokens, max_model_len, or
@@ -534,58 +559,12 @@ class LLMEngine:
         return (p.max_tokens is not None and n_out >= p.max_tokens) or num_tokens >= self.max_model_len \
             or num_tokens > self.scheduler.max_tokens_per_seq
 
-    def _check_stop(self, req: _Request, seq: Sequence, token: int, n_out: int) -> None:
-        """Stops after output token number `n_out` (= `token`); later placeholders are dropped on a stop."""
-        p = seq.sampling_params
-        reason, stop_reason, stop_token = None, None, False
-        if token in p.stop_token_ids:
-            reason, stop_reason, stop_token = "stop", token, True
-        elif token in self.eos_token_ids and not p.ignore_eos:
-            reason, stop_token = "stop", True
-        elif self._reaches_length(seq, n_out):
-            reason = "length"
-        detok = req.detoks[seq.index]
-        delta = ""
-        if detok is not None:
-            delta, stop_str = detok.add_tokens([token], stop_terminated=stop_token, finished=reason is not None)
-            if stop_str is not None:
-                reason, stop_reason = "stop", stop_str
-        req.deltas.append((seq.index, delta, [token]))
-        if reason is not None:
-            del seq.output_token_ids[n_out:]  # a placeholder of a step still in flight
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
-            if req.finished:
-                req.metrics.finished_time = time.monotonic()
+    def _flush(self, req: RequestState, seq: Sequence) -> None:
+        self.output_processor.flush(req, seq)
 
-    def _flush(self, req: _Request, seq: Sequence) -> None:
-        detok = req.detoks[seq.index]
-        if detok is not None:
-            req.deltas.append((seq.index, detok.flush(), []))
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outputs = []
-        for seq, detok in zip(req.seqs, req.detoks):
-            outputs.append(CompletionOutput(
-                index=seq.index, text=detok.text if detok is not None else "",
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob[seq.index] if req.params.logprobs is not None else None,
-                logprobs=req.logprobs[seq.index] if req.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        per_sample: dict[int, tuple[str, list[int]]] = {}
-        for index, text, ids in req.deltas:
-            t, i = per_sample.get(index, ("", []))
-            per_sample[index] = (t + text, i + ids)
-        req.deltas = []
-        finished = req.finished
-        if finished:
+    def _output(self, req: RequestState) -> RequestOutput:
+        out = self.output_processor.output(req)
+        if out.finished:
             self.requests.pop(req.request_id, None)
             self.stats["finished_requests"] += 1
-            if req.metrics.finished_time is None:  # finished by the scheduler or a failed step
-                req.metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=outputs, finished=finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
-            num_cached_tokens=req.metrics.num_cached_tokens, error=req.error,
-            deltas=[per_sample.get(i, ("", [])) for i in range(len(req.seqs))])
+        return out

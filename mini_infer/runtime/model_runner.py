@@ -1,9 +1,10 @@
 """Turns one scheduled step into the compiled graph's inputs and runs it.
 
-For every scheduled (sequence, n) it packs the n tokens after the sequence's computed ones into the row,
-with their positions, cache slots, block tables, context lengths and query offsets, and asks for logits at
-the rows the engine needs (each sampling sequence's last row, plus prompt rows for prompt logprobs). It
-knows the graph's inputs by name only; it never inspects the graph or samples.
+For every scheduled (sequence, n) it packs the n tokens after the sequence's computed ones into a `StepBatch`
+(positions, cache slots, block tables, context lengths, query offsets, and the rows whose logits the engine
+needs: each sampling sequence's last row, plus prompt rows for prompt logprobs), then fills every graph input
+the passes declared through its `InputSpec` builder, and the caches by name. It knows no pass's inputs; it
+never inspects the graph or samples.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from mini_infer.compiler import CompiledModel
+from mini_infer.contract import StepBatch
 from mini_infer.runtime.kv_cache import KVCache
 from mini_infer.runtime.sequence import Sequence
 from mini_infer.runtime.transfer import to_device
@@ -26,6 +28,9 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)  # one per sampling sequence, in scheduled order
     # seq_id -> (first output row, number of rows, position of the first row) for prompt logprobs
     prompt_rows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_logits: int = 0
 
 
 class ModelRunner:
@@ -42,14 +47,15 @@ class ModelRunner:
         self._tables = np.zeros((64, 8), dtype=np.int32)
         self._table_rows: dict[int, list] = {}  # seq_id -> [row, the table list, entries mirrored]
         self._free_rows = list(range(63, -1, -1))
-        names = set(compiled.input_names)
-        for required in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
-            if required not in names:
-                raise ValueError(f"the compiled graph lacks input {required!r}: the engine needs the "
-                                 "paged_attention and select_logits passes")
-
-    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(data, dtype, self.device)
+        self.input_specs = compiled.input_specs
+        cache_names = set(kv_cache.tensors)
+        missing = [n for n in compiled.input_names if n not in cache_names
+                   and n not in {s.name for s in self.input_specs}]
+        if missing:
+            raise ValueError(f"the compiled graph takes inputs {missing} that no cache provides")
+        if "logits_indices" not in {s.name for s in self.input_specs}:
+            raise ValueError("the compiled graph returns logits for every token: the engine needs the "
+                             "select_logits pass")
 
     def _mirror_rows(self, seqs: list[Sequence], width: int) -> np.ndarray:
         """Rows of the host block-table mirror holding `seqs`' tables (at least `width` columns synced)."""
@@ -135,18 +141,19 @@ class ModelRunner:
                 logits_idx.append(len(ids) - 1)
         width = -(-max(seq_lens) // bs)
         rows = self._mirror_rows([seq for seq, _ in scheduled], width)
-        block_tables = self._tables[rows, :width]
-        inputs = {
-            "input_ids": self._tensor(ids, torch.int64)[None],
-            "position_ids": self._tensor(pos, torch.int64)[None],
-            "slot_mapping": self._tensor(slots, torch.int64),
-            "block_tables": self._tensor(block_tables, torch.int32),
-            "seq_lens": self._tensor(seq_lens, torch.int32),
-            "query_start_loc": self._tensor(qsl, torch.int32),
-            "logits_indices": self._tensor(logits_idx or [len(ids) - 1], torch.int64),
-        }
+        step = StepBatch(
+            token_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
+            slot_mapping=np.asarray(slots, dtype=np.int64), seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            query_start_loc=np.asarray(qsl, dtype=np.int32), block_tables=self._tables[rows, :width],
+            logits_indices=np.asarray(logits_idx or [len(ids) - 1], dtype=np.int64), block_size=bs)
+        plan.num_tokens, plan.num_seqs, plan.num_logits = step.num_tokens, step.num_seqs, step.num_logits
+        return self.inputs_for(step), plan
+
+    def inputs_for(self, step: StepBatch) -> dict[str, torch.Tensor]:
+        """Every graph input for `step`: each declared input from its builder, then the caches."""
+        inputs = {spec.name: to_device(spec.build(step), spec.dtype, self.device) for spec in self.input_specs}
         inputs.update(self.kv_cache.tensors)
-        return inputs, plan
+        return inputs
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
                            force: bool = False) -> float:
@@ -163,14 +170,14 @@ class ModelRunner:
         self.cuda_graphs.capture()
         return self.cuda_graphs.capture_seconds
 
-    def execute(self, inputs: dict[str, torch.Tensor], decode: bool = False, padded: bool = True) -> torch.Tensor:
+    def execute(self, inputs: dict[str, torch.Tensor], plan: StepPlan, decode: bool = False,
+                padded: bool = True) -> torch.Tensor:
         """Run the graph; returns logits [rows, vocab]. `decode` marks a pure decode step (one token per
         sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape replays
         it; otherwise (prompt logprobs, oversized steps) the graph runs as is."""
         graphs = self.cuda_graphs
         if graphs is not None and padded:
-            shape = graphs.bucket_for(inputs["input_ids"].shape[1], inputs["seq_lens"].shape[0],
-                                      inputs["logits_indices"].shape[0], decode)
+            shape = graphs.bucket_for(plan.num_tokens, plan.num_seqs, plan.num_logits, decode)
             if shape is not None:
-                return graphs.run(inputs, shape)
+                return graphs.run(inputs, plan, shape)
         return self.compiled(**inputs)[0]

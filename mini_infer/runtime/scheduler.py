@@ -20,7 +20,8 @@ running work. With FCFS, the oldest unfinished sequence is scheduled in every st
 victim unless it could not fit alone), so nothing starves. ``long_prefill_token_threshold`` (chunked
 prefill only) caps any one sequence's prefill chunk, so long prompts do not crowd out short ones.
 
-A sequence needs cache slots and positions for all of its ``num_tokens`` tokens. One that can never
+A sequence needs cache slots and positions for all of its ``num_tokens`` tokens (under an attention window
+with chunked prefill, only for its window and the chunk being computed). One that can never
 get them (more tokens than the whole cache or ``max_model_len``; with chunked prefill off, more than
 ``max_num_batched_tokens`` at admission) is finished by the scheduler instead of looping: with
 ``finish_reason="error"`` and ``seq.error`` set if its prompt alone is too long, else with
@@ -45,13 +46,16 @@ Engine contract (one step)::
 
 ``finish`` commits a sequence's computed blocks before freeing them, so calling it before
 ``update_after_step`` loses no cache entries. ``abort(request_id)`` may be called between steps.
-Forked children (``BlockManager.fork`` for ``n > 1``) join with ``add(child)`` and run at once.
+With ``attention_window`` set (every layer attends to at most that many tokens back), each step first returns
+to the pool the blocks of running sequences that fell out of the window, so a long generation holds only the
+blocks its window covers.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -70,6 +74,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     long_prefill_token_threshold: int | None = None  # with chunked prefill: cap on one prefill chunk
+    attention_window: int | None = None  # every layer reads at most this many tokens back (sliding window)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -80,6 +85,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"attention_window must be >= 1, got {self.attention_window}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"
@@ -161,7 +168,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self._pending_finished)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (status WAITING). A forked child that already holds blocks joins RUNNING.
+        """Queue a new sequence (status WAITING).
 
         A prompt longer than ``max_model_len`` or the whole cache is finished at once with
         ``finish_reason="error"`` and reported in the next `schedule()`'s ``finished``.
@@ -172,12 +179,10 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} (request {seq.request_id!r}) is already finished")
         if seq.num_tokens == 0:
             raise ValueError(f"request {seq.request_id!r} has an empty prompt")
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} (request {seq.request_id!r}) already holds cache blocks")
         self._add_index[seq.seq_id] = next(self._add_counter)
         self._by_request.setdefault(seq.request_id, []).append(seq)
-        if seq.block_table:
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=self._key)
-            return
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         if seq.num_prompt_tokens > self._token_limit(admission=True):
@@ -217,6 +222,9 @@ class Scheduler:
         self._pending_finished = []
         budget = cfg.max_num_batched_tokens
         run_limit = self._token_limit(admission=False)
+        if cfg.attention_window is not None:
+            for seq in self.running:
+                bm.release_out_of_window(seq, cfg.attention_window)
 
         # 1. Running sequences, in policy order; preempt from the back when blocks run out.
         i = 0
@@ -319,6 +327,10 @@ class Scheduler:
         """Most tokens one sequence can ever hold KV for (at admission: also fit one step, unchunked)."""
         bm, cfg = self.block_manager, self.config
         limit = bm.num_blocks * bm.block_size
+        if cfg.attention_window is not None and cfg.enable_chunked_prefill:
+            # blocks out of the window go back to the pool as a sequence advances: it holds its window and the
+            # chunk being computed, never its whole length
+            limit = sys.maxsize
         if cfg.max_model_len is not None:
             limit = min(limit, cfg.max_model_len)
         if admission and not cfg.enable_chunked_prefill:

@@ -41,6 +41,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading table entries returned to the pool (out of the attention window)
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -47,7 +47,8 @@ class _SamplingFields(_Request):
     """Sampling options shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="served model name; omitted = the only model")
-    temperature: float | None = Field(None, ge=0.0, description="default 1.0; 0 = greedy")
+    temperature: float | None = Field(None, ge=0.0, description="default: the model's generation_config value "
+                                      "(--generation-config auto), else 1.0; 0 = greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -74,8 +75,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="text, list of texts, token ids, or list of token-id lists")
     suffix: str | None = Field(None, description="not supported (400)")
-    max_tokens: int | None = Field(16, ge=0, description="0 with echo: score the prompt only; null = the rest "
-                                                         "of the context")
+    max_tokens: int | None = Field(16, ge=0, description=(
+        "default 16 (OpenAI's), or the model's generation_config max_new_tokens (--generation-config auto); "
+        "0 with echo: score the prompt only; null = the rest of the context"))
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
@@ -100,7 +102,9 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=0, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0, description=(
+        "default: the model's generation_config max_new_tokens (--generation-config auto) if it sets one, else "
+        "the rest of the context (max_model_len minus the prompt)"))
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
@@ -154,6 +158,17 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed completion (`usage` is sent only with stream_options.include_usage)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -188,6 +203,36 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """What a chat stream chunk adds to a choice's message; fields not sent are left out of the JSON."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_sent(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed chat completion (`usage` is sent only with stream_options.include_usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -330,3 +330,160 @@ def test_cuda_graph_capture_and_replay(num_splits):
 def test_triton_real_head_dims(dtype, d, seqs):
     case = make_case(seqs, hq=8, hkv=2, d=d, block_size=16, dtype=dtype)
     assert_close(paged_attention_triton(*case.args()), paged_attention_reference(*case.args()))
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 KV cache (float8_e4m3fn caches with per-layer k_scale / v_scale)
+# --------------------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_case(case: Case, headroom: float = 1.07):
+    """`case` with float8_e4m3fn caches and its scales: amax(history) / (448 * headroom) per cache, so the
+    largest ~7% of values saturate at +-448 (exercises the clamp). The prefix already in the cache is
+    quantized as the write path would; never-written slots stay NaN."""
+    from mini_infer.ops.paged_attention import _to_cache
+
+    scales = []
+    for hist in (case.hist_k, case.hist_v):
+        amax = max(float(h.float().abs().max()) for h in hist if h.numel())
+        scales.append(torch.tensor([amax / (448.0 * headroom)], dtype=torch.float32, device=case.q.device))
+    k_cache = _to_cache(case.k_cache, torch.empty(0, dtype=FP8), scales[0])
+    v_cache = _to_cache(case.v_cache, torch.empty(0, dtype=FP8), scales[1])
+    return Case(**{**case.__dict__, "k_cache": k_cache, "v_cache": v_cache}), scales[0], scales[1]
+
+
+def fp8_args(case: Case, k_scale, v_scale) -> tuple:
+    return (*case.args(), k_scale, v_scale)
+
+
+FP8_CASES = ["prefill", "chunked_prefill", "decode_gqa", "decode_mqa_bs16", "sliding_window", "softcap", "padding"]
+
+
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_fp8_reference_is_attention_over_the_dequantized_cache(name):
+    """Exact: the fp8 reference equals the reference run over fp32 caches holding cache * scale."""
+    case, ks, vs = fp8_case(make_case(**CASES[name], dtype=torch.bfloat16, device="cpu"))
+    args = fp8_args(case, ks, vs)
+    out = paged_attention_reference(*args)  # writes this step's k/v into the fp8 caches first
+    assert args[3].dtype == FP8 and args[4].dtype == FP8
+    deq = list(case.args())
+    deq[3], deq[4] = args[3].float() * ks, args[4].float() * vs
+    deq[5] = torch.full_like(case.slot_mapping, -1)  # everything is in the caches already
+    assert torch.equal(out, paged_attention_reference(*deq))
+
+
+@pytest.mark.parametrize("name", ["chunked_prefill", "decode_gqa"])
+def test_fp8_reference_close_to_unquantized(name):
+    """e4m3 keeps 3 mantissa bits: the attention output stays within a few percent of the bf16 one."""
+    base = make_case(**CASES[name], dtype=torch.float32, device="cpu")
+    case, ks, vs = fp8_case(base, headroom=1.0)
+    out = paged_attention_reference(*fp8_args(case, ks, vs))
+    want = oracle(base)
+    assert (out - want).norm() / want.norm() < 0.06
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_fp8_cache_write(impl):
+    """The cache holds float8_e4m3fn (half the bytes of bf16) and, at every written position, exactly
+    clamp(k / k_scale, +-448) rounded to nearest-even; other slots are untouched (NaN)."""
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from mini_infer.ops.paged_attention import write_kv_cache_reference, write_kv_cache_triton
+
+    case, ks, vs = fp8_case(make_case([(5, 7), (0, 9), (3, 1)], dtype=torch.bfloat16, block_size=4))
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    write = write_kv_cache_triton if impl == "triton" else write_kv_cache_reference
+    write(case.k, case.v, k_cache, v_cache, case.slot_mapping, ks, vs)
+    assert k_cache.dtype == FP8 and k_cache.nbytes * 2 == torch.empty(k_cache.shape, dtype=torch.bfloat16).nbytes
+    bs = k_cache.shape[1]
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    saturated = 0
+    for s, (hk, hv) in enumerate(zip(case.hist_k, case.hist_v)):
+        pos = torch.arange(hk.shape[0])
+        blk, off = case.block_tables.cpu()[s, pos // bs].long(), pos % bs
+        want_k = (hk.float() / ks.cpu()).clamp(-448, 448).to(FP8)
+        want_v = (hv.float() / vs.cpu()).clamp(-448, 448).to(FP8)
+        assert torch.equal(k_cache.cpu()[blk, off].view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(v_cache.cpu()[blk, off].view(torch.uint8), want_v.view(torch.uint8))
+        saturated += int((want_k.float().abs() == 448).sum())
+        written[blk, off] = True
+    assert saturated > 0
+    assert k_cache.cpu()[~written].float().isnan().all() and v_cache.cpu()[~written].float().isnan().all()
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("prefill", {}),
+        ("chunked_prefill", {}),
+        ("decode_gqa", {}),
+        ("decode_gqa", dict(decode_only=True, num_splits=4)),  # split-K decode + reduce kernel
+        ("window_softcap_g4", dict(num_splits=2)),
+    ],
+)
+def test_fp8_triton_matches_reference(dtype, name, knobs):
+    case, ks, vs = fp8_case(make_case(**CASES[name], dtype=dtype))
+    args_t, args_r = fp8_args(case, ks, vs), fp8_args(case, ks, vs)
+    out = paged_attention_triton(*args_t, **knobs)
+    assert not out.isnan().any()
+    args_r = [a.cpu() if torch.is_tensor(a) else a for a in args_r]  # the reference writes these caches
+    assert_close(out, paged_attention_reference(*args_r))
+    assert torch.equal(args_t[3].cpu().view(torch.uint8), args_r[3].view(torch.uint8))  # same bytes written
+    assert torch.equal(args_t[4].cpu().view(torch.uint8), args_r[4].view(torch.uint8))
+
+
+@requires_triton
+def test_fp8_triton_split_k_long_decode():
+    """Split-K decode over longer contexts with an fp8 cache, against the fp32 oracle of the dequantized
+    history (the quantization error itself is not what this checks)."""
+    base = make_case([(40, 1), (70, 1), (5, 1), (0, 0)], hq=4, hkv=2, block_size=4, seed=3, dtype=torch.float32)
+    case, ks, vs = fp8_case(base)
+    args = fp8_args(case, ks, vs)
+    out = paged_attention_triton(*args, decode_only=True, num_splits=4)
+    deq = Case(**{**case.__dict__,
+                  "hist_k": [(h / ks.cpu()).clamp(-448, 448).to(FP8).float() * ks.cpu() for h in case.hist_k],
+                  "hist_v": [(h / vs.cpu()).clamp(-448, 448).to(FP8).float() * vs.cpu() for h in case.hist_v]})
+    assert_close(out, oracle(deq))
+
+
+def test_fp8_scale_arguments_are_checked():
+    case = make_case(**CASES["decode_gqa"], device="cpu")
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="k_scale/v_scale apply to float8_e4m3fn caches only"):
+        paged_attention_reference(*case.args(), one, one)
+    c8, ks, vs = fp8_case(case)
+    with pytest.raises(ValueError, match="need k_scale as an fp32 tensor of one element, got None"):
+        paged_attention_reference(*c8.args())
+    with pytest.raises(ValueError, match="need v_scale"):
+        paged_attention_reference(*c8.args(), ks, torch.ones(2))
+    mixed = list(c8.args())
+    mixed[4] = case.v_cache.clone()
+    with pytest.raises(ValueError, match="both caches float8_e4m3fn"):
+        paged_attention_reference(*mixed, ks, vs)
+
+
+def test_fp8_registered_op_positional_scales_and_fake():
+    case, ks, vs = fp8_case(make_case(**CASES["chunked_prefill"], dtype=torch.bfloat16))
+    args = fp8_args(case, ks, vs)
+    out = torch.ops.mini_infer.paged_attention(*args)  # scales positional, as the attention pass passes them
+    assert_close(out, paged_attention_reference(*fp8_args(case, ks, vs)))
+    assert args[3].dtype == FP8
+    with FakeTensorMode():
+        fake = torch.ops.mini_infer.paged_attention(
+            torch.empty(7, 8, 64, dtype=torch.bfloat16), torch.empty(7, 2, 64, dtype=torch.bfloat16),
+            torch.empty(7, 2, 32, dtype=torch.bfloat16), torch.empty(10, 16, 2, 64, dtype=FP8),
+            torch.empty(10, 16, 2, 32, dtype=FP8), torch.empty(7, dtype=torch.int64),
+            torch.empty(3, 4, dtype=torch.int32), torch.empty(3, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
+            0.125, 0, 0.0, torch.empty(1), torch.empty(1))
+        assert fake.shape == (7, 8, 32) and fake.dtype == torch.bfloat16
+
+
+def test_fp8_opcheck():
+    case, ks, vs = fp8_case(make_case(**CASES["chunked_prefill"], cache_fill=0.0, device="cpu"))
+    # test_schema is left out: its checker multiplies the inputs, which CPU torch lacks for float8_e4m3fn
+    torch.library.opcheck(torch.ops.mini_infer.paged_attention.default, fp8_args(case, ks, vs),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -17,10 +17,9 @@ import torch.fx as fx
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from mini_infer.compiler import recommended_passes
 from mini_infer.models.loader import LoadedModel, load_model
 from mini_infer.models.presets import TINY_PRESETS
-from mini_infer.passes import PassContext, resolve_passes
+from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassManager, PassStats
 
@@ -91,9 +90,9 @@ def single_pass(name: str, pass_name: str):
 @functools.cache
 def full_pipeline(name: str):
     """The recommended pipeline on `name` (the cleanup that `run_passes` starts from included)."""
-    names = recommended_passes(loaded(name).config, CPU)
-    assert names[0] == "cleanup"
-    return run_passes(name, names[1:])
+    passes = recommended_passes(new_context(name))
+    assert passes[0].name == "cleanup"
+    return run_passes(name, passes[1:])
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:

@@ -8,8 +8,15 @@ import torch
 import torch.fx as fx
 
 from mini_infer.compiler import _make_verifier
-from mini_infer.passes import PASSES, GraphPass, PassResult, register_pass, resolve_passes
-from mini_infer.passes.manager import PassError, PassManager, PassStats, count_nodes, format_table
+from mini_infer.passes import PASSES, GraphPass, PassConfigError, PassResult, register_pass, resolve_passes
+from mini_infer.passes.manager import (
+    PassError,
+    PassManager,
+    PassStats,
+    count_nodes,
+    format_table,
+    propagate_fake,
+)
 from tests.passes.helpers import (
     CPU,
     aten,
@@ -143,9 +150,9 @@ def test_verify_names_the_first_divergent_pass():
 def test_verify_records_error_per_pass():
     gm, ctx = _fresh()
     verifier = _make_verifier(loaded(NAME).model, CPU, torch.float32)
-    stats = PassManager(resolve_passes(["fuse_rmsnorm", "paged_attention", "select_logits"]),
+    stats = PassManager(resolve_passes(["select_logits", "fuse_rmsnorm", "paged_attention"]),
                         verifier=verifier).run(gm, ctx)
-    assert [s.name for s in stats] == ["fuse_rmsnorm", "paged_attention", "select_logits"]
+    assert [s.name for s in stats] == ["select_logits", "fuse_rmsnorm", "paged_attention"]
     assert all(s.max_abs_err is not None and s.max_abs_err < 1e-4 for s in stats)
 
 
@@ -225,10 +232,43 @@ def test_every_node_has_fake_values_after_a_pass():
             assert "val" in node.meta, node.format_node()
 
 
-def test_uuid_is_stable_and_distinct():
-    a, b = resolve_passes(["fuse_rmsnorm", "fuse_rotary"])
-    assert a.uuid() == resolve_passes(["fuse_rmsnorm"])[0].uuid()
-    assert a.uuid() != b.uuid() and len(a.uuid()) == 16
+def test_stage_order_is_validated_before_anything_runs():
+    gm, ctx = _fresh()
+    with pytest.raises(ValueError, match=r"pass 'select_logits' \(stage 'cleanup'\) is listed after "
+                                         r"'paged_attention' \(stage 'attention'\)"):
+        PassManager(resolve_passes(["paged_attention", "select_logits"])).run(gm, ctx)
+    with pytest.raises(ValueError, match="pass 'fuse_rotary' is listed twice"):
+        PassManager(resolve_passes(["fuse_rotary", "fuse_rotary"])).run(gm, ctx)
+    with pytest.raises(ValueError, match="pass 'cleanup' is listed twice \\(or already ran\\)"):
+        PassManager(resolve_passes(["cleanup"])).run(gm, ctx)  # cleanup already ran on this context
+    assert ctx.applied == ["cleanup"]
+
+    class _NoStage(GraphPass):
+        name = "no_stage"
+        stage = "whenever"
+
+    with pytest.raises(ValueError, match="pass 'no_stage' has unknown stage 'whenever'"):
+        PassManager([_NoStage()]).run(gm, ctx)
+    with pytest.raises(ValueError, match="unknown stage 'whenever'"):
+        register_pass(_NoStage)
+
+
+def test_pass_arguments_are_validated_and_shown():
+    class _Scaled(GraphPass):
+        name = "scaled"
+
+        def __init__(self, factor: float = 1.0) -> None:
+            if not factor > 0:
+                raise self.invalid("factor", factor, "must be > 0")
+            self.factor = factor
+
+        def apply(self, gm, ctx):
+            return PassResult(0)
+
+    with pytest.raises(PassConfigError, match=r"pass 'scaled': invalid factor=-1: must be > 0"):
+        _Scaled(-1)
+    assert repr(_Scaled(2.0)) == "_Scaled(factor=2.0)"
+    assert repr(resolve_passes(["fuse_rotary"])[0]) == "FuseRotary()"
 
 
 def test_pass_without_apply_is_an_error():
@@ -239,3 +279,27 @@ def test_pass_without_apply_is_an_error():
     with pytest.raises(PassError, match="pass 'abstract'"):
         PassManager([_Abstract()]).run(gm, ctx)
     assert isinstance(gm, fx.GraphModule)
+
+
+def test_validation_runs_on_the_target_device():
+    """transformers' MoE path feeds `histc` int32 on CUDA, which has no CPU kernel: validating a CUDA graph on
+    CPU fakes failed every MoE preset on the GPU. Fakes of the graph's own device validate it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = fx.Graph()
+    x = graph.placeholder("expert_ids")
+    graph.output(graph.call_function(aten.histc.default, (x, 4, 0, 3)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(6, dtype=torch.int32, device="cuda")
+    propagate_fake(gm, "cuda")
+    out = next(n for n in gm.graph.nodes if n.op == "call_function").meta["val"]
+    assert out.device.type == "cuda" and out.dtype == torch.int32
+    with pytest.raises(PassError, match="histc"):
+        propagate_fake(gm, "cpu")
+
+
+def test_every_tiny_graph_validates_on_cuda_fakes():
+    """CUDA fake kernels with a symbolic token count, on a machine without a GPU: what the GPU runs."""
+    gm, _, _ = single_pass("tiny-qwen3-moe", "paged_attention")
+    propagate_fake(copy_gm(gm), "cuda")

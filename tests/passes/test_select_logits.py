@@ -25,7 +25,7 @@ from tests.passes.helpers import (
 
 def _check_graph(gm, num_matches):
     assert num_matches == 1
-    assert placeholder_names(gm)[-1] == "logits_indices"
+    assert "logits_indices" in placeholder_names(gm)
     assert op_counts(gm)[aten.index_select.default] == 1
     heads = (aten.linear.default, mi.linear.default)  # the full pipeline ends with gemv_linear
     (head,) = [n for n in gm.graph.nodes if n.target in heads and n.args[0].target is aten.index_select.default]
@@ -46,7 +46,7 @@ def test_in_full_pipeline(name):
     gm, ctx, stats = full_pipeline(name)
     (row,) = [s for s in stats if s.name == "select_logits"]
     _check_graph(gm, row.num_matches)
-    assert [s.name for s in stats][-2:] == ["select_logits", "gemv_linear"]
+    assert [s.name for s in stats][0] == "select_logits"  # right after cleanup (stage "cleanup")
 
 
 @st.composite

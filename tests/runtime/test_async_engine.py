@@ -99,11 +99,14 @@ def test_cancel_frees_blocks(engine):
         return got
 
     async def cancelled(i):  # the consumer's task is cancelled (what a client disconnect does)
+        started = asyncio.Event()
+
         async def consume():
-            async for _ in engine.generate(list(range(2, 40 + i)), long):
-                pass
+            async for out in engine.generate(list(range(2, 40 + i)), long):
+                started.set()
+                assert not out.finished, "finished before it was cancelled"
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)
+        await started.wait()  # mid-generation: 200 tokens to go (not a fixed sleep, which a loaded machine outruns)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

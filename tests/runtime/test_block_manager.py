@@ -1,4 +1,5 @@
-"""BlockManager: prefix-cache hits, LRU eviction, fork copies, and a stateful model check of the bookkeeping.
+"""BlockManager: prefix-cache hits, LRU eviction, sliding-window release, and a stateful model check of the
+bookkeeping.
 
 The stateful test also keeps a fake device cache (block -> token written in each slot): every
 computed token of every live sequence must read back through its block table, so a prefix hit that
@@ -138,27 +139,28 @@ def test_duplicate_block_stays_unhashed():
     bm.check_invariants()
 
 
-def test_fork_shares_full_blocks_and_copies_the_partial_one():
+def test_release_out_of_window_returns_dead_leading_blocks():
     bm = BlockManager(num_blocks=8, block_size=4)
-    parent = make_seq(list(range(6)), "p")
-    run_prompt(bm, parent)
-    parent.append_token(42)
-    child = make_seq(list(range(6)), "p")
-    child.append_token(43)
-    pairs = bm.fork(parent, child)
-    assert child.block_table[0] == parent.block_table[0] and bm.ref_counts[parent.block_table[0]] == 2
-    assert pairs == [(parent.block_table[1], child.block_table[1])]
-    assert child.num_computed_tokens == 6
+    seq = make_seq(list(range(14)), "w")
+    run_prompt(bm, seq)  # 14 tokens computed in blocks 0..3
+    table = list(seq.block_table)
+    # window 6: the next query (position 14) reads positions 9..14, so blocks 0 and 1 (positions 0..7) are dead
+    assert bm.release_out_of_window(seq, 6) == 2
+    assert seq.num_released_blocks == 2 and seq.block_table == table  # stale entries keep positions aligned
+    assert [bm.ref_counts[b] for b in table] == [0, 0, 1, 1]
+    assert bm.num_free_blocks == 6  # 4 never used + the 2 released (cached, evictable)
     bm.check_invariants()
-    # block-aligned parent: nothing to copy
-    p2 = make_seq(list(range(100, 108)), "q")
-    run_prompt(bm, p2)
-    c2 = make_seq(list(range(100, 108)), "q")
-    assert bm.fork(p2, c2) == [] and c2.block_table == p2.block_table
+    assert bm.release_out_of_window(seq, 6) == 0  # idempotent
+    seq.append_token(99)
+    bm.allocate(seq, 1)
+    seq.num_computed_tokens += 1
+    bm.commit_computed(seq)
     bm.check_invariants()
-    for s in (parent, child, p2, c2):
-        bm.free(s)
-    assert bm.num_free_blocks == 8
+    # a second sequence with the same prompt still hits the released (evictable) prefix blocks
+    other = make_seq(list(range(14)), "o")
+    assert bm.lookup(other)[1] == 12
+    bm.free(seq)
+    assert seq.num_released_blocks == 0 and bm.num_free_blocks == 8
     bm.check_invariants()
 
 
@@ -232,10 +234,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(3, 10),
         prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_size=4),
+        window=st.integers(1, 9),
     )
-    def warm_cache(self, num_blocks, prompts):
-        """Pick the pool size; start with some prefixes cached, so hits and evictions come early."""
+    def warm_cache(self, num_blocks, prompts, window):
+        """Pick the pool size and the model's attention window; start with some prefixes cached, so hits and
+        evictions come early."""
         self.bm = BlockManager(num_blocks=num_blocks, block_size=BLOCK)
+        self.window = window
         self.device = {b: [None] * BLOCK for b in range(num_blocks)}
         for tokens in prompts:
             if self.bm.num_blocks_for(len(tokens)) > num_blocks:
@@ -311,20 +316,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 999))
-    def fork(self, i):
-        parent = self.live[i % len(self.live)]
-        if not self.bm.can_fork(parent):
-            return
-        self.counter += 1
-        child = make_seq(parent.prompt_token_ids, f"s{self.counter}")
-        child.output_token_ids = list(parent.output_token_ids)
-        self.seqs.append(child)
-        pairs = self.bm.fork(parent, child)
-        event(f"fork: copies={len(pairs)}")
-        for src, dst in pairs:
-            self.device[dst] = list(self.device[src])
-        assert child.num_computed_tokens == parent.num_computed_tokens
-        self.live.append(child)
+    def slide(self, i):
+        """A sliding-window model releases the blocks its next query can no longer read."""
+        seq = self.live[i % len(self.live)]
+        released = self.bm.release_out_of_window(seq, self.window)
+        event(f"slide: released={released > 0}")
+        first_readable = max(seq.num_computed_tokens - self.window + 1, 0)
+        assert seq.num_released_blocks * BLOCK <= first_readable
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 999))
@@ -356,7 +354,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         for seq in self.live:
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens
-            for pos in range(seq.num_computed_tokens):
+            for pos in range(seq.num_released_blocks * BLOCK, seq.num_computed_tokens):  # the live blocks
                 got = self.device[seq.block_table[pos // BLOCK]][pos % BLOCK]
                 assert got == seq.token_ids[pos], f"{seq.request_id} reads a wrong token at position {pos}"
 

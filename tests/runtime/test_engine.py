@@ -192,13 +192,33 @@ def test_greedy_matches_hf_with_chunked_prefill(name):
 
 @pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
 def test_greedy_matches_hf_under_preemption(name):
-    # 16 blocks of 4 = 64 tokens: the longest sequence (40 + 12) fits alone, the batch does not
-    engine = make_engine(name, num_kv_blocks=16, block_size=4)
+    # 16 blocks of 4 = 64 tokens: the longest sequence (40 + 12) fits alone, the batch does not. tiny-mistral's
+    # window of 8 releases a sequence's old blocks as it goes: 11 blocks and 8-token steps still preempt
+    kw = dict(num_kv_blocks=11, max_num_batched_tokens=8) if name == "tiny-mistral" else dict(num_kv_blocks=16)
+    engine = make_engine(name, block_size=4, **kw)
     outs = run(engine, PROMPTS)
     assert engine.stats["preemptions"] > 0
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].finish_reason == "length"
         assert o.outputs[0].token_ids == hf_ref(name, tuple(p))
+    assert_no_leak(engine)
+
+
+def test_sliding_window_blocks_stay_bounded_by_the_window():
+    """tiny-mistral attends to the last 8 tokens: a 90-token generation holds the blocks of its window, not of its
+    length, and still equals HF (blocks of 4: the window and the block being written span at most 4 blocks)."""
+    engine = make_engine("tiny-mistral", num_kv_blocks=64, block_size=4)
+    assert engine.scheduler.config.attention_window == 8
+    prompt = random_prompts(21, [30])[0]
+    engine.add_request("w", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=90,
+                                                                      ignore_eos=True))
+    in_use, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        in_use.append(engine.block_manager.num_used_blocks)
+    assert max(in_use[2:]) <= 4 < -(-120 // 4)  # after the prompt's step: bounded by the window
+    assert out.outputs[0].token_ids == hf_ref("tiny-mistral", tuple(prompt), 90)
     assert_no_leak(engine)
 
 
@@ -500,11 +520,11 @@ def test_failing_step_fails_only_its_requests(llama, monkeypatch):
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(inputs, **kw):
+    def flaky(inputs, plan, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device failure")
-        return real(inputs, **kw)
+        return real(inputs, plan, **kw)
 
     monkeypatch.setattr(runner, "execute", flaky)
     llama.add_request("a", PROMPTS[0], GREEDY)
@@ -528,11 +548,11 @@ def test_failing_step_with_several_requests(monkeypatch):
     real = engine.runner.execute
     state = {"fail": True}
 
-    def flaky(inputs, **kw):
+    def flaky(inputs, plan, **kw):
         if state["fail"]:
             state["fail"] = False
             raise RuntimeError("boom")
-        return real(inputs, **kw)
+        return real(inputs, plan, **kw)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     col = Collector(engine)

@@ -388,21 +388,13 @@ def test_chunked_off_prompt_over_budget_is_rejected():
     assert sched.has_unfinished() and sched.schedule().finished == [s] and not sched.has_unfinished()
 
 
-def test_forked_child_joins_running():
+def test_a_sequence_holding_blocks_is_refused():
     sched, bm = make(num_blocks=16, block_size=4)
-    parent = make_seq(list(range(6)), "p", max_tokens=3)
-    sched.add(parent)
-    eng = FakeEngine(sched)
-    eng.step()
-    child = make_seq(parent.prompt_token_ids, "p", max_tokens=3)
-    child.output_token_ids = list(parent.output_token_ids)
-    for src, dst in bm.fork(parent, child):
-        eng.device[dst] = list(eng.device[src])
-    sched.add(child)
-    out = eng.step()
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("p", 1), ("p", 1)]
-    assert sched.abort("p") == [parent, child]
-    assert_drained(sched, bm)
+    seq = make_seq(list(range(6)), "p", max_tokens=3)
+    seq.block_table = [3]
+    with pytest.raises(ValueError, match="already holds cache blocks"):
+        sched.add(seq)
+    assert not sched.has_unfinished()
 
 
 # ---------------------------------------------------------------------- random interleavings

@@ -9,7 +9,8 @@ import time
 import httpx
 
 from mini_infer.runtime.async_engine import AsyncLLMEngine
-from mini_infer.serving.api_server import GuardMiddleware, ServerSettings, ServerState, build_app
+from mini_infer.serving.app import build_asgi
+from mini_infer.serving.state import ServerSettings, ServerState
 
 
 class _Sched:
@@ -44,7 +45,7 @@ class _DyingEngine:
 
 
 def _client(state: ServerState) -> httpx.AsyncClient:
-    app = GuardMiddleware(build_app(state), state)
+    app = build_asgi(state)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
 
 
@@ -98,3 +99,43 @@ def test_engine_dying_mid_stream_sends_an_error_event():
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and '"engine_dead"' in events[-2]
+
+
+def test_sampling_defaults_from_the_models_generation_config(tmp_path, monkeypatch):
+    """--generation-config auto (vLLM's): a request that leaves max_tokens (or temperature, top_k, ...) unset
+    gets the model's generation_config.json value; "vllm" keeps OpenAI's defaults (16 tokens for
+    completions). The API docs state the defaults."""
+    from transformers import GenerationConfig
+
+    from mini_infer.runtime.engine import EngineConfig, LLMEngine
+    from tests import _model_cache as mc
+
+    mc.loaded("tiny-llama").model.save_pretrained(tmp_path, safe_serialization=True)
+    GenerationConfig(max_new_tokens=3, top_k=1, do_sample=True).save_pretrained(tmp_path)
+    mc.patch_engine(monkeypatch)
+
+    async def completion_tokens(mode: str, **body) -> int:
+        state = ServerState(ServerSettings(served_model_name="m"))
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=64,
+                                                       block_size=4, generation_config=mode)))
+        state.set_engine(engine)
+        try:
+            async with _client(state) as c:
+                r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True, **body})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["completion_tokens"]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(completion_tokens("auto")) == 3
+    assert asyncio.run(completion_tokens("auto", max_tokens=5)) == 5
+    assert asyncio.run(completion_tokens("vllm")) == 16
+
+    async def docs():
+        async with _client(ServerState(ServerSettings(served_model_name="m"))) as c:
+            return (await c.get("/openapi.json")).json()["components"]["schemas"]
+
+    schemas = asyncio.run(docs())
+    assert "16" in schemas["CompletionRequest"]["properties"]["max_tokens"]["description"]
+    chat = schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["description"]
+    assert "rest of the context" in chat and "generation_config" in chat

@@ -9,6 +9,7 @@ logprobs must equal log_softmax of the HF model's logits.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import torch
 
 from mini_infer.llm import LLM
 from mini_infer.sampling_params import SamplingParams
+from tests import _model_cache as mc
 from tests.serving.conftest import ServerProcess
 
 MAX_LEN = 512
@@ -146,7 +148,7 @@ def test_tokenize_detokenize_tokenizer_info(server, llm):
 
 # ------------------------------------------------------------------------------------ lm-evaluation-harness
 def _reference_logprobs(llm, ids: list[int]) -> torch.Tensor:
-    model = llm.engine.loaded.model
+    model = mc.loaded(None).model  # the HF model the engine compiled (the engine itself released it)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
@@ -326,3 +328,47 @@ def test_openai_client_sees_errors(client):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=NAME, messages=[])
+
+
+# ------------------------------------------------------------------------------------ hostile input
+def _on_one_connection(server, requests: list[tuple[str, bytes]]) -> list[tuple[int, dict]]:
+    """POST each (path, raw JSON body) in turn on ONE keep-alive connection; (status, body) of each. Fails if the
+    server closed the connection on the way."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    results, local = [], None
+    for path, body in requests:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        results.append((resp.status, json.loads(data) if data.startswith(b"{") else data.decode()))
+        port = conn.sock.getsockname()[1] if conn.sock is not None else None
+        assert port is not None and local in (None, port), f"the connection was closed after {path} {body!r}"
+        local = port
+    conn.close()
+    return results
+
+
+def test_lone_surrogates_are_400_and_the_connection_lives_on(server):
+    bad = [("/v1/completions", rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt"),
+           ("/v1/completions", rb'{"prompt": ["fine", "x\udc00"], "max_tokens": 2}', "prompt.1"),
+           ("/v1/completions", rb'{"prompt": "\ud800", "max_tokens": 2, "stream": true}', "prompt"),
+           ("/v1/completions", b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}', "prompt"),  # raw, not escaped
+           ("/v1/completions", rb'{"model": "\ud800", "prompt": "hi", "max_tokens": 2}', "model"),
+           ("/v1/completions", rb'{"prompt": "hi", "max_tokens": 2, "stop": ["\udfff"]}', "stop.0"),
+           ("/tokenize", rb'{"prompt": "a\ud800b"}', "prompt"),
+           ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}',
+            "messages.0.content")]
+    good = [("/v1/completions", rb'{"prompt": "smile \ud83d\ude00", "max_tokens": 2}'),  # a valid pair
+            ("/tokenize", b'{"prompt": "hello"}')]
+    results = _on_one_connection(server, [(p, b) for p, b, _ in bad] + good)
+    for (path, body, param), (status, err) in zip(bad, results):
+        assert status == 400, (path, body, status, err)
+        assert err["error"]["param"] == param and err["error"]["code"] == "invalid_unicode", err
+    assert [status for status, _ in results[len(bad):]] == [200, 200]
+    assert "Traceback" not in server.log_tail(200_000)
+
+
+def test_stop_string_over_the_limit_names_stop(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=2, stop=["x" * 1025])
+    assert info.value.body["param"] == "stop" and "1024" in info.value.body["message"]

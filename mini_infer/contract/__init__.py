@@ -1,0 +1,16 @@
+"""The contract between passes and the runtime: declared graph inputs (`inputs.py`) and cache specs
+(`caches.py`). Passes create these; the runtime reads them as data. Nothing here imports a pass or the runtime."""
+
+from mini_infer.contract.caches import (
+    CacheSpec,
+    CacheTensor,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+    attention_window,
+    bytes_per_block,
+)
+from mini_infer.contract.inputs import DIMS, PADDED_DIMS, InputSpec, StepBatch
+
+__all__ = ["DIMS", "PADDED_DIMS", "CacheSpec", "CacheTensor", "FullAttentionSpec", "InputSpec",
+           "LatentAttentionSpec", "SlidingWindowSpec", "StepBatch", "attention_window", "bytes_per_block"]

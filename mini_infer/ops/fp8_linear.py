@@ -1,0 +1,190 @@
+"""`mini_infer::fp8_linear` and `mini_infer::fp8_w8a8_linear`: FP8 (float8_e4m3fn) W8A8 linears, rowwise scales.
+
+    fp8_linear(x_q fp8 [.., K], x_scale fp32 [.., 1], w_q fp8 [N, K], w_scale fp32 [N], bias [N] | None,
+               out_dtype) -> [.., N] out_dtype
+        out = ((x_q @ w_q.T) * x_scale * w_scale + bias), accumulated in fp32, rounded to out_dtype
+    fp8_w8a8_linear(x, w_q, w_scale, bias) = fp8_linear(*quantize_per_token(x, fp8), w_q, w_scale, bias, x.dtype)
+
+Where it runs:
+  * CPU (and CUDA with MINI_INFER_OPS_BACKEND=torch): the reference, which dequantizes (fp8 -> fp32 is exact),
+    multiplies in fp32 and applies the scales and bias in int8_linear.py's epilogue order.
+  * CUDA, compute capability >= 8.9 (Ada, Hopper and later): by shape only (CUDA-graph safe) —
+    M <= FP8_TRITON_MAX_M rows -> the Triton kernel of int8_linear.py (`scaled_mm_triton`, skinny tile: the
+    decode path that streams the weights); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
+    FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile.
+    bench/kernel_quant.py times both at every M: move FP8_TRITON_MAX_M if it says so.
+  * CUDA below 8.9: no FP8 tensor-core instructions; the op raises RuntimeError naming the capability.
+Unlike the int8 path, fp32 accumulation order differs between tiles and between Triton and _scaled_mm, so a
+row's output may differ in its last bits between M buckets (int8_linear is exact across buckets).
+Imports nothing from mini_infer outside `mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, use_triton
+from mini_infer.ops.int8_linear import _check_shapes, _epilogue_reference, scaled_mm_triton, w8a8_fake
+from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
+
+__all__ = [
+    "FP8_MIN_CAPABILITY",
+    "FP8_TRITON_MAX_M",
+    "fp8_linear",
+    "fp8_linear_reference",
+    "fp8_linear_triton",
+    "fp8_supported",
+    "fp8_w8a8_linear",
+    "fp8_w8a8_linear_reference",
+    "fp8_w8a8_linear_triton",
+    "scaled_mm_fp8",
+]
+
+FP8 = torch.float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_TRITON_MAX_M = 16  # rows up to which CUDA runs the Triton skinny kernel instead of torch._scaled_mm
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether fp8_linear runs on `device`: always on CPU (the dequantizing reference); on CUDA when the GPU
+    has FP8 tensor cores (compute capability >= 8.9)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.get_device_capability(dev) >= FP8_MIN_CAPABILITY
+    return False
+
+
+def _check_fp8(x_q: torch.Tensor, w_q: torch.Tensor) -> None:
+    if x_q.dtype != FP8 or w_q.dtype != FP8:
+        raise ValueError(f"fp8_linear: x_q and w_q must be float8_e4m3fn, got {x_q.dtype} and {w_q.dtype}")
+
+
+def _require_fp8_device(device: torch.device) -> None:
+    if not fp8_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"fp8_linear: {torch.cuda.get_device_name(device)} has compute capability "
+                           f"{major}.{minor}; FP8 GEMMs need >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
+                           "(use the int8 W8A8 path or bf16 weights on this GPU)")
+
+
+# --------------------------------------------------------------------------------------------------
+# reference (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_linear_reference(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """Plain torch: fp8 -> fp32 (exact), an fp32 GEMM, then the scales and bias in fp32."""
+    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_fp8(x_q, w_q)
+    k, n = x_q.shape[-1], w_q.shape[0]
+    acc = x_q.reshape(-1, k).to(torch.float32) @ w_q.to(torch.float32).t()
+    return _epilogue_reference(acc, x_scale, w_scale, bias, out_dtype, (*x_q.shape[:-1], n))
+
+
+def fp8_w8a8_linear_reference(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """quantize_per_token(x, fp8) then fp8_linear, output in x's dtype (plain torch)."""
+    x_q, x_scale = quantize_per_token_reference(x, FP8)
+    return fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA paths
+# --------------------------------------------------------------------------------------------------
+
+
+def _scaled_mm_takes(m: int, k: int, n: int, out_dtype: torch.dtype) -> bool:
+    """Shapes and dtypes torch._scaled_mm accepts with rowwise scales on every FP8 GPU."""
+    return m > 0 and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16)
+
+
+def scaled_mm_fp8(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """`torch._scaled_mm` with rowwise scales (x_scale per row of x, w_scale per row of w); the bias goes into
+    the call when it has out_dtype, else it is added after (in fp32, then rounded)."""
+    k, n = x_q.shape[-1], w_q.shape[0]
+    a = x_q.reshape(-1, k)
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype else None
+    out = torch._scaled_mm(
+        a if a.is_contiguous() else a.contiguous(), w_q.t(),  # w_q [N, K] row-major = column-major [K, N]
+        scale_a=x_scale.reshape(-1, 1).contiguous(), scale_b=w_scale.reshape(1, n).contiguous(),
+        bias=fused_bias, out_dtype=out_dtype,
+    )  # fmt: skip
+    if bias is not None and fused_bias is None:
+        out = (out.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+    return out.reshape(*x_q.shape[:-1], n)
+
+
+def fp8_linear_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The CUDA path (also CPU tensors under TRITON_INTERPRET=1, which always take the Triton kernel): see the
+    module docstring for the choice between the Triton kernel and torch._scaled_mm."""
+    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_fp8(x_q, w_q)
+    if x_q.is_cuda:
+        _require_fp8_device(x_q.device)
+        k, n = x_q.shape[-1], w_q.shape[0]
+        m = x_q.numel() // k if k else 0
+        if m > FP8_TRITON_MAX_M and _scaled_mm_takes(m, k, n, out_dtype):
+            return scaled_mm_fp8(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    if not HAS_TRITON:
+        raise RuntimeError("fp8_linear_triton needs triton")
+    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
+def fp8_w8a8_linear_triton(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Triton quantize_per_token(x, fp8) then fp8_linear's CUDA path, output in x's dtype."""
+    if x.is_cuda:
+        _require_fp8_device(x.device)
+    x_q, x_scale = quantize_per_token_triton(x, FP8)
+    return fp8_linear_triton(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the registered ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mini_infer::fp8_linear", mutates_args=())
+def fp8_linear(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """FP8 W8A8 linear with rowwise scales: Triton / torch._scaled_mm on CUDA (>= 8.9), else the torch reference."""
+    if use_triton(x_q):
+        return fp8_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_fp8(x_q, w_q)
+    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("mini_infer::fp8_w8a8_linear", mutates_args=())
+def fp8_w8a8_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`fp8_linear(*quantize_per_token(x, float8_e4m3fn), w_q, w_scale, bias, x.dtype)`."""
+    if use_triton(x):
+        return fp8_w8a8_linear_triton(x, w_q, w_scale, bias)
+    return fp8_w8a8_linear_reference(x, w_q, w_scale, bias)
+
+
+@fp8_w8a8_linear.register_fake
+def _(x, w_q, w_scale, bias):
+    return w8a8_fake("fp8_w8a8_linear", x, w_q)

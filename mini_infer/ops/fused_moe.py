@@ -1,0 +1,465 @@
+"""`mini_infer::fused_moe`: the routed experts of a mixture-of-experts block, given the routing.
+
+    out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(W1[e] @ x[t]) * (W3[e] @ x[t])),   e = topk_ids[t, j]
+
+Shapes (T tokens, H hidden, I expert intermediate size, E experts, k slots per token):
+    hidden [T, H] (bf16, fp16 or fp32), topk_weights [T, k] (float; fp32 from `mini_infer::moe_topk`),
+    topk_ids [T, k] (int32 or int64), w13 [E, 2*I, H], w2 [E, H, I] (hidden's dtype) -> [T, H] (hidden's dtype).
+w13 stacks, for each expert, the gate projection W1 (rows 0 .. I-1) on top of the up projection W3 (rows I ..
+2I-1): exactly HF's `experts.gate_up_proj` in transformers 5.x (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), and
+`torch.cat([gate_proj.weight, up_proj.weight])` per expert for checkpoints that keep them apart; w2 is
+`experts.down_proj` (`down_proj.weight` per expert). A slot whose id is outside [0, E) contributes nothing (HF
+uses id E to mean "no expert"). Only activation="silu" is defined.
+
+Numerics: matmuls accumulate in fp32; the silu(gate) * up product is rounded to hidden's dtype before the down
+projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton path
+also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1).
+
+Two implementations:
+  * `fused_moe_reference`: plain torch, the CPU path and the oracle: a loop over the experts that are used
+    (host-side, so not for CUDA graphs), fp32 math.
+  * `fused_moe_triton`: in the style of vLLM's fused_moe, with no host sync and no data-dependent shape, so it
+    runs inside a CUDA graph:
+      1. align: the (token, slot) pairs are grouped by expert and each expert's run padded to a multiple of
+         BLOCK_M, on the device (atomic counts, an exclusive scan, atomic placement). Buffers have their
+         worst-case size, T*k + min(E, T*k) * (BLOCK_M - 1) rows; padding rows hold the sentinel T*k.
+         Small batches use one single-program kernel, larger ones three kernels.
+      2. one grouped-GEMM launch over all experts for gate and up (two accumulators), silu(gate) * up in its
+         epilogue: intermediate [T*k, I];
+      3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
+         directly when k == 1);
+      4. the sum over the k slots (skipping slots with no expert).
+    Programs whose block lies past the padded end exit at once. Tile sizes (`moe_tile_config`) depend only on
+    (T, E, k, H, I), so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
+    (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
+    a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).
+
+Must not import anything from mini_infer outside `mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+__all__ = [
+    "ACTIVATIONS",
+    "GemmTile",
+    "MoeTileConfig",
+    "fused_moe",
+    "fused_moe_reference",
+    "fused_moe_triton",
+    "moe_align_triton",
+    "moe_tile_config",
+    "padded_rows",
+]
+
+ACTIVATIONS = ("silu",)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Launch shape of one grouped GEMM: output columns and reduction step per program, GROUP_M swizzle."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    """Tiles of one fused_moe call. block_m (rows per program, the padding unit of each expert's run) is shared
+    by both GEMMs; `kind` names the regime ("decode": few rows per expert, memory-bound; "prefill")."""
+
+    kind: str
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+
+# Regimes by the mean rows per expert, T * k / E. Decode (memory-bound: the expert weights dominate): BLOCK_M is
+# the smallest tile that holds most experts' rows in one block, since an expert whose rows spill into a second
+# block has its weights read twice (mixtral-8x7b at T = 64, 16 rows per expert on average: 75% of the copy
+# bandwidth with BLOCK_M 16 on an H100, as random routing puts 20+ rows on several experts). Prefill: BLOCK_M 64,
+# then 128 (full tensor-core tiles, weights reused across rows).
+_DECODE_BLOCK_M = ((8, 16), (24, 32))  # (max mean rows per expert, BLOCK_M)
+_MID_MAX_ROWS_PER_EXPERT = 64
+# Decode tiles narrow block_n until the launch has about this many live programs (two waves of 132 SMs on an
+# H100/H200): with one token per expert the weight stream must still be spread over every SM.
+_DECODE_TARGET_PROGRAMS = 264
+
+
+def _decode_block_n(n_out: int, live_blocks: int) -> int:
+    """The widest of 128, 64, 32 output columns per program that still gives about _DECODE_TARGET_PROGRAMS."""
+    block_n = 128
+    while block_n > 32 and live_blocks * -(-n_out // block_n) < _DECODE_TARGET_PROGRAMS:
+        block_n //= 2
+    return block_n
+
+
+def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoeTileConfig:
+    """The tiles for a call with these shapes (and nothing else, so that a captured CUDA graph keeps them).
+    Chosen with bench/kernel_moe.py --sweep on an H100 (qwen3-30b-a3b and mixtral-8x7b shapes, bf16)."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    for max_rows, block_m in _DECODE_BLOCK_M:
+        if rows_per_expert <= max_rows:
+            live_blocks = max(1, min(num_experts, num_tokens * top_k))  # about one block per used expert
+            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks), 128, 1, 4, 3),
+                                 GemmTile(_decode_block_n(hidden, live_blocks), 128, 1, 4, 3))
+    if rows_per_expert <= _MID_MAX_ROWS_PER_EXPERT:
+        return MoeTileConfig("prefill", 64, GemmTile(64, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
+    return MoeTileConfig("prefill", 128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 4))
+
+
+def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of the expert-sorted, block-padded row list: each used expert (at most
+    min(E, pairs) of them) pads its run by at most block_m - 1 rows."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, activation: str) -> tuple[int, int, int, int, int]:
+    """Validate shapes and dtypes (ValueError naming the argument); returns (T, H, E, I, k)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if hidden.dim() != 2 or hidden.dtype not in _DTYPES:
+        raise ValueError(f"fused_moe: hidden must be a [T, H] bf16/fp16/fp32 tensor, got {hidden.dtype} "
+                         f"{tuple(hidden.shape)}")
+    t, h = hidden.shape
+    if w13.dim() != 3 or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"fused_moe: w13 must be [E, 2*I, H={h}], got {tuple(w13.shape)}")
+    e, two_i = w13.shape[0], w13.shape[1]
+    if tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"fused_moe: w2 must be [E={e}, H={h}, I={two_i // 2}], got {tuple(w2.shape)}")
+    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(f"fused_moe: w13 ({w13.dtype}) and w2 ({w2.dtype}) must have hidden's dtype {hidden.dtype}")
+    same_t = not isinstance(t, int) or topk_ids.dim() != 2 or topk_ids.shape[0] == t  # symbolic T: not checked
+    if topk_ids.dim() != 2 or not same_t or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be an int32/int64 [T={t}, k] tensor, got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: topk_weights must be a float tensor shaped like topk_ids "
+                         f"{tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    return t, h, e, two_i // 2, topk_ids.shape[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain torch): the CPU path and the oracle.
+
+
+def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Plain torch: for each expert in use, its rows through gate/up, silu * up (rounded to hidden's dtype), down,
+    times the routing weight, added into an fp32 [T, H] accumulator."""
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    flat_w = topk_weights.reshape(-1).float()
+    for expert in torch.unique(flat_ids).tolist():
+        if not 0 <= expert < e:
+            continue
+        pairs = torch.nonzero(flat_ids == expert).squeeze(1)
+        tokens = pairs // k
+        gate_up = F.linear(hidden.index_select(0, tokens).float(), w13[expert].float())
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
+        out.index_add_(0, tokens, F.linear(act, w2[expert].float()) * flat_w[pairs, None])
+    return out.to(hidden.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton
+
+_ALIGN_BLOCK = 1024  # pairs per program (per loop step in the single-program kernel)
+_ALIGN_SINGLE_MAX = 4096  # up to this many pairs, one program aligns them all (one launch: decode)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, BLOCK: tl.constexpr):
+        """counts[e] += pairs of expert e among pairs [start, start + BLOCK)."""
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < num_pairs
+        expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        ok = ok & (expert >= 0) & (expert < num_experts)
+        tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+
+    @triton.jit
+    def _align_scan(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+        """From the counts: each expert's padded run [start, end), the padded total, cursor = start, the sentinel
+        in every padding row, and the expert of every BLOCK_M block up to the total."""
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < num_experts
+        count = tl.load(counts_ptr + e, mask=e_ok, other=0, cache_modifier=".cg")  # .cg: written by atomics
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.cumsum(padded, axis=0)
+        start = end - padded
+        total = tl.sum(padded)
+        tl.store(cursor_ptr + e, start, mask=e_ok)
+        tl.store(num_padded_ptr, total)
+        pad_chunk: tl.constexpr = 16
+        for j0 in tl.static_range(0, BLOCK_M, pad_chunk):
+            pos = (start + count)[:, None] + (j0 + tl.arange(0, pad_chunk))[None, :]
+            tl.store(sorted_ptr + pos, num_pairs, mask=e_ok[:, None] & (pos < end[:, None]))
+        end_or_max = tl.where(e_ok, end, 2147483647)
+        blocks_chunk: tl.constexpr = 32
+        n_blocks = total // BLOCK_M
+        for b0 in range(0, n_blocks, blocks_chunk):
+            b = b0 + tl.arange(0, blocks_chunk)
+            # block b belongs to the first expert whose run ends after its first row
+            owner = tl.sum((end_or_max[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+
+    @triton.jit
+    def _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, BLOCK: tl.constexpr):
+        """Each pair of [start, start + BLOCK) takes the next free row of its expert's run (atomic cursor)."""
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < num_pairs
+        expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        ok = ok & (expert >= 0) & (expert < num_experts)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+        tl.store(sorted_ptr + row, offs, mask=ok)
+
+    @triton.jit
+    def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+        _align_count(ids_ptr, counts_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK)
+
+    @triton.jit
+    def _align_scan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                           num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+        _align_scan(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                    BLOCK_M, BLOCK_E)
+
+    @triton.jit
+    def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+        _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK)
+
+    @triton.jit
+    def _align_single_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                             num_pairs, num_experts, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_E: tl.constexpr):  # fmt: skip
+        """All three align steps in one program (barriers between them): one launch for small batches."""
+        e = tl.arange(0, BLOCK_E)
+        tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < num_experts)
+        tl.debug_barrier()
+        for start in range(0, num_pairs, BLOCK):
+            _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, BLOCK)
+        tl.debug_barrier()
+        _align_scan(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                    BLOCK_M, BLOCK_E)
+        tl.debug_barrier()
+        for start in range(0, num_pairs, BLOCK):
+            _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, BLOCK)
+
+    @triton.jit
+    def _moe_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
+        num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
+        stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+        GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
+        GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
+        C = silu(A @ gate.T) * (A @ up.T). MUL_WEIGHT: C *= weight[pair]. DOT_FP32: fp32 operands, IEEE products
+        (fp32 inputs, and the CPU interpreter, whose bf16 dot multiplies the raw bits as integers)."""
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(n_out, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_rows
+        pid_n = (pid % in_group) // group_rows
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # past the padded end: this launch was sized for the worst case
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows)
+        row_ok = pair < num_pairs
+        a_row = (pair // rows_per_a).to(tl.int64)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = ks < k_in - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if GATED:
+                if EVEN_K:
+                    b_up = tl.load(b_ptrs + up_offset, mask=col_ok[None, :], other=0.0)
+                else:
+                    b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if DOT_FP32:
+                    acc_up = tl.dot(a, b_up.to(tl.float32), acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not an expert
+        (their rows were never written)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + t * TOP_K + j)
+            row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
+        tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs of `topk_ids` [T, k] by expert, each expert's run padded to a multiple of
+    block_m, on the device. Returns (sorted_pairs [padded_rows] int32: pair index t*k + j, or the sentinel T*k
+    in padding rows; block_expert [padded_rows // block_m (ceil)] int32: the expert of each block; num_padded [1]
+    int32: rows in use). Entries past num_padded are unspecified. Pairs are in no particular order within an
+    expert's run (atomics); each row's result does not depend on it."""
+    if not HAS_TRITON:
+        raise RuntimeError("moe_align_triton needs triton")
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    num_pairs = ids.numel()
+    rows = padded_rows(num_pairs, num_experts, block_m)
+    n_blocks = triton.cdiv(rows, block_m)
+    # one int32 allocation: sorted_pairs | block_expert | counts | cursor | num_padded
+    meta = torch.empty(rows + n_blocks + 2 * num_experts + 1, dtype=torch.int32, device=ids.device)
+    sorted_pairs, block_expert, counts, cursor, num_padded = torch.split(
+        meta, [rows, n_blocks, num_experts, num_experts, 1])
+    block_e = next_pow2(num_experts)
+    if num_pairs <= _ALIGN_SINGLE_MAX:
+        _align_single_kernel[(1,)](ids, counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs,
+                                   num_experts, BLOCK=_ALIGN_BLOCK, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8)
+    else:
+        counts.zero_()
+        grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
+        _align_count_kernel[grid](ids, counts, num_pairs, num_experts, BLOCK=_ALIGN_BLOCK, num_warps=4)
+        _align_scan_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
+                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8)
+        _align_scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, num_experts, BLOCK=_ALIGN_BLOCK,
+                                    num_warps=4)
+    return sorted_pairs, block_expert, num_padded
+
+
+# Launch shapes that compiled for a (dtype, gemm, tile) key; a tile that runs out of shared memory (fp32) is
+# retried with fewer pipeline stages, then a shorter reduction step.
+_TILE_OK: dict[tuple, GemmTile] = {}
+
+
+def _smaller_tiles(tile: GemmTile):
+    while True:
+        yield tile
+        if tile.num_stages > 2:
+            tile = replace(tile, num_stages=tile.num_stages - 1)
+        elif tile.block_k > 32:
+            tile = replace(tile, block_k=tile.block_k // 2)
+        elif tile.block_n > 32:
+            tile = replace(tile, block_n=tile.block_n // 2)
+        else:
+            return
+
+
+def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
+                  tile: GemmTile) -> None:
+    """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list."""
+    n_out = b.shape[1] // 2 if gated else b.shape[1]
+    k_in = b.shape[2]
+    num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile)
+    for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
+        grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
+        try:
+            _moe_gemm_kernel[grid](
+                a, b, c, sorted_pairs, block_expert, num_padded, weights,
+                num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
+                a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+                GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
+                DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+            )  # fmt: skip
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _TILE_OK[key] = t
+        return
+    raise RuntimeError(f"fused_moe_triton: no tile fits for {key}")
+
+
+def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, activation: str = "silu", config: MoeTileConfig | None = None) -> torch.Tensor:
+    """The CUDA path (or CPU under TRITON_INTERPRET=1): align, gate/up GEMM with silu * up, down GEMM with the
+    routing weight, sum over slots (module docstring). No host sync; `config` overrides `moe_tile_config`."""
+    if not HAS_TRITON:
+        raise RuntimeError("fused_moe_triton needs triton")
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (id outside [0, E))
+    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
+    if t == 0:
+        return out
+    cfg = config or moe_tile_config(t, e, k, h, inter)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weights = topk_weights.reshape(-1)
+    weights = weights if weights.is_contiguous() else weights.contiguous()
+    num_pairs = t * k
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m)
+    # padding rows are never stored: unused rows of these buffers keep whatever they held
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
+                  cfg.gate_up)
+    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
+                  cfg.block_m, cfg.down)
+    if k > 1:
+        block = min(1024, next_pow2(h))
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, TOP_K=k, BLOCK=block, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The registered op.
+
+
+@torch.library.custom_op("mini_infer::fused_moe", mutates_args=())
+def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The routed experts (module docstring): Triton on CUDA when available, else the torch reference."""
+    if use_triton(hidden):
+        return fused_moe_triton(hidden, topk_weights, topk_ids, w13, w2, activation)
+    return fused_moe_reference(hidden, topk_weights, topk_ids, w13, w2, activation)
+
+
+@fused_moe.register_fake
+def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+      activation: str = "silu") -> torch.Tensor:
+    _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+    return hidden.new_empty(hidden.shape)

@@ -1,0 +1,332 @@
+"""`mini_infer::int8_linear` and `mini_infer::w8a8_linear`: W8A8 int8 linears with per-token / per-channel scales.
+
+    int8_linear(x_q int8 [.., K], x_scale fp32 [.., 1], w_q int8 [N, K], w_scale fp32 [N], bias [N] | None,
+                out_dtype) -> [.., N] out_dtype
+        acc = x_q @ w_q.T in exact int32;  out = ((acc * x_scale) * w_scale + bias) rounded to out_dtype
+        (the dequantization and the bias are the GEMM's epilogue, computed in fp32 in that order)
+    w8a8_linear(x, w_q, w_scale, bias) = int8_linear(*quantize_per_token(x, int8), w_q, w_scale, bias, x.dtype)
+        (for passes that do not fuse the activation quantization into its producer, see quant.py)
+
+Why: a batch-1 decode step reads every weight once; int8 weights halve those bytes. The decode win needs a
+kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
+(and on CUDA refuses M <= 16). So the Triton launcher picks its tile by M only (shapes, never values: CUDA-graph
+safe): M <= SMALL_M (16) -> a skinny tile (16 rows, few weight rows per program, long K steps: many programs
+streaming the weight), larger M -> GEMM tiles. The int32 accumulation is exact in every tile and path and the
+epilogue is one piece of code, so every M bucket gives the same bits for a row (greedy decoding does not change
+with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
+product) gives the same int32 and differs from the kernel at most by the fp32 epilogue's rounding (FMA
+contraction on a GPU; none under the interpreter, where the two are bit-identical).
+
+The Triton kernel here, `scaled_mm_triton`, also serves fp8_linear.py (fp8 operands, fp32 accumulation).
+Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from mini_infer outside
+`mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
+
+__all__ = [
+    "INT8_MAX_K",
+    "SMALL_M",
+    "int8_linear",
+    "int8_linear_reference",
+    "int8_linear_triton",
+    "int8_matmul_exact",
+    "scaled_mm_config",
+    "scaled_mm_triton",
+    "w8a8_linear",
+    "w8a8_linear_reference",
+    "w8a8_linear_triton",
+    "w8a8_fake",
+]
+
+INT8_MAX_K = 2**31 // (128 * 128)  # |acc| <= 128 * 128 * K must fit int32
+SMALL_M = 16  # rows up to which the skinny (decode) tile is used
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K) by the largest M each serves (None: any
+# larger), from `bench/kernel_quant.py --sweep` on an H100 (qwen2.5-7b shapes; the skinny int8 tile streams the
+# weights at 54-62% of copy bandwidth for the 13-17 MB qkv/o_proj, 76-92% for down/gate_up, ~100% for lm_head).
+# SPLIT_K > 1 (int8 only) splits K over programs that add int32 partials atomically (exact, so the bits do not
+# depend on it); the sweep found it slower than SPLIT_K = 1 on every shape, so no default uses it.
+_CONFIGS = (
+    (SMALL_M, (16, 64, 512, 1, 4, 5, 1)),
+    (64, (64, 64, 256, 8, 4, 4, 1)),
+    (256, (64, 128, 256, 8, 4, 4, 1)),
+    (None, (128, 256, 128, 8, 8, 3, 1)),
+)
+# fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
+_FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
+
+
+def _check_shapes(name: str, x_q, x_scale, w_q, w_scale, bias) -> None:
+    k = x_q.shape[-1]
+    n = w_q.shape[0]
+    if w_q.dim() != 2 or w_q.shape[1] != k:
+        raise ValueError(f"{name}: w_q {tuple(w_q.shape)} must be [N, K] with K = x_q's last dim {k}")
+    if x_scale.shape != (*x_q.shape[:-1], 1) or x_scale.dtype != torch.float32:
+        raise ValueError(f"{name}: x_scale must be fp32 {(*x_q.shape[:-1], 1)}, got {x_scale.dtype} "
+                         f"{tuple(x_scale.shape)}")
+    if w_scale.shape != (n,) or w_scale.dtype != torch.float32:
+        raise ValueError(f"{name}: w_scale must be fp32 ({n},), got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{name}: bias must be ({n},), got {tuple(bias.shape)}")
+
+
+def _check_int8(x_q: torch.Tensor, w_q: torch.Tensor) -> None:
+    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        raise ValueError(f"int8_linear: x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
+    if x_q.shape[-1] > INT8_MAX_K:
+        raise ValueError(f"int8_linear: K = {x_q.shape[-1]} exceeds INT8_MAX_K = {INT8_MAX_K} (int32 overflow)")
+
+
+def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias, out_dtype, out_shape) -> torch.Tensor:
+    """((acc * x_scale) * w_scale + bias) in fp32, then out_dtype: the kernels' epilogue, in torch."""
+    y = acc.to(torch.float32) * x_scale.reshape(-1, 1)
+    y = y * w_scale[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float32)[None, :]
+    return y.to(out_dtype).reshape(out_shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# reference (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
+def int8_matmul_exact(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [M, K] int8 @ w [N, K].T int8 -> [M, N] int32, exactly: `torch._int_mm` where it takes the shape
+    (any on CPU; on CUDA M > 16 and K, N multiples of 8), else a float64 product (exact below 2**53)."""
+    m, k = a.shape
+    n = w.shape[0]
+    if a.device.type == "cpu" or (m > 16 and k % 8 == 0 and n % 8 == 0 and k >= 16):
+        return torch._int_mm(a.contiguous(), w.t())
+    return (a.to(torch.float64) @ w.to(torch.float64).t()).to(torch.int32)
+
+
+def int8_linear_reference(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """Plain-torch W8A8 linear: exact int32 GEMM, fp32 epilogue (see the module docstring)."""
+    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_int8(x_q, w_q)
+    k, n = x_q.shape[-1], w_q.shape[0]
+    acc = int8_matmul_exact(x_q.reshape(-1, k), w_q)
+    return _epilogue_reference(acc, x_scale, w_scale, bias, out_dtype, (*x_q.shape[:-1], n))
+
+
+def w8a8_linear_reference(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """quantize_per_token(x, int8) then int8_linear, output in x's dtype (plain torch)."""
+    x_q, x_scale = quantize_per_token_reference(x, torch.int8)
+    return int8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _scaled_mm_epilogue(acc, rm, rn, M, N, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, s_cm,
+                            HAS_BIAS: tl.constexpr):  # fmt: skip
+        """c[rm, rn] = ((acc * a_scale[rm]) * w_scale[rn] + bias[rn]) in fp32, cast to c's dtype."""
+        m_ok = rm < M
+        n_ok = rn < N
+        y = acc.to(tl.float32) * tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        y = y * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
+        tl.store(c, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _scaled_mm_kernel(
+        a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr, M, N, K, s_am, s_wn, s_cm,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        SPLIT_K: tl.constexpr, FP8_PRECISE_ACC: tl.constexpr,
+    ):  # fmt: skip
+        """C = A @ W.T with a per-row / per-column scaled epilogue. A [M, K] and W [N, K] are K-contiguous (W's
+        tile is loaded K-major, the layout tensor cores want for B). Tiles are ordered in groups of GROUP_M
+        row tiles so that neighbouring programs share W tiles in L2. With SPLIT_K > 1 (int32 accumulators
+        only), program (tile, split) sums one K range and adds it atomically into the int32 workspace
+        `ws` [M, N]; the last split to arrive at a tile (counted in `cnt`) takes the sum out of the workspace,
+        zeroing it and the count for the next call, and runs the epilogue. Integer adds in any order give the
+        same sum, so the result is that of SPLIT_K = 1."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = 0
+        k_hi = K
+        if SPLIT_K > 1:
+            per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+            k_lo = split * per_split
+            k_hi = tl.minimum(k_lo + per_split, K)
+        # rows / columns past the end read row M-1 / N-1 (never stored): the loads need no M/N mask
+        a_ptrs = a_ptr + tl.minimum(rm, M - 1)[:, None].to(tl.int64) * s_am + (k_lo + rk)[None, :]
+        w_ptrs = w_ptr + tl.minimum(rn, N - 1)[None, :].to(tl.int64) * s_wn + (k_lo + rk)[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = k0 + rk < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=ZERO)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=ZERO)
+            # fp8 on sm_90: add each tensor-core instruction's partial into the fp32 accumulator (Triton's
+            # default there accumulates whole K loops inside the instruction, with fewer mantissa bits)
+            acc = tl.dot(a, w, acc, out_dtype=ACC_DTYPE, max_num_imprecise_acc=FP8_PRECISE_ACC)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if SPLIT_K > 1:
+            ws = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+            in_c = (rm < M)[:, None] & (rn < N)[None, :]
+            tl.atomic_add(ws, acc, mask=in_c)
+            if tl.atomic_add(cnt_ptr + pid, 1) == SPLIT_K - 1:  # acq_rel: every split's adds are visible
+                acc = tl.atomic_xchg(ws, tl.zeros_like(acc), mask=in_c)
+                tl.atomic_xchg(cnt_ptr + pid, 0)
+                _scaled_mm_epilogue(acc, rm, rn, M, N, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, s_cm, HAS_BIAS)
+        else:
+            _scaled_mm_epilogue(acc, rm, rn, M, N, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, s_cm, HAS_BIAS)
+
+
+_SPLIT_K_WORKSPACE: dict = {}  # device -> (int32 workspace, int32 tile counters), all zero between calls
+
+
+def _split_k_workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed int32 buffers of at least n_acc / n_tiles elements, kept per device and left zeroed by the kernel.
+    Grown on first need: make the first call of each shape before capturing a CUDA graph (as for Triton's
+    compile). Launches on several streams at once must not share them (the engine uses one stream)."""
+    ws, cnt = _SPLIT_K_WORKSPACE.get(device, (None, None))
+    if ws is None or ws.numel() < n_acc or cnt.numel() < n_tiles:
+        n_acc = max(n_acc, ws.numel() if ws is not None else 0)
+        n_tiles = max(n_tiles, cnt.numel() if cnt is not None else 0)
+        ws = torch.zeros(n_acc, dtype=torch.int32, device=device)
+        cnt = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        _SPLIT_K_WORKSPACE[device] = (ws, cnt)
+    return ws, cnt
+
+
+def scaled_mm_config(m: int, fp8: bool = False) -> tuple[int, int, int, int, int, int, int]:
+    """The launch tile for M rows: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K)."""
+    if fp8 and m <= SMALL_M:
+        return _FP8_SMALL_M_CONFIG
+    for max_m, cfg in _CONFIGS:
+        if max_m is None or m <= max_m:
+            return cfg
+    raise AssertionError("unreachable: the last config takes any M")
+
+
+def scaled_mm_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Triton `((x_q @ w_q.T) * x_scale * w_scale + bias).to(out_dtype)` for int8 (int32 accumulation) or
+    float8_e4m3fn (fp32 accumulation) operands. `config` overrides the M-bucket tile (benchmark sweeps)."""
+    if not HAS_TRITON:
+        raise RuntimeError("scaled_mm_triton needs triton")
+    k, n = x_q.shape[-1], w_q.shape[0]
+    a = x_q.reshape(-1, k)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
+    m = a.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m and n:
+        if k == 0:
+            out.copy_(bias.to(out_dtype).expand(m, n) if bias is not None else torch.zeros_like(out))
+        else:
+            is_int = x_q.dtype == torch.int8  # int32 accumulation; fp8: fp32 (ZERO: the masked loads' fill)
+            bm, bn, bk, gm, warps, stages, split_k = config or scaled_mm_config(m, fp8=not is_int)
+            split_k = min(split_k, triton.cdiv(k, bk)) if is_int else 1  # float partials would add in any order
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            ws = cnt = out  # unused unless split_k > 1
+            if split_k > 1:
+                ws, cnt = _split_k_workspace(out.device, m * n, tiles)
+            _scaled_mm_kernel[(tiles, split_k)](
+                a, w, x_scale.reshape(-1).contiguous(), w_scale.contiguous(),
+                bias if bias is not None else w_scale, out, ws, cnt, m, n, k, a.stride(0), w.stride(0), out.stride(0),
+                HAS_BIAS=bias is not None, ACC_DTYPE=tl.int32 if is_int else tl.float32, ZERO=0 if is_int else 0.0,
+                EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, SPLIT_K=split_k,
+                FP8_PRECISE_ACC=0 if is_int else 32,  # 32: the K of one fp8 wgmma instruction (ignored for int8)
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+    return out.reshape(*x_q.shape[:-1], n)
+
+
+def int8_linear_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The CUDA path: the Triton kernel with the tile of M's bucket (skinny for M <= SMALL_M)."""
+    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_int8(x_q, w_q)
+    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
+def w8a8_linear_triton(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Triton quantize_per_token(x, int8) then the int8 GEMM, output in x's dtype."""
+    x_q, x_scale = quantize_per_token_triton(x, torch.int8)
+    return int8_linear_triton(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the registered ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mini_infer::int8_linear", mutates_args=())
+def int8_linear(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """W8A8 int8 linear with the dequantization in the epilogue: Triton on CUDA, else the torch reference."""
+    if use_triton(x_q):
+        return int8_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return int8_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
+@int8_linear.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
+    _check_int8(x_q, w_q)
+    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("mini_infer::w8a8_linear", mutates_args=())
+def w8a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`int8_linear(*quantize_per_token(x, int8), w_q, w_scale, bias, x.dtype)`."""
+    if use_triton(x):
+        return w8a8_linear_triton(x, w_q, w_scale, bias)
+    return w8a8_linear_reference(x, w_q, w_scale, bias)
+
+
+def w8a8_fake(name: str, x: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """The output of a quantize-then-GEMM op (`name`) for fake tensors: [.., N] in x's dtype."""
+    if w_q.dim() != 2 or w_q.shape[1] != x.shape[-1]:
+        raise ValueError(f"{name}: w_q {tuple(w_q.shape)} must be [N, K] with K = x's last dim {x.shape[-1]}")
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+@w8a8_linear.register_fake
+def _(x, w_q, w_scale, bias):
+    return w8a8_fake("w8a8_linear", x, w_q)

@@ -1,0 +1,89 @@
+"""The contract's data: InputSpec shapes and padding rules, StepBatch, and the cache specs' tensors and bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mini_infer.contract import (
+    FullAttentionSpec,
+    InputSpec,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+    StepBatch,
+    attention_window,
+    bytes_per_block,
+)
+from mini_infer.contract.inputs import ATTENTION_METADATA, LOGITS_INDICES, SLOT_MAPPING
+
+
+def _step() -> StepBatch:
+    # two sequences: 3 new tokens at positions 5..7 (context 8), then 1 decode token at position 2 (context 3)
+    return StepBatch(token_ids=np.array([7, 8, 9, 4]), positions=np.array([5, 6, 7, 2]),
+                     slot_mapping=np.array([21, 22, 23, 2]), seq_lens=np.array([8, 3], np.int32),
+                     query_start_loc=np.array([0, 3, 4], np.int32), block_tables=np.array([[4, 5], [0, 0]], np.int32),
+                     logits_indices=np.array([2, 3]), block_size=4)
+
+
+def test_input_spec_values_and_shapes():
+    step = _step()
+    assert step.num_tokens == 4 and step.num_seqs == 2 and step.num_logits == 2
+    assert step.token_seq_index().tolist() == [0, 0, 0, 1]
+    values = {s.name: s.value(step) for s in (*ATTENTION_METADATA, LOGITS_INDICES)}
+    assert values["slot_mapping"].dtype == torch.int64 and values["slot_mapping"].tolist() == [21, 22, 23, 2]
+    assert values["block_tables"].shape == (2, 2) and values["block_tables"].dtype == torch.int32
+    assert values["query_start_loc"].tolist() == [0, 3, 4]
+    assert SLOT_MAPPING.sizes(tokens=8, seqs=2, logits=2, blocks=None) == (8,)
+    bad = InputSpec("bad", torch.int32, ("tokens",), lambda s: s.seq_lens)  # builds [S] for a [T] input
+    with pytest.raises(ValueError, match=r"input 'bad': builder returned shape \(2,\), declared \('tokens',\)"):
+        bad.value(step)
+
+
+def test_input_spec_rejects_unknown_dims_and_pads():
+    with pytest.raises(ValueError, match="unknown dimension"):
+        InputSpec("x", torch.int32, ("heads",), lambda s: None)
+    with pytest.raises(ValueError, match="pad must be a number, 'last' or None"):
+        InputSpec("x", torch.int32, ("tokens",), lambda s: None, pad="first")
+
+
+def test_single_sequence_step():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    step = StepBatch.single_sequence(ids, torch.arange(5)[None], block_size=2)
+    assert step.block_tables.tolist() == [[0, 1, 2]] and step.slot_mapping.tolist() == [0, 1, 2, 3, 4]
+    assert step.seq_lens.tolist() == [5] and step.query_start_loc.tolist() == [0, 5]
+    assert step.logits_indices.tolist() == [4]
+
+
+def test_full_and_sliding_specs():
+    full = FullAttentionSpec(0, num_kv_heads=2, head_size=16, head_size_v=8, dtype=torch.bfloat16)
+    assert [(t.name, t.shape) for t in full.tensors()] == [("k_cache_0", (2, 16)), ("v_cache_0", (2, 8))]
+    assert full.bytes_per_token() == 2 * (16 + 8) * 2 and full.attention_window is None
+    cache = full.allocate(3, 4, torch.device("cpu"))
+    assert cache["k_cache_0"].shape == (3, 4, 2, 16) and cache["v_cache_0"].dtype == torch.bfloat16
+    window = SlidingWindowSpec(1, 2, 16, 16, torch.float32, sliding_window=8)
+    assert window.attention_window == 8 and window.input_names() == ["k_cache_1", "v_cache_1"]
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        SlidingWindowSpec(1, 2, 16, 16, torch.float32, sliding_window=0)
+    assert attention_window([window, SlidingWindowSpec(2, 2, 16, 16, torch.float32, sliding_window=4)]) == 8
+    assert attention_window([window, full]) is None  # a full-attention layer keeps every block alive
+    assert bytes_per_block([full, window], 16) == 16 * (full.bytes_per_token() + window.bytes_per_token())
+
+
+def test_quantized_kv_spec_stores_fp8_with_scales():
+    q = FullAttentionSpec(3, 4, 16, 16, torch.float8_e4m3fn, scales=(0.5, 2.0))
+    assert q.quantized and q.bytes_per_token() == 4 * 32  # one byte per value: half of bf16
+    assert q.input_names() == ["k_cache_3", "v_cache_3", "k_scale_3", "v_scale_3"]
+    cache = q.allocate(2, 4, torch.device("cpu"))
+    assert cache["k_cache_3"].dtype == torch.float8_e4m3fn and cache["v_scale_3"].tolist() == [2.0]
+    with pytest.raises(ValueError, match="needs scales"):
+        FullAttentionSpec(0, 4, 16, 16, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scales are for float8 caches"):
+        FullAttentionSpec(0, 4, 16, 16, torch.bfloat16, scales=(1.0, 1.0))
+
+
+def test_latent_spec_is_one_tensor_per_layer():
+    spec = LatentAttentionSpec(0, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16)
+    assert [(t.name, t.shape) for t in spec.tensors()] == [("latent_cache_0", (576,))]
+    assert spec.bytes_per_token() == 576 * 2
+    assert "LatentAttentionSpec(latent_cache_0 [576] bfloat16; 1152 B/token)" in spec.describe()

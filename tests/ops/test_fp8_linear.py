@@ -1,0 +1,173 @@
+"""fp8_linear / fp8_w8a8_linear: the dequantizing reference, the Triton kernel (interpreter here, and on
+GPUs with FP8), torch._scaled_mm on GPUs, the capability check, fakes and opcheck."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops import fp8_linear as fl
+from mini_infer.ops.quant import quantize_per_token_reference
+from tests.ops.helpers import DEVICE, TOL, requires_triton
+
+FP8 = torch.float8_e4m3fn
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = [1, 3, 17, 64]
+HAS_FP8_GPU = torch.cuda.is_available() and fl.fp8_supported("cuda")
+
+
+def make_weights(n: int, k: int, seed: int = 0, bias_dtype=None):
+    """Per-output-channel fp8 weights of a random float matrix: (w_q, w_scale, bias)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    w_q, w_scale = quantize_per_token_reference(w, FP8)  # rowwise = per output channel
+    bias = torch.randn(n, generator=g).to(bias_dtype) if bias_dtype is not None else None
+    return w_q, w_scale.view(n), bias
+
+
+def quantized_x(m: int, k: int, dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]).to(dtype)
+    if m >= 3:
+        x[1] = 0.0
+    return (x, *quantize_per_token_reference(x, FP8))
+
+
+def on(device, *ts):
+    return [t.to(device) if t is not None else None for t in ts]
+
+
+def assert_fp32_acc_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 accumulation in another order (tensor cores on a GPU): the output dtype's tolerance, relative to
+    the output's largest magnitude (an output near zero is a cancellation of much larger products)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    atol, rtol = TOL[want.dtype]
+    want = want.cpu().float()
+    torch.testing.assert_close(got.cpu().float(), want, atol=atol + rtol * float(want.abs().max()), rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_is_the_dequantized_product(dtype, bias):
+    w_q, w_scale, b = make_weights(24, 80, bias_dtype=dtype if bias else None)
+    _, x_q, x_scale = quantized_x(5, 80, dtype)
+    got = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, dtype)
+    want = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
+    if bias:
+        want += b.double()
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=TOL[dtype][1], atol=1e-5)
+    assert (got[1] == (b if bias else torch.zeros(24, dtype=dtype))).all()  # the zero row
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_matches_reference(dtype, m, bias):
+    w_q, w_scale, b = make_weights(40, 96, seed=m, bias_dtype=dtype if bias else None)
+    _, x_q, x_scale = quantized_x(m, 96, dtype, seed=m)
+    want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, dtype)
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8 (see test_capability_check)")
+    got = fl.fp8_linear_triton(*on(DEVICE, x_q, x_scale, w_q, w_scale, b), dtype)
+    assert_fp32_acc_close(got, want)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernel_every_tile(dtype):
+    """The Triton kernel itself (what CUDA runs for M <= FP8_TRITON_MAX_M, and where _scaled_mm cannot)
+    at M buckets of all four tiles, with a K tail (200) and an N tail (33)."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops.int8_linear import scaled_mm_config, scaled_mm_triton
+
+    w_q, w_scale, b = make_weights(33, 200, seed=4, bias_dtype=dtype)
+    _, x_q, x_scale = quantized_x(300, 200, dtype, seed=5)
+    want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, dtype)
+    for m in (1, 17, 130, 300):
+        assert_fp32_acc_close(scaled_mm_triton(*on(DEVICE, x_q[:m], x_scale[:m], w_q, w_scale, b), dtype), want[:m])
+    assert len({scaled_mm_config(m, fp8=True) for m in (1, 17, 130, 300)}) == 4
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_w8a8_linear_close_to_float_linear(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g) / 128**0.5
+    w_q, w_scale = quantize_per_token_reference(w, FP8)
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    want = fl.fp8_w8a8_linear_reference(x, w_q, w_scale.view(48), b)
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert (want.double() - exact).norm() / exact.norm() < 0.05  # e4m3: ~3% per element, averaging down
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        return
+    got = fl.fp8_w8a8_linear_triton(*on(DEVICE, x, w_q, w_scale.view(48), b))
+    assert got.dtype == dtype
+    assert_fp32_acc_close(got, want)
+
+
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="torch._scaled_mm needs a GPU with FP8 (compute capability >= 8.9)")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [None, "out", torch.float32])
+def test_scaled_mm_path_on_gpu(out_dtype, bias_dtype):
+    """M > FP8_TRITON_MAX_M goes through torch._scaled_mm (bias fused when it has out_dtype, else added)."""
+    bd = out_dtype if bias_dtype == "out" else bias_dtype
+    w_q, w_scale, b = make_weights(96, 128, seed=1, bias_dtype=bd)
+    _, x_q, x_scale = quantized_x(48, 128, out_dtype, seed=2)
+    want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, out_dtype)
+    args = on("cuda", x_q, x_scale, w_q, w_scale, b)
+    assert_fp32_acc_close(fl.scaled_mm_fp8(*args, out_dtype), want)
+    assert_fp32_acc_close(fl.fp8_linear_triton(*args, out_dtype), want)
+
+
+def test_capability_check(monkeypatch):
+    assert fl.fp8_supported("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert not fl.fp8_supported("cuda")
+    with pytest.raises(RuntimeError, match=r"compute capability 8\.0; FP8 GEMMs need >= 8\.9"):
+        fl._require_fp8_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fl.fp8_supported("cuda")
+
+
+def test_errors_name_the_field():
+    w_q, w_scale, _ = make_weights(8, 32)
+    _, x_q, x_scale = quantized_x(2, 32, torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fl.fp8_linear_reference(x_q.float(), x_scale, w_q, w_scale, None, torch.float32)
+    with pytest.raises(ValueError, match="w_scale must be fp32"):
+        fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale[:4], None, torch.float32)
+
+
+def test_registered_ops_and_fakes():
+    w_q, w_scale, b = make_weights(8, 32, bias_dtype=torch.bfloat16)
+    x, x_q, x_scale = quantized_x(3, 32, torch.bfloat16)
+    ops = torch.ops.mini_infer
+    assert torch.equal(ops.fp8_linear(x_q, x_scale, w_q, w_scale, b, torch.bfloat16),
+                       fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, torch.bfloat16))
+    assert torch.equal(ops.fp8_w8a8_linear(x, w_q, w_scale, b), fl.fp8_w8a8_linear_reference(x, w_q, w_scale, b))
+    with FakeTensorMode():
+        xq = torch.empty(1, 7, 64, dtype=FP8)
+        xs = torch.empty(1, 7, 1, dtype=torch.float32)
+        wq = torch.empty(96, 64, dtype=FP8)
+        ws = torch.empty(96, dtype=torch.float32)
+        out = ops.fp8_linear(xq, xs, wq, ws, None, torch.bfloat16)
+        assert out.shape == (1, 7, 96) and out.dtype == torch.bfloat16
+        out = ops.fp8_w8a8_linear(torch.empty(1, 7, 64, dtype=torch.float16), wq, ws, None)
+        assert out.shape == (1, 7, 96) and out.dtype == torch.float16
+
+
+def test_opcheck():
+    w_q, w_scale, b = make_weights(8, 32, bias_dtype=torch.float32)
+    x, x_q, x_scale = quantized_x(3, 32, torch.float32)
+    # test_schema is left out (fp8 inputs): torch's schema checker multiplies the inputs, which CPU torch
+    # does not implement for float8_e4m3fn ("mul_cpu_reduced_float")
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    ops = torch.ops.mini_infer
+    torch.library.opcheck(ops.fp8_linear.default, (x_q, x_scale, w_q, w_scale, b, torch.float32), test_utils=utils)
+    torch.library.opcheck(ops.fp8_w8a8_linear.default, (x, w_q, w_scale, None), test_utils=utils)

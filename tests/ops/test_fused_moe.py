@@ -1,0 +1,255 @@
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops import fused_moe as fused_moe_mod
+from mini_infer.ops.fused_moe import (
+    GemmTile,
+    MoeTileConfig,
+    fused_moe_reference,
+    fused_moe_triton,
+    moe_align_triton,
+    moe_tile_config,
+    padded_rows,
+)
+from tests.ops.helpers import DEVICE, assert_close, requires_triton
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# tiles small enough for the test shapes: one per regime (BLOCK_M 16 and 64), short K steps so that the K loop
+# and its tail (K not a multiple of BLOCK_K) both run
+DECODE = MoeTileConfig("decode", 16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
+PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 16, 4, 4, 2))
+
+
+def _experts(num_experts, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    return w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE)
+
+
+def _routing(tokens, num_experts, top_k, seed=0):
+    """Softmax top-k routing of random logits: distinct experts per token, fp32 weights, int32 ids."""
+    g = torch.Generator().manual_seed(seed)
+    w, ids = torch.softmax(torch.randn(tokens, num_experts, generator=g), -1).topk(top_k)
+    return w.to(DEVICE), ids.to(torch.int32).to(DEVICE)
+
+
+def _loop_definition(hidden, weights, ids, w13, w2):
+    """The op's formula token by token, slot by slot, in float64 (silu * up rounded to hidden's dtype, as stated)."""
+    inter = w2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < w13.shape[0]:
+                continue
+            x = hidden[t].cpu().double()
+            gate, up = w13[e, :inter].cpu().double() @ x, w13[e, inter:].cpu().double() @ x
+            act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).double()
+            out[t] += float(weights[t, j]) * (w2[e].cpu().double() @ act)
+    return out.to(hidden.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_matches_definition(dtype):
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 24).to(dtype)
+    w13, w2 = _experts(4, 24, 16, dtype)
+    weights, ids = _routing(5, 4, 2)
+    ids[2, 1] = 4  # == E: HF's "no expert" id contributes nothing
+    assert_close(fused_moe_reference(hidden.cpu(), weights.cpu(), ids.cpu(), w13.cpu(), w2.cpu()),
+                 _loop_definition(hidden, weights, ids, w13, w2))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_reference_matches_hf_experts(family):
+    """w13 / w2 are HF's gate_up_proj / down_proj as they are (the layout the pass will hand over)."""
+    from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(1)
+    if family == "mixtral":
+        experts = MixtralExperts(MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=6))
+    else:
+        experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=48, num_experts=6))
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+        hidden = torch.randn(9, 32)
+        weights, ids = _routing(9, 6, 2, seed=1)
+        expected = experts(hidden, ids.cpu().long(), weights.cpu())
+    got = fused_moe_reference(hidden, weights.cpu(), ids.cpu(), experts.gate_up_proj.data, experts.down_proj.data)
+    assert_close(got, expected)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"),
+                         [(1, 4, 1, 32, 32), (3, 8, 2, 32, 64), (17, 8, 2, 64, 40), (17, 4, 1, 48, 32)])
+def test_triton_matches_reference(dtype, tokens, num_experts, top_k, hidden, inter):
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=tokens)
+    weights, ids = _routing(tokens, num_experts, top_k, seed=tokens)
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2), fused_moe_reference(x, weights, ids, w13, w2))
+
+
+def _patterns(tokens, num_experts):
+    """Routing patterns (ids [T, 2]): every expert used, some unused, all tokens to the same pair of experts,
+    int64 ids, an id E ("no expert")."""
+    t = torch.arange(tokens)
+    every = torch.stack([t % num_experts, (t + 1) % num_experts], 1)
+    some = torch.stack([t % 2, 2 + t % 2], 1)  # experts >= 4 never used
+    one = torch.stack([torch.full_like(t, 3), torch.full_like(t, 5)], 1)
+    dropped = every.clone()
+    dropped[::3, 1] = num_experts
+    return {"every_expert": every.int(), "some_unused": some.int(), "all_to_one": one.int(),
+            "int64": every.long(), "dropped_slot": dropped.int()}
+
+
+@requires_triton
+@pytest.mark.parametrize("pattern", ["every_expert", "some_unused", "all_to_one", "int64", "dropped_slot"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_triton_routing_patterns(pattern, config):
+    tokens, num_experts, hidden, inter = 19, 8, 32, 48
+    torch.manual_seed(2)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(torch.float16)
+    w13, w2 = _experts(num_experts, hidden, inter, torch.float16, seed=2)
+    ids = _patterns(tokens, num_experts)[pattern].to(DEVICE)
+    weights = torch.rand(tokens, 2, device=DEVICE)
+    expected = fused_moe_reference(x, weights, ids, w13, w2)
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), expected)
+    if pattern == "all_to_one":  # single slot: the down GEMM writes the output directly
+        assert_close(fused_moe_triton(x, weights[:, :1], ids[:, :1], w13, w2, config=config),
+                     fused_moe_reference(x, weights[:, :1], ids[:, :1], w13, w2))
+
+
+def _check_alignment(ids, num_experts, block_m, sorted_pairs, block_expert, num_padded):
+    """Every expert's pairs form one run starting at a multiple of block_m, padded with the sentinel to the
+    next multiple; block_expert names each block's expert; num_padded is the sum of the padded runs."""
+    flat = ids.reshape(-1).cpu().long()
+    num_pairs = flat.numel()
+    rows = sorted_pairs.cpu().tolist()
+    owners = block_expert.cpu().tolist()
+    pos = 0
+    for e in range(num_experts):
+        pairs = torch.nonzero(flat == e).squeeze(1).tolist()
+        if not pairs:
+            continue
+        run = -(-len(pairs) // block_m) * block_m
+        assert pos % block_m == 0
+        assert sorted(rows[pos:pos + len(pairs)]) == pairs, e
+        assert rows[pos + len(pairs):pos + run] == [num_pairs] * (run - len(pairs)), e
+        assert owners[pos // block_m:(pos + run) // block_m] == [e] * (run // block_m), e
+        pos += run
+    assert int(num_padded) == pos
+    assert sorted_pairs.numel() == padded_rows(num_pairs, num_experts, block_m)
+
+
+@requires_triton
+@pytest.mark.parametrize("multi_kernel", [False, True], ids=["one_program", "three_kernels"])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align(multi_kernel, block_m, monkeypatch):
+    if multi_kernel:  # the three-kernel path, with several programs, at a test-sized batch
+        monkeypatch.setattr(fused_moe_mod, "_ALIGN_SINGLE_MAX", 16)
+        monkeypatch.setattr(fused_moe_mod, "_ALIGN_BLOCK", 64)
+    torch.manual_seed(3)
+    for ids in [torch.randint(0, 12, (150, 2)), torch.full((150, 2), 7), torch.randint(0, 3, (1, 2))]:
+        ids = ids.int().to(DEVICE)
+        _check_alignment(ids, 12, block_m, *moe_align_triton(ids, 12, block_m))
+
+
+@requires_triton
+def test_triton_never_syncs_with_the_host(monkeypatch):
+    """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("host sync in the Triton path")
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 32, device=DEVICE)
+    w13, w2 = _experts(4, 32, 32, torch.float32)
+    weights, ids = _routing(5, 4, 2)
+    expected = fused_moe_reference(x, weights, ids, w13, w2)
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+            m.setattr(torch.Tensor, name, refuse)
+        got = fused_moe_triton(x, weights, ids, w13, w2)
+        with pytest.raises(AssertionError, match="host sync"):  # the patch does catch the reference's .tolist()
+            fused_moe_reference(x, weights, ids, w13, w2)
+    assert_close(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_cuda_graph_replays_new_routing(tokens):
+    """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
+    (other experts, other counts per expert) into its input buffers gives that routing's result."""
+    num_experts, hidden, inter = 8, 64, 96
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
+    weights, ids = _routing(tokens, num_experts, 2, seed=6)
+    fused_moe_triton(x, weights, ids, w13, w2)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, weights, ids, w13, w2)
+    for seed in (7, 8):
+        new_w, new_ids = _routing(tokens, num_experts, 2, seed=seed)
+        new_ids[: tokens // 2, 0] = 3  # skew: many rows on one expert
+        new_ids[: tokens // 2, 1] = 5
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert_close(out, fused_moe_reference(x, weights, ids, w13, w2))
+
+
+def test_tile_config_by_regime():
+    """Decode: BLOCK_M 16, or 32 once experts average more than 8 rows; prefill: 64, then 128."""
+    qwen3 = {"num_experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
+    mixtral = {"num_experts": 8, "top_k": 2, "hidden": 4096, "inter": 14336}
+    expected = {"qwen3": {1: 16, 8: 16, 64: 16, 256: 32, 2048: 128, 8192: 128},
+                "mixtral": {1: 16, 8: 16, 64: 32, 256: 64, 2048: 128, 8192: 128}}
+    for name, shapes in (("qwen3", qwen3), ("mixtral", mixtral)):
+        for tokens, block_m in expected[name].items():
+            cfg = moe_tile_config(tokens, **shapes)
+            assert cfg.block_m == block_m, (name, tokens, cfg)
+            assert cfg.kind == ("decode" if block_m <= 32 else "prefill")
+    # one token: narrower output tiles, so that the few used experts' weights still spread over ~264 programs
+    assert moe_tile_config(1, **qwen3).gate_up.block_n == 32 and moe_tile_config(1, **mixtral).down.block_n == 32
+
+
+@pytest.mark.parametrize(("change", "name"), [
+    ({"activation": "gelu"}, "activation"),
+    ({"hidden": torch.randn(3, 16, dtype=torch.float64)}, "hidden"),
+    ({"w13": torch.randn(4, 31, 16)}, "w13"),
+    ({"w2": torch.randn(4, 16, 8)}, "w2"),
+    ({"w2": torch.randn(4, 16, 12, dtype=torch.float16)}, "w2"),
+    ({"topk_ids": torch.zeros(3, 2)}, "topk_ids"),
+    ({"topk_ids": torch.zeros(4, 2, dtype=torch.int32)}, "topk_ids"),
+    ({"topk_weights": torch.ones(3, 1)}, "topk_weights"),
+])
+def test_invalid_arguments_name_the_argument(change, name):
+    args = {"hidden": torch.randn(3, 16), "topk_weights": torch.ones(3, 2), "topk_ids": torch.zeros(3, 2, dtype=torch.int32),
+            "w13": torch.randn(4, 24, 16), "w2": torch.randn(4, 16, 12), "activation": "silu", **change}
+    for fn in (fused_moe_reference, fused_moe_triton, torch.ops.mini_infer.fused_moe):
+        with pytest.raises(ValueError, match=name):
+            fn(**args)
+
+
+def test_registered_op_fake_and_opcheck():
+    torch.manual_seed(5)
+    x = torch.randn(6, 16)
+    w13, w2 = _experts(4, 16, 8, torch.float32)
+    weights, ids = _routing(6, 4, 2)
+    args = (x, weights.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
+    assert torch.equal(torch.ops.mini_infer.fused_moe(*args), fused_moe_reference(*args))
+    with FakeTensorMode():
+        out = torch.ops.mini_infer.fused_moe(
+            torch.empty(7, 64, dtype=torch.bfloat16), torch.empty(7, 2), torch.empty(7, 2, dtype=torch.int32),
+            torch.empty(8, 96, 64, dtype=torch.bfloat16), torch.empty(8, 64, 48, dtype=torch.bfloat16))
+    assert out.shape == (7, 64) and out.dtype == torch.bfloat16
+    torch.library.opcheck(torch.ops.mini_infer.fused_moe.default, args)
