@@ -151,6 +151,8 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
                       quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     pass_objs = recommended_passes(ctx) if passes is None else resolve_passes(passes)
     check_pass_order(pass_objs)  # an ordering mistake fails before the (slow) capture
+    for p in pass_objs:  # and so does a config a pass cannot serve
+        p.check_context(ctx)
     _check_options_served(ctx, pass_objs)
     manager = PassManager(pass_objs, dump_dir=dump_dir)
     gm = capture(model)

@@ -13,10 +13,11 @@ from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
+from mini_infer.passes.route_moe import RouteMoe
 from mini_infer.passes.select_logits import SelectLogits
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, MergeProjections, FuseSiluMul,
+    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, RouteMoe, MergeProjections, FuseSiluMul,
                         MlaLatentCache, PagedAttention, GemvLinear)
 }
 

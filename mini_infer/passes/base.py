@@ -11,6 +11,7 @@ caches its ops use (`CacheSpec`, see `mini_infer.contract`). Passes never import
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -171,6 +172,32 @@ def replace_with_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) ->
     return new
 
 
+def erase_dead(gm: fx.GraphModule, owned: Callable[[fx.Node], bool], what: str) -> int:
+    """Erase the nodes `owned` selects that no longer feed the graph's output, including in-place writes into dead
+    tensors (e.g. HF's `index_put_` into a scratch buffer, `div_` of a dead top-k), which dead-code elimination keeps
+    because they are impure. Such a write into a tensor that is still live is a ValueError naming the node and
+    `what` was replaced: dropping it would change the result. Returns the number of nodes erased."""
+    graph = gm.graph
+    live: set[fx.Node] = set()
+    stack = [graph.output_node()]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    erased = 0
+    for node in reversed(list(graph.nodes)):
+        if node in live or node.users or not owned(node):
+            continue
+        target = node.args[0] if node.args else None
+        if node.is_impure() and isinstance(target, fx.Node) and target in live:
+            raise ValueError(f"{node.name} ({node.target}) writes into the live tensor {target.name} in a replaced "
+                             f"{what}; it cannot be dropped")
+        graph.erase_node(node)
+        erased += 1
+    return erased
+
+
 class GraphPass:
     """Base class of graph passes. Subclasses set `name`, `stage` (and `requires`) and implement `apply`.
 
@@ -186,6 +213,11 @@ class GraphPass:
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError
+
+    def check_context(self, ctx: PassContext) -> None:
+        """Refuse, before capture, a model config or option this pass cannot serve (ValueError naming the field
+        and its value), so that the user hears it before a capture that could fail on it less clearly.
+        The default accepts everything; `apply` must still check what it relies on."""
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:

@@ -36,8 +36,8 @@ from mini_infer.contract import FullAttentionSpec, LatentAttentionSpec
 from mini_infer.contract.caches import FP8_DTYPES
 from mini_infer.contract.inputs import ATTENTION_METADATA
 from mini_infer.ops.mla_attention import absorption_weights
-from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, dtype, is_op, kwarg_or_arg, shape
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, erase_dead
+from mini_infer.passes.pattern import aten, dtype, is_op, kwarg_or_arg, module_chain, shape
 
 ops = torch.ops.mini_infer
 
@@ -97,19 +97,12 @@ def mla_dims(config, module_class: str) -> MlaDims:
 
 def mla_module(node: fx.Node) -> tuple[str, str] | None:
     """(path, class name) of the innermost MLA attention module `node` was traced in, or None."""
-    for path, typ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-        cls = (typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))).rsplit(".", 1)[-1]
-        if cls in MLA_MODULES:
-            return path, cls
-    return None
+    return next(((path, cls) for path, cls in reversed(module_chain(node)) if cls in MLA_MODULES), None)
 
 
 def _in_rotary_module(node: fx.Node) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return False
-    typ = list(stack.values())[-1][1]
-    return (typ if isinstance(typ, str) else getattr(typ, "__qualname__", "")).endswith("RotaryEmbedding")
+    chain = module_chain(node)
+    return bool(chain) and chain[-1][1].endswith("RotaryEmbedding")
 
 
 def _ancestor(start: fx.Node, found: Callable[[fx.Node], bool],
@@ -259,28 +252,6 @@ class _Rotary:
         return self.graph.call_function(op, (x, cos, sin))
 
 
-def _erase_replaced(gm: fx.GraphModule, paths: set[str]) -> None:
-    """Erase the nodes of the rewritten attention modules that no longer feed the output, including HF's in-place
-    writes into expand_kv's dead key buffer (which dead-code elimination keeps, being impure)."""
-    graph = gm.graph
-    live: set[fx.Node] = set()
-    stack = [graph.output_node()]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
-    for node in reversed(list(graph.nodes)):
-        module = mla_module(node)
-        if node in live or node.users or module is None or module[0] not in paths:
-            continue
-        target = node.args[0] if node.args else None
-        if node.is_impure() and isinstance(target, fx.Node) and target in live:
-            raise ValueError(f"{module[0]}: {node.name} ({node.target}) writes into a live tensor in a replaced "
-                             "attention; mla_latent_cache cannot drop it")
-        graph.erase_node(node)
-
-
 class MlaLatentCache(GraphPass):
     """DeepSeek MLA attention (from the latent on) → mla_attention over a paged latent cache."""
 
@@ -319,7 +290,8 @@ class MlaLatentCache(GraphPass):
             spec = LatentAttentionSpec(i, dims.kv_lora_rank, dims.qk_rope_head_dim, ctx.cache_dtype)
             cache = ctx.add_cache(gm, spec)[spec.latent_input]
             self._rewrite(gm, ctx, layer, dims, rotary, cache, meta)
-        _erase_replaced(gm, {layer.path for layer in layers})
+        paths = {layer.path for layer in layers}
+        erase_dead(gm, lambda n: (m := mla_module(n)) is not None and m[0] in paths, "attention")
         leftover = [layer.path for layer in layers if layer.kv_b in graph.nodes]
         if leftover:
             raise ValueError(f"{leftover[0]}: kv_b_proj is still used after the rewrite; its weight would be held "

@@ -70,3 +70,13 @@ def kwarg_or_arg(node: fx.Node, index: int, name: str, default: Any = None) -> A
     if name in node.kwargs:
         return node.kwargs[name]
     return node.args[index] if len(node.args) > index else default
+
+
+def module_chain(node: fx.Node) -> list[tuple[str, str]]:
+    """(module path, class name) of every module `node` was traced in, outermost first (from the
+    `nn_module_stack` metadata torch.export leaves on each node; empty when there is none)."""
+    chain = []
+    for path, typ in (node.meta.get("nn_module_stack") or {}).values():
+        name = typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))
+        chain.append((path, name.rsplit(".", 1)[-1]))
+    return chain

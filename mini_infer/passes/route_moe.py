@@ -1,0 +1,388 @@
+"""RouteMoe: Hugging Face mixture-of-experts blocks → `mini_infer.moe_topk` + `mini_infer.fused_moe`.
+
+transformers 5.x runs a MoE block as: router (a linear to per-expert logits, softmax or sigmoid, top-k, HF's
+normalization) → experts module (the (token, slot) pairs sorted by expert, `grouped_mm` over the stacked weights,
+or a batched / per-expert loop, depending on `config._experts_implementation`) → plus, in some families, shared
+experts. The experts part sorts, histograms and gathers on data-dependent indices: slow, and not CUDA-graph safe.
+
+Per block, found by `node.meta["nn_module_stack"]` (the block, its router and its experts module by class):
+  * the router's logits stay (the router linear is an ordinary graph node: later passes may merge or rewrite it);
+    what follows them (softmax/sigmoid, top-k, HF's normalization and scaling) is replaced by `moe_topk` with the
+    family's rules read from the config (table below), cross-checked against the graph: the scoring op found in
+    the router, a top-k of `num_experts_per_tok`, DeepSeek-V3's `e_score_correction_bias` added to the scores;
+  * the experts module's output is replaced by `fused_moe(hidden, weights, ids, w13, w2)` where w13 / w2 are HF's
+    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. transformers 5.x already stores every
+    family's experts stacked this way (checkpoints with per-expert tensors are stacked by its loader), so they
+    are taken as they are; a non-contiguous one is copied once into a contiguous buffer that replaces it. Either
+    way the graph holds one copy of each expert weight;
+  * shared experts (Qwen2-MoE's `shared_expert` with its sigmoid `shared_expert_gate`, DeepSeek's
+    `shared_experts`) and dense layers (DeepSeek's `first_k_dense_replace`, Qwen2-MoE's `mlp_only_layers`) are
+    left as ordinary graph nodes, which merge_projections and fuse_silu_mul (after this pass) then fuse.
+
+| block (router)                               | scoring | renormalize    | groups              | bias | scaling |
+|----------------------------------------------|---------|----------------|---------------------|------|---------|
+| MixtralSparseMoeBlock (MixtralTopKRouter)    | softmax | yes            | -                   | -    | -       |
+| Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock | softmax | norm_topk_prob | -                 | -    | -       |
+| DeepseekV2Moe (DeepseekV2TopkRouter)         | softmax | no (as HF)     | group_limited_greedy| -    | yes     |
+| DeepseekV3MoE (DeepseekV3TopkRouter)         | sigmoid | norm_topk_prob | n_group / topk_group| yes  | yes     |
+
+Qwen's routers round the routing weights to the logits' dtype (bf16 in a bf16 model): so does the rewrite.
+
+Refused with a ValueError naming the field or module (never a wrong answer): a MoE-like module this pass does not
+know (a class named *Moe / *MoE / *MoeBlock / *Experts / *Router, or a top-k / grouped-mm op outside a known
+block), `num_experts_per_tok` outside [1, number of experts], a DeepSeek `topk_method` or `scoring_func` other
+than HF's, groups that do not divide the experts, an activation other than silu, a known block whose router or
+experts do not look as expected (other scoring op, no top-k of top_k, expert biases, weights of other shapes or
+dtypes). The config checks also run before capture (`check_context`). This module matches and rewrites only: the
+math is `mini_infer/ops/moe_topk.py`'s and `mini_infer/ops/fused_moe.py`'s.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+import mini_infer.ops  # noqa: F401
+from mini_infer.ops.moe_topk import check_moe_topk_args
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, erase_dead
+from mini_infer.passes.pattern import aten, dtype, is_op, module_chain, same_shape, shape
+
+ops = torch.ops.mini_infer
+
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default)
+_SOFTMAX = (aten.softmax.int, aten._softmax.default)
+# class names of modules that belong to some MoE block (used to refuse blocks this pass does not know)
+_MOE_LIKE = re.compile(r"(Moe|MoE|MoeBlock|Experts|Router)$")
+# ops that only a MoE block's routing or experts run in a causal LM's forward
+_MOE_OPS = (aten.topk.default, aten.histc.default)
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """How one transformers MoE block is built and routed."""
+
+    block: str  # class of the MoE block
+    router: str  # class of its router
+    experts: str  # class of its experts module
+    model_type: str
+    experts_field: str  # config field holding the number of routed experts
+    inter_field: str  # config field holding one expert's intermediate size
+    scoring: str  # "softmax" or "sigmoid"
+    weights_in_logits_dtype: bool  # HF rounds the routing weights to the logits' dtype (Qwen)
+
+
+FAMILIES = {f.block: f for f in (
+    MoeFamily("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts", "mixtral", "num_local_experts",
+              "intermediate_size", "softmax", False),
+    MoeFamily("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts", "qwen2_moe", "num_experts",
+              "moe_intermediate_size", "softmax", True),
+    MoeFamily("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts", "qwen3_moe", "num_experts",
+              "moe_intermediate_size", "softmax", True),
+    MoeFamily("DeepseekV2Moe", "DeepseekV2TopkRouter", "DeepseekV2Experts", "deepseek_v2", "n_routed_experts",
+              "moe_intermediate_size", "softmax", False),
+    MoeFamily("DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3Experts", "deepseek_v3", "n_routed_experts",
+              "moe_intermediate_size", "sigmoid", False),
+)}
+_BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}
+DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """moe_topk's arguments for one model."""
+
+    num_experts: int
+    top_k: int
+    scoring: str
+    renormalize: bool
+    scale: float
+    n_group: int = 1
+    topk_group: int = 1
+
+    def describe(self) -> str:
+        parts = [f"{self.num_experts} experts, top-{self.top_k} {self.scoring}"]
+        if self.n_group > 1:
+            parts.append(f"{self.topk_group} of {self.n_group} groups")
+        if self.renormalize:
+            parts.append("renormalized")
+        if self.scale != 1.0:
+            parts.append(f"x{self.scale:g}")
+        return ", ".join(parts)
+
+
+def is_moe_config(config) -> bool:
+    """True for configs with routed experts (any family: the pass then refuses the ones it does not know)."""
+    return any(isinstance(v := getattr(config, f, None), int) and v > 0
+               for f in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def _positive_int(config, field: str) -> int:
+    v = getattr(config, field, None)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"route_moe: config.{field}={v!r}; expected a positive int")
+    return v
+
+
+def routing_for(config, family: MoeFamily) -> Routing:
+    """The family's routing rules with this config's values; ValueError naming the field this pass (and HF's
+    router) cannot serve."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"route_moe: config.hidden_act={act!r} is not supported (fused_moe implements silu)")
+    num_experts = _positive_int(config, family.experts_field)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"route_moe: config.num_experts_per_tok={top_k!r} must be in [1, "
+                         f"config.{family.experts_field}={num_experts}]")
+    scoring_func = getattr(config, "scoring_func", None)
+    if scoring_func is not None and scoring_func != family.scoring:
+        raise ValueError(f"route_moe: config.scoring_func={scoring_func!r} is not {family.model_type}'s scoring "
+                         f"({family.scoring!r}, what {family.router} computes)")
+    n_group, topk_group, renormalize, scale = 1, 1, True, 1.0
+    if family.model_type in ("qwen2_moe", "qwen3_moe"):
+        renormalize = bool(getattr(config, "norm_topk_prob", False))
+    elif family.model_type == "deepseek_v2":
+        method = getattr(config, "topk_method", "greedy")
+        if method not in DEEPSEEK_V2_TOPK_METHODS:
+            raise ValueError(f"route_moe: config.topk_method={method!r} is not supported (DeepSeek-V2 routings: "
+                             f"{', '.join(DEEPSEEK_V2_TOPK_METHODS)})")
+        if method == "group_limited_greedy":
+            n_group, topk_group = _positive_int(config, "n_group"), _positive_int(config, "topk_group")
+        renormalize, scale = False, float(config.routed_scaling_factor)  # HF's V2 router never renormalizes
+    elif family.model_type == "deepseek_v3":
+        method = getattr(config, "topk_method", None)
+        if method is not None and method != "noaux_tc":
+            raise ValueError(f"route_moe: config.topk_method={method!r} is not supported (DeepSeek-V3 routes "
+                             "by 'noaux_tc')")
+        n_group, topk_group = _positive_int(config, "n_group"), _positive_int(config, "topk_group")
+        renormalize, scale = bool(config.norm_topk_prob), float(config.routed_scaling_factor)
+    bias = torch.empty(num_experts, device="meta") if family.scoring == "sigmoid" else None
+    try:
+        check_moe_topk_args(num_experts, top_k, family.scoring, n_group, topk_group, bias)
+    except ValueError as exc:
+        raise ValueError(f"route_moe: config ({family.experts_field}={num_experts}, num_experts_per_tok={top_k}, "
+                         f"n_group={n_group}, topk_group={topk_group}): {exc}") from exc
+    return Routing(num_experts, top_k, family.scoring, renormalize, scale, n_group, topk_group)
+
+
+# -- matching -----------------------------------------------------------------------------------------------
+
+
+def _uncast(node):
+    while is_op(node, *_CASTS):
+        node = node.args[0]
+    return node
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+@dataclass
+class _Block:
+    """One MoE block and the nodes the rewrite connects."""
+
+    path: str
+    family: MoeFamily
+    routing: Routing
+    nodes: set[fx.Node]  # the router's and the experts module's nodes (erased once dead)
+    logits: fx.Node  # the router's logits [T, E]
+    bias: fx.Node | None  # DeepSeek-V3's e_score_correction_bias [E]
+    hidden: fx.Node  # the experts module's input [T, H]
+    w13: fx.Node  # get_attr of gate_up_proj [E, 2I, H]
+    w2: fx.Node  # get_attr of down_proj [E, H, I]
+    output: fx.Node  # the experts module's output [T, H]
+
+
+def _group_by_block(gm: fx.GraphModule) -> dict[str, tuple[MoeFamily, list[fx.Node]]]:
+    """Nodes of each known MoE block, by block path; ValueError naming a MoE-like module this pass does not know."""
+    blocks: dict[str, tuple[MoeFamily, list[fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        chain = module_chain(node)
+        known = next(((path, cls) for path, cls in chain if cls in FAMILIES), None)
+        if known is not None:
+            blocks.setdefault(known[0], (FAMILIES[known[1]], []))[1].append(node)
+            continue
+        unknown = next(((path, cls) for path, cls in reversed(chain) if _MOE_LIKE.search(cls)), None)
+        if unknown is None and (is_op(node, *_MOE_OPS) or "grouped_mm" in str(node.target)):
+            unknown = chain[-1] if chain else ("<top level>", "?")
+        if unknown is not None:
+            raise ValueError(f"route_moe: {unknown[0]} ({unknown[1]}) is not a MoE block this pass recognizes "
+                             f"(known: {', '.join(FAMILIES)}); node {node.name} ({node.target})")
+    return blocks
+
+
+def _in_module(node: fx.Node, block_path: str, cls: str) -> bool:
+    return any(c == cls and p.startswith(block_path + ".") for p, c in module_chain(node))
+
+
+def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes: list[fx.Node]) -> _Block:
+    """Find the logits, the experts' input, weights and output of one block; ValueError naming the block when its
+    router or experts are not HF's."""
+    where = f"{path} ({family.block})"
+    routing = routing_for(config, family)
+    e, h = routing.num_experts, _positive_int(config, "hidden_size")
+    inter = _positive_int(config, family.inter_field)
+    router = [n for n in nodes if _in_module(n, path, family.router)]
+    experts = [n for n in nodes if _in_module(n, path, family.experts)]
+    if not router or not experts:
+        raise ValueError(f"{where}: no {family.router if not router else family.experts} nodes in the graph")
+    # the router: logits -> softmax / sigmoid -> ... -> top-k
+    scoring = next((n for n in router if is_op(n, *_SOFTMAX, aten.sigmoid.default)), None)
+    found = None if scoring is None else "sigmoid" if is_op(scoring, aten.sigmoid.default) else "softmax"
+    if found != routing.scoring:
+        raise ValueError(f"{where}: the router computes {found or 'neither softmax nor sigmoid'}; "
+                         f"{family.model_type} routing is {routing.scoring}")
+    logits = _uncast(scoring.args[0])
+    ls = shape(logits)
+    if ls is None or len(ls) != 2 or ls[1] != e:
+        raise ValueError(f"{where}: router logits {ls} are not [T, {family.experts_field}={e}]")
+    ks = sorted({n.args[1] for n in router if is_op(n, aten.topk.default)})
+    if routing.top_k not in ks:
+        raise ValueError(f"{where}: the router takes top-{ks} experts, not num_experts_per_tok={routing.top_k}")
+    bias = None
+    if routing.scoring == "sigmoid":
+        adds = [a for n in router if is_op(n, aten.add.Tensor) and scoring in n.args
+                for a in map(_uncast, n.args) if a is not scoring]
+        bias = next((a for a in adds if isinstance(a, fx.Node) and a.op == "get_attr" and shape(a) == (e,)), None)
+        if bias is None:
+            raise ValueError(f"{where}: no e_score_correction_bias [{e}] added to the router's sigmoid scores")
+    # the experts: stacked weights, one input of activations besides the routing, one output
+    inside = set(experts)
+    params = {a for n in experts for a in n.all_input_nodes if a.op == "get_attr"}
+    by_shape = {shape(p): p for p in params}
+    w13, w2 = by_shape.get((e, 2 * inter, h)), by_shape.get((e, h, inter))
+    if w13 is None or w2 is None or len(params) != 2:
+        raise ValueError(f"{where}: expected the experts' gate_up_proj [{e}, {2 * inter}, {h}] and down_proj "
+                         f"[{e}, {h}, {inter}] only, found {sorted(str(shape(p)) for p in params)} (expert biases "
+                         "or another layout are not supported)")
+    if getattr(config, "hidden_act", "silu") != "silu" or not any(
+            is_op(n, aten.silu.default, ops.silu_and_mul.default) for n in experts):
+        raise ValueError(f"{where}: the experts apply no silu (fused_moe implements silu gates only)")
+    routed = _downstream(router, set(nodes))
+    ext = {a for n in experts for a in n.all_input_nodes
+           if a not in inside and a.op != "get_attr" and _is_tensor(a) and a not in routed}
+    hidden = next(iter(ext)) if len(ext) == 1 else None
+    if hidden is None or len(shape(hidden)) != 2 or shape(hidden)[1] != h:
+        raise ValueError(f"{where}: expected one [T, {h}] activation input of the experts besides the routing, "
+                         f"found {[(a.name, shape(a)) for a in ext]}")
+    outs = [n for n in experts if _is_tensor(n) and any(u not in inside for u in n.users)]
+    if len(outs) != 1 or not same_shape(outs[0], hidden) or dtype(outs[0]) != dtype(hidden):
+        raise ValueError(f"{where}: expected one experts output shaped like its input {shape(hidden)}, found "
+                         f"{[(n.name, shape(n), dtype(n)) for n in outs]}")
+    for w in (w13, w2):
+        t = PassContext.tensor_of(gm, w)
+        if t.dtype != dtype(hidden):
+            raise ValueError(f"{where}: expert weight {w.target} is {t.dtype}, the activations "
+                             f"{dtype(hidden)} (fused_moe needs both in one float dtype)")
+    return _Block(path, family, routing, set(router) | inside, logits, bias, hidden, w13, w2, outs[0])
+
+
+def _downstream(start: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
+    """`start` and every node of `within` that reads one of them, transitively."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for user in stack.pop().users:
+            if user in within and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+# -- the pass -----------------------------------------------------------------------------------------------
+
+
+class RouteMoe(GraphPass):
+    """HF MoE blocks (router + experts) → moe_topk + fused_moe over stacked expert weights."""
+
+    name = "route_moe"
+    stage = "fusion"
+    requires = ("cleanup",)
+
+    @classmethod
+    def default_for(cls, ctx: PassContext) -> GraphPass | None:
+        return cls() if is_moe_config(ctx.config) else None
+
+    def check_context(self, ctx: PassContext) -> None:
+        family = _BY_MODEL_TYPE.get(getattr(ctx.config, "model_type", None))
+        if family is not None:
+            routing_for(ctx.config, family)
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        groups = _group_by_block(gm)
+        if not groups:
+            return PassResult(0, "no MoE blocks in the graph")
+        blocks = [_match_block(gm, ctx.config, path, family, nodes) for path, (family, nodes) in groups.items()]
+        before = _bytes(gm, {n for b in blocks for n in (b.w13, b.w2)})
+        copies = 0
+        for block in blocks:
+            copies += self._stack(gm, ctx, block)
+            self._rewrite(gm, block)
+            erase_dead(gm, block.nodes.__contains__, block.family.block)
+            alive = set(gm.graph.nodes)
+            left = [n.name for n in block.nodes
+                    if n in alive and _is_tensor(n) and _in_module(n, block.path, block.family.experts)]
+            if left:
+                raise ValueError(f"{block.path} ({block.family.block}): experts nodes {left[:3]} are still used "
+                                 "after the rewrite")
+        fused = [n for n in gm.graph.nodes if is_op(n, ops.fused_moe.default)]
+        after = _bytes(gm, {a for n in fused for a in n.args[3:5]})
+        return PassResult(len(blocks), self._note(blocks, before, after, copies))
+
+    @staticmethod
+    def _stack(gm: fx.GraphModule, ctx: PassContext, block: _Block) -> int:
+        """Make w13 / w2 contiguous stacked buffers (a copy replaces a non-contiguous original); returns copies."""
+        copies = 0
+        for attr in ("w13", "w2"):
+            node = getattr(block, attr)
+            t = PassContext.tensor_of(gm, node)
+            if not t.is_contiguous():
+                with torch.no_grad():
+                    setattr(block, attr, ctx.add_tensor(gm, f"{node.target}_stacked", t.contiguous(),
+                                                        before=block.output))
+                copies += 1
+        return copies
+
+    @staticmethod
+    def _rewrite(gm: fx.GraphModule, block: _Block) -> None:
+        graph, r = gm.graph, block.routing
+        with graph.inserting_before(block.output):
+            topk = graph.call_function(ops.moe_topk.default, (
+                block.logits, r.top_k, r.scoring, r.renormalize, r.scale, r.n_group, r.topk_group, block.bias))
+            weights = graph.call_function(operator.getitem, (topk, 0))
+            ids = graph.call_function(operator.getitem, (topk, 1))
+            new = [topk, weights, ids]
+            logits_dtype = dtype(block.logits)
+            if block.family.weights_in_logits_dtype and logits_dtype != torch.float32:
+                weights = graph.call_function(aten.to.dtype, (weights, logits_dtype))
+                new.append(weights)
+            out = graph.call_function(ops.fused_moe.default, (block.hidden, weights, ids, block.w13, block.w2))
+            new.append(out)
+        stack = {k: v for k, v in (block.output.meta.get("nn_module_stack") or {}).items()
+                 if v[0] == block.path or not v[0].startswith(block.path)}
+        for node in new:
+            node.meta["nn_module_stack"] = dict(stack)
+        block.output.replace_all_uses_with(out)
+
+    @staticmethod
+    def _note(blocks: list[_Block], before: int, after: int, copies: int) -> str:
+        kinds = Counter(b.family.block for b in blocks)
+        what = ", ".join(f"{k} x{n}" for k, n in kinds.items())
+        how = f"{copies} made contiguous" if copies else "HF's stacked gate_up_proj/down_proj taken as they are"
+        return (f"{len(blocks)} MoE blocks ({what}): {blocks[0].routing.describe()}; expert weights "
+                f"{before / 1e6:.3f} MB before stacking, {after / 1e6:.3f} MB after ({how})")
+
+
+def _bytes(gm: fx.GraphModule, nodes) -> int:
+    seen, total = set(), 0
+    for node in nodes:
+        t = PassContext.tensor_of(gm, node)
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
