@@ -11,6 +11,7 @@ import mini_infer.compiler as compiler
 from mini_infer.compiler import CompiledModel, compile_model, logits_tolerance
 from mini_infer.passes import GraphPass, PassContext, PassResult, recommended_passes
 from mini_infer.passes.manager import PassError
+from mini_infer.passes.route_moe import is_moe_config
 from tests.passes.helpers import (
     ARCHS,
     CPU,
@@ -31,8 +32,10 @@ from tests.passes.helpers import (
 
 PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul",
             "paged_attention", "gemv_linear"]
-# DeepSeek's latent attention gets its own attention pass, before paged_attention (which then matches nothing)
-MLA_PIPELINE = [*PIPELINE[:6], "mla_latent_cache", *PIPELINE[6:]]
+# MoE models route their experts (route_moe, before merge_projections); DeepSeek's latent attention gets its own
+# attention pass, before paged_attention (which then matches nothing)
+MOE_PIPELINE = [*PIPELINE[:4], "route_moe", *PIPELINE[4:]]
+MLA_PIPELINE = [*MOE_PIPELINE[:7], "mla_latent_cache", *MOE_PIPELINE[7:]]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +192,8 @@ def test_bf16_pipeline_matches_like_fp32():
 @pytest.mark.parametrize("name", ARCHS)
 def test_verify_passes_on_every_architecture(cached_capture, name):
     cm = compile_model(loaded(name).model, verify=True)
-    pipeline = MLA_PIPELINE if name.startswith("tiny-deepseek") else PIPELINE
+    pipeline = MLA_PIPELINE if name.startswith("tiny-deepseek") else MOE_PIPELINE if is_moe_config(
+        loaded(name).config) else PIPELINE
     assert [s.name for s in cm.stats] == ["capture", *pipeline, "bind_kernels"]
     assert isinstance(cm, CompiledModel) and len(cm.cache_specs) == 2
 

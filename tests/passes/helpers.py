@@ -151,6 +151,20 @@ def check_against_eager(name: str, gm: fx.GraphModule, ctx: PassContext, num: in
     assert_logits_close(graph_logits(gm, ctx, ids, pos, **overrides), eager_logits(name, ids, pos))
 
 
+def variant_model(preset: str, seed: int = 1, **fields) -> torch.nn.Module:
+    """A tiny preset's model (fp32, CPU, random weights) with some config fields changed."""
+    from transformers import AutoConfig
+
+    from mini_infer.models.loader import build_random_model
+    from mini_infer.models.presets import TINY_PRESETS
+
+    fields = dict(TINY_PRESETS[preset], **fields)
+    model_type, dtype = fields.pop("model_type"), fields.pop("torch_dtype")
+    config = AutoConfig.for_model(model_type, **fields)
+    config.dtype = dtype
+    return build_random_model(config, torch.float32, CPU, seed=seed)
+
+
 def blocks_for(num: int, block_size: int) -> int:
     return max(1, math.ceil(num / block_size))
 

@@ -21,12 +21,9 @@ import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given
-from transformers import AutoConfig
 
 from mini_infer.compiler import bind_kernels, compile_model
 from mini_infer.contract import LatentAttentionSpec
-from mini_infer.models.loader import build_random_model
-from mini_infer.models.presets import TINY_PRESETS
 from mini_infer.ops.mla_attention import absorption_weights
 from mini_infer.passes import PassContext, recommended_passes
 from mini_infer.passes.manager import PassError, PassManager
@@ -57,6 +54,7 @@ from tests.passes.helpers import (
     run_passes,
     single_pass,
     start_pos,
+    variant_model,
 )
 from tests.passes.test_paged_attention import BLOCK, _Cache, _step_inputs
 from tests.runtime.test_engine import assert_no_leak, hf_ref, random_prompts, record_schedules, run
@@ -173,15 +171,6 @@ def test_two_steps_share_the_latent_cache(name, prompt, new):
 # -- config variants: handled, or refused naming the field ---------------------------------------------------
 
 
-def _variant(preset: str, **fields):
-    """A tiny preset's model with some config fields changed (random weights)."""
-    fields = dict(TINY_PRESETS[preset], **fields)
-    model_type, dtype = fields.pop("model_type"), fields.pop("torch_dtype")
-    config = AutoConfig.for_model(model_type, **fields)
-    config.dtype = dtype
-    return build_random_model(config, torch.float32, CPU, seed=1)
-
-
 # mscale != mscale_all_dim: the cos/sin tables carry an attention factor, the scaling an mscale
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=0.707)
@@ -193,7 +182,7 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256, 
      mi.apply_rotary_interleaved.default),
 ])
 def test_config_variants_equal_eager(preset, fields, rotary):
-    model = _variant(preset, **fields)
+    model = variant_model(preset, **fields)
     cm = compile_model(model, passes=["cleanup", "mla_latent_cache"], device=CPU)
     (row,) = [s for s in cm.stats if s.name == "mla_latent_cache"]
     bound = [n.meta.get("op") for n in cm.graph_module.graph.nodes]  # the ops, before bind_kernels
