@@ -2,9 +2,12 @@
 `generate(cache_implementation="static")` (its torch.compile path), in the same run on one GPU.
 
 Default: the `qwen2.5-7b` preset (bf16, random weights), prompt 128 tokens, 256 new tokens. The floor is
-(weight bytes + KV bytes read per step) / the device-to-device copy bandwidth measured in this run.
+(weight bytes + KV bytes read per step) / the device-to-device copy bandwidth measured in this run; for MoE models
+the weight bytes are the active ones: attention, router, shared experts and lm_head, and only the top-k routed
+experts of each MoE layer (bench/active_bytes.py).
 
     python bench/latency.py [--model qwen2.5-7b] [--prompt-len 128] [--new-tokens 256] [--peers hf-eager,hf-static]
+    python bench/latency.py --model qwen3-30b-a3b --peers hf-static   # MoE: the active-parameter floor
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from active_bytes import token_bytes  # the sibling script's count of the weight bytes a token reads
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -58,7 +62,6 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
-    from mini_infer.compiler import tensor_bytes
     from mini_infer.llm import LLM
     from mini_infer.models import load_model
     from mini_infer.sampling_params import SamplingParams
@@ -82,12 +85,12 @@ def main() -> None:
     first = out.metrics.first_token_time - out.metrics.arrival_time
     decode_tok_s = (args.new_tokens - 1) / (total - first)
 
-    gm = eng.compiled.graph_module  # the weights the compiled graph reads (the engine released the HF model)
-    weight_bytes = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
-                                 if "embed_tokens" not in n])
+    # the weights one token reads from the compiled graph (the engine released the HF model): all but the
+    # embedding, and for MoE layers only the top-k experts (bench/active_bytes.py)
+    weights = token_bytes(eng.compiled.graph_module)
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    floor_tok_s = bw / (weight_bytes + kv_per_token * mean_ctx)
+    floor_tok_s = bw / (weights.active + kv_per_token * mean_ctx)
     rows = [("bandwidth floor", floor_tok_s), ("mini-infer", decode_tok_s)]
     ids = torch.tensor([prompt], device="cuda")
     peers = args.peers.split(",") if args.peers else []
@@ -99,7 +102,7 @@ def main() -> None:
             rows.append(("hf-static+compile", time_hf(model, ids, args.new_tokens, cache_implementation="static")))
     print(f"{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; startup {startup:.1f}s (compile {eng.compile_seconds:.1f}s, "
-          f"cuda graphs {eng.capture_seconds:.1f}s); TTFT {first * 1e3:.1f} ms")
+          f"cuda graphs {eng.capture_seconds:.1f}s); TTFT {first * 1e3:.1f} ms; floor reads {weights.describe()}")
     print(f"{'engine':<20}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
     for name, tps in rows:
         print(f"{name:<20}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / floor_tok_s:>10.2f}")
@@ -110,6 +113,7 @@ def main() -> None:
         "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
         "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "startup_s": startup,
         "compile_s": eng.compile_seconds, "capture_s": eng.capture_seconds, "ttft_s": first,
+        "weight_bytes": weights.total, "active_weight_bytes": weights.active, "moe_layers": weights.moe_layers,
         "results": {name: tps for name, tps in rows}}, indent=2))
     try:
         import matplotlib

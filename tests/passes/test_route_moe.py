@@ -246,6 +246,27 @@ def test_weight_bytes_and_summary(name):
     assert f"{blocks} MoE blocks ({block_class} x{blocks})" in row and "MB before stacking" in row
 
 
+def test_bench_active_bytes_counts_top_k_experts():
+    """bench/active_bytes.py (the batch-1 floor of bench/latency.py): a token reads top_k of E experts' weights."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "bench" / "active_bytes.py"
+    spec = importlib.util.spec_from_file_location("active_bytes", path)
+    module = sys.modules.setdefault("active_bytes", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    for name in ("tiny-qwen3-moe", "tiny-llama"):
+        gm = mc.compiled(name).graph_module
+        counted = module.token_bytes(gm)
+        embed = mc.loaded(name).model.model.embed_tokens.weight
+        assert counted.total == mc.compiled(name).weight_bytes - embed.numel() * 4
+        experts = sum(_hf_layer(name, i).mlp.experts.gate_up_proj.numel() * 3 // 2 * 4 for i in _moe_layers(name)) \
+            if name in MOE else 0
+        assert counted.active == counted.total - experts // 2  # top-2 of 4 experts
+        assert counted.moe_layers == (2 if experts else 0)
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 

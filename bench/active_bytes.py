@@ -1,0 +1,81 @@
+"""Weight bytes one decode token reads from a compiled graph: the numerator of the batch-1 bandwidth floor.
+
+A dense model reads every weight each step (the embedding table aside: one row per token). A MoE model routed by
+`route_moe` reads, per `fused_moe` node, only its top_k experts' slices of the stacked w13 / w2 (at batch 1, k
+distinct experts), beside everything else: attention, router, shared experts, dense layers, lm_head. So
+
+    active = all graph tensors except the embedding  -  sum over fused_moe nodes of (w13 + w2 bytes) * (E - k) / E
+
+Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config.
+Used by bench/latency.py; runs on any device (no GPU needed to count).
+
+    PYTHONPATH=. python bench/active_bytes.py tiny-qwen3-moe tiny-mixtral   # compiled on the GPU if there is one
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Weight bytes of a compiled graph: all it holds (embedding excluded) and what one decode token reads."""
+
+    total: int
+    active: int
+    moe_layers: int
+    experts: int = 0
+    top_k: int = 0
+
+    def describe(self) -> str:
+        if not self.moe_layers:
+            return f"{_size(self.total)} of weights per token (dense)"
+        return (f"{_size(self.active)} active of {_size(self.total)} per token ({self.moe_layers} MoE layers, "
+                f"top-{self.top_k} of {self.experts} experts)")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3f} MB"
+
+
+def _tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    obj = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def token_bytes(gm: fx.GraphModule) -> TokenBytes:
+    """`TokenBytes` of `gm` (a compiled graph, before or after `bind_kernels`)."""
+    from mini_infer.compiler import tensor_bytes
+
+    fused_moe = torch.ops.mini_infer.fused_moe.default
+    total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()] if "embed_tokens" not in n])
+    idle, layers, experts, top_k = 0.0, 0, 0, 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or fused_moe not in (node.target, node.meta.get("op")):
+            continue
+        w13, w2 = (_tensor(gm, node.args[i]) for i in (3, 4))
+        experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
+        idle += tensor_bytes([w13, w2]) * (experts - min(top_k, experts)) / experts
+        layers += 1
+    return TokenBytes(total, round(total - idle), layers, experts, top_k)
+
+
+def main() -> None:
+    from mini_infer.compiler import compile_model
+    from mini_infer.models import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name in sys.argv[1:] or ["tiny-qwen3-moe"]:
+        model = load_model(name, device=device).model
+        print(f"{name}: {token_bytes(compile_model(model, device=device).graph_module).describe()}")
+        del model
+
+
+if __name__ == "__main__":
+    main()
