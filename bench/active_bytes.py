@@ -42,16 +42,10 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3f} MB"
 
 
-def _tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
-    obj = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     """`TokenBytes` of `gm` (a compiled graph, before or after `bind_kernels`)."""
     from mini_infer.compiler import tensor_bytes
+    from mini_infer.passes import PassContext
 
     fused_moe = torch.ops.mini_infer.fused_moe.default
     total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()] if "embed_tokens" not in n])
@@ -59,7 +53,7 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     for node in gm.graph.nodes:
         if node.op != "call_function" or fused_moe not in (node.target, node.meta.get("op")):
             continue
-        w13, w2 = (_tensor(gm, node.args[i]) for i in (3, 4))
+        w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
         experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
         idle += tensor_bytes([w13, w2]) * (experts - min(top_k, experts)) / experts
         layers += 1

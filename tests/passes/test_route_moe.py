@@ -46,6 +46,7 @@ from tests.passes.helpers import (
     positions,
     random_ids,
     run_graph,
+    run_passes,
     single_pass,
     start_pos,
     variant_model,
@@ -170,6 +171,37 @@ def test_triton_kernels_in_the_graph(name):
         inputs["logits_indices"] = torch.arange(9)
         outs[backend] = run_graph(bound, inputs)
     assert_logits_close(outs["triton"], outs["reference"])
+
+
+def test_after_merge_and_silu_fusion_too():
+    """Listed after merge_projections / fuse_silu_mul (same stage), the pass still finds the router's logits (now a
+    slice of a merged GEMM) and the experts (their gate fused): same rewrite, same logits."""
+    name = "tiny-qwen2-moe"
+    gm, ctx, stats = run_passes(name, ["merge_projections", "fuse_silu_mul", "route_moe"])
+    assert stats[-1].num_matches == 2 and op_counts(gm)[mi.fused_moe.default] == 2
+    check_against_eager(name, gm, ctx, 13, 20, seed=4)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-deepseek-v3"])
+def test_bf16_grouped_mm_capture(name):
+    """In bf16 transformers captures its experts as aten._grouped_mm (the form a GPU sees; fp32 takes its CPU
+    fallback op): matched alike. Qwen's routing weights are rounded to bf16 as HF does; DeepSeek's stay fp32."""
+    from mini_infer.compiler import logits_tolerance
+    from mini_infer.models.loader import load_model
+
+    model = load_model(name, dtype="bf16", device="cpu").model
+    captured = compile_model(model, passes=["cleanup"], device=CPU)
+    assert any(n.target is aten._grouped_mm.default for n in captured.graph_module.graph.nodes)
+    cm = compile_model(model, passes=["cleanup", "route_moe"], device=CPU)
+    fused = [n for n in cm.graph_module.graph.nodes if n.meta.get("op") is mi.fused_moe.default]
+    assert len(fused) == MOE[name][0]
+    cast = [n.args[1].target is aten.to.dtype and n.args[1].args[1] == torch.bfloat16 for n in fused]
+    assert cast == [name == "tiny-qwen2-moe"] * len(fused)
+    ids, pos = random_ids(21, 2), positions(30, 21)
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+    err = (cm(**cm.example_inputs(ids, pos)).float() - ref).abs().max().item()
+    assert err <= logits_tolerance(torch.bfloat16, ref.abs().max().item())
 
 
 # -- config variants -----------------------------------------------------------------------------------------
