@@ -102,6 +102,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def spawned_ranks(pid: int) -> list[int]:
+    """The processes below `pid` that torch.multiprocessing spawned (the tensor-parallel ranks; not its
+    resource tracker)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
