@@ -41,6 +41,7 @@ CMD_STEP, CMD_STOP = 1, 2
 _HEADER = 8  # cmd, tokens, seqs, logits, blocks, decode, padded, spare
 _LONG = datetime.timedelta(days=365)  # ranks > 0 wait for rank 0's next step for as long as the server idles
 _START_TIMEOUT = 600.0  # seconds the started ranks get to import and join
+_STARTED_RANK = "MINI_INFER_TP_RANK"  # set in the ranks rank 0 started
 
 
 class WorkerDiedError(RuntimeError):
@@ -244,9 +245,9 @@ def start(config) -> ParallelState | None:
         return None
     device_type = torch.device(config.device).type if config.device else \
         ("cuda" if torch.cuda.is_available() else "cpu")
-    if dist.is_initialized():  # a rank this module started (its group was built in _worker_main)
+    if _STARTED_RANK in os.environ:  # a rank this module started (its group was built in _worker_main)
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_rank = rank
         workers = []
     elif under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -255,9 +256,14 @@ def start(config) -> ParallelState | None:
                              "start one process per rank (torchrun --nproc-per-node x --nnodes = the size)")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         _set_device(device_type, local_rank)
-        dist.init_process_group(_backend(device_type), rank=rank, world_size=world)
+        if not dist.is_initialized():  # (a script may have built the group itself)
+            dist.init_process_group(_backend(device_type), rank=rank, world_size=world)
         workers = []
     else:
+        if dist.is_initialized():
+            raise ValueError(f"tensor_parallel_size={size}: this process already has a process group (an engine "
+                             "that was not closed? call engine.close()); start the ranks with torchrun to use "
+                             "your own group")
         rank, world, local_rank = 0, size, 0
         _set_device(device_type, 0)
         workers = _start_workers(config, device_type)
@@ -344,7 +350,7 @@ def _worker_main(rank: int, size: int, port: int, config, parent_pid: int, log_l
         ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cpu":  # ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ[_STARTED_RANK] = str(rank)
     try:
         _set_device(device_type, rank)
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
