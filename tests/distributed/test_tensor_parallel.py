@@ -105,6 +105,7 @@ def test_rank1_exits_when_rank0_is_killed():
         (rank1,) = spawned_ranks(srv.proc.pid)
         srv.proc.kill()
         wait_until(lambda: not alive(rank1), 5, "rank 1 exits after rank 0 was killed")
+        assert "mini-infer tensor-parallel rank 1: " in srv.log_tail(), srv.log_tail()  # and says why
     finally:
         srv.stop()
         if alive(rank1):  # do not leave it behind even when the test fails
