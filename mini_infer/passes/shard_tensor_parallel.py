@@ -67,6 +67,7 @@ class _Sharder:
         self.region: dict[fx.Node, str] = {}  # node -> "q" / "kv" / "col": downstream of a colwise linear
         self.col_sizes: dict[int, int] = {}  # out features of non-attention colwise linears -> per rank
         self.counts = {"colwise": 0, "rowwise": 0, "views": 0}
+        self.rewritten: set[fx.Node] = set()  # shape nodes already given this rank's sizes
 
     # -- weights ---------------------------------------------------------------------------------------------
     def _replace(self, node: fx.Node, old: fx.Node, value: torch.Tensor, tag: str) -> fx.Node:
@@ -123,8 +124,9 @@ class _Sharder:
         graph.erase_node(node)
         self.counts["rowwise"] += 1
 
-    def lm_head(self, node: fx.Node) -> None:
-        """Column-parallel over the (padded) vocabulary, then all-gather the rows into [1, R, vocab]."""
+    def lm_head(self, node: fx.Node) -> str:
+        """Column-parallel over the (padded) vocabulary, then all-gather the rows into [1, R, vocab]; returns a
+        note for the summary."""
         _, w, b = _linear_parts(node)
         p = self.plan
         weight = PassContext.tensor_of(self.gm, w)
@@ -154,7 +156,7 @@ class _Sharder:
                 out = graph.call_function(aten.slice.Tensor, (out, 2, 0, vocab))
         for user in users:
             user.replace_input_with(node, out)
-        self.vocab_note = f"lm_head vocab {vocab} -> {per_rank} per rank" + \
+        return f"lm_head vocab {vocab} -> {per_rank} per rank" + \
             (f" (padded to {per_rank * self.ws})" if per_rank * self.ws != vocab else "") + \
             f", embedding replicated; KV heads {p.kv_heads_per_rank} per rank" + \
             (" (replicated)" if p.kv_replicated else "")
@@ -189,7 +191,7 @@ class _Sharder:
         maps = {"q": {p.num_heads: hl, p.num_heads * d: hl * d},
                 "kv": {p.num_kv_heads: kvl, p.num_kv_heads * d: kvl * d}, "col": self.col_sizes}
         for node, tag in self.region.items():
-            if not is_op(node, *_SHAPE_OPS) or node.meta.get("_tp_done"):
+            if not is_op(node, *_SHAPE_OPS) or node in self.rewritten:
                 continue
             sizes = list(node.args[1])
             mapping = maps[tag]
@@ -210,7 +212,7 @@ class _Sharder:
         expand.args = (expand.args[0], [b, kvl, hl // kvl, t, d], *expand.args[2:])
         rb, _, rt, rd = reshape.args[1]
         reshape.args = (expand, [rb, hl, rt, rd], *reshape.args[2:])
-        expand.meta["_tp_done"] = reshape.meta["_tp_done"] = True
+        self.rewritten.update((expand, reshape))
         self.counts["views"] += 2
 
 
@@ -264,10 +266,9 @@ class ShardTensorParallel(GraphPass):
         sharder.rewrite_shapes()
         for node in rowwise:
             sharder.rowwise(node)
-        sharder.lm_head(head)
+        head_note = sharder.lm_head(head)
         c = sharder.counts
-        note = f"{c['colwise']} colwise, {c['rowwise']} rowwise (+all_reduce), {c['views']} shape args; " \
-               f"{sharder.vocab_note}"
+        note = f"{c['colwise']} colwise, {c['rowwise']} rowwise (+all_reduce), {c['views']} shape args; {head_note}"
         return PassResult(c["colwise"] + c["rowwise"] + 1, note)
 
 
