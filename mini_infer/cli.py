@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one sequence prefills per step, so short requests are not stuck "
                         "behind a long prompt (default: 4%% of max-model-len, at least 256, at most half the "
                         "step budget; 0: no cap)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, one process and one GPU each (started here, or "
+                        "by torchrun: see docs/distributed.md)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -57,6 +60,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         load_format="dummy" if args.dry_run else "auto", generation_config=args.generation_config,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -115,9 +119,14 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     from mini_infer.compiler import compile_model
     from mini_infer.models import load_model
 
+    size = args.tensor_parallel_size
+    if size > 1 and args.verify:
+        raise ValueError(f"--verify runs the graph, which needs all {size} ranks: dump without it (the graphs "
+                         "written are rank 0's)")
     loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device)
     passes = args.passes.split(",") if args.passes else None
-    cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name)
+    cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
+                       rank=0, world_size=size)
     print(cm.summary())
     print(f"graphs written to {args.out}")
     return 0
@@ -142,6 +151,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_offline_benchmark(_engine_kwargs(args), num_prompts=args.num_prompts, input_len=args.input_len,
                                    output_len=args.output_len, seed=args.seed)
     print(result.table())
+    return 0
+
+
+def _torchrun_rank() -> int:
+    from mini_infer.runtime.distributed import torchrun_rank, under_torchrun
+
+    return torchrun_rank() if under_torchrun() else 0
+
+
+def _serve_rank(args: argparse.Namespace) -> int:
+    """Under torchrun, ranks > 0 of generate/serve/bench build the engine and run rank 0's steps (no prompts,
+    no port): `LLMEngine` returns only through SystemExit once rank 0 stops the group."""
+    from mini_infer.runtime.engine import EngineConfig, LLMEngine
+
+    LLMEngine(EngineConfig(**_engine_kwargs(args)))
     return 0
 
 
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
     try:
+        if args.command in ("generate", "serve", "bench") and _torchrun_rank() > 0:
+            return _serve_rank(args)
         return args.func(args)
     except (ValueError, RuntimeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

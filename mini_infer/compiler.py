@@ -170,7 +170,11 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
 
 
 def _check_options_served(ctx: PassContext, passes: Sequence[GraphPass]) -> None:
-    """A quantization mode must be implemented by a pass in the list (never silently ignored)."""
+    """A quantization mode must be implemented by a pass in the list, and a world size > 1 needs a sharding
+    pass (never silently ignored)."""
+    if ctx.world_size > 1 and not any(p.stage == "sharding" for p in passes):
+        raise ValueError(f"world_size={ctx.world_size}: no sharding pass in the pipeline (add "
+                         "'shard_tensor_parallel')")
     if ctx.quantization is None:
         return
     modes = {m for p in passes for m in p.quantization_modes}

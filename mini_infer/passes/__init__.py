@@ -15,9 +15,11 @@ from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.route_moe import RouteMoe
 from mini_infer.passes.select_logits import SelectLogits
+from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, RouteMoe, MergeProjections, FuseSiluMul,
+    p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, FuseRMSNorm, FuseRotary, RouteMoe,
+                        MergeProjections, FuseSiluMul,
                         MlaLatentCache, PagedAttention, GemvLinear)
 }
 

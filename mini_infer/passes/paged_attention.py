@@ -23,18 +23,14 @@ from mini_infer.contract import FullAttentionSpec, SlidingWindowSpec
 from mini_infer.contract.caches import FP8_DTYPES
 from mini_infer.contract.inputs import ATTENTION_METADATA
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, shape
+from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, repeat_kv_source, shape
 
 ops = torch.ops.mini_infer
 
 
 def _unrepeat_kv(node: fx.Node) -> fx.Node:
-    """Undo HF's repeat_kv: reshape(expand(unsqueeze(x, 2), [B, Hkv, n_rep, T, D]), [B, H, T, D]) → x."""
-    if is_op(node, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
-        e = node.args[0]
-        if is_op(e, aten.expand.default) and is_op(e.args[0], aten.unsqueeze.default) and e.args[0].args[1] == 2:
-            return e.args[0].args[0]
-    return node
+    """Undo HF's repeat_kv (see `repeat_kv_source`)."""
+    return repeat_kv_source(node) or node
 
 
 def layer_sliding_window(config, layer_idx: int) -> int | None:

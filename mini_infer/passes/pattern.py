@@ -80,3 +80,30 @@ def module_chain(node: fx.Node) -> list[tuple[str, str]]:
         name = typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))
         chain.append((path, name.rsplit(".", 1)[-1]))
     return chain
+
+
+def repeat_kv_source(node: Any) -> fx.Node | None:
+    """The KV tensor that HF's repeat_kv expands into `node`, or None:
+    reshape(expand(unsqueeze(x, 2), [B, Hkv, n_rep, T, D]), [B, H, T, D]) → x."""
+    if is_op(node, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        e = node.args[0]
+        if is_op(e, aten.expand.default) and is_op(e.args[0], aten.unsqueeze.default) and e.args[0].args[1] == 2:
+            return e.args[0].args[0]
+    return None
+
+
+# per-row ops that may follow lm_head before the output (scaling, softcapping, casts)
+_LOGITS_ELEMENTWISE = (aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
+                       aten.add.Tensor, aten.mul.Scalar, aten.div.Scalar)
+
+
+def lm_head_of(out: Any) -> fx.Node | None:
+    """The `linear` (lm_head) whose result reaches `out` (the graph's logits) through per-row ops, or None."""
+    node = out
+    while isinstance(node, fx.Node):
+        if is_op(node, aten.linear.default):
+            return node
+        if not is_op(node, *_LOGITS_ELEMENTWISE):
+            return None
+        node = node.args[0]
+    return None

@@ -14,21 +14,7 @@ import torch.fx as fx
 
 from mini_infer.contract.inputs import LOGITS_INDICES
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op
-
-_ELEMENTWISE = (aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default,
-                aten.add.Tensor, aten.mul.Scalar, aten.div.Scalar)
-
-
-def _find_lm_head(out: fx.Node) -> fx.Node | None:
-    node = out
-    while isinstance(node, fx.Node):
-        if is_op(node, aten.linear.default):
-            return node
-        if not is_op(node, *_ELEMENTWISE):
-            return None
-        node = node.args[0]
-    return None
+from mini_infer.passes.pattern import aten, lm_head_of
 
 
 class SelectLogits(GraphPass):
@@ -42,7 +28,7 @@ class SelectLogits(GraphPass):
         graph = gm.graph
         out_node = graph.output_node()
         logits = out_node.args[0]
-        head = _find_lm_head(logits)
+        head = lm_head_of(logits)
         if head is None:
             raise ValueError(f"select_logits: could not find the lm_head linear feeding the output {logits}")
         idx = ctx.add_input(gm, LOGITS_INDICES)

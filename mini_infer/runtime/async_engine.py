@@ -127,11 +127,13 @@ class AsyncLLMEngine:
 
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None
+        return self.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        """Why no request can be served: the loop died, or the engine reports a failure of its own (a
+        tensor-parallel rank died: seen here at once, even while a step waits on that rank)."""
+        return self._dead or getattr(self.engine, "failure", None)
 
     @property
     def is_running(self) -> bool:
@@ -158,8 +160,8 @@ class AsyncLLMEngine:
         """
         params = params or SamplingParams()
         with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(f"the engine is dead: {self._dead!r}")
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
             if self._stopping:
                 raise EngineDeadError(self._stop_reason)
             if self.max_waiting_requests is not None and self._num_waiting() >= self.max_waiting_requests:
@@ -226,7 +228,10 @@ class AsyncLLMEngine:
         self._inbox.put(_STOP)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        return not self._thread.is_alive()
+        stopped = not self._thread.is_alive()
+        if stopped and hasattr(self.engine, "close"):  # the other tensor-parallel ranks, if any
+            self.engine.close()
+        return stopped
 
     # ------------------------------------------------------------------ the loop thread
     def _num_waiting(self) -> int:

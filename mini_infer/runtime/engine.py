@@ -31,6 +31,7 @@ from mini_infer.compiler import CompiledModel, compile_model
 from mini_infer.contract import attention_window
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
+from mini_infer.runtime import distributed
 from mini_infer.runtime.block_manager import BlockManager
 from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, num_blocks_for_budget
 from mini_infer.runtime.limits import fit_max_model_len, long_prefill_threshold
@@ -101,9 +102,14 @@ class EngineConfig:
     # most prompt tokens one sequence prefills per step; None: 4% of max_model_len (vLLM's rule, see
     # runtime/limits.py), 0: no cap
     long_prefill_token_threshold: int | None = None
+    # ranks the model is split over (one process, and one GPU, each; runtime/distributed.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} or None; "
                              f"got {self.quantization!r}")
@@ -156,7 +162,22 @@ class LLMEngine:
                  compiled: CompiledModel | None = None) -> None:
         self.config = config = config or EngineConfig()
         check_before_load(config, loaded)  # options, device, model files: refused before anything loads
-        self.device = torch.device(config.device) if config.device else default_device()
+        if config.tensor_parallel_size > 1 and (loaded is not None or compiled is not None):
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: every rank loads and compiles "
+                             "its own shard; pass the model by name, not as `loaded` / `compiled`")
+        self.parallel = distributed.start(config)  # None without tensor parallelism
+        try:
+            self._build(config, loaded, compiled)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.close(abort=True)
+            raise
+        if self.parallel is not None and self.parallel.rank > 0:
+            self.parallel.serve(self)  # runs rank 0's steps, then exits the process
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None, compiled: CompiledModel | None) -> None:
+        self.device = self.parallel.device if self.parallel is not None else \
+            torch.device(config.device) if config.device else default_device()
         t0 = time.perf_counter()
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed,
                                            load_format=config.load_format)
@@ -168,7 +189,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.compiled = compiled or compile_model(
             self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
-            quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype))
+            quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
+            rank=self.parallel.rank if self.parallel else 0, world_size=config.tensor_parallel_size)
         self.compile_seconds = time.perf_counter() - t1
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
@@ -195,6 +217,8 @@ class LLMEngine:
         graphs_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         self.capture_seconds = 0.0 if config.enforce_eager else \
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, min(max_batched, 16384))
+        if self.parallel is not None:  # rank 0's runner sends every step to the other ranks
+            self.runner = self.parallel.attach(self.runner)
         graph_bytes = torch.cuda.memory_reserved(self.device) - graphs_before if self.device.type == "cuda" else 0
         self.memory = MemoryReport(
             weights=self.compiled.weight_bytes, activations=self._activation_reserve, graphs=graph_bytes,
@@ -220,6 +244,16 @@ class LLMEngine:
         for row in self.compiled.stats:  # what the passes that declared the caches say about them
             if row.name in cache_passes and row.note:
                 logger.info("%s: %s", row.name, row.note)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
+        return self.parallel.failure if self.parallel is not None else None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -255,6 +289,8 @@ class LLMEngine:
             self._activation_reserve = 0
             return KVCache(specs, cfg.num_kv_blocks, cfg.block_size, self.device)
         budget = self._cache_budget()
+        if self.parallel is not None:  # every rank allocates the same blocks
+            budget = self.parallel.agree_min(budget)
         num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
         try:
             self.max_model_len = fit_max_model_len(self.max_model_len, cfg.max_model_len is not None,
@@ -384,6 +420,8 @@ class LLMEngine:
         if out.scheduled:
             try:
                 launched = self._launch(out, prev)
+            except distributed.WorkerDiedError:  # no step can run any more: the caller (server) must know
+                raise
             except Exception as exc:  # fail this step's sequences, keep serving the rest
                 self._fail(out.scheduled, exc)
         if prev is not None:

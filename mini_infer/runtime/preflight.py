@@ -104,6 +104,22 @@ def _check_memory(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> 
                        "projections); %.1f GB are available", info.source.name, need / 1e9, free / 1e9)
 
 
+def _check_tensor_parallel(config: EngineConfig, model_config, device: torch.device) -> None:
+    """The model has a tp plan that splits over the size, and each rank has a GPU (of this machine: under
+    torchrun, the ranks started here)."""
+    import os
+
+    from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_parallel_plan
+
+    size = config.tensor_parallel_size
+    tensor_parallel_plan(model_config, size)
+    if device.type == "cuda" and device.index is not None:
+        raise ValueError(f"device={config.device!r} with tensor_parallel_size={size}: each rank takes its own GPU; "
+                         "pass device='cuda'")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    check_tensor_parallel_devices(local, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
+
+
 def check_before_load(config: EngineConfig, loaded: LoadedModel | None = None) -> ModelInfo | None:
     """Refuse, before loading, an engine that cannot run (see the module docstring). Returns what was learnt
     about the model (None when `loaded` was given: then only the options are checked against it)."""
@@ -120,6 +136,8 @@ def check_before_load(config: EngineConfig, loaded: LoadedModel | None = None) -
     if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} is above this model's limit of {limit} tokens "
                          "(max_position_embeddings in its config)")
+    if config.tensor_parallel_size > 1:
+        _check_tensor_parallel(config, model_config, device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     _check_kv_budget(config, model_config, dtype)
     if info is not None:

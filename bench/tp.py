@@ -1,0 +1,237 @@
+"""Tensor parallelism on one host: batch-1 decode with TP=1 and TP=N in the same run, greedy outputs compared,
+and the all-reduce time of one decode step measured on its own.
+
+1. Correctness (float32, TF32 off, CUDA graphs on): every dense tiny preset, greedy tokens of TP=N must equal
+   TP=1's (prompts of 5 / 17 / 64 / 130 tokens, 16 new each). Any mismatch is a bug, and exits 1 at the end.
+2. Speed: `--model` (default the `qwen2.5-7b` preset: bf16, random weights), prompt 128, 256 new tokens, batch 1,
+   TP=1 on GPU 0, then TP=N on GPUs 0..N-1 (the N-1 other ranks are started by the engine). Prints decode tok/s,
+   ms/token, the speed-up and the weight-bandwidth floor of each (weights per rank / copy bandwidth). The greedy
+   tokens of the two runs are compared: bf16 sums in another order (the all-reduce) can flip a near-tie of random
+   weights, so a divergence is reported with its position rather than failing the run.
+3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces of [1, hidden] bf16 that one
+   batch-1 decode step runs (the same `_c10d_functional.all_reduce` + `wait_tensor` ops as the compiled graph),
+   and time its replay.
+
+    python bench/tp.py                          # 2 GPUs, qwen2.5-7b
+    python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from latency import copy_bandwidth  # noqa: E402
+
+
+def _greedy(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
+    from mini_infer.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def _release(llm) -> None:
+    """Stop the engine's other ranks; the caller drops its last reference, then `_free()`."""
+    llm.engine.close()
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def check_presets(tp: int) -> list[str]:
+    """Greedy TP=tp == TP=1 in float32 on every dense tiny preset; returns the failures."""
+    from mini_infer.llm import LLM
+    from mini_infer.models.presets import TINY_DENSE_PRESETS
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 17, 64, 130)]
+    failures = []
+    for name in TINY_DENSE_PRESETS:
+        opts = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
+                    max_num_seqs=8)
+        try:
+            llm = LLM(name, **opts)
+            one = _greedy(llm, prompts, 16)
+            _release(llm)
+            del llm
+            _free()
+            llm = LLM(name, tensor_parallel_size=tp, **opts)
+            many = _greedy(llm, prompts, 16)
+            graphs = len(llm.engine.runner.cuda_graphs.graphs) if llm.engine.runner.cuda_graphs else 0
+            _release(llm)
+            del llm
+            _free()
+        except Exception as exc:  # noqa: BLE001 - reported as a failure with its error
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"[check] {name}: ERROR {type(exc).__name__}: {exc}", flush=True)
+            continue
+        ok = one == many
+        print(f"[check] {name}: TP={tp} greedy {'==' if ok else '!='} TP=1 ({graphs} CUDA graphs on rank 0)",
+              flush=True)
+        if not ok:
+            failures.append(f"{name}: TP={tp} {many} != TP=1 {one}")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return failures
+
+
+def decode_run(model: str, tp: int, prompt: list[int], new: int) -> dict:
+    """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine."""
+    from mini_infer.compiler import tensor_bytes
+    from mini_infer.llm import LLM
+    from mini_infer.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model, max_num_seqs=1, max_model_len=len(prompt) + new + 16, kv_cache_memory_bytes=2 << 30,
+              tensor_parallel_size=tp)
+    startup = time.perf_counter() - t0
+    eng = llm.engine
+    llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    first = out.metrics.first_token_time - out.metrics.arrival_time
+    gm = eng.compiled.graph_module
+    weights = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()] if "embed_tokens" not in n])
+    kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
+    hidden = eng.model_config.get_text_config().hidden_size
+    layers = eng.model_config.get_text_config().num_hidden_layers
+    result = dict(tp=tp, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
+                  weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
+                  tokens=list(out.outputs[0].token_ids), hidden=hidden, layers=layers,
+                  graphs=len(eng.runner.cuda_graphs.graphs) if eng.runner.cuda_graphs else 0)
+    _release(llm)
+    return result
+
+
+def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    group = dist.group.WORLD.group_name
+    x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
+    c10d = torch.ops._c10d_functional
+
+    def step():
+        y = x
+        for _ in range(count):
+            y = c10d.wait_tensor.default(c10d.all_reduce.default(y, "sum", group)) * 0.5
+        return y
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(20):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    if rank == 0:
+        queue.put(times[len(times) // 2])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def allreduce_us_per_step(tp: int, hidden: int, layers: int) -> float:
+    """Median µs of one decode step's 2 x layers all-reduces ([1, hidden] bf16, each followed by a scale, as
+    the residual add follows it), CUDA-graph captured on `tp` ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, port, hidden, 2 * layers, queue)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    us = queue.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return us
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--skip-check", action="store_true", help="skip the float32 tiny-preset check")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    if torch.cuda.device_count() < args.tp:
+        print(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+        return 2
+
+    failures = [] if args.skip_check else check_presets(args.tp)
+    bw = copy_bandwidth()
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
+    runs = []
+    for tp in (1, args.tp):
+        runs.append(decode_run(args.model, tp, prompt, args.new_tokens))
+        _free()
+    ar_us = allreduce_us_per_step(args.tp, runs[0]["hidden"], runs[0]["layers"])
+    a, b = runs[0]["tokens"], runs[1]["tokens"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    mean_ctx = args.prompt_len + args.new_tokens / 2
+    print(f"\n{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s per GPU; {torch.cuda.get_device_name()}")
+    print(f"{'TP':<4}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
+          f"{'startup s':>11}{'graphs':>8}")
+    for r in runs:
+        floor = bw / (r["weight_bytes_per_rank"] + r["kv_bytes_per_token_per_rank"] * mean_ctx)
+        r["floor_tok_s"] = floor
+        print(f"{r['tp']:<4}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
+              f"{r['tok_s'] / runs[0]['tok_s']:>10.2f}{r['startup_s']:>11.1f}{r['graphs']:>8}")
+    step_ms = 1e3 / runs[1]["tok_s"]
+    print(f"all-reduce per decode step (TP={args.tp}, {2 * runs[0]['layers']} x [1, {runs[0]['hidden']}] bf16, "
+          f"CUDA graph): {ar_us:.1f} us = {ar_us / 1e3 / step_ms:.0%} of the TP={args.tp} step")
+    verdict = "identical" if same is None else f"first differ at token {same} of {len(a)} (bf16 sum order)"
+    print(f"greedy tokens TP=1 vs TP={args.tp}: {verdict}")
+    if failures:
+        print("float32 check FAILED:\n  " + "\n  ".join(failures))
+    elif not args.skip_check:
+        print(f"float32 check: TP={args.tp} greedy == TP=1 on every dense tiny preset")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for r in runs:
+        r.pop("tokens")
+    (out_dir / "tp.json").write_text(json.dumps({
+        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "runs": runs, "allreduce_us_per_step": ar_us,
+        "greedy_first_difference": same, "check_failures": failures}, indent=2))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

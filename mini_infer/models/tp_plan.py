@@ -1,0 +1,119 @@
+"""Tensor-parallel plans: which linears of a model are split column- or row-wise, read from the config's
+`base_model_tp_plan` (transformers' own, per module path: "layers.*.self_attn.q_proj": "colwise"), and the
+checks that a world size fits the model (attention heads, KV heads, vocabulary).
+
+Nothing is guessed: a config without a plan, or with an entry this project cannot shard (experts, latent
+attention), is a ValueError naming the field. The sharding pass and the start-up checks both read the plan
+from here, so a model is refused before any weight loads. This module reads configs only: it never touches a
+graph, a tensor or a process group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Plan styles this project implements. "replicated_with_grad_allreduce" (Qwen3's q/k norms) is a per-head
+# weight every rank keeps whole: nothing to do at inference.
+SHARDED_STYLES = ("colwise", "rowwise")
+REPLICATED_STYLES = ("replicated_with_grad_allreduce",)
+KV_PROJECTIONS = ("k_proj", "v_proj")  # the colwise linears whose rows are KV heads (may be replicated)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A model's split over `world_size` ranks: the plan's entries and the head and vocabulary arithmetic.
+
+    Query heads are split evenly (rank r has heads r*H/N ... (r+1)*H/N - 1). KV heads are split evenly when N
+    divides them; when there are fewer KV heads than ranks (and N is a multiple of them) each rank keeps the
+    one KV head its query heads read (vLLM's rule). The vocabulary of lm_head is split evenly after padding it
+    to a multiple of N (padding rows are dropped after the all-gather).
+    """
+
+    world_size: int
+    styles: dict[str, str]  # plan pattern ("layers.*.self_attn.q_proj") -> style
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def kv_replicated(self) -> bool:
+        return self.num_kv_heads < self.world_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return 1 if self.kv_replicated else self.num_kv_heads // self.world_size
+
+    def first_kv_head(self, rank: int) -> int:
+        """The first KV head rank `rank` keeps."""
+        if self.kv_replicated:
+            return rank * self.num_kv_heads // self.world_size
+        return rank * self.kv_heads_per_rank
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.world_size) * self.world_size
+
+    def style_of(self, module_path: str) -> str | None:
+        """The plan's style for a module path (any prefix: "model.model.layers.0.mlp.up_proj"), or None."""
+        for pattern, style in self.styles.items():
+            if _pattern_regex(pattern).search(module_path):
+                return style
+        return None
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    """transformers' plan patterns ('*' is one layer index) matched at the end of a dotted module path."""
+    body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in pattern.split("."))
+    return re.compile(rf"(^|\.){body}$")
+
+
+def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
+    """The plan for `config` (a transformers config) over `world_size` ranks; ValueError naming the field and
+    the limit when the model cannot be split that way."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world_size!r}")
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", type(text).__name__)
+    plan = getattr(text, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"tensor_parallel_size={world_size}: the {model_type!r} config has no base_model_tp_plan "
+                         "(transformers' tensor-parallel plan), so mini-infer cannot tell how to split it; run it "
+                         "with tensor_parallel_size=1")
+    if getattr(text, "kv_lora_rank", None) is not None:
+        raise ValueError(f"tensor_parallel_size={world_size}: {model_type!r} uses latent attention (kv_lora_rank="
+                         f"{text.kv_lora_rank}), which the shard_tensor_parallel pass does not split")
+    unsupported = {k: v for k, v in plan.items() if v not in SHARDED_STYLES + REPLICATED_STYLES}
+    if unsupported:
+        key, style = next(iter(unsupported.items()))
+        raise ValueError(f"tensor_parallel_size={world_size}: config.base_model_tp_plan[{key!r}] = {style!r} is "
+                         f"not supported (the shard_tensor_parallel pass splits {', '.join(SHARDED_STYLES)} "
+                         "linears; experts and other styles are not sharded): run this model with "
+                         "tensor_parallel_size=1")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if heads % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} does not divide num_attention_heads={heads}: pick a "
+                         f"size that divides it")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size={world_size} and num_key_value_heads={kv_heads}: the size must "
+                         "divide the KV heads, or be a multiple of them (each rank then keeps one KV head)")
+    for field in ("intermediate_size",):
+        value = getattr(text, field, None)
+        if isinstance(value, int) and value % world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} does not divide {field}={value}")
+    styles = {k: v for k, v in plan.items() if v in SHARDED_STYLES}
+    return TensorParallelPlan(world_size, styles, heads, kv_heads, head_dim, text.vocab_size)
+
+
+def check_tensor_parallel_devices(world_size: int, device_type: str, num_gpus: int) -> None:
+    """ValueError when `world_size` ranks cannot each have a GPU of this machine (one GPU per rank)."""
+    if device_type == "cuda" and world_size > num_gpus:
+        raise ValueError(f"tensor_parallel_size={world_size}, but this machine has {num_gpus} CUDA GPU(s): one "
+                         "rank per GPU (for several machines, start each with torchrun; see docs/distributed.md)")

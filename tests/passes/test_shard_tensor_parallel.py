@@ -1,0 +1,211 @@
+"""ShardTensorParallel: the graph each rank gets (in this process, no process group needed to compile), its
+refusals, and its numbers on two real gloo ranks.
+
+In-process, on every dense tiny preset: rank 0's graph of 2 has one all-reduce after each row-parallel linear
+(o_proj, down_proj), one all-gather of the logits rows, per-rank caches of half the KV heads, about half the
+layer weights, and fuse_rmsnorm still fuses every residual add + RMSNorm that follows an all-reduce. Refusals
+name the field: no tp plan, heads or KV heads that do not split, experts and latent attention, more ranks than
+GPUs, a world size > 1 without a sharding pass.
+
+On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense tiny preset plus a llama with one
+KV head (replicated on both ranks) and a vocabulary of 511 (padded to 512): the pass alone and the full pipeline
+give eager HF's logits on both ranks, and the same as the TP=1 pipeline.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from mini_infer.compiler import compile_model
+from mini_infer.models.loader import build_random_model
+from mini_infer.models.presets import TINY_DENSE_PRESETS, preset_config
+from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_parallel_plan
+from mini_infer.passes import PassContext, recommended_passes, resolve_passes
+from mini_infer.passes.capture import capture
+from mini_infer.passes.manager import PassError, PassManager
+from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
+from mini_infer.runtime.engine import EngineConfig
+from mini_infer.runtime.preflight import check_before_load
+from tests.distributed.helpers import run_ranks
+from tests.passes.helpers import (
+    CPU,
+    NUM_LAYERS,
+    ToyLM,
+    _cleaned,
+    copy_gm,
+    full_pipeline,
+    loaded,
+    mi,
+    op_counts,
+    positions,
+    random_ids,
+    run_graph,
+)
+
+c10d = torch.ops._c10d_functional
+L = NUM_LAYERS
+
+
+def _tp_pipeline(name: str, rank: int, world_size: int):
+    """The recommended pipeline for rank `rank` of `world_size` on `name`'s cleaned graph (no process group)."""
+    lm = loaded(name)
+    ctx = PassContext(config=lm.config, device=CPU, dtype=torch.float32, rank=rank, world_size=world_size,
+                      applied=["cleanup"])
+    gm = copy_gm(_cleaned(name))
+    stats = PassManager(recommended_passes(ctx)[1:]).run(gm, ctx)
+    return gm, ctx, stats
+
+
+@pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
+def test_rank_graph(name):
+    gm, ctx, stats = _tp_pipeline(name, 0, 2)
+    counts = op_counts(gm)
+    assert counts[c10d.all_reduce.default] == 2 * L  # after o_proj and down_proj of every layer
+    assert counts[c10d.all_gather_into_tensor.default] == 1  # the logits rows
+    assert counts[c10d.wait_tensor.default] == 2 * L + 1
+    row = next(s for s in stats if s.name == "shard_tensor_parallel")
+    assert "4 rowwise" in row.note and "embedding replicated" in row.note
+    # the caches hold this rank's KV heads: 2 KV heads over 2 ranks
+    assert {s.num_kv_heads for s in ctx.cache_specs} == {1}
+    _, ctx1, _ = full_pipeline(name)
+    assert {s.num_kv_heads for s in ctx1.cache_specs} == {2}
+    # layer weights are split: every linear weight but the embedding is at most half of TP=1's
+    gm1 = full_pipeline(name)[0]
+    assert sum(b.numel() for b in gm.buffers()) + sum(p.numel() for p in gm.parameters()) < \
+        0.7 * (sum(b.numel() for b in gm1.buffers()) + sum(p.numel() for p in gm1.parameters()))
+
+
+@pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
+def test_add_rmsnorm_fuses_across_the_all_reduce(name):
+    """Each all-reduce's result is the residual add of a fused_add_rms_norm, as many fused norms as TP=1."""
+    gm, _, _ = _tp_pipeline(name, 1, 2)
+    fused = [n for n in gm.graph.nodes if n.target is mi.fused_add_rms_norm.default]
+    assert len(fused) == op_counts(full_pipeline(name)[0])[mi.fused_add_rms_norm.default] == 2 * L
+    waits = [n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default
+             and n.args[0].target is c10d.all_reduce.default]
+    assert len(waits) == 2 * L
+    for w in waits:
+        assert any(u.target is mi.fused_add_rms_norm.default for u in w.users), f"{w.name} feeds {list(w.users)}"
+    assert not any(n.target is operator.add for n in gm.graph.nodes)
+
+
+# -- refusals --------------------------------------------------------------------------------------------------
+
+
+def _config(name: str, **fields):
+    config = preset_config(name)
+    for k, v in fields.items():
+        setattr(config, k, v)
+    return config
+
+
+@pytest.mark.parametrize(("config", "size", "message"), [
+    (_config("tiny-llama", base_model_tp_plan=None), 2, "has no base_model_tp_plan"),
+    (_config("tiny-llama"), 3, "does not divide num_attention_heads=4"),
+    (_config("tiny-llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96), 3,
+     "num_key_value_heads=4"),
+    (_config("tiny-llama", intermediate_size=129), 2, "does not divide intermediate_size=129"),
+    (_config("tiny-mixtral"), 2, "'layers.*.mlp.experts"),
+    (_config("tiny-qwen3-moe"), 2, "experts and other styles are not sharded"),
+    (_config("tiny-deepseek-v2"), 2, "latent attention"),
+    (_config("tiny-llama"), 0, "tensor_parallel_size must be an int >= 1"),
+])
+def test_plan_refusals(config, size, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        tensor_parallel_plan(config, size)
+
+
+def test_plan_arithmetic():
+    plan = tensor_parallel_plan(_config("tiny-llama", num_key_value_heads=1, vocab_size=511), 2)
+    assert (plan.heads_per_rank, plan.kv_heads_per_rank, plan.kv_replicated) == (2, 1, True)
+    assert [plan.first_kv_head(r) for r in (0, 1)] == [0, 0]
+    assert plan.padded_vocab == 512
+    plan = tensor_parallel_plan(_config("tiny-llama", num_attention_heads=8, num_key_value_heads=2), 4)
+    assert [plan.first_kv_head(r) for r in range(4)] == [0, 0, 1, 1]
+    assert plan.style_of("model.model.layers.11.self_attn.o_proj") == "rowwise"
+    assert plan.style_of("model.model.layers.1.self_attn.q_norm") is None  # replicated
+    assert plan.style_of("model.lm_head") is None
+
+
+def test_more_ranks_than_gpus():
+    with pytest.raises(ValueError, match="tensor_parallel_size=4, but this machine has 2 CUDA GPU"):
+        check_tensor_parallel_devices(4, "cuda", 2)
+    check_tensor_parallel_devices(2, "cuda", 2)
+    check_tensor_parallel_devices(8, "cpu", 0)  # CPU ranks share the host
+
+
+def test_preflight_refuses_before_loading():
+    with pytest.raises(ValueError, match="moe_tp_experts|packed_colwise"):
+        check_before_load(EngineConfig(model="tiny-mixtral", device="cpu", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="does not divide num_attention_heads"):
+        check_before_load(EngineConfig(model="tiny-llama", device="cpu", tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+class _Skip(torch.nn.Module):
+    def forward(self, x, position_ids):
+        return x
+
+
+def test_compile_refusals():
+    model = ToyLM(_Skip()).eval()
+    with pytest.raises(PassError, match="no base_model_tp_plan"):
+        compile_model(model, passes=["cleanup", "shard_tensor_parallel"], world_size=2)
+    with pytest.raises(ValueError, match="no sharding pass"):
+        compile_model(model, passes=["cleanup"], world_size=2)
+    with pytest.raises(ValueError, match="group_name"):
+        ShardTensorParallel(group_name=3)
+
+
+# -- numbers on two gloo ranks ---------------------------------------------------------------------------------
+
+VARIANTS = {name: (name, {}) for name in TINY_DENSE_PRESETS}
+VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1, vocab_size=511))
+SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
+
+
+def _errors(rank: int, world_size: int) -> dict:
+    """On each rank: max |logits - eager| of the pass alone and of the full pipeline, and |TP=N - TP=1|
+    (one capture per model, each pipeline on a copy of it)."""
+    out = {}
+    for label, (preset, fields) in VARIANTS.items():
+        model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
+        captured = capture(model)
+        num, start = 11, 5
+        ids = random_ids(num, seed=1) % model.config.vocab_size
+        pos = positions(start, num)
+        with torch.no_grad():
+            ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        row = {"tol": 1e-4 * max(1.0, ref.abs().max().item())}
+        logits = {}
+        for kind, size in (("alone", world_size), ("full", world_size), ("tp1", 1)):
+            ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank % size,
+                              world_size=size)
+            passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
+            gm = copy_gm(captured)
+            PassManager(passes).run(gm, ctx)
+            inputs = ctx.example_inputs(ids, pos)
+            inputs["logits_indices"] = torch.arange(num)
+            logits[kind] = run_graph(gm, inputs)
+            row[f"{kind}_all_reduces"] = op_counts(gm)[c10d.all_reduce.default]
+        row["alone"] = (logits["alone"] - ref).abs().max().item()
+        row["full"] = (logits["full"] - ref).abs().max().item()
+        row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
+        out[label] = row
+    return out
+
+
+def test_two_ranks_match_eager_and_tp1():
+    results = run_ranks(_errors, 2)
+    for rank, rows in enumerate(results):
+        for label, row in rows.items():
+            where = f"rank {rank}, {label}"
+            assert row["alone"] <= row["tol"], f"{where}: the pass alone is off by {row['alone']:.2e}"
+            assert row["full"] <= row["tol"], f"{where}: the full pipeline is off by {row['full']:.2e}"
+            assert row["vs_tp1"] <= row["tol"], f"{where}: TP=2 and TP=1 differ by {row['vs_tp1']:.2e}"
+            assert row["alone_all_reduces"] == row["full_all_reduces"] == 2 * L, where
+            assert row["tp1_all_reduces"] == 0, where
