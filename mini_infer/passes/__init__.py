@@ -13,11 +13,12 @@ from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
+from mini_infer.passes.quantize_fp8 import QuantizeFP8
 from mini_infer.passes.select_logits import SelectLogits
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, MergeProjections, FuseSiluMul,
-                        MlaLatentCache, PagedAttention, GemvLinear)
+    p.name: p for p in (Cleanup, SelectLogits, QuantizeFP8, FuseRMSNorm, FuseRotary, MergeProjections,
+                        FuseSiluMul, MlaLatentCache, PagedAttention, GemvLinear)
 }
 
 

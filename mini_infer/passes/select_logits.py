@@ -20,7 +20,8 @@ _ELEMENTWISE = (aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.to.dty
                 aten.add.Tensor, aten.mul.Scalar, aten.div.Scalar)
 
 
-def _find_lm_head(out: fx.Node) -> fx.Node | None:
+def find_lm_head(out: fx.Node) -> fx.Node | None:
+    """The `linear` whose output reaches the graph output `out` through elementwise ops only (the lm_head)."""
     node = out
     while isinstance(node, fx.Node):
         if is_op(node, aten.linear.default):
@@ -42,7 +43,7 @@ class SelectLogits(GraphPass):
         graph = gm.graph
         out_node = graph.output_node()
         logits = out_node.args[0]
-        head = _find_lm_head(logits)
+        head = find_lm_head(logits)
         if head is None:
             raise ValueError(f"select_logits: could not find the lm_head linear feeding the output {logits}")
         idx = ctx.add_input(gm, LOGITS_INDICES)
