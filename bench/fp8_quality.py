@@ -2,22 +2,38 @@
 fp8 weights against the unquantized model, on the same prompts in the same run (not a test: minutes on a CPU).
 
     python bench/fp8_quality.py                                   # 20 prompts x 64 tokens, variants kv,weights
-    python bench/fp8_quality.py --variants kv --min-agreement 0.9 # exit 1 when kv fp8 agrees on < 90% of tokens
+    python bench/fp8_quality.py --variants kv --min-teacher-forced 0.9   # exit 1 below 90% (teacher-forced)
     python bench/fp8_quality.py --device cuda                     # the same on a GPU (needs the gguf package)
 
-Variants: `kv` = kv_cache_dtype="fp8", `weights` = quantization="fp8", `both`. Every engine runs with prefix
-caching and chunked prefill (a 64-token step budget, so prompts are split and decodes mix with prefill chunks).
-The prompts are the 20 English openings in PROMPTS (raw text, no chat template), each continued greedily for
---tokens tokens with ignore_eos. Reported per variant, against the unquantized engine's tokens:
+Variants: `kv` = kv_cache_dtype="fp8", `weights` = quantization="fp8", `both`; yardsticks `bf16-kv`
+(kv_cache_dtype="bfloat16") and `bf16` (the whole model in bfloat16): what 16-bit rounding alone does to the
+same measures (the CPU reference runs in float32). Every engine runs with prefix caching and chunked prefill (a
+64-token step budget, so prompts are split and decodes mix with prefill chunks). The prompts are the 20 English
+openings in PROMPTS (raw text, no chat template), each continued greedily for --tokens tokens with ignore_eos.
+Reported per variant, against the unquantized engine's tokens:
 
   agreement       fraction of the prompts x tokens positions where the variant's greedy token equals the
-                  reference's (free running: after a first difference the two continuations may diverge, so one
-                  flip can cost every later position of its prompt: the strict measure, the one bounded)
+                  reference's, free running: after a first difference the two continuations diverge, so one
+                  flip at a near-tie costs every later position of its prompt. It measures how soon greedy
+                  decoding diverges more than quality: the all-bf16 model scores 0.58 on it.
   teacher-forced  fraction of positions where the variant's top-1 token, given the reference's own continuation
-                  as context, is the reference's token (prompt_logprobs=1 over prompt + reference continuation:
-                  each flip counts once)
+                  as context, is the reference's token (prompt_logprobs=1 over prompt + reference continuation,
+                  through chunked prefill over the variant's cache): each flip counts once.
   identical       prompts whose continuations are equal throughout
-  max |K|, |V|    not measured here: with scales 1.0 the fp8 cache saturates at 448 (see passes/paged_attention.py)
+
+Measured on the CPU (2 cores, a1bf050, 20 prompts x 64 tokens):
+
+  variant   agreement  teacher-forced  identical  KV B/token
+  kv          0.312        0.963          0/20       11520   (fp32 reference: 46080)
+  weights     0.191        0.924          0/20       46080
+  both        0.181        0.924          1/20       11520
+  bf16-kv     0.965        0.998         17/20       23040
+  bf16        0.578        0.995          5/20       23040
+
+So the fp8 cache flips the greedy token at 3.7% of positions (bf16 KV: 0.2%): near-ties of this 135M model
+(top-2 logit gaps under 0.2 are common) meet fp8's logit noise (0.1-0.5). `--min-teacher-forced 0.9` is the
+bound that holds (tests/passes/test_fp8_kv_cache.py checks it in CI on 4 prompts x 32 tokens); free-running
+agreement >= 0.9 does not hold for fp8 on this model.
 
 Writes JSON to --out (default bench/out/fp8_quality.json).
 """
@@ -53,7 +69,9 @@ PROMPTS = [
     "In mathematics, a prime number is",
 ]
 VARIANTS = {"kv": dict(kv_cache_dtype="fp8"), "weights": dict(quantization="fp8"),
-            "both": dict(kv_cache_dtype="fp8", quantization="fp8")}
+            "both": dict(kv_cache_dtype="fp8", quantization="fp8"),
+            # yardsticks: what 16-bit rounding alone does to the same measures (the CPU reference is fp32)
+            "bf16-kv": dict(kv_cache_dtype="bfloat16"), "bf16": dict(dtype="bfloat16")}
 
 
 def greedy_agreement(ref: list[list[int]], out: list[list[int]]) -> float:
@@ -99,7 +117,10 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=20, help=f"how many of the {len(PROMPTS)} prompts")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--min-agreement", type=float, default=None, help="exit 1 if a variant's agreement is lower")
+    ap.add_argument("--min-agreement", type=float, default=None,
+                    help="exit 1 if a variant's free-running agreement is lower")
+    ap.add_argument("--min-teacher-forced", type=float, default=None,
+                    help="exit 1 if a variant's teacher-forced agreement is lower")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -141,12 +162,13 @@ def main() -> int:
     (out / "fp8_quality.json").write_text(json.dumps(
         {"device": args.device, "prompts": len(prompts), "tokens": args.tokens, "seconds": seconds,
          "reference_kv_bytes_per_token": ref_bytes, "results": rows}, indent=2))
-    if args.min_agreement is not None:
-        low = [r["variant"] for r in rows if r["agreement"] < args.min_agreement]
+    failed = False
+    for key, bound in (("agreement", args.min_agreement), ("teacher_forced", args.min_teacher_forced)):
+        low = [r["variant"] for r in rows if bound is not None and r[key] < bound]
         if low:
-            print(f"agreement below {args.min_agreement}: {', '.join(low)}", file=sys.stderr)
-            return 1
-    return 0
+            print(f"{key} below {bound}: {', '.join(low)}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ hands to the op (which stores `k / k_scale` saturated to +-448 and multiplies it
 scales are 1.0 unless given (`PagedAttention(kv_scales=...)`, e.g. from a checkpoint's calibrated k/v scales):
 vLLM's default for an uncalibrated fp8 cache. Why not calibrate here: e4m3's relative precision (3 mantissa
 bits) is the same at every magnitude between 2**-6 and 448, so a per-tensor scale only matters for values
-outside that range, and keys and values of the models we serve stay within it (the SmolLM2 check in
-bench/fp8_quality.py measures it); calibrating from a sample run would make the cache depend on the sample
-(vLLM's `calculate_kv_scales` takes the first batch). The cache halves K/V bytes against 16-bit caches; prefix
+outside that range. SmolLM2-135M's keys stay below 20 and its values below 11 (no saturation); only layer 0's
+values sit mostly below 2**-6 (subnormal steps). Per-layer scales from max|K|, max|V| / 448 over the prompts of
+bench/fp8_quality.py moved its teacher-forced greedy agreement from 0.963 to 0.964 (free running 0.31 -> 0.40,
+within the spread of that measure): not worth a calibration step whose result depends on its sample (vLLM's
+`calculate_kv_scales` takes the first batch). Calibrated scales from a checkpoint go in through `kv_scales`. The cache halves K/V bytes against 16-bit caches; prefix
 caching, chunked prefill, preemption and sliding windows are unchanged (bytes per token is all they see).
 On CUDA the fp8 cache needs compute capability >= 8.9 (the kernels convert e4m3 in hardware): refused below.
 """

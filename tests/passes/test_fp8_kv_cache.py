@@ -290,3 +290,43 @@ def test_fp8_cache_on_a_gpu_below_8_9_is_refused(monkeypatch):
 def test_mla_model_refuses_fp8_cache():
     with pytest.raises(PassError, match="MLA models .* need kv_cache_dtype='auto'"):
         compile_model(mc.loaded("tiny-deepseek-v2").model, device="cpu", kv_cache_dtype=FP8)
+
+
+# -- real weights: SmolLM2-135M-Instruct (bench/fp8_quality.py measures 20 prompts x 64 tokens) ---------------
+# No exact oracle here: over 30 layers a 1-ulp difference in one key (graph vs eager arithmetic) moves it across an
+# e4m3 rounding boundary, the change moves later keys across others, and by the last layers hundreds of the
+# stored values differ by one e4m3 step from HF-with-rounded-K/V: logits then differ by as much as fp8 itself costs
+# (~0.1-0.5). Measured on SmolLM2: layers 0-11 store identical bytes, layer 27 differs in 659 of 7488 keys.
+
+SMOL_TEXTS = ["The history of the printing press begins", "Photosynthesis is the process by which plants",
+              "The old lighthouse keeper climbed the stairs and", "In mathematics, a prime number is"]
+SMOL_NEW = 32
+MIN_TEACHER_FORCED = 0.9  # bench/fp8_quality.py: 0.963 over 20 x 64
+
+
+@pytest.fixture(scope="module")
+def smol_fp8():
+    mp = pytest.MonkeyPatch()
+    mc.patch_engine(mp)
+    try:
+        yield LLM(None, device="cpu", kv_cache_dtype="fp8", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                  max_num_batched_tokens=16, async_scheduling=False)
+    finally:
+        mp.undo()
+
+
+def _smol_prompts(llm: LLM) -> list[list[int]]:
+    return [llm.get_tokenizer().encode(t) for t in SMOL_TEXTS]
+
+
+def test_smollm2_teacher_forced_agreement_with_the_unquantized_model(smol_fp8):
+    """Given the unquantized model's greedy continuation as context, the fp8-cache engine's top-1 token is the
+    same at >= MIN_TEACHER_FORCED of the positions (prompt logprobs through chunked prefill over the fp8 cache)."""
+    prompts = _smol_prompts(smol_fp8)
+    refs = [mc.hf_greedy(mc.loaded(None).model, p, SMOL_NEW) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    outs = smol_fp8.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, refs)], params, use_tqdm=False)
+    hits = [max(o.prompt_logprobs[len(p) + j].items(), key=lambda kv: kv[1].logprob)[0] == tok
+            for p, r, o in zip(prompts, refs, outs) for j, tok in enumerate(r)]
+    assert smol_fp8.engine.compiled.cache_specs[0].dtype == FP8
+    assert sum(hits) >= MIN_TEACHER_FORCED * len(hits), f"{sum(hits)} of {len(hits)}"
