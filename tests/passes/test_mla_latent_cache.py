@@ -19,11 +19,10 @@ import math
 
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import given
 from transformers import AutoConfig
 
-from mini_infer.compiler import bind_kernels, compile_model
+from mini_infer.compiler import compile_model
 from mini_infer.contract import LatentAttentionSpec
 from mini_infer.models.loader import build_random_model
 from mini_infer.models.presets import TINY_PRESETS
@@ -42,6 +41,7 @@ from tests.passes.helpers import (
     NUM_LAYERS,
     assert_logits_close,
     aten,
+    bound_copy,
     check_against_eager,
     copy_gm,
     eager_logits,
@@ -334,11 +334,7 @@ def test_triton_kernels_in_the_graph(name):
     gm, ctx, _ = full_pipeline(name)
     outs = {}
     for backend in ("reference", "triton"):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        bound = fx.GraphModule(gm, graph)
-        bind_kernels(bound, CPU, backend=backend)
-        names = {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+        bound, names = bound_copy(gm, backend)
         assert f"mla_attention_{backend}" in names and f"apply_rotary_interleaved_{backend}" in names
         ids, pos = random_ids(10, 9), positions(2, 10)
         cache = _Cache(ctx, 6, seed=1)

@@ -33,6 +33,7 @@ from tests.passes.helpers import (
     _cleaned,
     assert_logits_close,
     aten,
+    bound_copy,
     copy_gm,
     eager_logits,
     graph_logits,
@@ -247,3 +248,22 @@ def test_preflight_refuses_fp8_on_a_gpu_below_8_9(monkeypatch):
     with pytest.raises(ValueError, match=r"quantization='fp8' and kv_cache_dtype='fp8': NVIDIA A100-SXM4-80GB"):
         preflight._check_fp8(config, torch.device("cuda"))
     preflight._check_fp8(EngineConfig(), torch.device("cuda"))  # nothing asked for fp8: nothing to refuse
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/fp8_gpu_check.py")
+def test_triton_kernels_in_the_graph():
+    """fp8 weights and the fp8 KV cache with every op bound to its Triton launcher (what a GPU runs; the
+    interpreter here) give the reference-bound graph's logits, for a prefill (M > 16) and a one-token step."""
+    name = "tiny-llama"
+    gm = copy_gm(_cleaned(name))
+    ctx = PassContext(config=loaded(name).config, device=CPU, dtype=torch.float32, quantization="fp8",
+                      kv_cache_dtype=FP8, applied=["cleanup"])
+    PassManager(recommended_passes(ctx)[1:]).run(gm, ctx)
+    outs = {}
+    for backend in ("reference", "triton"):
+        bound, names = bound_copy(gm, backend)
+        assert f"fp8_w8a8_linear_{backend}" in names and f"paged_attention_{backend}" in names
+        outs[backend] = [graph_logits(bound, ctx, random_ids(n, n), positions(0, n), logits_indices=torch.arange(n))
+                         for n in (37, 1)]
+    for ref, tri in zip(outs["reference"], outs["triton"]):
+        assert_logits_close(tri, ref)
