@@ -230,6 +230,21 @@ def test_generate_under_preemption(patched):
     assert_no_leak(llm.engine)
 
 
+def test_padded_graph_path_feeds_the_scales(patched):
+    """The CUDA-graph runner's static buffers (run eagerly on a CPU) pass the fixed scale inputs with the caches."""
+    name = "tiny-llama"
+    llm = _llm(name, kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=16)
+    runner = llm.engine.runner
+    runner.enable_cuda_graphs(4, llm.engine.max_model_len, 16, force=True)
+    replays = []
+    real_run = runner.cuda_graphs.run
+    runner.cuda_graphs.run = lambda inputs, plan, shape: replays.append(shape) or real_run(inputs, plan, shape)
+    prompts = random_prompts(5, (5, 19, 2))
+    assert _generate(llm, prompts) == [oracle_greedy(name, tuple(p)) for p in prompts]
+    assert (16, 4) in replays and any(t == s for t, s in replays)  # mixed and decode shapes both replayed
+    assert_no_leak(llm.engine)
+
+
 def test_summary_and_capacity_show_the_smaller_cache(patched):
     name = "tiny-qwen2"
     lm = mc.loaded(name)
