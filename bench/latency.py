@@ -6,8 +6,14 @@ Default: the `qwen2.5-7b` preset (bf16, random weights), prompt 128 tokens, 256 
 the weight bytes are the active ones: attention, router, shared experts and lm_head, and only the top-k routed
 experts of each MoE layer (bench/active_bytes.py).
 
+`--quantization` and `--kv-cache-dtype` take comma lists ("none" = no quantization): each combination is an
+engine of its own, built, measured and freed one after the other in the same run, each beside its own floor
+(fp8 weights read half the bytes, so their floor is higher). The HF peers are always the bf16 model.
+
     python bench/latency.py [--model qwen2.5-7b] [--prompt-len 128] [--new-tokens 256] [--peers hf-eager,hf-static]
     python bench/latency.py --model qwen3-30b-a3b --peers hf-static   # MoE: the active-parameter floor
+    python bench/latency.py --quantization none,fp8 --peers none          # fp8 weights vs bf16, same run
+    python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
 """
 
 from __future__ import annotations
@@ -53,28 +59,26 @@ def time_hf(model, ids: torch.Tensor, new: int, **kw) -> float:
     return new / (time.perf_counter() - start)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-7b")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--peers", default="hf-eager,hf-static")
-    ap.add_argument("--out", default="bench/out")
-    args = ap.parse_args()
+def random_prompt(vocab: int, n: int) -> list[int]:
+    """The benchmark's prompt: n random ids (seed 0), the same for every engine of a run."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(100, min(vocab, 10000), (n,), generator=gen).tolist()
+
+
+def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str) -> dict:
+    """Build one engine, time batch-1 decode of the benchmark prompt, free it; the numbers and the engine's
+    floor."""
+    import gc
 
     from mini_infer.llm import LLM
-    from mini_infer.models import load_model
     from mini_infer.sampling_params import SamplingParams
 
-    bw = copy_bandwidth()
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens + 16,
-              kv_cache_memory_bytes=2 << 30)
+              kv_cache_memory_bytes=2 << 30, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     eng = llm.engine
     startup = time.perf_counter() - t0
-    vocab = eng.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, min(vocab, 10000), (args.prompt_len,), generator=gen).tolist()
+    prompt = random_prompt(eng.vocab_size, args.prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     torch.cuda.synchronize()
@@ -83,37 +87,77 @@ def main() -> None:
     torch.cuda.synchronize()
     total = time.perf_counter() - start
     first = out.metrics.first_token_time - out.metrics.arrival_time
-    decode_tok_s = (args.new_tokens - 1) / (total - first)
-
     # the weights one token reads from the compiled graph (the engine released the HF model): all but the
     # embedding, and for MoE layers only the top-k experts (bench/active_bytes.py)
     weights = token_bytes(eng.compiled.graph_module)
-    kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
+    kv_per_token = eng.compiled.cache_bytes_per_token()
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    floor_tok_s = bw / (weights.active + kv_per_token * mean_ctx)
-    rows = [("bandwidth floor", floor_tok_s), ("mini-infer", decode_tok_s)]
+    result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, startup_s=startup,
+                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first,
+                  decode_tok_s=(args.new_tokens - 1) / (total - first), weight_bytes=weights.total, active_weight_bytes=weights.active,
+                  moe_layers=weights.moe_layers, weights_read=weights.describe(),
+                  kv_bytes_per_token=kv_per_token, floor_tok_s=bw / (weights.active + kv_per_token * mean_ctx),
+                  tokens=list(out.outputs[0].token_ids), prompt=prompt)
+    del llm, eng, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static, or none")
+    ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+
+    from mini_infer.models import load_model
+
+    bw = copy_bandwidth()
+    engines = []
+    for q in args.quantization.split(","):
+        for kv in args.kv_cache_dtype.split(","):
+            engines.append(measure_engine(args, bw, None if q == "none" else q, kv))
+    prompt = engines[0]["prompt"]
+    rows = []
+    for e in engines:
+        tag = f"q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}"
+        rows += [(f"floor [{tag}]", e["floor_tok_s"]), (f"mini-infer [{tag}]", e["decode_tok_s"])]
+    floor_tok_s = engines[0]["floor_tok_s"]  # the peers' floor: the first engine (bf16 unless told otherwise)
     ids = torch.tensor([prompt], device="cuda")
-    peers = args.peers.split(",") if args.peers else []
+    peers = args.peers.split(",") if args.peers and args.peers != "none" else []
     model = load_model(args.model, device="cuda").model if peers else None  # the same weights (seeded preset)
     for peer in peers:
         if peer == "hf-eager":
             rows.append(("hf-eager", time_hf(model, ids, args.new_tokens)))
         elif peer == "hf-static":
             rows.append(("hf-static+compile", time_hf(model, ids, args.new_tokens, cache_implementation="static")))
-    print(f"{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s; startup {startup:.1f}s (compile {eng.compile_seconds:.1f}s, "
-          f"cuda graphs {eng.capture_seconds:.1f}s); TTFT {first * 1e3:.1f} ms; floor reads {weights.describe()}")
-    print(f"{'engine':<20}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
+        else:
+            raise SystemExit(f"unknown peer {peer!r}")
+    print(f"{args.model} batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s")
+    for e in engines:
+        same = sum(a == b for a, b in zip(e["tokens"], engines[0]["tokens"]))
+        print(f"  q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}: startup {e['startup_s']:.1f}s (compile "
+              f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {e['ttft_s'] * 1e3:.1f} ms; weights "
+              f"{e['weights_read']}; KV {e['kv_bytes_per_token']} B/token; greedy tokens equal to the "
+              f"first engine's: {same}/{len(e['tokens'])}")
+    print(f"{'engine':<36}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
     for name, tps in rows:
-        print(f"{name:<20}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / floor_tok_s:>10.2f}")
+        own = next((e["floor_tok_s"] for e in engines if name.endswith(
+            f"[q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}]")), floor_tok_s)
+        print(f"{name:<36}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / own:>10.2f}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     (out_dir / "latency.json").write_text(json.dumps({
         "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "startup_s": startup,
-        "compile_s": eng.compile_seconds, "capture_s": eng.capture_seconds, "ttft_s": first,
-        "weight_bytes": weights.total, "active_weight_bytes": weights.active, "moe_layers": weights.moe_layers,
+        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw,
+        "engines": [{k: v for k, v in e.items() if k not in ("tokens", "prompt")} for e in engines],
         "results": {name: tps for name, tps in rows}}, indent=2))
     try:
         import matplotlib
@@ -121,8 +165,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.barh([r[0] for r in rows], [r[1] for r in rows], color=["C7", "C0"] + ["C1"] * (len(rows) - 2))
+        fig, ax = plt.subplots(figsize=(7, 1 + 0.4 * len(rows)))
+        colors = ["C7" if r[0].startswith("floor") else "C0" if r[0].startswith("mini-infer") else "C1" for r in rows]
+        ax.barh([r[0] for r in rows], [r[1] for r in rows], color=colors)
         ax.set_xlabel("decode tokens/s (batch 1)")
         ax.set_title(f"{args.model} latency ({torch.cuda.get_device_name()})")
         fig.tight_layout()

@@ -10,11 +10,18 @@ Prints a table, writes JSON and a PNG bar chart to --out (default bench/out/).
 
     python bench/throughput.py                       # CPU: cpu16 workload
     python bench/throughput.py --workload nanovllm   # GPU
+    python bench/throughput.py --workload nanovllm --kv-cache-dtype auto,fp8 --peers none   # fp8 KV cache vs not
+
+`--quantization` and `--kv-cache-dtype` take comma lists ("none" = no quantization): each combination is an
+engine of its own, run on the same workload one after the other in the same run (rows `mini-infer[q=..,kv=..]`).
+`--kv-cache-memory-bytes` caps the KV cache (to see what a cache of half the bytes per token buys when memory is
+short); the peers always run the unquantized model.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import subprocess
@@ -78,6 +85,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap host scheduling with the device (engine default: on for CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (engine default)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.threads:
@@ -94,21 +104,41 @@ def main() -> None:
     if args.peers != "auto":
         peers = [] if args.peers == "none" else args.peers.split(",")
 
-    t0 = time.perf_counter()
-    llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304, max_num_batched_tokens=args.max_num_batched_tokens,
-              async_scheduling=args.async_scheduling)
-    startup = time.perf_counter() - t0
-    wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
-    results = [run_engine(llm, wl, temperature=temp)]
-    results[0].startup_seconds = startup
-    st = llm.engine.stats
-    print(f"mini-infer step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
-          f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
-          f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
-          f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each)", flush=True)
-    print(f"mini-infer: {results[0].output_tok_s:.1f} output tok/s ({results[0].seconds:.1f}s; startup "
-          f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
-          flush=True)
+    variants = [(None if q == "none" else q, kv) for q in args.quantization.split(",")
+                for kv in args.kv_cache_dtype.split(",")]
+    results, engine_meta, llm = [], [], None
+    for quantization, kv_cache_dtype in variants:
+        llm = None  # free the previous engine before building the next
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304,
+                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
+                  quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        startup = time.perf_counter() - t0
+        wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
+        r = run_engine(llm, wl, temperature=temp)
+        if len(variants) > 1:
+            r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}]"
+        r.startup_seconds = startup
+        results.append(r)
+        st = llm.engine.stats
+        kv_tokens = llm.engine.kv_cache.num_blocks * llm.engine.config.block_size
+        engine_meta.append(dict(name=r.name, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                kv_cache_tokens=kv_tokens, preemptions=st.get("preemptions", 0),
+                                kv_bytes_per_token=llm.engine.compiled.cache_bytes_per_token(),
+                                weight_bytes=llm.engine.compiled.weight_bytes))
+        print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
+              f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
+              f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
+              f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each); KV cache {kv_tokens} tokens "
+              f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions",
+              flush=True)
+        print(f"{r.name}: {r.output_tok_s:.1f} output tok/s ({r.seconds:.1f}s; startup "
+              f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
+              flush=True)
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     async_scheduling = llm.engine.async_scheduling
     hf_model = None
@@ -129,14 +159,15 @@ def main() -> None:
 
     base = results[0].output_tok_s
     print(f"workload {args.workload}: {n} requests, prompt {inp}, output {outp}, model {model or 'SmolLM2-135M'}")
-    print(f"{'engine':<20}{'out tokens':>11}{'seconds':>10}{'out tok/s':>11}{'mini-infer x':>14}")
+    width = max(20, *(len(r.name) + 2 for r in results))
+    print(f"{'engine':<{width}}{'out tokens':>11}{'seconds':>10}{'out tok/s':>11}{'mini-infer x':>14}")
     for r in results:
-        print(f"{r.name:<20}{r.output_tokens:>11}{r.seconds:>10.2f}{r.output_tok_s:>11.1f}"
+        print(f"{r.name:<{width}}{r.output_tokens:>11}{r.seconds:>10.2f}{r.output_tok_s:>11.1f}"
               f"{base / r.output_tok_s if r.output_tok_s else float('nan'):>14.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+    meta = {"engines": engine_meta, "async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(
@@ -147,8 +178,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.barh([r.name for r in results], [r.output_tok_s for r in results], color=["C0"] + ["C7"] * len(peers))
+        fig, ax = plt.subplots(figsize=(7, 1 + 0.5 * len(results)))
+        ax.barh([r.name for r in results], [r.output_tok_s for r in results],
+                color=["C0"] * len(variants) + ["C7"] * len(peers))
         ax.set_xlabel("output tokens/s")
         ax.set_title(f"throughput, {args.workload} ({meta['device']})")
         fig.tight_layout()

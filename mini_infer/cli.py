@@ -28,6 +28,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="fp8: float8 e4m3 weights with per-channel scales and per-token dynamic activation scales "
+                        "(CUDA compute capability >= 8.9, or the CPU); w8a8: int8 (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), bfloat16, float16, float32, or fp8 (= fp8_e4m3: half a 16-bit "
+                        "cache's bytes per token, k/v scales 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (steps run the graph eagerly)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -57,6 +63,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
         load_format="dummy" if args.dry_run else "auto", generation_config=args.generation_config,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -118,7 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_dump_graph(args: argparse.Namespace) -> int:
     from mini_infer.compiler import compile_model
     from mini_infer.models import load_model
+    from mini_infer.runtime.engine import EngineConfig, resolve_kv_cache_dtype
 
+    EngineConfig(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)  # options named when bad
     size = args.tensor_parallel_size
     if size > 1 and args.verify:
         raise ValueError(f"--verify runs the graph, which needs all {size} ranks: dump without it (the graphs "
@@ -126,6 +135,7 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device)
     passes = args.passes.split(",") if args.passes else None
     cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
+                       quantization=args.quantization, kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype),
                        rank=0, world_size=size)
     print(cm.summary())
     print(f"graphs written to {args.out}")

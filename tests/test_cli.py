@@ -3,6 +3,7 @@ script; bad options and broken models refused in one line with status 2 before a
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -49,6 +50,25 @@ def test_dump_graph_writes_dumps_and_summary(tmp_path, capsys):
     assert "rms_norm" not in (out_dir / "01_cleanup.after.txt").read_text().replace("rms_norm_eps", "")
     printed = capsys.readouterr().out
     assert "fuse_rmsnorm" in printed and str(out_dir) in printed
+
+
+def test_dump_graph_with_fp8_weights_and_kv_cache(tmp_path, capsys):
+    out_dir = tmp_path / "dumps"
+    assert main(["dump-graph", "tiny-llama", "--out", str(out_dir), "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    after = next(out_dir.glob("*_quantize_fp8.after.txt")).read_text()
+    assert after.count("torch.ops.mini_infer.fp8_w8a8_linear.default(") == 14
+    printed = capsys.readouterr().out
+    assert "14 linears to fp8" in printed and "fp8 KV cache" in printed
+    assert "k_cache_0 [2, 16] float8_e4m3fn" in printed and "caches: 128 bytes per token" in printed
+
+
+def test_generate_with_fp8_options(monkeypatch, capsys):
+    mc.patch_engine(monkeypatch)
+    assert main(["generate", "--model", "tiny-llama", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
+                 "--ignore-eos", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert len(ast.literal_eval(line)) == 4  # the printed token-id list
 
 
 @pytest.mark.parametrize("argv", [
@@ -103,7 +123,8 @@ def _broken_checkpoint(path, weights: bytes | None) -> str:
 
 @pytest.mark.parametrize("case", ["text to a model without tokenizer", "max-num-seqs 0", "max-model-len too big",
                                   "kv-cache-memory-bytes 1", "device cuda", "only config.json",
-                                  "random safetensors", "missing absolute path"])
+                                  "random safetensors", "missing absolute path", "kv-cache-dtype fp4",
+                                  "quantization int4"])
 def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_path, capsys, case):
     if case == "device cuda" and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -117,6 +138,8 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
         "random safetensors": ["--model", _broken_checkpoint(tmp_path / "b", bytes(range(256)) * 40),
                                "--prompt-token-ids", "1,2"],
         "missing absolute path": ["--model", str(tmp_path / "nothing" / "here"), "hello"],
+        "kv-cache-dtype fp4": ["--kv-cache-dtype", "fp4", "hello"],
+        "quantization int4": ["--quantization", "int4", "hello"],
     }[case]
     start = time.perf_counter()
     assert main(["generate", *argv]) == 2
@@ -126,7 +149,8 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
     expected = {"text to a model without tokenizer": "--prompt-token-ids", "max-num-seqs 0": "max_num_seqs",
                 "max-model-len too big": "max_model_len=4096", "kv-cache-memory-bytes 1": "kv_cache_memory_bytes=1",
                 "device cuda": "device='cuda'", "only config.json": "no weights",
-                "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory"}
+                "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory",
+                "kv-cache-dtype fp4": "kv_cache_dtype must be one of", "quantization int4": "quantization must be"}
     assert expected[case] in err
 
 

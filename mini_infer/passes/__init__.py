@@ -13,14 +13,14 @@ from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
+from mini_infer.passes.quantize_fp8 import QuantizeFP8
 from mini_infer.passes.route_moe import RouteMoe
 from mini_infer.passes.select_logits import SelectLogits
 from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, FuseRMSNorm, FuseRotary, RouteMoe,
-                        MergeProjections, FuseSiluMul,
-                        MlaLatentCache, PagedAttention, GemvLinear)
+    p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeFP8, FuseRMSNorm, FuseRotary, RouteMoe,
+                        MergeProjections, FuseSiluMul, MlaLatentCache, PagedAttention, GemvLinear)
 }
 
 

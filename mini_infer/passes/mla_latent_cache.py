@@ -281,7 +281,7 @@ class MlaLatentCache(GraphPass):
                              "the model with attn_implementation='sdpa'")
         if ctx.cache_dtype in FP8_DTYPES:
             raise ValueError(f"mla_latent_cache: kv_cache_dtype={ctx.cache_dtype} is not supported (the latent "
-                             "cache has no fp8 scales); use the model dtype")
+                             "cache has no fp8 scales); MLA models (DeepSeek-V2/V3) need kv_cache_dtype='auto'")
         dims = mla_dims(ctx.config, next(iter(modules.values())))
         layers = [_match_layer(gm, sdpa, path, dims) for sdpa, path in sdpas]
         meta = [ctx.add_input(gm, spec) for spec in ATTENTION_METADATA]

@@ -3,7 +3,8 @@
 `check_before_load(config)` reads only the model's config and file headers (see models/model_info.py) and
 answers in well under a second with one ValueError naming the option or file: a device that is not there, a
 model that is missing or broken, a `max_model_len` above the model's limit, a KV-cache budget that cannot hold
-one block (or `max_model_len` tokens), weights larger than the memory available. `LLMEngine` calls it first;
+one block (or `max_model_len` tokens), weights larger than the memory available, FP8 (weights or KV cache) on a
+GPU without FP8. `LLMEngine` calls it first;
 the CLI calls it before it starts a server. What passes here can still fail later (the real KV cache size is
 known only after compile); this module only refuses early what would surely fail. It must not load weights.
 """
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mini_infer")
 
-_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
 
 
 def check_device(device: str | None) -> torch.device:
@@ -71,10 +72,25 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def _check_fp8(config: EngineConfig, device: torch.device) -> None:
+    """FP8 weights or an FP8 KV cache on a GPU without FP8 (compute capability < 8.9): refused naming both."""
+    from mini_infer.ops.fp8_linear import FP8_MIN_CAPABILITY, fp8_supported
+
+    asked = [f"{k}={v!r}" for k, v in (("quantization", config.quantization),
+                                        ("kv_cache_dtype", config.kv_cache_dtype)) if str(v).startswith("fp8")]
+    if asked and device.type == "cuda" and not fp8_supported(device):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(f"{' and '.join(asked)}: {torch.cuda.get_device_name(device)} ({device}) has compute "
+                         f"capability {cap}; FP8 needs >= {need} (Ada, Hopper or later)")
+
+
 def _check_kv_budget(config: EngineConfig, info_config, dtype: torch.dtype) -> None:
     if config.num_kv_blocks is not None or config.kv_cache_memory_bytes is None:
         return
-    per_token = kv_bytes_per_token_at_least(info_config, dtype)
+    from mini_infer.runtime.engine import resolve_kv_cache_dtype
+
+    per_token = kv_bytes_per_token_at_least(info_config, resolve_kv_cache_dtype(config.kv_cache_dtype) or dtype)
     budget = config.kv_cache_memory_bytes
     block = per_token * config.block_size
     if budget < block:
@@ -126,6 +142,7 @@ def check_before_load(config: EngineConfig, loaded: LoadedModel | None = None) -
     from mini_infer.models.loader import resolve_dtype
 
     device = check_device(config.device)
+    _check_fp8(config, device)
     info = None
     if loaded is not None:
         model_config = loaded.config

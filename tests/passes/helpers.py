@@ -95,6 +95,18 @@ def full_pipeline(name: str):
     return run_passes(name, passes[1:])
 
 
+def bound_copy(gm: fx.GraphModule, backend: str) -> tuple[fx.GraphModule, set[str]]:
+    """A copy of `gm` whose mini_infer ops call their `backend` kernels ("reference" or "triton": the Triton
+    launchers, under the interpreter on a CPU), and the names of the functions its nodes call."""
+    from mini_infer.compiler import bind_kernels
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    bound = fx.GraphModule(gm, graph)
+    bind_kernels(bound, CPU, backend=backend)
+    return bound, {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+
+
 def op_counts(gm: fx.GraphModule) -> Counter:
     return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
 

@@ -19,10 +19,9 @@ import math
 
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import given
 
-from mini_infer.compiler import bind_kernels, compile_model
+from mini_infer.compiler import compile_model
 from mini_infer.contract import LatentAttentionSpec
 from mini_infer.ops.mla_attention import absorption_weights
 from mini_infer.passes import PassContext, recommended_passes
@@ -39,6 +38,7 @@ from tests.passes.helpers import (
     NUM_LAYERS,
     assert_logits_close,
     aten,
+    bound_copy,
     check_against_eager,
     copy_gm,
     eager_logits,
@@ -323,11 +323,7 @@ def test_triton_kernels_in_the_graph(name):
     gm, ctx, _ = full_pipeline(name)
     outs = {}
     for backend in ("reference", "triton"):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        bound = fx.GraphModule(gm, graph)
-        bind_kernels(bound, CPU, backend=backend)
-        names = {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+        bound, names = bound_copy(gm, backend)
         assert f"mla_attention_{backend}" in names and f"apply_rotary_interleaved_{backend}" in names
         ids, pos = random_ids(10, 9), positions(2, 10)
         cache = _Cache(ctx, 6, seed=1)

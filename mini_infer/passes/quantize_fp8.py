@@ -1,0 +1,166 @@
+"""QuantizeFP8: linears → `mini_infer.fp8_w8a8_linear` over float8_e4m3fn weights (`quantization="fp8"`).
+
+vLLM's online "fp8" scheme (dynamic W8A8-FP8): each weight `W [N, K]` becomes `w_q = W / w_scale` rounded to
+float8_e4m3fn with one fp32 scale per output channel, `w_scale[n] = max|W[n, :]| / 448` (the arithmetic of
+`quantize_per_token` in mini_infer/ops/quant.py, applied to the weight's rows); the activation is quantized per
+token at run time inside the op, and the GEMM accumulates in fp32 (`torch._scaled_mm` or Triton on CUDA, a
+dequantizing reference on the CPU). No calibration data is needed. The quantized weight and its scales are new
+buffers of the graph and the original is no longer referenced: the pass manager drops it, so the compiled model
+holds one copy (a weight a skipped linear or the embedding still reads stays as it is).
+
+Which linears: every `aten.linear` whose weight is a parameter, except
+  * the lm_head (the linear feeding the logits), unless `lm_head=True`: vLLM leaves it unquantized too, and
+    logits are where rounding shows first;
+  * MoE gating linears (router modules, Qwen2-MoE's `shared_expert_gate`): tiny, and a rounding flips an
+    expert choice at a near-tie (vLLM builds them unquantized). The experts themselves run in `fused_moe` /
+    HF's grouped GEMM, which this pass does not touch: they stay in the model dtype;
+  * `kv_b_proj` of DeepSeek MLA attention: `mla_latent_cache` absorbs its float weight into the attention;
+  * linears named by `skip` (glob patterns over the HF module name, e.g. `"down_proj"`, `"model.layers.0.*"`;
+    a bare name matches it as the last components). A pattern that matches no linear is an error.
+Runs in stage "quantization", before `merge_projections` (which merges the fp8 weights with their scales).
+
+On CUDA it needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or later): anything older is refused
+at compile time naming the device. On the CPU the ops' torch reference runs it (how the tests run).
+This module rewrites linears only; the arithmetic is in ops/fp8_linear.py and ops/quant.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+import mini_infer.ops  # noqa: F401
+from mini_infer.ops.fp8_linear import FP8_MIN_CAPABILITY, fp8_supported
+from mini_infer.ops.quant import quantize_per_token_reference
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
+from mini_infer.passes.mla_latent_cache import mla_module
+from mini_infer.passes.pattern import aten, is_op, lm_head_of
+
+ops = torch.ops.mini_infer
+FP8 = torch.float8_e4m3fn
+_CAPTURE_PREFIX = "model."  # capture wraps the HF model as attribute `model` (passes/capture.py)
+
+
+def require_fp8_device(device: torch.device, what: str) -> None:
+    """ValueError naming `device` when it cannot run FP8 kernels (CUDA below compute capability 8.9, or a
+    device type other than CUDA and CPU); `what` names the option that asked for FP8."""
+    dev = torch.device(device)
+    if fp8_supported(dev):
+        return
+    need = ".".join(map(str, FP8_MIN_CAPABILITY))
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        raise ValueError(f"{what}: {torch.cuda.get_device_name(dev)} ({dev}) has compute capability "
+                         f"{major}.{minor}; FP8 needs >= {need} (Ada, Hopper or later). On this GPU use "
+                         "quantization='w8a8' (int8) or no quantization, and kv_cache_dtype='auto'")
+    raise ValueError(f"{what}: device {dev} has no FP8 kernels (CUDA >= {need} or the CPU reference)")
+
+
+def linear_name(node: fx.Node) -> str:
+    """The HF module name of a linear (`model.layers.0.self_attn.q_proj`), from the node's module stack, else
+    from its weight's attribute path."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path = list(stack.values())[-1][0]
+    else:
+        path = str(node.args[1].target).removesuffix(".weight")
+    return path.removeprefix(_CAPTURE_PREFIX)
+
+
+def _module_class(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    typ = list(stack.values())[-1][1]
+    return (typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))).rsplit(".", 1)[-1]
+
+
+def _is_moe_gate(node: fx.Node, name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return "router" in _module_class(node).lower() or last == "gate" or last.endswith("_gate")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`W [N, K]` → (`w_q` float8_e4m3fn [N, K], `w_scale` fp32 [N]) with `W ≈ w_q * w_scale[:, None]`."""
+    w_q, scale = quantize_per_token_reference(weight.detach(), FP8)
+    return w_q, scale.reshape(weight.shape[0])
+
+
+class QuantizeFP8(GraphPass):
+    """Parameter linears → fp8_w8a8_linear (e4m3 weights, per-channel scales, per-token activation scales)."""
+
+    name = "quantize_fp8"
+    stage = "quantization"
+    requires = ("cleanup",)
+    quantization_modes = ("fp8",)
+
+    def __init__(self, skip: Sequence[str] = (), lm_head: bool = False) -> None:
+        if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
+            raise self.invalid("skip", skip, "must be a list of non-empty module-name patterns")
+        if not isinstance(lm_head, bool):
+            raise self.invalid("lm_head", lm_head, "must be True or False")
+        self.skip = tuple(skip)
+        self.lm_head = lm_head
+
+    @classmethod
+    def default_for(cls, ctx: PassContext) -> GraphPass | None:
+        return cls() if ctx.quantization == "fp8" else None
+
+    def _keep_reason(self, node: fx.Node, name: str, head: fx.Node | None) -> str | None:
+        """Why this linear stays in the model dtype (None: quantize it)."""
+        if node is head and not self.lm_head:
+            return "lm_head"
+        if _is_moe_gate(node, name):
+            return "moe gate"
+        if name.endswith("kv_b_proj") and mla_module(node) is not None:
+            return "mla kv_b_proj"
+        if any(_matches(name, p) for p in self.skip):
+            return "skip"
+        return None
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        require_fp8_device(ctx.device, "quantization='fp8'")
+        graph = gm.graph
+        head = lm_head_of(graph.output_node().args[0])
+        linears = [n for n in graph.nodes if is_op(n, aten.linear.default)
+                   and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"]
+        names = {n: linear_name(n) for n in linears}
+        unmatched = [p for p in self.skip if not any(_matches(name, p) for name in names.values())]
+        if unmatched:
+            sample = ", ".join(sorted({".".join(nm.split(".")[-2:]) for nm in names.values()})[:8])
+            raise self.invalid("skip", unmatched[0], f"matches no linear of this model (names like: {sample})")
+        kept: dict[str, int] = {}
+        done: dict[str, tuple[fx.Node, fx.Node]] = {}  # weight attribute → its fp8 weight and scale nodes
+        n_quantized = 0
+        for node in linears:
+            reason = self._keep_reason(node, names[node], head)
+            if reason is not None:
+                kept[reason] = kept.get(reason, 0) + 1
+                continue
+            w_node = node.args[1]
+            weight = PassContext.tensor_of(gm, w_node)
+            if weight.dim() != 2 or not weight.is_floating_point():
+                kept["not a float matrix"] = kept.get("not a float matrix", 0) + 1
+                continue
+            if w_node.target not in done:
+                with torch.no_grad():
+                    w_q, w_scale = quantize_weight_fp8(weight)
+                base = str(w_node.target).removesuffix(".weight")
+                done[w_node.target] = (PassContext.add_tensor(gm, f"{base}.weight_fp8", w_q, before=node),
+                                       PassContext.add_tensor(gm, f"{base}.weight_scale", w_scale, before=node))
+            q_node, s_node = done[w_node.target]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            replace_with_call(gm, node, ops.fp8_w8a8_linear.default, (node.args[0], q_node, s_node, bias))
+            n_quantized += 1
+        note = f"{n_quantized} linears to fp8"
+        if kept:
+            note += "; kept: " + ", ".join(f"{k} x{v}" for k, v in kept.items())
+        ctx.info["fp8_linears"] = n_quantized
+        return PassResult(n_quantized, note)
