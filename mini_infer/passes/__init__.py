@@ -6,6 +6,7 @@ for the context (`GraphPass.default_for`), ordered by stage and, within a stage,
 
 from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassContext, PassResult
 from mini_infer.passes.cleanup import Cleanup
+from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
@@ -13,11 +14,12 @@ from mini_infer.passes.gemv_linear import GemvLinear
 from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
+from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
 from mini_infer.passes.select_logits import SelectLogits
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, FuseRMSNorm, FuseRotary, MergeProjections, FuseSiluMul,
-                        MlaLatentCache, PagedAttention, GemvLinear)
+    p.name: p for p in (Cleanup, SelectLogits, QuantizeW8A8, FuseRMSNorm, FuseRotary, MergeProjections, FuseSiluMul,
+                        FuseActQuant, MlaLatentCache, PagedAttention, GemvLinear)
 }
 
 

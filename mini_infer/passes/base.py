@@ -51,6 +51,7 @@ class PassContext:
     world_size: int = 1
     quantization: str | None = None  # "w8a8", "fp8" or None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
+    tokenizer: Any = None  # the model's tokenizer, if it has one (calibration prompts are text)
     input_specs: dict[str, InputSpec] = field(default_factory=lambda: {s.name: s for s in (INPUT_IDS, POSITION_IDS)})
     cache_specs: list[CacheSpec] = field(default_factory=list)
     declared_by: dict[str, str] = field(default_factory=dict)  # input or cache name -> pass that declared it

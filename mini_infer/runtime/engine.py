@@ -168,7 +168,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.compiled = compiled or compile_model(
             self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
-            quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype))
+            quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
+            tokenizer=self.tokenizer)
         self.compile_seconds = time.perf_counter() - t1
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
