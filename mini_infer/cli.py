@@ -28,6 +28,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="w8a8 (int8 weights and activations, SmoothQuant calibrated at start-up) or fp8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (steps run the graph eagerly)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -53,7 +55,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        passes=args.passes.split(",") if args.passes else None, seed=args.seed, enforce_eager=args.enforce_eager,
+        passes=args.passes.split(",") if args.passes else None, quantization=args.quantization, seed=args.seed,
+        enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         load_format="dummy" if args.dry_run else "auto", generation_config=args.generation_config,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -117,7 +120,8 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device)
     passes = args.passes.split(",") if args.passes else None
-    cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name)
+    cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
+                       quantization=args.quantization, tokenizer=loaded.tokenizer)
     print(cm.summary())
     print(f"graphs written to {args.out}")
     return 0

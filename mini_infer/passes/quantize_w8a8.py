@@ -9,13 +9,13 @@ w_scale are new buffers; W is no longer referenced, so the graph owns one copy (
 quantize nodes are what `fuse_act_quant` later fuses into rms_norm / fused_add_rms_norm / silu_and_mul, and
 `merge_projections` merges the int8 q/k/v and gate/up linears (weights and scales).
 
-Selected: every linear over a 2-D parameter weight except the lm_head (`lm_head=True` to include it), MoE
-routers (`gate`, `shared_expert_gate`: kept in float, as vLLM does), DeepSeek MLA's `kv_b_proj` (mla_latent_cache
-absorbs its float weight into the attention), and the `skip` patterns (fnmatch on the module path, e.g.
-`model.layers.0.mlp.down_proj`, matched whole or as a dotted suffix: `down_proj`, `layers.0.*`; a pattern that
-matches no linear is an error). Linears of activations (MoE experts indexed from stacked weights) are not
-touched. `embeddings=True` also stores the token embedding as int8 with one scale per row (a tied lm_head, if
-quantized, shares the same int8 table and scales).
+Selected: every linear over a 2-D parameter weight except the lm_head (named so, or the linear whose output is the
+graph's; `lm_head=True` to include it), MoE routers (`gate`, `shared_expert_gate`: kept in float, as vLLM does),
+DeepSeek MLA's `kv_b_proj` (mla_latent_cache absorbs its float weight into the attention), and the `skip` patterns
+(fnmatch on the module path, e.g. `model.layers.0.mlp.down_proj`, matched whole or as a dotted suffix:
+`down_proj`, `layers.0.*`; a pattern that matches no linear is an error). Linears of activations (MoE experts
+indexed from stacked weights) are not touched. `embeddings=True` also stores the token embedding as int8 with one
+scale per row (a tied lm_head, if quantized, shares the same int8 table and scales).
 
 SmoothQuant (`smoothquant=True`, default; see smoothquant.py) runs the float graph on the `calibrate` prompts
 (default: a small built-in English set) and divides each smoothable input by s = max|x|^alpha / max|W|^(1-alpha)
@@ -91,6 +91,21 @@ def find_linears(gm: fx.GraphModule) -> list[_Linear]:
     return out
 
 
+def _is_lm_head(lin: _Linear) -> bool:
+    """Named lm_head, or (a tied head may be named after the embedding) its output is the graph's output."""
+    if lin.name.rsplit(".", 1)[-1] == "lm_head":
+        return True
+    node = lin.node
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "output":
+            return True
+        if not is_op(user, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            return False
+        node = user
+    return False
+
+
 def pattern_matches(pattern: str, name: str) -> bool:
     """fnmatch on the whole module path or on a dotted suffix of it."""
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
@@ -103,6 +118,9 @@ class QuantizeW8A8(GraphPass):
     stage = "quantization"
     requires = ("cleanup",)
     quantization_modes = ("w8a8",)
+    # verification against eager allows 10% of the logits' scale after this pass: it catches a broken graph (an
+    # error of the logits' own size), not a loss of quality, which bench/quant_quality.py measures on real weights
+    approximation = 0.1
 
     def __init__(self, skip: list[str] | tuple[str, ...] = (), lm_head: bool = False, embeddings: bool = False,
                  smoothquant: bool = True, calibrate: list | tuple | None = None, alpha: float = 0.5) -> None:
@@ -141,10 +159,11 @@ class QuantizeW8A8(GraphPass):
                 raise ValueError(f"quantize_w8a8: skip pattern {p!r} matches no linear (linears: {names}"
                                  f"{', ...' if len(linears) > 6 else ''})")
         mla = is_mla_config(ctx.config)
+        heads = {lin.node for lin in linears if _is_lm_head(lin)}
 
         def keep_float(lin: _Linear) -> bool:
             last = lin.name.rsplit(".", 1)[-1]
-            return (last == "lm_head" and not self.lm_head) or last in ROUTERS or (mla and last == "kv_b_proj") \
+            return (lin.node in heads and not self.lm_head) or last in ROUTERS or (mla and last == "kv_b_proj") \
                 or any(pattern_matches(p, lin.name) for p in self.skip)
 
         return [lin for lin in linears if not keep_float(lin)]
