@@ -18,8 +18,10 @@ indexed from stacked weights) are not touched. `embeddings=True` also stores the
 scale per row (a tied lm_head, if quantized, shares the same int8 table and scales).
 
 SmoothQuant (`smoothquant=True`, default; see smoothquant.py) runs the float graph on the `calibrate` prompts
-(default: a small built-in English set) and divides each smoothable input by s = max|x|^alpha / max|W|^(1-alpha)
-(folded into the RMSNorm weight or into up_proj's rows) while the weights take `W * s` before quantization.
+(default: a small built-in English set, as text and through the chat template) and divides each smoothable input by
+s = max|x|^alpha / max|W|^(1-alpha) (folded into the RMSNorm weight, or, for down_proj's input unless
+`smooth_down_proj=False`, into up_proj's rows) while the weights take `W * s` before quantization. Measured on
+SmolLM2-135M (bench/quant_quality.py): see bench/RESULTS.md.
 Refused: an empty `calibrate`, alpha outside [0, 1], a skip pattern that matches nothing.
 """
 
@@ -38,10 +40,10 @@ from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_w
 from mini_infer.passes.mla_latent_cache import is_mla_config
 from mini_infer.passes.pattern import aten, is_op, val
 from mini_infer.passes.smoothquant import (
-    DEFAULT_CALIBRATION_PROMPTS,
     NormFold,
     activation_amax,
     calibration_ids,
+    default_calibration,
     find_fold,
     smoothing_factors,
 )
@@ -123,7 +125,8 @@ class QuantizeW8A8(GraphPass):
     approximation = 0.1
 
     def __init__(self, skip: list[str] | tuple[str, ...] = (), lm_head: bool = False, embeddings: bool = False,
-                 smoothquant: bool = True, calibrate: list | tuple | None = None, alpha: float = 0.5) -> None:
+                 smoothquant: bool = True, calibrate: list | tuple | None = None, alpha: float = 0.5,
+                 smooth_down_proj: bool = True) -> None:
         if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
             raise self.invalid("skip", skip, "must be a list of non-empty module-path patterns")
         if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
@@ -145,6 +148,7 @@ class QuantizeW8A8(GraphPass):
         self.smoothquant = bool(smoothquant)
         self.calibrate = list(calibrate) if calibrate is not None else None
         self.alpha = float(alpha)
+        self.smooth_down_proj = bool(smooth_down_proj)
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
@@ -217,11 +221,11 @@ class QuantizeW8A8(GraphPass):
         for x in groups:
             if set(x.users) <= chosen_nodes:  # every reader of x takes the smoothed weights
                 fold = find_fold(x)
-                if fold is not None:
+                if fold is not None and (self.smooth_down_proj or isinstance(fold, NormFold)):
                     folds[x] = fold
         if not folds:
             return "SmoothQuant: no input to smooth"
-        prompts = self.calibrate if self.calibrate is not None else list(DEFAULT_CALIBRATION_PROMPTS)
+        prompts = self.calibrate if self.calibrate is not None else default_calibration(ctx.tokenizer)
         vocab = ctx.config.get_text_config().vocab_size
         ids = calibration_ids(prompts, ctx.tokenizer, vocab)
         amax = activation_amax(gm, ctx, set(folds), ids)

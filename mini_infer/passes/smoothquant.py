@@ -14,9 +14,11 @@ are applied. An input is smoothed only when all its users are linears being quan
 every user sees); o_proj is not smoothed (its input comes out of attention: a fold into v_proj would have to tie the
 factors of the query heads sharing a KV head).
 
-Calibration runs the float graph on token ids (text prompts through the model's tokenizer, or, with no tokenizer,
-the text's UTF-8 bytes taken as ids, which only random-weight presets lack a tokenizer for) under an fx Interpreter
-that records each watched node's per-channel abs-max. This module computes and matches; the pass rewrites.
+Calibration runs the float graph on token ids (text prompts through the model's tokenizer, and through its chat
+template too by default; with no tokenizer, the text's UTF-8 bytes taken as ids, which only random-weight presets
+lack a tokenizer for) under an fx Interpreter that records each watched node's per-channel abs-max. A channel the
+calibration never saw large gets a small s and is amplified at run time: calibrate on text of the form the model
+will be served. This module computes and matches; the pass rewrites.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from mini_infer.chat_template import chat_prompt_ids
 from mini_infer.passes.base import PassContext
 from mini_infer.passes.fuse_rmsnorm import match_rms_norm
 from mini_infer.passes.pattern import aten, is_op, only_user, shape
@@ -49,6 +52,17 @@ DEFAULT_CALIBRATION_PROMPTS: tuple[str, ...] = (
     "release oxygen, storing the energy in sugars such as glucose.",
     "Q: What is 17 times 23? A: 17 times 23 is 391. Q: And the square root of 144? A: It is 12.",
 )
+
+def default_calibration(tokenizer) -> list[str | list[int]]:
+    """The built-in prompts as text and, when the tokenizer has a chat template, also as a user turn through it:
+    an instruct model is served in that form, and its first tokens (the template's `<|im_start|>system ...`)
+    carry activations that plain text never shows (SmolLM2's down_proj input: a max error 1.7x larger when
+    calibrated on plain text only)."""
+    prompts: list[str | list[int]] = list(DEFAULT_CALIBRATION_PROMPTS)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        prompts += [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in DEFAULT_CALIBRATION_PROMPTS]
+    return prompts
+
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _EPS = 1e-5  # floor of the amax values in the factor (as SmoothQuant's reference code)
@@ -149,4 +163,4 @@ def find_fold(x: fx.Node) -> NormFold | UpProjFold | None:
 
 
 __all__ = ["DEFAULT_CALIBRATION_PROMPTS", "NormFold", "UpProjFold", "activation_amax", "calibration_ids",
-           "find_fold", "smoothing_factors"]
+           "default_calibration", "find_fold", "smoothing_factors"]
