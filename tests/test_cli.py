@@ -51,6 +51,13 @@ def test_dump_graph_writes_dumps_and_summary(tmp_path, capsys):
     assert "fuse_rmsnorm" in printed and str(out_dir) in printed
 
 
+def test_dump_graph_with_quantization(tmp_path, capsys):
+    assert main(["dump-graph", "tiny-llama", "--out", str(tmp_path), "--quantization", "w8a8", "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "quantize_w8a8" in printed and "fuse_act_quant" in printed and "max |err|" in printed
+    assert "int8_linear" in (tmp_path / "03_quantize_w8a8.after.txt").read_text()
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
     ["dump-graph", "Qwen/Qwen2.5-7B-Instruct", "--out", "unused"],
@@ -103,7 +110,7 @@ def _broken_checkpoint(path, weights: bytes | None) -> str:
 
 @pytest.mark.parametrize("case", ["text to a model without tokenizer", "max-num-seqs 0", "max-model-len too big",
                                   "kv-cache-memory-bytes 1", "device cuda", "only config.json",
-                                  "random safetensors", "missing absolute path"])
+                                  "random safetensors", "missing absolute path", "quantization int4"])
 def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_path, capsys, case):
     if case == "device cuda" and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -117,6 +124,7 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
         "random safetensors": ["--model", _broken_checkpoint(tmp_path / "b", bytes(range(256)) * 40),
                                "--prompt-token-ids", "1,2"],
         "missing absolute path": ["--model", str(tmp_path / "nothing" / "here"), "hello"],
+        "quantization int4": ["--quantization", "int4", "hello"],
     }[case]
     start = time.perf_counter()
     assert main(["generate", *argv]) == 2
@@ -126,7 +134,8 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
     expected = {"text to a model without tokenizer": "--prompt-token-ids", "max-num-seqs 0": "max_num_seqs",
                 "max-model-len too big": "max_model_len=4096", "kv-cache-memory-bytes 1": "kv_cache_memory_bytes=1",
                 "device cuda": "device='cuda'", "only config.json": "no weights",
-                "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory"}
+                "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory",
+                "quantization int4": "quantization must be one of w8a8, fp8 or None; got 'int4'"}
     assert expected[case] in err
 
 

@@ -214,6 +214,17 @@ def test_kept_in_float(name, kept):
         assert row(stats, "mla_latent_cache").num_matches == L
 
 
+def test_verify_allows_the_declared_approximation():
+    """compile_model(verify=True) passes a w8a8 pipeline: the quantized graph differs from eager by more than the
+    float tolerance, within the 10% of the logits' scale quantize_w8a8 declares; later passes are held to that."""
+    cm = compile_model(loaded("tiny-llama").model, passes=["cleanup", *w8a8_pipeline("tiny-llama")], verify=True,
+                       quantization="w8a8")
+    errors = {s.name: s.max_abs_err for s in cm.stats if s.max_abs_err is not None}
+    assert errors["select_logits"] < 1e-4 < errors["quantize_w8a8"] < 0.1
+    assert cm.context.info["approximation"] == QuantizeW8A8.approximation
+    assert max(errors.values()) < 0.1
+
+
 # -- options ----------------------------------------------------------------------------------------------------
 
 
