@@ -12,7 +12,8 @@ For each variant (w8a8 + SmoothQuant, w8a8 without it) beside the unquantized mo
 Prints a markdown table ready for bench/RESULTS.md and writes JSON to --out.
 
     python bench/quant_quality.py                       # CPU, the embedded SmolLM2, 20 prompts x 64 tokens
-    python bench/quant_quality.py --device cuda --model qwen2.5-7b   # shapes only: random weights say little
+    python bench/quant_quality.py --device cuda         # the same through the Triton kernels and CUDA graphs
+    python bench/quant_quality.py --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main() -> None:
 
     data = load_eval_data()
     common = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.prompts, kv_cache_memory_bytes=256 << 20,
-                  enforce_eager=True)
+                  enforce_eager=args.device == "cpu")  # on a GPU: the Triton kernels inside CUDA graphs
     t0 = time.perf_counter()
     ref_llm = LLM(args.model, **common)
     tok = ref_llm.get_tokenizer()
