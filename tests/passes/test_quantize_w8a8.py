@@ -17,9 +17,10 @@ import functools
 
 import pytest
 import torch
+import torch.fx as fx
 from hypothesis import given
 
-from mini_infer.compiler import compile_model
+from mini_infer.compiler import bind_kernels, compile_model
 from mini_infer.models.loader import load_model
 from mini_infer.models.presets import TINY_DENSE_PRESETS
 from mini_infer.passes import PassConfigError, PassContext, recommended_passes
@@ -193,6 +194,26 @@ def test_merged_equals_unmerged(name):
     rows = torch.arange(13)
     assert torch.equal(graph_logits(*merged[:2], ids, pos, logits_indices=rows),
                        graph_logits(*alone(name)[:2], ids, pos, logits_indices=rows))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/quant_quality.py")
+def test_triton_kernels_in_the_graph():
+    """The full w8a8 graph bound to the Triton launchers (what a GPU runs; the interpreter here: int8_linear,
+    rms_norm_quant, fused_add_rms_norm_quant, silu_and_mul_quant, quantize_per_token) gives the reference-bound
+    graph's logits, for a prefill of 11 tokens."""
+    gm, ctx, _ = full("tiny-llama")
+    ids, pos = random_ids(11, 8), positions(0, 11)
+    outs = {}
+    for backend in ("reference", "triton"):
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        bound = fx.GraphModule(gm, graph)
+        bind_kernels(bound, CPU, backend=backend)
+        names = {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+        assert {f"{op}_{backend}" for op in ("int8_linear", "rms_norm_quant", "fused_add_rms_norm_quant",
+                                             "silu_and_mul_quant", "quantize_per_token")} <= names
+        outs[backend] = graph_logits(bound, ctx, ids, pos, logits_indices=torch.arange(11))
+    assert_logits_close(outs["triton"], outs["reference"], rel=1e-4)
 
 
 @pytest.mark.parametrize("name,kept", [
