@@ -176,13 +176,15 @@ class QuantizeW8A8(GraphPass):
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         linears = find_linears(gm)
         chosen = self.select(linears, ctx)
-        weights = {lin.node: PassContext.tensor_of(gm, lin.weight) for lin in linears}
         biases = {lin.node: PassContext.tensor_of(gm, lin.bias) for lin in linears if lin.bias is not None}
-        before = sum(weights[lin.node].numel() * weights[lin.node].element_size() for lin in chosen)
-        smooth_note = self._smooth(gm, ctx, linears, chosen, weights, biases) if self.smoothquant and chosen else ""
+        before = sum(PassContext.tensor_of(gm, lin.weight).nbytes for lin in chosen)
+        cols: dict[fx.Node, torch.Tensor] = {}  # SmoothQuant factors: weight columns times, rows divided by
+        rows: dict[fx.Node, torch.Tensor] = {}
+        smooth_note = self._smooth(gm, ctx, linears, chosen, cols, rows, biases) if self.smoothquant and chosen \
+            else ""
         graph = gm.graph
         act: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # x -> (x_q, x_scale)
-        shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized tensors by source storage
+        shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized unscaled weights by storage
         after = 0
         for lin in chosen:
             if lin.x not in act:
@@ -190,12 +192,15 @@ class QuantizeW8A8(GraphPass):
                     q = graph.call_function(ops.quantize_per_token.default, (lin.x, torch.int8))
                     act[lin.x] = (graph.call_function(operator.getitem, (q, 0)),
                                   graph.call_function(operator.getitem, (q, 1)))
-            w = weights[lin.node]
-            key = _storage_key(w)
-            if key not in shared:
-                shared[key] = quantize_weight_int8(w)
-            w_q, w_scale = shared[key]
-            after += w_q.numel() + w_scale.numel() * 4
+            w = PassContext.tensor_of(gm, lin.weight)
+            if lin.node in cols or lin.node in rows:  # one fp32 copy at a time, freed once quantized
+                w_q, w_scale = quantize_weight_int8(_scaled(w, cols.get(lin.node), rows.get(lin.node)))
+            else:
+                key = _storage_key(w)
+                if key not in shared:
+                    shared[key] = quantize_weight_int8(w)
+                w_q, w_scale = shared[key]
+            after += w_q.nbytes + w_scale.nbytes
             wq_node = ctx.add_tensor(gm, f"{lin.name}.qweight", w_q, before=lin.node)
             ws_node = ctx.add_tensor(gm, f"{lin.name}.weight_scale", w_scale, before=lin.node)
             bias = lin.bias
@@ -209,10 +214,11 @@ class QuantizeW8A8(GraphPass):
         return PassResult(len(chosen), "; ".join(n for n in (note, smooth_note, emb_note) if n))
 
     def _smooth(self, gm: fx.GraphModule, ctx: PassContext, linears: list[_Linear], chosen: list[_Linear],
-                weights: dict, biases: dict) -> str:
-        """Calibrate, then fold SmoothQuant factors: updates `weights` / `biases` (working fp32 copies) of the
-        linears (biases stay in their dtype), and repoints smoothed norms and float linears whose rows changed at
-        new tensors."""
+                cols: dict, rows: dict, biases: dict) -> str:
+        """Calibrate, then plan the SmoothQuant folds: each smoothed linear's column factors go in `cols`, up_proj
+        row factors (down_proj's input) in `rows` and its bias in `biases` (in its dtype); smoothed norms, and
+        float linears whose rows changed, are repointed at new tensors here. All factors come from the original
+        weights (each fold is exact, so the order does not matter)."""
         chosen_nodes = {lin.node for lin in chosen}
         groups: dict[fx.Node, list[_Linear]] = {}
         for lin in chosen:
@@ -230,39 +236,31 @@ class QuantizeW8A8(GraphPass):
         ids = calibration_ids(prompts, ctx.tokenizer, vocab)
         amax = activation_amax(gm, ctx, set(folds), ids)
         by_node = {lin.node: lin for lin in linears}
-        norm_weights: dict[fx.Node, torch.Tensor] = {}
-        changed_float: set[fx.Node] = set()
+        head = next(n for n in gm.graph.nodes if n.op != "placeholder")  # where the captured weights are read:
+        # fusions may move a norm above its current place (fuse_rmsnorm puts fused_add_rms_norm at the add)
         for x, fold in folds.items():
             group = groups[x]
+            s = smoothing_factors(amax[x], [PassContext.tensor_of(gm, lin.weight) for lin in group], self.alpha)
             for lin in group:
-                weights[lin.node] = weights[lin.node].detach().float()
-            s = smoothing_factors(amax[x], [weights[lin.node] for lin in group], self.alpha)
-            for lin in group:
-                weights[lin.node] = weights[lin.node] * s[None, :]
+                cols[lin.node] = s
             if isinstance(fold, NormFold):
-                w = norm_weights.get(fold.norm, PassContext.tensor_of(gm, fold.weight))
-                norm_weights[fold.norm] = (w.detach().float() / s).to(w.dtype)
-            else:
-                up = fold.up
-                weights[up] = weights[up].detach().float() / s[:, None]
-                if up in biases:
-                    biases[up] = (biases[up].detach().float() / s).to(biases[up].dtype)
-                if up not in chosen_nodes:
-                    changed_float.add(up)
-        head = next(n for n in gm.graph.nodes if n.op != "placeholder")  # where the captured weights are read:
-        # fusions may move the norm above its current place (fuse_rmsnorm puts fused_add_rms_norm at the add)
-        for norm, w in norm_weights.items():
-            old = next(a for a in norm.args if isinstance(a, fx.Node) and a.op == "get_attr")
-            new = ctx.add_tensor(gm, f"{old.target}.smoothed", w, before=head)
-            norm.replace_input_with(old, new)
-        for up in changed_float:  # a skipped up_proj still carries down_proj's factors, in its own dtype
+                w = PassContext.tensor_of(gm, fold.weight)
+                new = ctx.add_tensor(gm, f"{fold.weight.target}.smoothed", (w.detach().float() / s).to(w.dtype),
+                                     before=head)
+                fold.norm.replace_input_with(fold.weight, new)
+                continue
+            up = fold.up
+            rows[up] = s
+            if up in biases:
+                biases[up] = (biases[up].detach().float() / s).to(biases[up].dtype)
+        for up in [n for n in rows if n not in chosen_nodes]:  # a skipped up_proj carries down_proj's factors
             lin = by_node[up]
-            dt = PassContext.tensor_of(gm, lin.weight).dtype
-            up.replace_input_with(lin.weight, ctx.add_tensor(gm, f"{lin.name}.weight_smoothed",
-                                                             weights[up].to(dt), before=up))
+            w = PassContext.tensor_of(gm, lin.weight)
+            scaled = _scaled(w, cols.get(up), rows[up]).to(w.dtype)
+            up.replace_input_with(lin.weight, ctx.add_tensor(gm, f"{lin.name}.weight_smoothed", scaled, before=up))
             if lin.bias is not None:
-                up.replace_input_with(lin.bias, ctx.add_tensor(gm, f"{lin.name}.bias_smoothed",
-                                                               biases[up].to(dt), before=up))
+                up.replace_input_with(lin.bias, ctx.add_tensor(gm, f"{lin.name}.bias_smoothed", biases[up],
+                                                               before=up))
         tokens = sum(t.shape[1] for t in ids)
         kinds = sum(isinstance(f, NormFold) for f in folds.values())
         return (f"SmoothQuant alpha={self.alpha}: {len(folds)} inputs smoothed ({kinds} into norms, "
@@ -295,6 +293,16 @@ class QuantizeW8A8(GraphPass):
             node.replace_all_uses_with(out)
             n += 1
         return f"{n} embedding tables int8" if n else ""
+
+
+def _scaled(w: torch.Tensor, col: torch.Tensor | None, row: torch.Tensor | None) -> torch.Tensor:
+    """`w * col[None, :] / row[:, None]` in fp32 (a factor None: 1)."""
+    wf = w.detach().float()
+    if col is not None:
+        wf = wf * col[None, :]
+    if row is not None:
+        wf = wf / row[:, None]
+    return wf
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
