@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given
+from hypothesis import strategies as st
 
 from mini_infer.compiler import bind_kernels, compile_model
 from mini_infer.models.loader import load_model
@@ -294,6 +295,23 @@ def test_weight_bytes_halve_for_bf16():
     assert before.weight_bytes - after.weight_bytes == bf16 - int8
     assert int8 / bf16 < 0.55
     assert f"weights: {after.weight_bytes / 1e9:.3f} GB" in after.summary()
+
+
+@given(rows=st.integers(1, 9), cols=st.integers(1, 40), seed=st.integers(0, 2**16),
+       log_scale=st.floats(-20, 20), zero_row=st.booleans())
+@FEW
+def test_weight_quantization_properties(rows, cols, seed, log_scale, zero_row):
+    """Per output row: the largest |w| maps to +-127, every value dequantizes within half a step, a zero row
+    stays zero (with a positive scale)."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
+    if zero_row:
+        w[0] = 0
+    w_q, scale = quantize_weight_int8(w)
+    assert w_q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (rows,) and (scale > 0).all()
+    assert ((w_q.float() * scale[:, None] - w).abs() <= scale[:, None] * (0.5 + 1e-5)).all()
+    nonzero = w.abs().amax(1) > 0
+    assert (w_q.abs().amax(1)[nonzero] == 127).all()
+    assert not w_q[~nonzero].any()
 
 
 def test_calibration_ids():
