@@ -30,7 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passes", default=None, help="comma-separated pass names (default: recommended pipeline)")
     p.add_argument("--quantization", "-q", default=None,
                    help="fp8: float8 e4m3 weights with per-channel scales and per-token dynamic activation scales "
-                        "(CUDA compute capability >= 8.9, or the CPU); w8a8: int8 (default: none)")
+                        "(CUDA compute capability >= 8.9, or the CPU); w8a8: int8 weights and activations, "
+                        "SmoothQuant calibrated at start-up (default: none)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype), bfloat16, float16, float32, or fp8 (= fp8_e4m3: half a 16-bit "
                         "cache's bytes per token, k/v scales 1.0)")
@@ -136,7 +137,7 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     passes = args.passes.split(",") if args.passes else None
     cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
                        quantization=args.quantization, kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype),
-                       rank=0, world_size=size)
+                       rank=0, world_size=size, tokenizer=loaded.tokenizer)
     print(cm.summary())
     print(f"graphs written to {args.out}")
     return 0

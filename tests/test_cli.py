@@ -71,6 +71,13 @@ def test_generate_with_fp8_options(monkeypatch, capsys):
     assert len(ast.literal_eval(line)) == 4  # the printed token-id list
 
 
+def test_dump_graph_with_quantization(tmp_path, capsys):
+    assert main(["dump-graph", "tiny-llama", "--out", str(tmp_path), "--quantization", "w8a8", "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "quantize_w8a8" in printed and "fuse_act_quant" in printed and "max |err|" in printed
+    assert "int8_linear" in (tmp_path / "03_quantize_w8a8.after.txt").read_text()
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
     ["dump-graph", "Qwen/Qwen2.5-7B-Instruct", "--out", "unused"],
@@ -150,7 +157,7 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
                 "max-model-len too big": "max_model_len=4096", "kv-cache-memory-bytes 1": "kv_cache_memory_bytes=1",
                 "device cuda": "device='cuda'", "only config.json": "no weights",
                 "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory",
-                "kv-cache-dtype fp4": "kv_cache_dtype must be one of", "quantization int4": "quantization must be"}
+                "kv-cache-dtype fp4": "kv_cache_dtype must be one of", "quantization int4": "quantization must be one of w8a8, fp8 or None; got 'int4'"}
     assert expected[case] in err
 
 

@@ -6,6 +6,7 @@ for the context (`GraphPass.default_for`), ordered by stage and, within a stage,
 
 from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassContext, PassResult
 from mini_infer.passes.cleanup import Cleanup
+from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
@@ -14,13 +15,15 @@ from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.quantize_fp8 import QuantizeFP8
+from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
 from mini_infer.passes.route_moe import RouteMoe
 from mini_infer.passes.select_logits import SelectLogits
 from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 
 PASSES: dict[str, type[GraphPass]] = {
-    p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeFP8, FuseRMSNorm, FuseRotary, RouteMoe,
-                        MergeProjections, FuseSiluMul, MlaLatentCache, PagedAttention, GemvLinear)
+    p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
+                        RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache, PagedAttention,
+                        GemvLinear)
 }
 
 

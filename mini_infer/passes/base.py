@@ -52,6 +52,7 @@ class PassContext:
     world_size: int = 1
     quantization: str | None = None  # "w8a8", "fp8" or None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
+    tokenizer: Any = None  # the model's tokenizer, if it has one (calibration prompts are text)
     input_specs: dict[str, InputSpec] = field(default_factory=lambda: {s.name: s for s in (INPUT_IDS, POSITION_IDS)})
     cache_specs: list[CacheSpec] = field(default_factory=list)
     declared_by: dict[str, str] = field(default_factory=dict)  # input or cache name -> pass that declared it
@@ -210,6 +211,9 @@ class GraphPass:
     stage: ClassVar[str] = "fusion"
     requires: ClassVar[tuple[str, ...]] = ()  # passes that must have run before this one
     quantization_modes: ClassVar[tuple[str, ...]] = ()  # values of `PassContext.quantization` it implements
+    # error it may add to the logits by design, relative to their scale (quantization); verification against the
+    # eager model allows the sum over the passes applied (`PassContext.info["approximation"]`)
+    approximation: ClassVar[float] = 0.0
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError

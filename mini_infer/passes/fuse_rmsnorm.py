@@ -28,7 +28,7 @@ def _strip_f32_cast(node: fx.Node) -> fx.Node:
     return node
 
 
-def _match_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+def match_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     """`out` = weight * normed → (x, weight get_attr, eps), or None."""
     if not is_op(out, aten.mul.Tensor) or len(out.args) != 2:
         return None
@@ -70,7 +70,7 @@ class FuseRMSNorm(GraphPass):
         graph = gm.graph
         norms = 0
         for node in list(graph.nodes):
-            m = _match_norm(node)
+            m = match_rms_norm(node)
             if m is None:
                 continue
             x, weight, eps = m

@@ -270,6 +270,8 @@ class PassManager:
                 raise PassError(f"pass {p.name!r} left an invalid graph: {type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             ctx.applied.append(p.name)
+            if p.approximation:
+                ctx.info["approximation"] = ctx.info.get("approximation", 0.0) + p.approximation
             row = PassStats(p.name, result.num_matches, before, count_nodes(gm), seconds, result.note)
             if self.verifier is not None:
                 err, tol = self.verifier(gm, ctx)

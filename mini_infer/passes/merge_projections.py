@@ -50,7 +50,7 @@ def _is_param(v) -> bool:
 
 
 class MergeProjections(GraphPass):
-    """Linears sharing an input (q/k/v, gate/up) → one linear + split."""
+    """Linears sharing an input (q/k/v, gate/up) → one linear + split; quantized linears too."""
 
     name = "merge_projections"
     stage = "fusion"
@@ -77,6 +77,8 @@ class MergeProjections(GraphPass):
             if any(len({t is None for t in col}) != 1 or len({t.dtype for t in col if t is not None}) > 1
                    for col in tensors):
                 continue  # some with and some without bias, or mixed dtypes
+            if any(t is not None and t.shape[0] != w.shape[0] for col in tensors[1:] for w, t in zip(weights, col)):
+                continue  # a scale that is not one per output row (per-tensor) cannot be concatenated
             first = linears[0]
             new_args = []
             for i, col in enumerate(tensors):

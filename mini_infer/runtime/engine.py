@@ -190,7 +190,8 @@ class LLMEngine:
         self.compiled = compiled or compile_model(
             self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
             quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
-            rank=self.parallel.rank if self.parallel else 0, world_size=config.tensor_parallel_size)
+            rank=self.parallel.rank if self.parallel else 0, world_size=config.tensor_parallel_size,
+            tokenizer=self.tokenizer)
         self.compile_seconds = time.perf_counter() - t1
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
