@@ -87,7 +87,7 @@ class MergeProjections(GraphPass):
                     continue
                 with torch.no_grad():
                     cat = torch.cat(col, 0)
-                suffix = "weight" if i == 0 else ("bias" if i == len(tensors) - 1 else "scale")
+                suffix = "weight" if i == 0 else ("bias" if i == len(tensors) - 1 else "weight_scale")
                 new_args.append(PassContext.add_tensor(gm, f"merged_{first.name}_{suffix}", cat, before=first))
             if target is aten.linear.default and new_args[-1] is None:
                 new_args.pop()  # aten.linear(x, w) as the captured graphs write it
