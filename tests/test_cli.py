@@ -177,3 +177,10 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
     err = "".join(lines) + rest
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "mini-infer generate: interrupted"
+
+
+@pytest.mark.parametrize("flag", [["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]])
+def test_dump_graph_verify_allows_the_declared_fp8_approximation(tmp_path, capsys, flag):
+    """--verify after a lossy fp8 pass allows its declared approximation (it failed at 1e-4 before)."""
+    assert main(["dump-graph", "tiny-llama", "--out", str(tmp_path), "--verify", *flag]) == 0
+    assert "max |err|" in capsys.readouterr().out

@@ -212,8 +212,9 @@ class GraphPass:
     requires: ClassVar[tuple[str, ...]] = ()  # passes that must have run before this one
     quantization_modes: ClassVar[tuple[str, ...]] = ()  # values of `PassContext.quantization` it implements
     # error it may add to the logits by design, relative to their scale (quantization); verification against the
-    # eager model allows the sum over the passes applied (`PassContext.info["approximation"]`)
-    approximation: ClassVar[float] = 0.0
+    # eager model allows the sum over the passes applied (`PassContext.info["approximation"]`); read after
+    # `apply`, so a pass whose loss depends on the context (paged_attention with an fp8 cache) sets it there
+    approximation: float = 0.0
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError

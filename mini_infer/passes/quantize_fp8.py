@@ -100,6 +100,9 @@ class QuantizeFP8(GraphPass):
     stage = "quantization"
     requires = ("cleanup",)
     quantization_modes = ("fp8",)
+    # verification against eager allows 10% of the logits' scale after this pass (as after quantize_w8a8): it
+    # catches a broken graph, not a loss of quality, which bench/fp8_quality.py measures on real weights
+    approximation = 0.1
 
     def __init__(self, skip: Sequence[str] = (), lm_head: bool = False) -> None:
         if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
