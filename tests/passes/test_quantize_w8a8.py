@@ -17,11 +17,10 @@ import functools
 
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mini_infer.compiler import bind_kernels, compile_model
+from mini_infer.compiler import compile_model
 from mini_infer.models.loader import load_model
 from mini_infer.models.presets import TINY_DENSE_PRESETS
 from mini_infer.passes import PassConfigError, PassContext, recommended_passes
@@ -36,6 +35,7 @@ from tests.passes.helpers import (
     NUM_LAYERS,
     assert_logits_close,
     aten,
+    bound_copy,
     check_against_eager,
     eager_logits,
     graph_logits,
@@ -206,11 +206,7 @@ def test_triton_kernels_in_the_graph():
     ids, pos = random_ids(11, 8), positions(0, 11)
     outs = {}
     for backend in ("reference", "triton"):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        bound = fx.GraphModule(gm, graph)
-        bind_kernels(bound, CPU, backend=backend)
-        names = {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+        bound, names = bound_copy(gm, backend)
         assert {f"{op}_{backend}" for op in ("int8_linear", "rms_norm_quant", "fused_add_rms_norm_quant",
                                              "silu_and_mul_quant", "quantize_per_token")} <= names
         outs[backend] = graph_logits(bound, ctx, ids, pos, logits_indices=torch.arange(11))

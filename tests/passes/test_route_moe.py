@@ -18,11 +18,10 @@ import copy
 
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import given
 
 import mini_infer.compiler as compiler
-from mini_infer.compiler import bind_kernels, compile_model
+from mini_infer.compiler import compile_model
 from mini_infer.passes import PassContext, recommended_passes
 from mini_infer.passes.manager import PassError, PassManager
 from mini_infer.passes.pattern import module_chain
@@ -36,6 +35,7 @@ from tests.passes.helpers import (
     ToyLM,
     assert_logits_close,
     aten,
+    bound_copy,
     check_against_eager,
     copy_gm,
     full_pipeline,
@@ -161,11 +161,7 @@ def test_triton_kernels_in_the_graph(name):
     ids, pos = random_ids(9, 4), positions(3, 9)
     outs = {}
     for backend in ("reference", "triton"):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        bound = fx.GraphModule(gm, graph)
-        bind_kernels(bound, CPU, backend=backend)
-        names = {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
+        bound, names = bound_copy(gm, backend)
         assert f"moe_topk_{backend}" in names and f"fused_moe_{backend}" in names
         inputs = ctx.example_inputs(ids, pos)
         inputs["logits_indices"] = torch.arange(9)
