@@ -4,7 +4,9 @@ against HF `generate` on the same model, in float32 (TF32 off) so that any misma
 For every tiny preset (every architecture family: dense, sliding window, MoE, DeepSeek) and any `--model` given,
 one compile serves four engines: CUDA graphs (decode and mixed steps captured), CUDA graphs with 16-token steps
 (chunked prefill mixed with decodes, padded into the captured mixed shape), the same without async scheduling
-(the CUDA default is async), and eager; all must equal HF. Prints one line per check and a summary table;
+(the CUDA default is async), and eager; all must equal HF. For MoE models HF's CUDA experts backend
+(`grouped_mm`) is not its fp32 expert loop; where ids differ from it, the loop (`eager` experts) is asked too,
+and ids equal to the loop's pass with a note saying so. Prints one line per check and a summary table;
 exits 1 on any mismatch or error (an architecture that fails to compile is a failure, with its error).
 
     python bench/gpu_check.py                       # every tiny-* preset
@@ -64,10 +66,25 @@ def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
             ok = False
             notes.append(f"{cname} != eager")
     matched = 0
+    experts = getattr(loaded.model.config, "_experts_implementation", None)
+
+    def hf_ids(p: list[int], model=loaded.model) -> list[int]:
+        return model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+
     for p, got in zip(prompts, results["graphs"]):
-        ref = loaded.model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
-                                    min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+        ref = hf_ids(p)
         same = sum(1 for a, b in zip(got, ref) if a == b)
+        if got != ref and experts not in (None, "eager"):
+            # HF's CUDA experts backend (grouped_mm) is not the fp32 loop it runs on a CPU: ask the loop too
+            _set_experts(loaded.model, "eager")
+            loop_ref = hf_ids(p)
+            _set_experts(loaded.model, experts)
+            if got == loop_ref:
+                notes.append(f"prompt of {len(p)}: {same}/{len(ref)} ids equal HF's {experts} experts, all equal "
+                             f"HF's eager experts loop ({sum(a == b for a, b in zip(ref, loop_ref))}/{len(ref)} "
+                             f"between HF's two backends)")
+                same, ref = len(got), loop_ref
         matched += same
         if got != ref:
             ok = False
@@ -77,6 +94,14 @@ def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
     del loaded, compiled
     torch.cuda.empty_cache()
     return ok, "; ".join(notes)
+
+
+def _set_experts(model, implementation: str) -> None:
+    """Switch HF's MoE experts backend (transformers >= 5: eager loop, grouped_mm, batched_mm)."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(implementation)
+    else:
+        model.config._experts_implementation = implementation
 
 
 def main() -> int:

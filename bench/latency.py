@@ -1,5 +1,5 @@
-"""Batch-1 decode latency: mini-infer beside the bandwidth floor, HF eager `generate`, and HF
-`generate(cache_implementation="static")` (its torch.compile path), in the same run on one GPU.
+"""Batch-1 decode latency: mini-infer beside the bandwidth floor, HF eager `generate`, HF
+`generate(cache_implementation="static")` (its torch.compile path) and vLLM, in the same run on one GPU.
 
 Default: the `qwen2.5-7b` preset (bf16, random weights), prompt 128 tokens, 256 new tokens. The floor is
 (weight bytes + KV bytes read per step) / the device-to-device copy bandwidth measured in this run; for MoE models
@@ -10,10 +10,16 @@ experts of each MoE layer (bench/active_bytes.py).
 engine of its own, built, measured and freed one after the other in the same run, each beside its own floor
 (fp8 weights read half the bytes, so their floor is higher). The HF peers are always the bf16 model.
 
+`--peers vllm` runs vLLM (defaults, `load_format="dummy"` from the same config, in its own process once
+mini-infer's engines are freed: bench/vllm_peer.py) on the same prompt; its decode rate is (new - 1) / (time for
+`new` tokens - time for 1 token), medians of 3. mini-infer's row uses its own first-token timestamp instead; both
+remove the prefill from the rate.
+
     python bench/latency.py [--model qwen2.5-7b] [--prompt-len 128] [--new-tokens 256] [--peers hf-eager,hf-static]
     python bench/latency.py --model qwen3-30b-a3b --peers hf-static   # MoE: the active-parameter floor
     python bench/latency.py --quantization none,fp8 --peers none          # fp8 weights vs bf16, same run
     python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
+    python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static, or none")
+    ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static,vllm, or none")
     ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--out", default="bench/out")
@@ -130,8 +136,22 @@ def main() -> None:
     floor_tok_s = engines[0]["floor_tok_s"]  # the peers' floor: the first engine (bf16 unless told otherwise)
     ids = torch.tensor([prompt], device="cuda")
     peers = args.peers.split(",") if args.peers and args.peers != "none" else []
-    model = load_model(args.model, device="cuda").model if peers else None  # the same weights (seeded preset)
-    for peer in peers:
+    peer_meta = {}
+    if "vllm" in peers:  # first, while this process holds no model: vLLM takes 90% of the device
+        from vllm_peer import model_dir, run_offline
+
+        res = run_offline("latency", dict(model_dir=str(model_dir(args.model)), prompt=prompt,
+                                          new_tokens=args.new_tokens, out=args.out,
+                                          max_model_len=args.prompt_len + args.new_tokens + 16))
+        peer_meta["vllm"] = res
+        if "error" in res:
+            print(f"vllm: did not run: {res['error']}", flush=True)
+        else:
+            rows.append((f"vllm {res['version']}", res["decode_tok_s"]))
+    hf_peers = [p for p in peers if p != "vllm"]
+    # the same weights (seeded preset)
+    model = load_model(args.model, device="cuda").model if hf_peers else None
+    for peer in hf_peers:
         if peer == "hf-eager":
             rows.append(("hf-eager", time_hf(model, ids, args.new_tokens)))
         elif peer == "hf-static":
@@ -156,7 +176,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     (out_dir / "latency.json").write_text(json.dumps({
         "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw,
+        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "peers": peer_meta,
         "engines": [{k: v for k, v in e.items() if k not in ("tokens", "prompt")} for e in engines],
         "results": {name: tps for name, tps in rows}}, indent=2))
     try:

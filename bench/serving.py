@@ -26,6 +26,13 @@ URL, model, date, git commit) and `serving.png` (TTFT and ITL p50/p99 against ra
     python bench/serving.py --endpoint chat --input-len 256,1024 --output-len 64,256
     python bench/serving.py --launch "--dry-run" --long-prefill 8000 --rates 4   # head-of-line probe first
 
+`--peers vllm` (with `--launch`) runs the same request stream against `vllm serve` too, one server after the
+other: with `--preset NAME` both load one model directory written from the preset (config + the embedded
+tokenizer, bench/vllm_peer.py), mini-infer as `serve DIR --dry-run LAUNCH-ARGS` and vLLM as `vllm serve DIR
+--load-format dummy --max-model-len N` (its defaults otherwise); serving.json gets vLLM's report under "peers".
+
+    python bench/serving.py --preset qwen3-0.6b --launch "--max-model-len 2048" --peers vllm --rates 4,16,64
+
 `--long-prefill WORDS` first runs a head-of-line probe (before the rates): one streaming request of WORDS words
 (max_tokens 1), then, while it prefills, --long-prefill-shorts requests of 16 words (max_tokens 16) 50 ms apart;
 it reports the long request's TTFT beside each short one's (a short request stuck behind the whole prefill has
@@ -418,10 +425,13 @@ async def run_rate(client: OpenAIClient, rate: float, k: int, prompts: list[str]
 
 # ------------------------------------------------------------------------------------------ launched server
 class LaunchedServer:
-    """`mini-infer serve ARGS --host 127.0.0.1 --port FREE` as a subprocess, up once /health answers 200."""
+    """`mini-infer serve ARGS --host 127.0.0.1 --port FREE` (or `command(port)`, e.g. vLLM's server) as a
+    subprocess, up once /health answers 200."""
 
-    def __init__(self, launch_args: str, api_key: str | None, log_path: Path, timeout: float) -> None:
+    def __init__(self, launch_args: str, api_key: str | None, log_path: Path, timeout: float,
+                 command=None) -> None:
         self.args = shlex.split(launch_args)
+        self.command = command
         self.api_key = api_key
         self.log_path = log_path
         self.timeout = timeout
@@ -432,8 +442,8 @@ class LaunchedServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> LaunchedServer:
-        cmd = [sys.executable, "-m", "mini_infer.cli", "serve", *self.args, "--host", "127.0.0.1",
-               "--port", str(self.port)]
+        cmd = self.command(self.port) if self.command else [
+            sys.executable, "-m", "mini_infer.cli", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         if self.api_key and "--api-key" not in self.args:
             cmd += ["--api-key", self.api_key]
         self.cmd = cmd
@@ -538,6 +548,15 @@ def plot(summaries: list[dict], meta: dict, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- main
+def launch_and_bench(args: argparse.Namespace, launch: str, log_path: Path, command=None) -> dict:
+    """Start one server (mini-infer's, or `command(port)`), run the whole benchmark against it, stop it."""
+    with LaunchedServer(launch, args.api_key, log_path, args.launch_timeout, command) as srv:
+        launched = {"cmd": srv.cmd, "startup_s": srv.startup_s}
+        report = asyncio.run(bench(args, srv.base_url, launched))
+    launched["exit_status"] = srv.proc.returncode
+    return report
+
+
 async def bench(args: argparse.Namespace, base_url: str, launched: dict | None) -> dict:
     client = OpenAIClient(base_url, args.api_key, args.endpoint, args.request_timeout)
     try:
@@ -603,10 +622,17 @@ def main() -> None:
     ap.add_argument("--long-prefill", type=int, default=0, metavar="WORDS",
                     help="first run the head-of-line probe with a prompt of WORDS words (0: no probe)")
     ap.add_argument("--long-prefill-shorts", type=int, default=8, help="short requests sent during the probe")
+    ap.add_argument("--peers", default="none", help="vllm: the same stream against `vllm serve` (needs --launch)")
+    ap.add_argument("--preset", default=None,
+                    help="launch every server from one directory written from this preset (see --peers)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.num_prompts < 1:
         ap.error("--num-prompts must be >= 1")
+    if args.peers not in ("none", "vllm"):
+        ap.error(f"--peers must be none or vllm, got {args.peers!r}")
+    if (args.peers == "vllm" or args.preset) and args.launch is None:
+        ap.error("--peers vllm and --preset need --launch (the servers this script starts)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -614,10 +640,24 @@ def main() -> None:
         tokens = shlex.split(args.launch)
         if "--api-key" in tokens and not args.api_key and tokens.index("--api-key") + 1 < len(tokens):
             args.api_key = tokens[tokens.index("--api-key") + 1]
-        with LaunchedServer(args.launch, args.api_key, out / "serving_server.log", args.launch_timeout) as srv:
-            launched = {"cmd": srv.cmd, "startup_s": srv.startup_s}
-            report = asyncio.run(bench(args, srv.base_url, launched))
-        launched["exit_status"] = srv.proc.returncode
+        model_path = None
+        if args.preset:
+            from vllm_peer import model_dir
+
+            model_path = model_dir(args.preset)
+            args.launch = shlex.join([str(model_path), "--dry-run", *tokens])
+        report = launch_and_bench(args, args.launch, out / "serving_server.log")
+        if args.peers == "vllm":
+            from vllm_peer import serve_command
+
+            max_len = int(tokens[tokens.index("--max-model-len") + 1]) if "--max-model-len" in tokens else None
+            model_path = model_path or Path(tokens[0])
+            try:
+                report["peers"] = {"vllm": launch_and_bench(args, "", out / "serving_vllm.log",
+                                                            lambda port: serve_command(model_path, port, max_len))}
+            except SystemExit as exc:  # name what did not run, keep mini-infer's numbers
+                print(f"vllm: did not run: {exc}", flush=True)
+                report["peers"] = {"vllm": {"error": str(exc)}}
     else:
         check_loopback(args.base_url, args.allow_remote)
         report = asyncio.run(bench(args, args.base_url, None))
@@ -629,6 +669,10 @@ def main() -> None:
     for note in meta["notes"]:
         print(f"note: {note}")
     print_table(report["summary"])
+    for name, peer in (report.get("peers") or {}).items():
+        if "summary" in peer:
+            print(f"{name} ({peer['meta'].get('server_version') or 'version unknown'}), same stream:")
+            print_table(peer["summary"])
     (out / "serving.json").write_text(json.dumps(report, indent=2))
     plot(report["summary"], meta, out / "serving.png")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")

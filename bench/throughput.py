@@ -3,13 +3,17 @@
 Workloads:
   * `cpu16` (default on CPU): 16 concurrent prompts of 64-256 random tokens, 64 output tokens each, the
     embedded SmolLM2-135M-Instruct; peer: HF batched `generate` (left-padded, greedy, fixed length).
-  * `nanovllm` (default on GPU): 256 sequences, prompts uniform in [100, 1024] tokens, outputs uniform in
-    [100, 1024], temperature 0.6, ignore_eos, seed 0, on the `qwen3-0.6b` preset; peer: HF continuous
-    batching (`model.generate_batch`, attention `paged|sdpa`).
+  * `nanovllm` (default on GPU): nano-vllm's bench.py workload drawn exactly as it draws it (256 sequences,
+    `random.seed(0)`, prompt ids `randint(0, 10000)`, prompt and output lengths `randint(100, 1024)`: 133,966
+    output tokens), temperature 0.6, ignore_eos, on the `qwen3-0.6b` preset; peer: HF continuous batching
+    (`model.generate_batch`, attention `paged|sdpa`).
+Peers: `hf-generate`, `hf-generate_batch`, and `vllm` (vLLM in its own process after mini-infer has freed the
+GPU, defaults, `load_format="dummy"` from the same config: bench/vllm_peer.py).
 Prints a table, writes JSON and a PNG bar chart to --out (default bench/out/).
 
     python bench/throughput.py                       # CPU: cpu16 workload
     python bench/throughput.py --workload nanovllm   # GPU
+    python bench/throughput.py --workload nanovllm --peers vllm   # vLLM beside us (needs vllm importable)
     python bench/throughput.py --workload nanovllm --kv-cache-dtype auto,fp8 --peers none   # fp8 KV cache vs not
 
 `--quantization` and `--kv-cache-dtype` take comma lists ("none" = no quantization): each combination is an
@@ -80,7 +84,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=["cpu16", "nanovllm"], default="nanovllm" if on_gpu else "cpu16")
     ap.add_argument("--model", default=None, help="default: SmolLM2 (cpu16) or qwen3-0.6b (nanovllm)")
     ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch, or none")
+    ap.add_argument("--peers", default="auto", help="comma list of hf-generate,hf-generate_batch,vllm, or none")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (engine default)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap host scheduling with the device (engine default: on for CUDA)")
@@ -118,7 +122,8 @@ def main() -> None:
                   quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes)
         startup = time.perf_counter() - t0
-        wl = Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0)
+        wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
+              else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
         r = run_engine(llm, wl, temperature=temp)
         if len(variants) > 1:
             r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}]"
@@ -142,14 +147,35 @@ def main() -> None:
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     async_scheduling = llm.engine.async_scheduling
     hf_model = None
-    if peers:  # a second copy of the same (seeded) model: the engine released its HF model after compiling
-        from mini_infer.models import load_model
-
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        hf_model = load_model(model, device="cuda" if torch.cuda.is_available() else "cpu").model
+    del llm  # the GPU is the next engine's
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    peer_meta = {}
     for peer in peers:
+        if peer == "vllm":  # first, while this process holds no model: vLLM takes 90% of the device
+            from vllm_peer import model_dir, run_offline
+
+            res = run_offline("throughput", dict(
+                model_dir=str(model_dir(model)), max_model_len=2304, temperature=temp, prompts=wl.prompts,
+                output_lens=wl.output_lens, out=args.out))
+            if "error" in res:
+                print(f"vllm: did not run: {res['error']}", flush=True)
+                peer_meta["vllm"] = res
+                continue
+            results.append(BenchResult(f"vllm {res['version']}", len(wl.prompts), res["output_tokens"],
+                                       res["seconds"], res["startup_seconds"]))
+            peer_meta["vllm"] = {k: v for k, v in res.items()}
+            print(f"{results[-1].name}: {results[-1].output_tok_s:.1f} output tok/s ({res['seconds']:.1f}s; startup "
+                  f"{res['startup_seconds']:.1f}s)", flush=True)
+    for peer in peers:
+        if peer.startswith("hf") and hf_model is None:
+            # a second copy of the same (seeded) model: the engine released its HF model after compiling
+            from mini_infer.models import load_model
+
+            hf_model = load_model(model, device="cuda" if torch.cuda.is_available() else "cpu").model
+        if peer == "vllm":
+            continue
         if peer == "hf-generate":
             results.append(hf_batched_generate(hf_model, wl, pad if pad is not None else 0))
         elif peer == "hf-generate_batch":
@@ -167,7 +193,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"engines": engine_meta, "async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
+    meta = {"engines": engine_meta, "peers": peer_meta, "async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(
@@ -180,7 +206,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 1 + 0.5 * len(results)))
         ax.barh([r.name for r in results], [r.output_tok_s for r in results],
-                color=["C0"] * len(variants) + ["C7"] * len(peers))
+                color=["C0"] * len(variants) + ["C7"] * (len(results) - len(variants)))
         ax.set_xlabel("output tokens/s")
         ax.set_title(f"throughput, {args.workload} ({meta['device']})")
         fig.tight_layout()

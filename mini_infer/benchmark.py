@@ -25,6 +25,16 @@ class Workload:
         outs = [rng.randint(*output_len) for _ in range(num_prompts)]
         return cls(prompts, outs)
 
+    @classmethod
+    def nanovllm(cls, num_prompts: int = 256, seed: int = 0) -> Workload:
+        """nano-vllm's bench.py draw, exactly: `random.seed(seed)`, then every prompt (length `randint(100,
+        1024)`, ids `randint(0, 10000)`), then every output length (`randint(100, 1024)`); for 256 prompts and
+        seed 0 that is 142,827 prompt and 133,966 output tokens."""
+        rng = random.Random(seed)
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_prompts)]
+        outs = [rng.randint(100, 1024) for _ in range(num_prompts)]
+        return cls(prompts, outs)
+
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
