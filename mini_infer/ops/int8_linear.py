@@ -75,12 +75,14 @@ _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 # How the kernel's tl.dot treats fp8 operands (int8 ignores it): an int is tl.dot's max_num_imprecise_acc, None
 # Triton's default for the GPU, "fp16" converts both tiles to fp16 first (exact for e4m3) and runs a 16-bit dot.
 # What max_num_imprecise_acc does (Triton 3.x: language/semantic.py, backends/nvidia/compiler.py, and the C++
-# supportMMA (lib/Analysis/Utility.cpp) and WGMMA lowering (DotOpToLLVM/WGMMA.cpp)), which matters on sm_90 only:
+# supportMMA in lib/Analysis/Utility.cpp and the WGMMA lowering in the nvidia backend's DotOpToLLVM/WGMMA.cpp),
+# which matters on sm_90 only:
 #   * None: 2**30 on sm_90 (0 elsewhere): one accumulator inside the wgmma instructions for the whole K loop,
 #     which for fp8 keeps fewer mantissa bits than fp32 (DeepSeek-V3's report measured ~14 on H800);
-#   * 32 <= v <= BLOCK_K (a larger v is a compile error): wgmma into a separate partial accumulator, added to
-#     the fp32 one in registers every v elements of K and at the end of each tl.dot; 32 is one instruction's K,
-#     so 32 is the most often wgmma can promote (the reduced precision is left within 32 products);
+#   * 32 <= v <= BLOCK_K (Triton refuses a larger v; scaled_mm_triton checks first): wgmma into a separate
+#     partial accumulator, added to the fp32 one in registers every v elements of K and at the end of each
+#     tl.dot; 32 is one instruction's K, so 32 is the most often wgmma can promote (the reduced precision is
+#     left within 32 products);
 #   * v < 32 (e.g. 0): no wgmma for an fp8 dot with an fp32 accumulator; MMAv2 (mma.sync) runs it instead.
 # Tiles of fewer than 64 rows (the skinny decode tile) never use wgmma, whatever the value. 32 stays the
 # default until `bench/fp8_gpu_check.py` (op-level section, every candidate on one H100/H200) says otherwise.
