@@ -6,25 +6,35 @@
     fp8_w8a8_linear(x, w_q, w_scale, bias) = fp8_linear(*quantize_per_token(x, fp8), w_q, w_scale, bias, x.dtype)
 
 Where it runs:
-  * CPU (and CUDA with MINI_INFER_OPS_BACKEND=torch): the reference, which dequantizes (fp8 -> fp32 is exact),
-    multiplies in fp32 and applies the scales and bias in int8_linear.py's epilogue order.
+  * CPU (and CUDA with MINI_INFER_OPS_BACKEND=torch): the reference (int8_linear.py's `scaled_linear_reference`),
+    which dequantizes (fp8 -> fp32 is exact), multiplies in fp32 and applies the scales and bias in the
+    kernels' epilogue order.
   * CUDA, compute capability >= 8.9 (Ada, Hopper and later): by shape only (CUDA-graph safe) —
     M <= FP8_TRITON_MAX_M rows -> the Triton kernel of int8_linear.py (`scaled_mm_triton`, skinny tile: the
     decode path that streams the weights); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
-    FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile.
-    bench/kernel_quant.py times both at every M: move FP8_TRITON_MAX_M if it says so.
+    FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile
+    (whose fp8 accumulation precision on Hopper is int8_linear.FP8_DOT's choice). bench/kernel_quant.py times
+    both at every M: move FP8_TRITON_MAX_M if it says so; bench/fp8_gpu_check.py measures their accuracy.
   * CUDA below 8.9: no FP8 tensor-core instructions; the op raises RuntimeError naming the capability.
 Unlike the int8 path, fp32 accumulation order differs between tiles and between Triton and _scaled_mm, so a
 row's output may differ in its last bits between M buckets (int8_linear is exact across buckets).
-Imports nothing from mini_infer outside `mini_infer.ops`.
+The argument checks, the reference, the Triton launcher and the op registration are int8_linear.py's, shared
+with the int8 linears; this module adds the capability check and the choice of GEMM on CUDA. Imports nothing
+from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, use_triton
-from mini_infer.ops.int8_linear import _check_shapes, _epilogue_reference, scaled_mm_triton, w8a8_fake
+from mini_infer.ops._triton_support import HAS_TRITON
+from mini_infer.ops.int8_linear import (
+    check_scaled_linear,
+    define_quantized_linear_op,
+    define_scaled_linear_op,
+    scaled_linear_reference,
+    scaled_mm_triton,
+)
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
 __all__ = [
@@ -56,11 +66,6 @@ def fp8_supported(device: torch.device | str) -> bool:
     return False
 
 
-def _check_fp8(x_q: torch.Tensor, w_q: torch.Tensor) -> None:
-    if x_q.dtype != FP8 or w_q.dtype != FP8:
-        raise ValueError(f"fp8_linear: x_q and w_q must be float8_e4m3fn, got {x_q.dtype} and {w_q.dtype}")
-
-
 def _require_fp8_device(device: torch.device) -> None:
     if not fp8_supported(device):
         major, minor = torch.cuda.get_device_capability(device)
@@ -79,11 +84,7 @@ def fp8_linear_reference(
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """Plain torch: fp8 -> fp32 (exact), an fp32 GEMM, then the scales and bias in fp32."""
-    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_fp8(x_q, w_q)
-    k, n = x_q.shape[-1], w_q.shape[0]
-    acc = x_q.reshape(-1, k).to(torch.float32) @ w_q.to(torch.float32).t()
-    return _epilogue_reference(acc, x_scale, w_scale, bias, out_dtype, (*x_q.shape[:-1], n))
+    return scaled_linear_reference("fp8_linear", FP8, x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
 def fp8_w8a8_linear_reference(
@@ -129,8 +130,7 @@ def fp8_linear_triton(
 ) -> torch.Tensor:  # fmt: skip
     """The CUDA path (also CPU tensors under TRITON_INTERPRET=1, which always take the Triton kernel): see the
     module docstring for the choice between the Triton kernel and torch._scaled_mm."""
-    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_fp8(x_q, w_q)
+    check_scaled_linear("fp8_linear", FP8, x_q, x_scale, w_q, w_scale, bias)
     if x_q.is_cuda:
         _require_fp8_device(x_q.device)
         k, n = x_q.shape[-1], w_q.shape[0]
@@ -157,34 +157,5 @@ def fp8_w8a8_linear_triton(
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mini_infer::fp8_linear", mutates_args=())
-def fp8_linear(
-    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """FP8 W8A8 linear with rowwise scales: Triton / torch._scaled_mm on CUDA (>= 8.9), else the torch reference."""
-    if use_triton(x_q):
-        return fp8_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    return fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-
-
-@fp8_linear.register_fake
-def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
-    _check_shapes("fp8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_fp8(x_q, w_q)
-    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
-
-
-@torch.library.custom_op("mini_infer::fp8_w8a8_linear", mutates_args=())
-def fp8_w8a8_linear(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`fp8_linear(*quantize_per_token(x, float8_e4m3fn), w_q, w_scale, bias, x.dtype)`."""
-    if use_triton(x):
-        return fp8_w8a8_linear_triton(x, w_q, w_scale, bias)
-    return fp8_w8a8_linear_reference(x, w_q, w_scale, bias)
-
-
-@fp8_w8a8_linear.register_fake
-def _(x, w_q, w_scale, bias):
-    return w8a8_fake("fp8_w8a8_linear", x, w_q)
+fp8_linear = define_scaled_linear_op("fp8_linear", FP8, fp8_linear_triton, fp8_linear_reference)
+fp8_w8a8_linear = define_quantized_linear_op("fp8_w8a8_linear", fp8_w8a8_linear_triton, fp8_w8a8_linear_reference)

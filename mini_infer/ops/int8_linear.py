@@ -1,4 +1,5 @@
-"""`mini_infer::int8_linear` and `mini_infer::w8a8_linear`: W8A8 int8 linears with per-token / per-channel scales.
+"""`mini_infer::int8_linear` and `mini_infer::w8a8_linear`: W8A8 int8 linears with per-token / per-channel scales,
+and the pieces every W8A8 linear shares (fp8_linear.py builds its ops from them).
 
     int8_linear(x_q int8 [.., K], x_scale fp32 [.., 1], w_q int8 [N, K], w_scale fp32 [N], bias [N] | None,
                 out_dtype) -> [.., N] out_dtype
@@ -17,12 +18,17 @@ with the batch bucket); the reference (`torch._int_mm` where it takes the shape,
 product) gives the same int32 and differs from the kernel at most by the fp32 epilogue's rounding (FMA
 contraction on a GPU; none under the interpreter, where the two are bit-identical).
 
-The Triton kernel here, `scaled_mm_triton`, also serves fp8_linear.py (fp8 operands, fp32 accumulation).
+Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Triton kernel and its launcher
+`scaled_mm_triton`, the argument checks (`check_scaled_linear`), the plain-torch reference
+(`scaled_linear_reference`: checks, the operand dtype's accumulation, the fp32 epilogue), the fakes, and
+`define_scaled_linear_op` / `define_quantized_linear_op`, which register an operand dtype's pair of ops.
 Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,18 +36,23 @@ from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
 __all__ = [
+    "FP8_DOT",
     "INT8_MAX_K",
     "SMALL_M",
+    "check_scaled_linear",
+    "define_quantized_linear_op",
+    "define_scaled_linear_op",
     "int8_linear",
     "int8_linear_reference",
     "int8_linear_triton",
     "int8_matmul_exact",
+    "scaled_linear_reference",
     "scaled_mm_config",
     "scaled_mm_triton",
+    "w8a8_fake",
     "w8a8_linear",
     "w8a8_linear_reference",
     "w8a8_linear_triton",
-    "w8a8_fake",
 ]
 
 INT8_MAX_K = 2**31 // (128 * 128)  # |acc| <= 128 * 128 * K must fit int32
@@ -61,8 +72,32 @@ _CONFIGS = (
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
+# How the kernel's tl.dot treats fp8 operands (int8 ignores it): an int is tl.dot's max_num_imprecise_acc, None
+# Triton's default for the GPU, "fp16" converts both tiles to fp16 first (exact for e4m3) and runs a 16-bit dot.
+# What max_num_imprecise_acc does (Triton 3.x: language/semantic.py, backends/nvidia/compiler.py, and the C++
+# supportMMA in lib/Analysis/Utility.cpp and the WGMMA lowering in the nvidia backend's DotOpToLLVM/WGMMA.cpp),
+# which matters on sm_90 only:
+#   * None: 2**30 on sm_90 (0 elsewhere): one accumulator inside the wgmma instructions for the whole K loop,
+#     which for fp8 keeps fewer mantissa bits than fp32 (DeepSeek-V3's report measured ~14 on H800);
+#   * 32 <= v <= BLOCK_K (Triton refuses a larger v; scaled_mm_triton checks first): wgmma into a separate
+#     partial accumulator, added to the fp32 one in registers every v elements of K and at the end of each
+#     tl.dot; 32 is one instruction's K, so 32 is the most often wgmma can promote (the reduced precision is
+#     left within 32 products);
+#   * v < 32 (e.g. 0): no wgmma for an fp8 dot with an fp32 accumulator; MMAv2 (mma.sync) runs it instead.
+# Tiles of fewer than 64 rows (the skinny decode tile) never use wgmma, whatever the value. 32 stays the
+# default until `bench/fp8_gpu_check.py` (op-level section, every candidate on one H100/H200) says otherwise.
+FP8_DOT: int | str | None = 32
 
-def _check_shapes(name: str, x_q, x_scale, w_q, w_scale, bias) -> None:
+
+# --------------------------------------------------------------------------------------------------
+# shared by the W8A8 linears (int8 here, float8_e4m3fn in fp8_linear.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_scaled_linear(name: str, operand: torch.dtype, x_q: torch.Tensor, x_scale: torch.Tensor,
+                        w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError naming the op (`name`) and the field unless x_q [.., K] and w_q [N, K] are `operand` tensors,
+    x_scale fp32 [.., 1], w_scale fp32 [N], bias [N] or None, and (int8) K <= INT8_MAX_K."""
     k = x_q.shape[-1]
     n = w_q.shape[0]
     if w_q.dim() != 2 or w_q.shape[1] != k:
@@ -74,13 +109,11 @@ def _check_shapes(name: str, x_q, x_scale, w_q, w_scale, bias) -> None:
         raise ValueError(f"{name}: w_scale must be fp32 ({n},), got {w_scale.dtype} {tuple(w_scale.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{name}: bias must be ({n},), got {tuple(bias.shape)}")
-
-
-def _check_int8(x_q: torch.Tensor, w_q: torch.Tensor) -> None:
-    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise ValueError(f"int8_linear: x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
-    if x_q.shape[-1] > INT8_MAX_K:
-        raise ValueError(f"int8_linear: K = {x_q.shape[-1]} exceeds INT8_MAX_K = {INT8_MAX_K} (int32 overflow)")
+    if x_q.dtype != operand or w_q.dtype != operand:
+        raise ValueError(f"{name}: x_q and w_q must be {str(operand).removeprefix('torch.')}, got {x_q.dtype} "
+                         f"and {w_q.dtype}")
+    if operand == torch.int8 and k > INT8_MAX_K:
+        raise ValueError(f"{name}: K = {k} exceeds INT8_MAX_K = {INT8_MAX_K} (int32 overflow)")
 
 
 def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias, out_dtype, out_shape) -> torch.Tensor:
@@ -90,11 +123,6 @@ def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias, out_dtype, ou
     if bias is not None:
         y = y + bias.to(torch.float32)[None, :]
     return y.to(out_dtype).reshape(out_shape)
-
-
-# --------------------------------------------------------------------------------------------------
-# reference (plain torch)
-# --------------------------------------------------------------------------------------------------
 
 
 def int8_matmul_exact(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -107,16 +135,72 @@ def int8_matmul_exact(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (a.to(torch.float64) @ w.to(torch.float64).t()).to(torch.int32)
 
 
+def scaled_linear_reference(
+    name: str, operand: torch.dtype, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+    w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """Plain torch W8A8 linear for `operand` operands, after check_scaled_linear: int8 -> the exact int32 GEMM
+    (`int8_matmul_exact`), float8_e4m3fn -> fp8 to fp32 (exact) and an fp32 GEMM; then the fp32 epilogue."""
+    check_scaled_linear(name, operand, x_q, x_scale, w_q, w_scale, bias)
+    k, n = x_q.shape[-1], w_q.shape[0]
+    a = x_q.reshape(-1, k)
+    acc = int8_matmul_exact(a, w_q) if operand == torch.int8 else a.to(torch.float32) @ w_q.to(torch.float32).t()
+    return _epilogue_reference(acc, x_scale, w_scale, bias, out_dtype, (*x_q.shape[:-1], n))
+
+
+def w8a8_fake(name: str, x: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """The output of a quantize-then-GEMM op (`name`) for fake tensors: [.., N] in x's dtype."""
+    if w_q.dim() != 2 or w_q.shape[1] != x.shape[-1]:
+        raise ValueError(f"{name}: w_q {tuple(w_q.shape)} must be [N, K] with K = x's last dim {x.shape[-1]}")
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+def define_scaled_linear_op(name: str, operand: torch.dtype, triton_impl: Callable, reference_impl: Callable):
+    """Register `mini_infer::<name>(x_q, x_scale, w_q, w_scale, bias, out_dtype)` for `operand` operands: the
+    Triton launcher where use_triton says so, else the reference; its fake checks the arguments."""
+
+    def op(
+        x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+        bias: torch.Tensor | None, out_dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        impl = triton_impl if use_triton(x_q) else reference_impl
+        return impl(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+    def fake(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+        check_scaled_linear(name, operand, x_q, x_scale, w_q, w_scale, bias)
+        return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+    op.__doc__ = f"W8A8 linear over {operand} operands, dequantized in the epilogue (see {__name__})."
+    custom = torch.library.custom_op(f"mini_infer::{name}", op, mutates_args=())
+    custom.register_fake(fake)
+    return custom
+
+
+def define_quantized_linear_op(name: str, triton_impl: Callable, reference_impl: Callable):
+    """Register `mini_infer::<name>(x, w_q, w_scale, bias)` (quantize x per token, then the GEMM; x's dtype
+    out): the Triton launcher where use_triton says so, else the reference; its fake is w8a8_fake."""
+
+    def op(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        impl = triton_impl if use_triton(x) else reference_impl
+        return impl(x, w_q, w_scale, bias)
+
+    op.__doc__ = f"Per-token quantization of x, then the W8A8 GEMM ({name}; see {__name__})."
+    custom = torch.library.custom_op(f"mini_infer::{name}", op, mutates_args=())
+    custom.register_fake(lambda x, w_q, w_scale, bias: w8a8_fake(name, x, w_q))
+    return custom
+
+
+# --------------------------------------------------------------------------------------------------
+# reference (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
 def int8_linear_reference(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """Plain-torch W8A8 linear: exact int32 GEMM, fp32 epilogue (see the module docstring)."""
-    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_int8(x_q, w_q)
-    k, n = x_q.shape[-1], w_q.shape[0]
-    acc = int8_matmul_exact(x_q.reshape(-1, k), w_q)
-    return _epilogue_reference(acc, x_scale, w_scale, bias, out_dtype, (*x_q.shape[:-1], n))
+    return scaled_linear_reference("int8_linear", torch.int8, x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
 def w8a8_linear_reference(
@@ -151,7 +235,7 @@ if HAS_TRITON:
         a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr, M, N, K, s_am, s_wn, s_cm,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SPLIT_K: tl.constexpr, FP8_PRECISE_ACC: tl.constexpr,
+        SPLIT_K: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr, UPCAST_FP16: tl.constexpr,
     ):  # fmt: skip
         """C = A @ W.T with a per-row / per-column scaled epilogue. A [M, K] and W [N, K] are K-contiguous (W's
         tile is loaded K-major, the layout tensor cores want for B). Tiles are ordered in groups of GROUP_M
@@ -190,9 +274,11 @@ if HAS_TRITON:
                 k_ok = k0 + rk < K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=ZERO)
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=ZERO)
-            # fp8 on sm_90: add each tensor-core instruction's partial into the fp32 accumulator (Triton's
-            # default there accumulates whole K loops inside the instruction, with fewer mantissa bits)
-            acc = tl.dot(a, w, acc, out_dtype=ACC_DTYPE, max_num_imprecise_acc=FP8_PRECISE_ACC)
+            # fp8: how the products are accumulated (MAX_IMPRECISE_ACC, UPCAST_FP16) is FP8_DOT's choice
+            if UPCAST_FP16:
+                acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc, out_dtype=ACC_DTYPE)
+            else:
+                acc = tl.dot(a, w, acc, out_dtype=ACC_DTYPE, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if SPLIT_K > 1:
@@ -236,10 +322,12 @@ def scaled_mm_config(m: int, fp8: bool = False) -> tuple[int, int, int, int, int
 
 def scaled_mm_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple | None = None,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple | None = None, *,
+    fp8_dot: int | str | None = FP8_DOT,
 ) -> torch.Tensor:  # fmt: skip
     """Triton `((x_q @ w_q.T) * x_scale * w_scale + bias).to(out_dtype)` for int8 (int32 accumulation) or
-    float8_e4m3fn (fp32 accumulation) operands. `config` overrides the M-bucket tile (benchmark sweeps)."""
+    float8_e4m3fn (fp32 accumulation) operands. `config` overrides the M-bucket tile (benchmark sweeps),
+    `fp8_dot` the fp8 dot's accumulation (see FP8_DOT; an int above the tile's BLOCK_K is refused)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_mm_triton needs triton")
     k, n = x_q.shape[-1], w_q.shape[0]
@@ -255,6 +343,10 @@ def scaled_mm_triton(
         else:
             is_int = x_q.dtype == torch.int8  # int32 accumulation; fp8: fp32 (ZERO: the masked loads' fill)
             bm, bn, bk, gm, warps, stages, split_k = config or scaled_mm_config(m, fp8=not is_int)
+            upcast = not is_int and fp8_dot == "fp16"
+            if not (is_int or fp8_dot in (None, "fp16") or (isinstance(fp8_dot, int) and 0 <= fp8_dot <= bk)):
+                raise ValueError(f"scaled_mm_triton: fp8_dot must be None, 'fp16' or an int in [0, BLOCK_K = {bk}],"
+                                 f" got {fp8_dot!r}")
             split_k = min(split_k, triton.cdiv(k, bk)) if is_int else 1  # float partials would add in any order
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             ws = cnt = out  # unused unless split_k > 1
@@ -265,7 +357,7 @@ def scaled_mm_triton(
                 bias if bias is not None else w_scale, out, ws, cnt, m, n, k, a.stride(0), w.stride(0), out.stride(0),
                 HAS_BIAS=bias is not None, ACC_DTYPE=tl.int32 if is_int else tl.float32, ZERO=0 if is_int else 0.0,
                 EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, SPLIT_K=split_k,
-                FP8_PRECISE_ACC=0 if is_int else 32,  # 32: the K of one fp8 wgmma instruction (ignored for int8)
+                MAX_IMPRECISE_ACC=0 if is_int or upcast else fp8_dot, UPCAST_FP16=upcast,
                 num_warps=warps, num_stages=stages,
             )  # fmt: skip
     return out.reshape(*x_q.shape[:-1], n)
@@ -276,8 +368,7 @@ def int8_linear_triton(
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """The CUDA path: the Triton kernel with the tile of M's bucket (skinny for M <= SMALL_M)."""
-    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_int8(x_q, w_q)
+    check_scaled_linear("int8_linear", torch.int8, x_q, x_scale, w_q, w_scale, bias)
     return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
@@ -293,40 +384,5 @@ def w8a8_linear_triton(
 # the registered ops
 # --------------------------------------------------------------------------------------------------
 
-
-@torch.library.custom_op("mini_infer::int8_linear", mutates_args=())
-def int8_linear(
-    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """W8A8 int8 linear with the dequantization in the epilogue: Triton on CUDA, else the torch reference."""
-    if use_triton(x_q):
-        return int8_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    return int8_linear_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-
-
-@int8_linear.register_fake
-def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
-    _check_shapes("int8_linear", x_q, x_scale, w_q, w_scale, bias)
-    _check_int8(x_q, w_q)
-    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
-
-
-@torch.library.custom_op("mini_infer::w8a8_linear", mutates_args=())
-def w8a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`int8_linear(*quantize_per_token(x, int8), w_q, w_scale, bias, x.dtype)`."""
-    if use_triton(x):
-        return w8a8_linear_triton(x, w_q, w_scale, bias)
-    return w8a8_linear_reference(x, w_q, w_scale, bias)
-
-
-def w8a8_fake(name: str, x: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """The output of a quantize-then-GEMM op (`name`) for fake tensors: [.., N] in x's dtype."""
-    if w_q.dim() != 2 or w_q.shape[1] != x.shape[-1]:
-        raise ValueError(f"{name}: w_q {tuple(w_q.shape)} must be [N, K] with K = x's last dim {x.shape[-1]}")
-    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
-
-
-@w8a8_linear.register_fake
-def _(x, w_q, w_scale, bias):
-    return w8a8_fake("w8a8_linear", x, w_q)
+int8_linear = define_scaled_linear_op("int8_linear", torch.int8, int8_linear_triton, int8_linear_reference)
+w8a8_linear = define_quantized_linear_op("w8a8_linear", w8a8_linear_triton, w8a8_linear_reference)

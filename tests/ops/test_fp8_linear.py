@@ -93,6 +93,28 @@ def test_triton_kernel_every_tile(dtype):
 
 
 @requires_triton
+@pytest.mark.parametrize("fp8_dot", [0, 32, "fp16"])
+def test_triton_kernel_fp8_dot_choices(fp8_dot):
+    """The fp8 dot's accumulation choices that promise fp32 accuracy (mma.sync, a wgmma partial added every 32
+    products, an exact fp16 upcast; bench/fp8_gpu_check.py measures these and the rest on a GPU) give the
+    fp32-accumulated product in the GEMM tiles (M = 37: BLOCK_K 256, M = 300: BLOCK_K 128); a value the tile
+    cannot take is refused by name."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops.int8_linear import scaled_mm_triton
+
+    w_q, w_scale, b = make_weights(33, 200, seed=6, bias_dtype=torch.float32)
+    _, x_q, x_scale = quantized_x(300, 200, torch.float32, seed=7)
+    want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, torch.float32)
+    for m in (37, 300):
+        got = scaled_mm_triton(*on(DEVICE, x_q[:m], x_scale[:m], w_q, w_scale, b), torch.float32, fp8_dot=fp8_dot)
+        assert_fp32_acc_close(got, want[:m])
+    for bad in (129, "bf16", -1):  # 129 > the M = 300 tile's BLOCK_K
+        with pytest.raises(ValueError, match="fp8_dot must be"):
+            scaled_mm_triton(*on(DEVICE, x_q, x_scale, w_q, w_scale, b), torch.float32, fp8_dot=bad)
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_w8a8_linear_close_to_float_linear(dtype):
     g = torch.Generator().manual_seed(0)
