@@ -1,0 +1,92 @@
+"""A tensor-parallel rank loads only its shard of a safetensors checkpoint (CPU, two gloo ranks).
+
+A checkpoint written from the tiny-qwen2 preset (q/k/v biases, untied lm_head) into a temporary directory:
+
+* `load_model(path, tensor_parallel_size=2)` + `compile_model` on each rank: the bytes the rank holds in memory
+  of its own (the loaded model's tensors together with the compiled graph's, each storage once) are the
+  replicated weights plus half of every sliced one (q/k/v weights and biases, o/gate/up/down weights, lm_head),
+  not the whole model; the logits equal TP=1's.
+* `LLM(path, tensor_parallel_size=2)` (the engine starts rank 1 itself): greedy tokens equal TP=1's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_infer.compiler import compile_model
+from mini_infer.llm import LLM
+from mini_infer.models.loader import load_model
+from mini_infer.sampling_params import SamplingParams
+from tests.distributed.helpers import run_ranks
+
+# the tensors tiny-qwen2's tp plan splits (colwise weights and biases, rowwise weights) and the vocabulary-split
+# lm_head; named here, not read from the plan, so that the expected bytes do not come from the code under test
+SLICED = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+          "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "lm_head.weight")
+PASSES = ["cleanup", "shard_tensor_parallel"]  # the graph then holds weights only (no other buffers)
+IDS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """tiny-qwen2 saved as a HF directory (config.json + model.safetensors)."""
+    path = tmp_path_factory.mktemp("tiny-qwen2-ckpt")
+    load_model("tiny-qwen2", device="cpu").model.save_pretrained(path)
+    assert (path / "model.safetensors").is_file()
+    return path
+
+
+def _own_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the distinct storages of the modules' parameters and buffers: the memory the rank allocated for
+    them (a shard placeholder holds one element; tensors a host file mapping backs are not its tensors)."""
+    seen: dict[int, int] = {}
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _load_compile_run(rank: int, world_size: int, path: str) -> dict:
+    loaded = load_model(path, device="cpu", tensor_parallel_size=world_size)
+    at_load = _own_bytes(loaded.model)
+    compiled = compile_model(loaded.model, passes=PASSES, rank=rank, world_size=world_size)
+    held = _own_bytes(loaded.model, compiled.graph_module)  # while both live: the most the rank holds at once
+    ids = torch.tensor(IDS)
+    logits = compiled(**compiled.example_inputs(ids))
+    return dict(at_load=at_load, held=held, graph=compiled.weight_bytes, logits=logits)
+
+
+def test_each_rank_holds_its_shard_and_gives_tp1_logits(checkpoint):
+    whole = load_model(str(checkpoint), device="cpu").model
+    named = dict(whole.named_parameters())
+    sliced = sum(t.nbytes for n, t in named.items() if n.endswith(SLICED))
+    params = sum(t.nbytes for t in named.values())
+    assert 0.7 * params < sliced < params  # the test means something: most of the model is sliced
+    (tp1,) = [_load_compile_run(0, 1, str(checkpoint))]
+    whole_bytes = params + sum(t.nbytes for t in whole.buffers())  # + rotary tables
+    assert tp1["at_load"] == tp1["held"] == whole_bytes and tp1["graph"] >= params
+
+    ranks = run_ranks(_load_compile_run, 2, str(checkpoint))
+    for rank, r in enumerate(ranks):
+        # loading puts only the replicated weights (embedding, norms, rotary tables) in the rank's memory; a
+        # shard placeholder costs one element
+        assert whole_bytes - sliced <= r["at_load"] < whole_bytes - sliced + 1024, (rank, r, whole_bytes, sliced)
+        # compiled: the replicated weights and half of each sliced one, and nothing more at any point
+        assert r["graph"] == tp1["graph"] - sliced // 2, (rank, r, tp1, sliced)
+        assert r["held"] < whole_bytes - sliced // 2 + 1024, (rank, r, whole_bytes, sliced)
+        torch.testing.assert_close(r["logits"], tp1["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_llm_on_a_checkpoint_greedy_equals_tp1(checkpoint):
+    prompts = [{"prompt_token_ids": p} for p in (IDS[0], [7] * 3)]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    options = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)
+    tp1 = [list(o.outputs[0].token_ids) for o in LLM(str(checkpoint), **options).generate(prompts, greedy,
+                                                                                           use_tqdm=False)]
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **options)
+    try:
+        tp2 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+    assert tp2 == tp1
