@@ -17,10 +17,10 @@ Collectives are graph nodes (`torch.ops._c10d_functional.all_reduce` / `all_gath
 the ops behind `torch.distributed._functional_collectives`), so the graph stays one exportable, CUDA-graph
 capturable callable, and an all-reduce followed by the residual add and RMSNorm still matches fuse_rmsnorm.
 Each sharded weight is a new buffer on the weight's device (`PassContext.add_tensor`); the full originals lose
-their last graph use and are dropped. A weight loaded as a shard placeholder (`mini_infer.models.loader.
-host_weight`: the loader of a tensor-parallel rank leaves the whole tensor on the host) is sliced from its host
-tensor, so only the rank's slice is ever copied to the device. The pass matches and rewrites only: which process group runs the collectives is the runtime's
-(`mini_infer/runtime/distributed.py`); the graph names the default group.
+their last graph use and are dropped. A weight loaded as a shard placeholder (the loader of a tensor-parallel
+rank leaves the whole tensor on the host: `mini_infer.models.loader.host_weight`) is sliced from its host tensor,
+so only the rank's slice is ever copied to the device. The pass matches and rewrites only: which process group
+runs the collectives is the runtime's (`mini_infer/runtime/distributed.py`); the graph names the default group.
 """
 
 from __future__ import annotations

@@ -6,10 +6,15 @@ A checkpoint written from the tiny-qwen2 preset (q/k/v biases, untied lm_head) i
   of its own (the loaded model's tensors together with the compiled graph's, each storage once) are the
   replicated weights plus half of every sliced one (q/k/v weights and biases, o/gate/up/down weights, lm_head),
   not the whole model; the logits equal TP=1's.
-* `LLM(path, tensor_parallel_size=2)` (the engine starts rank 1 itself): greedy tokens equal TP=1's.
+* `LLM(path, tensor_parallel_size=2)` (the engine starts rank 1 itself): rank 0 loads for tensor parallelism
+  (its log says how much stayed on the host) and greedy tokens equal TP=1's.
+* The start-up check asks a rank for memory for its shard of a checkpoint, not the whole model (presets, built
+  whole on every rank, still need it all).
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -17,6 +22,10 @@ import torch
 from mini_infer.compiler import compile_model
 from mini_infer.llm import LLM
 from mini_infer.models.loader import load_model
+from mini_infer.models.model_info import inspect_model
+from mini_infer.runtime import preflight
+from mini_infer.runtime.engine import EngineConfig
+from mini_infer.runtime.preflight import check_before_load
 from mini_infer.sampling_params import SamplingParams
 from tests.distributed.helpers import run_ranks
 
@@ -78,15 +87,33 @@ def test_each_rank_holds_its_shard_and_gives_tp1_logits(checkpoint):
         torch.testing.assert_close(r["logits"], tp1["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_llm_on_a_checkpoint_greedy_equals_tp1(checkpoint):
+def test_llm_on_a_checkpoint_greedy_equals_tp1(checkpoint, caplog):
     prompts = [{"prompt_token_ids": p} for p in (IDS[0], [7] * 3)]
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     options = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)
     tp1 = [list(o.outputs[0].token_ids) for o in LLM(str(checkpoint), **options).generate(prompts, greedy,
                                                                                            use_tqdm=False)]
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, **options)
+    with caplog.at_level(logging.INFO, logger="mini_infer"):
+        llm = LLM(str(checkpoint), tensor_parallel_size=2, **options)
+    # rank 0's engine loaded for tensor parallelism: the sliced weights stayed on the host
+    assert any("left on the host, sliced per rank" in r.getMessage() for r in caplog.records)
     try:
         tp2 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     finally:
         llm.engine.close()
     assert tp2 == tp1
+
+
+def test_preflight_asks_a_rank_for_its_shard_of_a_checkpoint(checkpoint, monkeypatch):
+    """Memory for 2/3 of the weights: a checkpoint passes under TP=2 (a rank loads about half), not under TP=1;
+    the tiny-qwen2 preset (built whole on every rank) does not pass under TP=2 either."""
+    need = inspect_model(str(checkpoint)).weight_numel * 4  # float32 on a CPU
+    monkeypatch.setattr(preflight, "available_memory", lambda device: need * 2 // 3)
+    check_before_load(EngineConfig(model=str(checkpoint), device="cpu", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="more than the"):
+        check_before_load(EngineConfig(model=str(checkpoint), device="cpu"))
+    with pytest.raises(ValueError, match="more than the"):
+        check_before_load(EngineConfig(model="tiny-qwen2", device="cpu", tensor_parallel_size=2))
+    monkeypatch.setattr(preflight, "available_memory", lambda device: need // 3)
+    with pytest.raises(ValueError, match="per rank of 2, more than the"):
+        check_before_load(EngineConfig(model=str(checkpoint), device="cpu", tensor_parallel_size=2))
