@@ -8,6 +8,7 @@ A checkpoint written from the tiny-qwen2 preset (q/k/v biases, untied lm_head) i
   not the whole model; the logits equal TP=1's.
 * `LLM(path, tensor_parallel_size=2)` (the engine starts rank 1 itself): rank 0 loads for tensor parallelism
   (its log says how much stayed on the host) and greedy tokens equal TP=1's.
+* On a GPU (skipped without one): rank 0 of 2 of a 1.3 GB checkpoint peaks at its shard in the CUDA allocator.
 * The start-up check asks a rank for memory for its shard of a checkpoint, not the whole model (presets, built
   whole on every rank, still need it all).
 """
@@ -21,8 +22,9 @@ import torch
 
 from mini_infer.compiler import compile_model
 from mini_infer.llm import LLM
-from mini_infer.models.loader import load_model
+from mini_infer.models.loader import build_random_model, load_model
 from mini_infer.models.model_info import inspect_model
+from mini_infer.models.presets import preset_config
 from mini_infer.runtime import preflight
 from mini_infer.runtime.engine import EngineConfig
 from mini_infer.runtime.preflight import check_before_load
@@ -117,3 +119,38 @@ def test_preflight_asks_a_rank_for_its_shard_of_a_checkpoint(checkpoint, monkeyp
     monkeypatch.setattr(preflight, "available_memory", lambda device: need // 3)
     with pytest.raises(ValueError, match="per rank of 2, more than the"):
         check_before_load(EngineConfig(model=str(checkpoint), device="cpu", tensor_parallel_size=2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the CUDA allocator's peak")
+def test_cuda_peak_of_a_rank_is_its_shard(tmp_path):
+    """On one GPU, rank 0 of 2 loads and compiles (no process group is needed to compile) a 1.3 GB bf16
+    llama-shaped checkpoint: the allocator's peak is the replicated weights plus half of the sliced ones (and
+    less than one sliced weight more), while a TP=1 load peaks at the whole model."""
+    config = preset_config("tiny-llama")
+    for k, v in dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
+                     num_key_value_heads=8, vocab_size=32000).items():
+        setattr(config, k, v)
+    src = build_random_model(config, torch.bfloat16, torch.device("cpu"))
+    src.save_pretrained(tmp_path)
+    named = dict(src.named_parameters())
+    sliced = sum(t.nbytes for n, t in named.items() if n.endswith(SLICED))
+    params = sum(t.nbytes for t in named.values())
+    largest = max(t.nbytes for n, t in named.items() if n.endswith(SLICED))
+    del src
+    cuda = torch.device("cuda")
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loaded = load_model(str(tmp_path), dtype="bf16", device=cuda, tensor_parallel_size=2)
+    compiled = compile_model(loaded.model, passes=PASSES, rank=0, world_size=2)
+    peak = torch.cuda.max_memory_allocated() - base
+    shard = params - sliced + sliced // 2
+    assert compiled.weight_bytes >= shard
+    assert shard <= peak < shard + largest, (peak / 1e9, shard / 1e9, params / 1e9)
+    del loaded, compiled
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    whole = load_model(str(tmp_path), dtype="bf16", device=cuda)
+    assert torch.cuda.max_memory_allocated() - base >= params  # the reference: a TP=1 load holds it all
+    del whole
