@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from mini_infer.contract import CacheSpec, InputSpec
+from mini_infer.models.loader import shard_placeholders
 from mini_infer.passes import GraphPass, PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassManager, PassStats, check_pass_order, count_nodes, format_table
@@ -149,6 +150,9 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     The graph shares the model's weights until a pass replaces one; the caller should drop the model after
     compiling so that replaced weights are freed.
     """
+    if verify and shard_placeholders(model):  # the eager reference would read placeholders, not weights
+        raise ValueError("verify=True runs the eager model, but its sharded weights were loaded as per-rank "
+                         "placeholders (load_model(..., tensor_parallel_size > 1)): load it with the default size")
     first = next(model.parameters())
     device = torch.device(device) if device is not None else first.device
     ctx = PassContext(config=model.config, device=device, dtype=first.dtype, rank=rank, world_size=world_size,
@@ -164,6 +168,10 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     ctx.info["capture_seconds"] = gm.meta.get("capture_seconds")
     manager.verifier = _make_verifier(model, device, first.dtype) if verify else None
     stats = manager.run(gm, ctx)
+    unsliced = shard_placeholders(gm)
+    if unsliced:
+        raise ValueError(f"weights {unsliced[:4]} are shard placeholders that no pass sliced: the model was loaded "
+                         f"for tensor parallelism; compile it with the sharding pass and its world size")
     capture_row = PassStats("capture", 0, 0, captured_nodes, ctx.info["capture_seconds"] or 0.0,
                             "torch.export (non-strict)")
     stats = [capture_row, *stats]

@@ -4,8 +4,13 @@ Everything ends as a transformers causal LM (transformers' own modeling code) on
 target dtype, in eval mode, with SDPA attention (the form the capture and the attention pass expect), plus
 its tokenizer when one exists (presets borrow the embedded SmolLM2 tokenizer when its ids fit their
 vocabulary). What a model argument names is model_info.py's `resolve_source`: a hub id or a missing path fails
-at once with a message that says what to pass instead. This module must not capture or rewrite graphs and never
-touches the network.
+at once with a message that says what to pass instead.
+
+For one rank of a tensor-parallel group (`tensor_parallel_size > 1`, checkpoints on disk), the weights the
+sharding pass slices are not put on the device whole: the model is loaded on the host (safetensors stay memory
+maps) and each such weight is a one-element placeholder of its shape on the device that carries the host tensor
+(`host_weight`); the pass copies only the rank's slice to the device. Every other weight goes to the device.
+This module must not capture or rewrite graphs and never touches the network.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from mini_infer.models.model_info import (
     resolve_source,
 )
 from mini_infer.models.presets import preset_config
+from mini_infer.models.tp_plan import TensorParallelPlan, tensor_parallel_plan
 
 logger = logging.getLogger("mini_infer")
 
@@ -153,7 +159,66 @@ def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: tor
     return model.eval().requires_grad_(False)
 
 
-def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype, device: torch.device):
+_HOST_WEIGHT = "_mini_infer_host_weight"  # attribute of a shard placeholder: the whole tensor, on the host
+
+
+def host_weight(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole host tensor that `tensor` stands for when it is a shard placeholder (see
+    `place_for_tensor_parallel`), else None."""
+    return getattr(tensor, _HOST_WEIGHT, None)
+
+
+def shard_placeholders(module: torch.nn.Module) -> list[str]:
+    """Names of `module`'s parameters and buffers that are shard placeholders (no values on the device)."""
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [name for name, t in tensors if host_weight(t) is not None]
+
+
+def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of `t` in memory of its own on `device` (never a view of a host file mapping)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t)
+    return torch.nn.Parameter(out, requires_grad=False) if isinstance(t, torch.nn.Parameter) else out
+
+
+def _shard_placeholder(t: torch.Tensor, device: torch.device) -> torch.nn.Parameter:
+    """A tensor of `t`'s shape and dtype on `device` that holds one element (every index reads it: stride 0);
+    enough for capture, whose values are fake, and it carries `t` for the sharding pass to slice."""
+    one = torch.empty((1,) * t.dim(), dtype=t.dtype, device=device)
+    placeholder = torch.nn.Parameter(one.expand(t.shape), requires_grad=False)
+    setattr(placeholder, _HOST_WEIGHT, t.detach())
+    return placeholder
+
+
+def place_for_tensor_parallel(model: PreTrainedModel, plan: TensorParallelPlan, device: torch.device) -> int:
+    """Put `model`, loaded on the host, on `device` for one rank of `plan`: each weight the sharding pass slices
+    (`plan.slices`) becomes a shard placeholder carrying the host tensor; every other parameter and buffer is
+    copied to `device`. A tensor shared by several modules (tied embeddings) is used whole, so it is copied.
+    Returns the bytes left on the host for the pass to slice."""
+    head = model.get_output_embeddings()
+    slots = [(path, mod, name, p) for path, mod in model.named_modules() for name, p in mod._parameters.items()
+             if p is not None]
+    owners: dict[int, int] = {}
+    for *_, p in slots:
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    placed: dict[int, torch.Tensor] = {}
+    on_host = 0
+    for path, mod, name, p in slots:
+        if id(p) not in placed:
+            if owners[id(p)] == 1 and plan.slices(path, name, is_lm_head=mod is head):
+                placed[id(p)] = _shard_placeholder(p, device)
+                on_host += p.numel() * p.element_size()
+            else:
+                placed[id(p)] = _device_copy(p, device)
+        mod._parameters[name] = placed[id(p)]
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = _device_copy(b, device)
+    return on_host
+
+
+def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype, device: torch.device,
+                     tensor_parallel_size: int = 1):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kwargs = dict(gguf_file=gguf_file) if gguf_file else {}
     from transformers import AutoConfig
@@ -163,21 +228,28 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
     if not gguf_file:
         checkpoint_numel(Path(path))  # missing, corrupt or truncated weight files: one line naming the file
     torch_dtype = resolve_dtype(dtype, config, device)
-    if device.type == "cpu" and not gguf_file:
+    plan = tensor_parallel_plan(config, tensor_parallel_size) if tensor_parallel_size > 1 else None
+    if plan is not None:  # the whole model on the host, files mapped; the rank's part goes to the device below
+        model_kwargs, load_device = kwargs, torch.device("cpu")
+    elif device.type == "cpu" and not gguf_file:
         # Read the weights into process memory instead of mapping the file: the compiled graph replaces some
         # weights (merged, quantized) and pages of a file mapping stay resident while any tensor of that file
         # lives, so the replaced originals would keep costing memory next to their replacements.
-        model_kwargs = dict(kwargs, disable_mmap=True)
+        model_kwargs, load_device = dict(kwargs, disable_mmap=True), device
     else:
-        model_kwargs = kwargs
+        model_kwargs, load_device = kwargs, device
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(device), **model_kwargs
+            path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(load_device), **model_kwargs
         )
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # broken: one line naming it
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load the weights in {Path(path) / (gguf_file or '')}: "
                              f"{type(exc).__name__}: {first}") from None
+    if plan is not None:
+        on_host = place_for_tensor_parallel(model, plan, device)
+        logger.info("tensor parallel over %d ranks: %.3f GB of weights left on the host, sliced per rank",
+                    tensor_parallel_size, on_host / 1e9)
     tokenizer = None  # a checkpoint without tokenizer files still runs on token ids
     if gguf_file or any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         try:
@@ -195,10 +267,14 @@ def _config_of(path: Path, gguf_file: str | None) -> PretrainedConfig:
 
 
 def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-               seed: int = 0, load_format: str = "auto") -> LoadedModel:
+               seed: int = 0, load_format: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
     """Load `model`: None (the embedded SmolLM2-135M-Instruct), a local HF directory (config.json +
     safetensors, sharded or not), a `.gguf` file, or a preset name (random weights). With
     `load_format="dummy"`, the model's architecture with random weights (None: the smollm2-135m preset).
+
+    With `tensor_parallel_size > 1`, weights read from files (not presets or dummy ones, which are built whole
+    on the device) that the sharding pass slices are shard placeholders (`place_for_tensor_parallel`): the
+    model only runs once compiled with that pass, and its device memory is the replicated weights alone.
 
     Raises ModelNotFoundError for anything else, at once: mini-infer never downloads from a hub.
     """
@@ -209,7 +285,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
         m = build_random_model(config, resolve_dtype(dtype, config, device), device, seed)
         return LoadedModel(m, m.config, preset_tokenizer(config), "preset", source.name)
     if source.kind == "default":
-        m, tok = _load_pretrained(str(_embedded_hf_dir()), None, dtype, device)
+        m, tok = _load_pretrained(str(_embedded_hf_dir()), None, dtype, device, tensor_parallel_size)
         return LoadedModel(m, m.config, tok, "default", DEFAULT_MODEL)
     gguf_file = source.path.name if source.kind == "gguf" else None
     where = source.path.parent if gguf_file else source.path
@@ -220,9 +296,10 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
         if gguf_file or any((where / f).is_file() for f in TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(str(where), **({"gguf_file": gguf_file} if gguf_file else {}))
         return LoadedModel(m, m.config, tokenizer, "dummy", source.name)
-    m, tok = _load_pretrained(str(where), gguf_file, dtype, device)
+    m, tok = _load_pretrained(str(where), gguf_file, dtype, device, tensor_parallel_size)
     return LoadedModel(m, m.config, tok, source.kind, source.name)
 
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "ModelNotFoundError", "build_random_model",
-           "default_device", "load_embedded_tokenizer", "load_model", "resolve_dtype"]
+           "default_device", "host_weight", "load_embedded_tokenizer", "load_model", "place_for_tensor_parallel",
+           "resolve_dtype", "shard_placeholders"]

@@ -59,6 +59,17 @@ class TensorParallelPlan:
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // self.world_size) * self.world_size
 
+    def slices(self, module_path: str, tensor_name: str, is_lm_head: bool = False) -> bool:
+        """Whether the sharding pass keeps only a slice of `module_path`'s tensor `tensor_name` ("weight",
+        "bias"): colwise weights and biases, rowwise weights (a rowwise bias is added whole, once), and the
+        lm_head's weight and bias (split over the vocabulary). Every other tensor is replicated."""
+        if is_lm_head:
+            return tensor_name in ("weight", "bias")
+        style = self.style_of(module_path)
+        if style == "colwise":
+            return tensor_name in ("weight", "bias")
+        return style == "rowwise" and tensor_name == "weight"
+
     def style_of(self, module_path: str) -> str | None:
         """The plan's style for a module path (any prefix: "model.model.layers.0.mlp.up_proj"), or None."""
         for pattern, style in self.styles.items():

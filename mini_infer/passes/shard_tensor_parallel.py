@@ -16,9 +16,11 @@ For rank `ctx.rank`:
 Collectives are graph nodes (`torch.ops._c10d_functional.all_reduce` / `all_gather_into_tensor` + `wait_tensor`,
 the ops behind `torch.distributed._functional_collectives`), so the graph stays one exportable, CUDA-graph
 capturable callable, and an all-reduce followed by the residual add and RMSNorm still matches fuse_rmsnorm.
-Each sharded weight is a new buffer (`PassContext.add_tensor`); the full originals lose their last graph use and
-are dropped. The pass matches and rewrites only: which process group runs the collectives is the runtime's
-(`mini_infer/runtime/distributed.py`); the graph names the default group.
+Each sharded weight is a new buffer on the weight's device (`PassContext.add_tensor`); the full originals lose
+their last graph use and are dropped. A weight loaded as a shard placeholder (the loader of a tensor-parallel
+rank leaves the whole tensor on the host: `mini_infer.models.loader.host_weight`) is sliced from its host tensor,
+so only the rank's slice is ever copied to the device. The pass matches and rewrites only: which process group
+runs the collectives is the runtime's (`mini_infer/runtime/distributed.py`); the graph names the default group.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from mini_infer.models.loader import host_weight
 from mini_infer.models.tp_plan import KV_PROJECTIONS, TensorParallelPlan, tensor_parallel_plan
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op, lm_head_of, repeat_kv_source
@@ -70,6 +73,21 @@ class _Sharder:
         self.rewritten: set[fx.Node] = set()  # shape nodes already given this rank's sizes
 
     # -- weights ---------------------------------------------------------------------------------------------
+    def _whole(self, node: fx.Node) -> tuple[torch.Tensor, torch.device]:
+        """The whole weight `node` reads (its host tensor for a shard placeholder) and the device it runs on."""
+        on_device = PassContext.tensor_of(self.gm, node)
+        host = host_weight(on_device)
+        return (on_device if host is None else host), on_device.device
+
+    @staticmethod
+    def _slice_to(value: torch.Tensor, device: torch.device, size: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A new tensor on `device` holding `value` (a slice of a whole weight) at its start, zero-padded to
+        `size` when given."""
+        out = torch.zeros(size, dtype=value.dtype, device=device) if size is not None else \
+            torch.empty(value.shape, dtype=value.dtype, device=device)
+        out[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        return out
+
     def _replace(self, node: fx.Node, old: fx.Node, value: torch.Tensor, tag: str) -> fx.Node:
         new = PassContext.add_tensor(self.gm, f"{_module_path(old)}_tp{self.rank}_{tag}", value, before=node)
         node.replace_input_with(old, new)
@@ -96,25 +114,26 @@ class _Sharder:
 
     def colwise(self, node: fx.Node) -> None:
         _, w, b = _linear_parts(node)
-        weight = PassContext.tensor_of(self.gm, w)
+        weight, device = self._whole(w)
         start, n, region = self._rows(_module_path(w), weight.shape[0])
         with torch.no_grad():
-            self._replace(node, w, weight[start:start + n].clone(), "weight")
+            self._replace(node, w, self._slice_to(weight[start:start + n], device), "weight")
             if b is not None:
-                self._replace(node, b, PassContext.tensor_of(self.gm, b)[start:start + n].clone(), "bias")
+                self._replace(node, b, self._slice_to(self._whole(b)[0][start:start + n], device), "bias")
         self.region[node] = region
         self.counts["colwise"] += 1
 
     def rowwise(self, node: fx.Node) -> None:
         x, w, b = _linear_parts(node)
-        weight = PassContext.tensor_of(self.gm, w)
+        weight, device = self._whole(w)
         cols = weight.shape[1]
         if cols % self.ws:
             raise ValueError(f"{_module_path(w)}: tensor_parallel_size={self.ws} does not divide its {cols} input "
                              "features")
         n = cols // self.ws
         with torch.no_grad():
-            w_node = self._replace(node, w, weight[:, self.rank * n:(self.rank + 1) * n].clone(), "weight")
+            w_node = self._replace(node, w, self._slice_to(weight[:, self.rank * n:(self.rank + 1) * n], device),
+                                   "weight")
         graph = self.graph
         with graph.inserting_before(node.next):
             out = self.all_reduce(graph.call_function(aten.linear.default, (x, w_node)))
@@ -129,21 +148,14 @@ class _Sharder:
         note for the summary."""
         _, w, b = _linear_parts(node)
         p = self.plan
-        weight = PassContext.tensor_of(self.gm, w)
+        weight, device = self._whole(w)
         vocab = weight.shape[0]
         per_rank = -(-vocab // self.ws)
-        start, stop = self.rank * per_rank, min((self.rank + 1) * per_rank, vocab)
-        with torch.no_grad():
-            shard = weight.new_zeros((per_rank, weight.shape[1]))
-            if stop > start:
-                shard[: stop - start] = weight[start:stop]
-            self._replace(node, w, shard, "weight")
+        start, stop = self.rank * per_rank, max(self.rank * per_rank, min((self.rank + 1) * per_rank, vocab))
+        with torch.no_grad():  # rows past the vocabulary are zeros (dropped after the gather)
+            self._replace(node, w, self._slice_to(weight[start:stop], device, (per_rank, weight.shape[1])), "weight")
             if b is not None:
-                bias = PassContext.tensor_of(self.gm, b)
-                b_shard = bias.new_zeros(per_rank)
-                if stop > start:
-                    b_shard[: stop - start] = bias[start:stop]
-                self._replace(node, b, b_shard, "bias")
+                self._replace(node, b, self._slice_to(self._whole(b)[0][start:stop], device, (per_rank,)), "bias")
         graph = self.graph
         users = list(node.users)
         with graph.inserting_before(node.next):  # in order after lm_head:

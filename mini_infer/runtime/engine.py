@@ -180,7 +180,8 @@ class LLMEngine:
             torch.device(config.device) if config.device else default_device()
         t0 = time.perf_counter()
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed,
-                                           load_format=config.load_format)
+                                           load_format=config.load_format,
+                                           tensor_parallel_size=config.tensor_parallel_size)  # the rank's shards
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         text_cfg = self.model_config.get_text_config()

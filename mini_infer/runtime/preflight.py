@@ -3,7 +3,8 @@
 `check_before_load(config)` reads only the model's config and file headers (see models/model_info.py) and
 answers in well under a second with one ValueError naming the option or file: a device that is not there, a
 model that is missing or broken, a `max_model_len` above the model's limit, a KV-cache budget that cannot hold
-one block (or `max_model_len` tokens), weights larger than the memory available, FP8 (weights or KV cache) on a
+one block (or `max_model_len` tokens), weights larger than the memory available (a tensor-parallel rank's
+share of a checkpoint), FP8 (weights or KV cache) on a
 GPU without FP8. `LLMEngine` calls it first;
 the CLI calls it before it starts a server. What passes here can still fail later (the real KV cache size is
 known only after compile); this module only refuses early what would surely fail. It must not load weights.
@@ -102,10 +103,12 @@ def _check_kv_budget(config: EngineConfig, info_config, dtype: torch.dtype) -> N
                          "max_model_len")
 
 
-def _check_memory(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> None:
+def _check_memory(info: ModelInfo, dtype: torch.dtype, device: torch.device, shards: int = 1) -> None:
+    """Weights that cannot fit: the whole model, or with `shards` > 1 (a tensor-parallel rank loading its shard of
+    a checkpoint, models/loader.py) at least 1/shards of it."""
     if not info.weight_numel:
         return
-    need = info.weight_numel * _DTYPE_BYTES.get(dtype, 2)
+    need = info.weight_numel * _DTYPE_BYTES.get(dtype, 2) // shards
     free = available_memory(device)
     if free is None:
         return
@@ -113,8 +116,9 @@ def _check_memory(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> 
     if need > free:
         raise ValueError(
             f"{info.source.name} has {info.weight_numel / 1e9:.2f}B parameters: {need / 1e9:.1f} GB in "
-            f"{str(dtype).removeprefix('torch.')}, more than the {free / 1e9:.1f} GB of {where} memory available "
-            "here: run it on a GPU (device='cuda'), in a smaller dtype, or pick a smaller model")
+            f"{str(dtype).removeprefix('torch.')}{f' per rank of {shards}' if shards > 1 else ''}, more than the "
+            f"{free / 1e9:.1f} GB of {where} memory available here: run it on a GPU (device='cuda'), in a smaller "
+            "dtype, or pick a smaller model")
     if need * 3 // 2 > free:
         logger.warning("%s needs %.1f GB for its weights and about half as much again while compiling (merged "
                        "projections); %.1f GB are available", info.source.name, need / 1e9, free / 1e9)
@@ -157,6 +161,7 @@ def check_before_load(config: EngineConfig, loaded: LoadedModel | None = None) -
         _check_tensor_parallel(config, model_config, device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     _check_kv_budget(config, model_config, dtype)
-    if info is not None:
-        _check_memory(info, dtype, device)
+    if info is not None:  # a rank loads its shard of a checkpoint, a whole preset or dummy model
+        from_files = info.source.kind != "preset" and config.load_format != "dummy"
+        _check_memory(info, dtype, device, config.tensor_parallel_size if from_files else 1)
     return info

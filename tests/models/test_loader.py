@@ -1,6 +1,7 @@
 """load_model: presets (seeded random weights), local HF directories (single file and sharded safetensors),
-dtype selection, and fast, explicit failures for everything it cannot load (hub ids, non-checkpoints,
-non-causal models). Never touches the network."""
+dtype selection, a tensor-parallel rank's load (sliced weights left on the host as placeholders), and fast,
+explicit failures for everything it cannot load (hub ids, non-checkpoints, non-causal models). Never touches the
+network."""
 
 import time
 
@@ -8,8 +9,17 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, T5Config
 
-from mini_infer.models.loader import LoadedModel, ModelNotFoundError, load_model, resolve_dtype
-from mini_infer.models.presets import preset_names
+from mini_infer.compiler import compile_model
+from mini_infer.models.loader import (
+    LoadedModel,
+    ModelNotFoundError,
+    build_random_model,
+    host_weight,
+    load_model,
+    resolve_dtype,
+    shard_placeholders,
+)
+from mini_infer.models.presets import preset_config, preset_names
 
 CPU = torch.device("cpu")
 
@@ -158,3 +168,33 @@ def test_dummy_load_format_keeps_architecture_not_weights(tmp_path):
     assert w_real.shape == w_dummy.shape and not torch.equal(w_real, w_dummy)
     with pytest.raises(ValueError, match="load_format"):
         load_model("tiny-llama", device="cpu", load_format="pt")
+
+
+def test_tensor_parallel_load_leaves_sliced_weights_on_the_host(tmp_path):
+    """tensor_parallel_size=2 on a checkpoint (sharded files, tied embeddings): the weights the sharding pass
+    slices are one-element placeholders carrying the checkpoint's values on the host; everything else (the tied
+    embedding / lm_head included) is on the device with its own memory; the model only runs compiled with the
+    sharding pass, never compiled without it or verified against itself."""
+    config = preset_config("tiny-llama")
+    config.tie_word_embeddings = True
+    src = build_random_model(config, torch.float32, CPU, seed=3)
+    src.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    whole = dict(load_model(str(tmp_path), device="cpu").model.named_parameters(remove_duplicate=False))
+    model = load_model(str(tmp_path), device="cpu", tensor_parallel_size=2).model
+    layer_linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    expected = sorted(n for n in whole if n.rsplit(".", 2)[-2] in layer_linears and n.endswith(".weight"))
+    assert sorted(shard_placeholders(model)) == expected
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in expected:
+            assert p.untyped_storage().nbytes() == p.element_size() and p.shape == whole[name].shape
+            assert torch.equal(host_weight(p), whole[name])
+        else:
+            assert host_weight(p) is None and torch.equal(p, whole[name]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="no pass sliced"):
+        compile_model(model, passes=["cleanup"])
+    with pytest.raises(ValueError, match="verify=True"):
+        compile_model(model, passes=["cleanup", "shard_tensor_parallel"], world_size=2, verify=True)
+    compiled = compile_model(model, passes=["cleanup", "shard_tensor_parallel"], world_size=2)  # rank 0, no group
+    q = next(t for n, t in compiled.graph_module.named_buffers() if "q_proj" in n)
+    torch.testing.assert_close(q, whole["model.layers.0.self_attn.q_proj.weight"][: q.shape[0]], rtol=0, atol=0)
