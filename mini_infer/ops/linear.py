@@ -37,7 +37,8 @@ if HAS_TRITON:
     def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """This program's BLOCK_N weight rows: (row indices, which exist, their pointers, a zero accumulator)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rows, rows < N, w_ptr + rows[:, None].to(tl.int64) * stride_wn, tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        return rows, rows < N, w_rows, tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
 
     @triton.jit
     def gemv_step(acc, w_rows, row_ok, cols, col_ok, x):
