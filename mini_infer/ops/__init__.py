@@ -17,6 +17,10 @@ nothing from mini_infer outside this package.
 |                                                       |                     | cos/sin [..., D/2]; fp32 math, x's dtype (DeepSeek)   |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
+| rms_norm_linear(x, norm_weight, eps, weight, bias)    | Tensor              | linear(rms_norm(x, norm_weight, eps), weight, bias);  |
+|                                                       |                     | one Triton kernel (norm in the GEMV) for one row      |
+| fused_add_rms_norm_linear(x, residual, norm_weight,   | (Tensor, Tensor)    | n, s = fused_add_rms_norm(x, residual, ...);          |
+|   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
 |   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
@@ -64,6 +68,7 @@ from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
 from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
+from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops._triton_support import HAS_TRITON
 
@@ -76,6 +81,8 @@ _MODULE_OF = {
     "silu_and_mul": _silu_and_mul_mod,
     "paged_attention": _paged_attention_mod,
     "linear": _linear_mod,
+    "rms_norm_linear": _rms_norm_linear_mod,
+    "fused_add_rms_norm_linear": _rms_norm_linear_mod,
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,

@@ -5,8 +5,10 @@ Inserted by the GemvLinear pass in place of `aten.linear` on weight parameters. 
 on some shapes (bench/kernel_gemv.py: 57-90% of copy bandwidth for o_proj and the merged gate_up on an H200,
 65-98% with this kernel). So: one row and K <= `GEMV_MAX_K` -> the GEMV kernel; anything else (prefill,
 batches, very long rows such as down_proj's, where cuBLAS's split-K is as fast) -> `F.linear`. The choice
-depends only on shapes, so a CUDA graph captured for one batch size keeps its kernel. Imports nothing from
-mini_infer outside `mini_infer.ops`.
+depends only on shapes, so a CUDA graph captured for one batch size keeps its kernel. The tiling is a set of
+@triton.jit pieces (`gemv_rows`, `gemv_step`, `gemv_store`) and a launcher (`launch_gemv`) that other single-row
+kernels build on (rms_norm_linear.py: the norm as the GEMV's prologue). Imports nothing from mini_infer outside
+`mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 
-__all__ = ["GEMV_MAX_K", "linear", "linear_reference", "linear_triton", "gemv_triton"]
+__all__ = ["GEMV_MAX_K", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
+           "unit_stride_row"]
 
 GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/kernel_gemv.py)
 # (weight rows per program, K elements per step, warps, pipeline stages): the best tile for every qwen2.5-7b
@@ -31,24 +34,55 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 if HAS_TRITON:
 
     @triton.jit
-    def _gemv_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+    def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's BLOCK_N weight rows: (row indices, which exist, their pointers, a zero accumulator)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+        return rows, rows < N, w_rows, tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+
+    @triton.jit
+    def gemv_step(acc, w_rows, row_ok, cols, col_ok, x):
+        """One K-step: acc [BLOCK_N, BLOCK_K] + the weight rows' columns `cols` times `x` (the row's fp32 values at
+        `cols`)."""
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        return acc + w.to(tl.float32) * x[None, :]
+
+    @triton.jit
+    def gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
+        """y[rows] = the accumulated dot products (+ bias), cast to y's dtype."""
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+        gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+
+
+def takes_gemv(num_elements: int, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether a `num_elements`-element input of `dtype` times `weight`.T runs the GEMV kernel: one row of
+    K <= GEMV_MAX_K elements in the weight's dtype (a choice by shape and dtype only: CUDA-graph safe)."""
+    k = weight.shape[1]
+    return HAS_TRITON and num_elements == k and k <= GEMV_MAX_K and dtype == weight.dtype
+
+
+def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] = _GEMV_CONFIG,
+                **constexprs) -> None:
+    """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
+    rows: one program per BLOCK_N rows, the tile of `config`."""
+    bn, bk, warps, stages = config
+    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                                num_stages=stages)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -60,23 +94,23 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"gemv_triton: x has {x.numel()} elements, the weight's rows have {k}")
-    xr = x.reshape(k)
-    if xr.stride(0) != 1:
-        xr = xr.contiguous()
+    xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config
-    _gemv_kernel[(triton.cdiv(n, bn),)](
-        xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
+                config=config, HAS_BIAS=bias is not None)
     return y
+
+
+def unit_stride_row(x: torch.Tensor) -> torch.Tensor:
+    """A single-row tensor as a flat vector of unit stride (a view when one exists)."""
+    xr = x.reshape(x.numel())
+    return xr if xr.stride(0) == 1 else xr.contiguous()
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The CUDA path: the GEMV kernel for one row with K <= GEMV_MAX_K, else `F.linear` (cuBLAS)."""
-    k = weight.shape[1]
-    if HAS_TRITON and x.numel() == k and k <= GEMV_MAX_K and x.dtype == weight.dtype:
+    if takes_gemv(x.numel(), x.dtype, weight):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -7,9 +7,10 @@ Ops (`torch.ops.mini_infer.*`), each returning the quantized activation and one 
   silu_and_mul_quant(gate, up, dtype)                   -> (x_q, scale)           = quantize(silu_and_mul(g, u))
 The fused variants write the quantized activation once instead of a bf16 activation that a second kernel
 reads back; they are the existing op (rms_norm.py, fused_add_rms_norm.py, silu_and_mul.py) followed by
-`quantize_per_token`, and their Triton kernels repeat those ops' arithmetic step for step (same tiles), so the
-fused kernel's bits equal the two kernels run one after the other (measured on an H100 for bf16 activations;
-with fp32 activations the compiler may order the norm's fp32 arithmetic differently: a scale one ulp apart).
+`quantize_per_token`, and their Triton kernels run those ops' arithmetic (the norms call rms_norm.py's row body
+`rms_norm_tile`, with the same tiles), so the fused kernel's bits equal the two kernels run one after the other
+(measured on an H100 for bf16 activations; with fp32 activations the compiler may order the norm's fp32
+arithmetic differently: a scale one ulp apart).
 
 The scheme (symmetric, per row of the last dim; QMAX = 127 for int8, 448 for float8_e4m3fn):
     amax  = max(|x_row|) in fp32, floored at AMAX_FLOOR (2**-100: a zero row divides by nothing, gets
@@ -116,6 +117,7 @@ def silu_and_mul_quant_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from mini_infer.ops.rms_norm import rms_norm_tile
 
     @triton.jit
     def _round_to_pow2_grid(y, k):
@@ -198,26 +200,12 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr, NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """rms_norm.py's `_rms_norm_kernel` step for step (its output rounded to NORM_DTYPE), then quantized."""
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
+        """rms_norm.py's row body (`rms_norm_tile`, its output rounded to NORM_DTYPE as rms_norm stores it), then
+        quantized."""
+        y, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
+                                            stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+        y = y.to(NORM_DTYPE).to(tl.float32)  # what rms_norm stores
         row_ok = rows < n_rows
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = (x + r).to(s_ptr.dtype.element_ty)
-            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
-            x = s.to(tl.float32)
-        var = tl.sum(x * x, axis=1) / n_cols
-        h = x * tl.rsqrt(var + eps)[:, None]
-        if HAS_RESIDUAL:
-            h = h.to(s_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y = (w[None, :] * h).to(NORM_DTYPE).to(tl.float32)  # what rms_norm stores
         scale, inv = _scale_and_inverse(tl.max(tl.abs(y), axis=1), QMAX)  # padding columns hold 0
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         v = _quantize_values(y, inv[:, None], IS_FP8)

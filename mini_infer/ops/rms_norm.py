@@ -3,7 +3,10 @@
 Inserted by the FuseRMSNorm pass in place of the pow/mean/rsqrt/mul chain. Semantics (must not change):
 `h = x.float(); h = h * rsqrt(mean(h**2, -1) + eps); return weight * h.to(x.dtype)` with torch type
 promotion for the last multiply. Imports nothing from mini_infer outside `mini_infer.ops`.
-The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant).
+The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant); its row body
+(`rms_norm_tile`) and the steps it is made of (`norm_input`, `rms_inverse`, `weighted_norm`) are @triton.jit
+helpers that the quantizing norms (quant.py) and the norm-in-GEMV prologue (rms_norm_linear.py) call, so all of
+them round where HF rounds.
 """
 
 from __future__ import annotations
@@ -25,32 +28,59 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 if HAS_TRITON:
 
     @triton.jit
+    def norm_input(x_ptrs, r_ptrs, s_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+        """The norm's input at `x_ptrs` in fp32: x, or with HAS_RESIDUAL `x + residual` rounded to the sum's
+        storage dtype (`s_ptrs`' element type) first, as torch's add stores it. Stores nothing."""
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(s_ptrs.dtype.element_ty).to(tl.float32)
+        return x
+
+    @triton.jit
+    def rms_inverse(sum_sq, n_cols, eps):
+        """1 / sqrt(mean(x**2) + eps) from a row's fp32 sum of squares."""
+        return tl.rsqrt(sum_sq / n_cols + eps)
+
+    @triton.jit
+    def weighted_norm(x, inv_rms, w, H_DTYPE: tl.constexpr):
+        """`w * (x * inv_rms).to(H_DTYPE)` in fp32 (w: the norm weight as fp32). HF casts the normalized value
+        back to the input dtype H_DTYPE before the weight multiply: that rounding step is kept."""
+        return w * (x * inv_rms).to(H_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def rms_norm_tile(
+        x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """This program's BLOCK_M whole rows of `weight * rms_norm(x (+ residual))`, in fp32 before the output
+        cast, the sum stored at `s_ptr` (HAS_RESIDUAL); with the rows, columns and mask for the caller's store.
+        The row body of `rms_norm`, `fused_add_rms_norm` and their quantizing variants (quant.py)."""
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        s_ptrs = s_ptr + rows[:, None] * stride_s + cols[None, :]
+        x = norm_input(x_ptr + rows[:, None] * stride_x + cols[None, :], r_ptr + rows[:, None] * stride_r
+                       + cols[None, :], s_ptrs, mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(s_ptrs, x.to(s_ptr.dtype.element_ty), mask=mask)
+            h_dtype = s_ptr.dtype.element_ty
+        else:
+            h_dtype = x_ptr.dtype.element_ty
+        inv_rms = rms_inverse(tl.sum(x * x, axis=1), n_cols, eps)
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        return weighted_norm(x, inv_rms[:, None], w[None, :], h_dtype), rows, cols, mask
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, s_ptr,
         n_rows, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
-        mask = (rows < n_rows)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            # round the sum to its storage dtype first, as `x + residual` does in torch
-            s = (x + r).to(s_ptr.dtype.element_ty)
-            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
-            x = s.to(tl.float32)
-        var = tl.sum(x * x, axis=1) / n_cols
-        h = x * tl.rsqrt(var + eps)[:, None]
-        # HF casts back to the input dtype before the weight multiply: keep that rounding step
-        if HAS_RESIDUAL:
-            h = h.to(s_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out = (w[None, :] * h).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
+        out, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
+                                              stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:

@@ -48,8 +48,9 @@ def _check_counts(name, gm, num_matches):
     plain, fused = EXPECTED[name]
     counts = op_counts(gm)
     assert num_matches == plain + fused
-    assert counts[mi.rms_norm.default] == plain
-    assert counts[mi.fused_add_rms_norm.default] == fused
+    # in the full pipeline fuse_norm_gemv folds some norms into the linear reading them: they count as norms here
+    assert counts[mi.rms_norm.default] + counts[mi.rms_norm_linear.default] == plain
+    assert counts[mi.fused_add_rms_norm.default] + counts[mi.fused_add_rms_norm_linear.default] == fused
     assert counts[aten.rsqrt.default] == 0  # no norm left behind
     eps = loaded(name).config.rms_norm_eps
     for node in gm.graph.nodes:

@@ -1,0 +1,165 @@
+"""`mini_infer::rms_norm_linear` and `mini_infer::fused_add_rms_norm_linear`: an RMSNorm (optionally after the
+residual add) folded into the prologue of the linear that reads its output.
+
+Inserted by the FuseNormGemv pass where a norm's output feeds exactly one `mini_infer.linear`. Semantics (must not
+change): `rms_norm_linear(x, nw, eps, W, b) = linear(rms_norm(x, nw, eps), W, b)` and
+`fused_add_rms_norm_linear(x, r, nw, eps, W, b) = (linear(n, W, b), s)` with `n, s = fused_add_rms_norm(x, r, nw,
+eps)`. Functional: it never writes into its inputs.
+
+On CUDA, for one row (batch-1 decode) whose normalized dtype is the weight's and K <= GEMV_MAX_K, one Triton kernel
+on linear.py's GEMV tiling does both: every program sums the row's squares itself (K values, read from L2), then
+normalizes each K-chunk as it feeds the dot products, rounding where `rms_norm` rounds (to the input dtype before
+the weight multiply, to the output dtype after), so the GEMV reads the same values that `rms_norm` would have
+stored; program 0 writes the residual sum. Only the sum of squares is summed in another order than
+rms_norm's kernel (a last-bit difference in the fp32 scale, which the rounding to the model dtype mostly hides).
+Anything else (several rows: prefill, batches; longer rows; mixed dtypes) runs the unfused ops' kernels, so prefill
+keeps its speed. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
+reference is the two unfused references. Imports nothing from mini_infer outside `mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
+from mini_infer.ops.linear import launch_gemv, linear_reference, linear_triton, takes_gemv, unit_stride_row
+from mini_infer.ops.rms_norm import rms_norm_reference, rms_norm_triton
+
+__all__ = [
+    "fused_add_rms_norm_linear",
+    "fused_add_rms_norm_linear_reference",
+    "fused_add_rms_norm_linear_triton",
+    "rms_norm_linear",
+    "rms_norm_linear_reference",
+    "rms_norm_linear_triton",
+]
+
+
+def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(rms_norm(x, norm_weight, eps), weight, bias)` in plain torch."""
+    return linear_reference(rms_norm_reference(x, norm_weight, eps), weight, bias)
+
+
+def fused_add_rms_norm_linear_reference(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n, s = fused_add_rms_norm(x, residual, norm_weight, eps); return linear(n, weight, bias), s` in plain torch."""
+    normed, s = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return linear_reference(normed, weight, bias), s
+
+
+if HAS_TRITON:
+    from mini_infer.ops.linear import gemv_rows, gemv_step, gemv_store
+    from mini_infer.ops.rms_norm import norm_input, rms_inverse, weighted_norm
+
+    @triton.jit
+    def _rms_norm_gemv_kernel(
+        x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, eps,
+        HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
+        # the row's sum of squares, in every program; program 0 stores the residual sum on the way
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = norm_input(x_ptr + cols, r_ptr + cols, s_ptr + cols, col_ok, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if tl.program_id(0) == 0:
+                    tl.store(s_ptr + cols, x.to(s_ptr.dtype.element_ty), mask=col_ok)
+            sq += x * x
+        inv_rms = rms_inverse(tl.sum(sq, axis=0), K, eps)
+        if HAS_RESIDUAL:
+            h_dtype = s_ptr.dtype.element_ty
+        else:
+            h_dtype = x_ptr.dtype.element_ty
+        # the GEMV, each chunk of the row normalized as rms_norm stores it (y's dtype: the norm's output dtype)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = norm_input(x_ptr + cols, r_ptr + cols, s_ptr + cols, col_ok, HAS_RESIDUAL)
+            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            h = weighted_norm(x, inv_rms, nw, h_dtype).to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, h)
+        gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+
+
+def _sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _fuses(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-kernel path serves these shapes and dtypes (one row the GEMV takes), else the unfused ops."""
+    if norm_weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
+        return False
+    return takes_gemv(x.numel(), torch.promote_types(norm_weight.dtype, _sum_dtype(x, residual)), weight)
+
+
+def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k = weight.shape
+    s_dtype = _sum_dtype(x, residual)
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.promote_types(norm_weight.dtype, s_dtype), device=x.device)
+    s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else None
+    xr = unit_stride_row(x)
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    launch_gemv(
+        _rms_norm_gemv_kernel, w,
+        xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
+        norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    return y, s
+
+
+def rms_norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """The CUDA path: one kernel for a single row the GEMV takes, else `rms_norm` then `linear` (their kernels)."""
+    if _fuses(x, None, norm_weight, weight):
+        return _launch_rms_norm_gemv(x, None, norm_weight, eps, weight, bias)[0]
+    return linear_triton(rms_norm_triton(x, norm_weight, eps), weight, bias)
+
+
+def fused_add_rms_norm_linear_triton(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA path: one kernel for a single row the GEMV takes, else `fused_add_rms_norm` then `linear`."""
+    if _fuses(x, residual, norm_weight, weight):
+        return _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias)
+    normed, s = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
+    return linear_triton(normed, weight, bias), s
+
+
+@torch.library.custom_op("mini_infer::rms_norm_linear", mutates_args=())
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(rms_norm(x, norm_weight, eps), weight, bias)`: one Triton kernel for a single row on CUDA."""
+    if use_triton(x):
+        return rms_norm_linear_triton(x, norm_weight, eps, weight, bias)
+    return rms_norm_linear_reference(x, norm_weight, eps, weight, bias)
+
+
+@rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(norm_weight.dtype, x.dtype))
+
+
+@torch.library.custom_op("mini_infer::fused_add_rms_norm_linear", mutates_args=())
+def fused_add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual`; (linear(rms_norm(s, norm_weight, eps), weight, bias), s): one Triton kernel for a single
+    row on CUDA."""
+    if use_triton(x):
+        return fused_add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
+    return fused_add_rms_norm_linear_reference(x, residual, norm_weight, eps, weight, bias)
+
+
+@fused_add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    s = x.new_empty(x.shape, dtype=_sum_dtype(x, residual))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.promote_types(norm_weight.dtype, s.dtype)), s
