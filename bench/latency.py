@@ -20,6 +20,7 @@ remove the prefill from the rate.
     python bench/latency.py --quantization none,fp8 --peers none          # fp8 weights vs bf16, same run
     python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
+    python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
 """
 
 from __future__ import annotations
@@ -71,17 +72,19 @@ def random_prompt(vocab: int, n: int) -> list[int]:
     return torch.randint(100, min(vocab, 10000), (n,), generator=gen).tolist()
 
 
-def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str) -> dict:
-    """Build one engine, time batch-1 decode of the benchmark prompt, free it; the numbers and the engine's
-    floor."""
+def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str,
+                   passes: list[str] | None = None) -> dict:
+    """Build one engine (`passes`: None for the recommended pipeline), time batch-1 decode of the benchmark
+    prompt, free it; the numbers and the engine's floor."""
     import gc
 
     from mini_infer.llm import LLM
+    from mini_infer.passes import PASSES
     from mini_infer.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens + 16,
-              kv_cache_memory_bytes=2 << 30, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              kv_cache_memory_bytes=2 << 30, quantization=quantization, kv_cache_dtype=kv_cache_dtype, passes=passes)
     eng = llm.engine
     startup = time.perf_counter() - t0
     prompt = random_prompt(eng.vocab_size, args.prompt_len)
@@ -103,7 +106,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
                   decode_tok_s=(args.new_tokens - 1) / (total - first), weight_bytes=weights.total, active_weight_bytes=weights.active,
                   moe_layers=weights.moe_layers, weights_read=weights.describe(),
                   kv_bytes_per_token=kv_per_token, floor_tok_s=bw / (weights.active + kv_per_token * mean_ctx),
-                  tokens=list(out.outputs[0].token_ids), prompt=prompt)
+                  tokens=list(out.outputs[0].token_ids), prompt=prompt,
+                  passes=[r.name for r in eng.compiled.stats if r.name in PASSES], tag="")
     del llm, eng, out
     gc.collect()
     torch.cuda.empty_cache()
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static,vllm, or none")
     ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
+    ap.add_argument("--without", default=None,
+                    help="comma list of passes: one more engine, the first one's pipeline without them (their gain)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
@@ -128,13 +134,18 @@ def main() -> None:
     for q in args.quantization.split(","):
         for kv in args.kv_cache_dtype.split(","):
             engines.append(measure_engine(args, bw, None if q == "none" else q, kv))
+    if args.without:
+        off = args.without.split(",")
+        first = engines[0]
+        engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
+                                      [p for p in first["passes"] if p not in off]))
+        engines[-1]["tag"] = f",without={'+'.join(off)}"
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:
-        tag = f"q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}"
+        tag = f"q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}{e['tag']}"
         rows += [(f"floor [{tag}]", e["floor_tok_s"]), (f"mini-infer [{tag}]", e["decode_tok_s"])]
     floor_tok_s = engines[0]["floor_tok_s"]  # the peers' floor: the first engine (bf16 unless told otherwise)
-    ids = torch.tensor([prompt], device="cuda")
     peers = args.peers.split(",") if args.peers and args.peers != "none" else []
     peer_meta = {}
     if "vllm" in peers:  # first, while this process holds no model: vLLM takes 90% of the device
@@ -149,6 +160,7 @@ def main() -> None:
         else:
             rows.append((f"vllm {res['version']}", res["decode_tok_s"]))
     hf_peers = [p for p in peers if p != "vllm"]
+    ids = torch.tensor([prompt], device="cuda") if hf_peers else None
     # the same weights (seeded preset)
     model = load_model(args.model, device="cuda").model if hf_peers else None
     for peer in hf_peers:
@@ -162,15 +174,15 @@ def main() -> None:
           f"{bw / 1e12:.2f} TB/s")
     for e in engines:
         same = sum(a == b for a, b in zip(e["tokens"], engines[0]["tokens"]))
-        print(f"  q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}: startup {e['startup_s']:.1f}s (compile "
+        print(f"  q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}{e['tag']}: startup {e['startup_s']:.1f}s (compile "
               f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {e['ttft_s'] * 1e3:.1f} ms; weights "
               f"{e['weights_read']}; KV {e['kv_bytes_per_token']} B/token; greedy tokens equal to the "
               f"first engine's: {same}/{len(e['tokens'])}")
-    print(f"{'engine':<36}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
+    print(f"{'engine':<54}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
     for name, tps in rows:
         own = next((e["floor_tok_s"] for e in engines if name.endswith(
-            f"[q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}]")), floor_tok_s)
-        print(f"{name:<36}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / own:>10.2f}")
+            f"[q={e['quantization'] or 'none'},kv={e['kv_cache_dtype']}{e['tag']}]")), floor_tok_s)
+        print(f"{name:<54}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / own:>10.2f}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
