@@ -45,8 +45,8 @@ if HAS_TRITON:
         x1 = tl.load(x_ptr + xo + first * sx3, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + xo + second * sx3, mask=mask, other=0.0).to(tl.float32)
         if INTERLEAVED:  # one angle per pair, column p
-            c1 = tl.load(cos_ptr + co + p[None, :] * sc3, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + so + p[None, :] * ss3, mask=mask, other=0.0).to(tl.float32)
+            c1 = tl.load(cos_ptr + (co + p[None, :] * sc3), mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + (so + p[None, :] * ss3), mask=mask, other=0.0).to(tl.float32)
             c2 = c1
             s2 = s1
         else:  # cos/sin span D: each element of the pair reads its own column

@@ -76,8 +76,8 @@ if HAS_TRITON:
         """Scores sc [rows, BLOCK_N] with -inf where row i (position q_pos[i]) may not see key kpos: past k_hi
         (not k_ok), in its future, or (USE_WINDOW) sliding_window or more positions behind it. Only tiles reaching
         past the tile's first query position first_q_pos (k_hi is at most that + BLOCK_Q; split ends below it
-        are BLOCK_N-aligned), or under a window, need it: the bulk of a long context skips it. Rows that are no
-        real query are never stored, so they need no mask."""
+        are BLOCK_N-aligned), or under a window, need it: the bulk of a long context skips it. Rows that are not
+        real queries are never stored, so they need no mask."""
         if USE_WINDOW or (start + BLOCK_N > first_q_pos):
             visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
@@ -112,9 +112,10 @@ if HAS_TRITON:
         normalized output rows; else the split's partials for the reduce kernel (every split writes every row it
         owns, an empty key range as m = -inf, l = 0, acc = 0)."""
         if NUM_SPLITS == 1:
+            o = _normalize(acc, l_i)
             tl.store(
                 out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + col[None, :],
-                _normalize(acc, l_i).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
+                o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
             )  # fmt: skip
         else:
             sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
@@ -151,10 +152,10 @@ if HAS_TRITON:
             wgt = tl.exp2(m - m_ref)  # m is in log2 units
             l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=h_ok, other=0.0)
             acc += wgt[:, None] * tl.load(ws_acc_ptr + sp64 * s_was + a_off, mask=hd_ok, other=0.0)
+        o = _normalize(acc, l_sum)
         tl.store(
             out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
-            _normalize(acc, l_sum).to(out_ptr.dtype.element_ty),
-            mask=(h < n_heads)[:, None] & (dv < head_dv)[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=(h < n_heads)[:, None] & (dv < head_dv)[None, :],
         )  # fmt: skip
 
 

@@ -58,8 +58,8 @@ from typing import NamedTuple
 
 import torch
 
+from mini_infer.ops import _split_k
 from mini_infer.ops import paged_attention as _paged
-from mini_infer.ops._split_k import default_num_splits, launch_split_reduce, split_outputs
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
 
@@ -268,15 +268,6 @@ def mla_attention_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops._split_k import (
-        LOG2E,
-        find_tile_sequence,
-        hide_invisible,
-        key_tile,
-        online_softmax_step,
-        split_key_range,
-        store_rows,
-    )
 
     @triton.jit
     def _write_latent_kernel(
@@ -316,7 +307,9 @@ if HAS_TRITON:
         hg = tl.program_id(0) % HEAD_GROUPS
         tile = tl.program_id(0) // HEAD_GROUPS
         split = tl.program_id(1)
-        s, q_beg, qlen, ctx, q_off = find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS)
+        s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
+            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
+        )
         if q_off < qlen:
             # score rows: (query row, head) pairs
             m = tl.arange(0, BLOCK_M)
@@ -345,7 +338,7 @@ if HAS_TRITON:
 
             # key range of the tile, then this program's split of it (splits aligned to BLOCK_N)
             k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
-            k_lo, k_hi = split_key_range(k_hi * 0, k_hi, split, NUM_SPLITS, BLOCK_N)
+            k_lo, k_hi = _split_k.split_key_range(k_hi * 0, k_hi, split, NUM_SPLITS, BLOCK_N)
 
             first_q_pos = ctx - qlen + q_off
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -353,7 +346,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
                 row = cache_ptr + pblk * s_cb + koff * s_co
                 lat = tl.load(row[:, None] + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
                 kpe = tl.load(row[:, None] + D_C + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
@@ -364,15 +357,15 @@ if HAS_TRITON:
                 else:
                     sc = tl.dot(q_lat, tl.trans(lat))
                     sc = tl.dot(q_pe, tl.trans(kpe), sc)
-                sc = sc * (scale * LOG2E)  # log2 units: softmax with exp2
-                sc = hide_invisible(sc, start, kpos, k_ok, q_pos, first_q_pos, 0, BLOCK_N, False)  # causal only
-                p, alpha, m_i, l_i = online_softmax_step(sc, m_i, l_i)
+                sc = sc * (scale * _split_k.LOG2E)  # log2 units: softmax with exp2
+                sc = _split_k.hide_invisible(sc, start, kpos, k_ok, q_pos, first_q_pos, 0, BLOCK_N, False)  # causal
+                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
                 if DOT_FP32:
                     pv = tl.dot(p, lat, input_precision="ieee")
                 else:
                     pv = tl.dot(p.to(lat.dtype), lat)
                 acc = acc * alpha[:, None] + pv
-            store_rows(
+            _split_k.store_rows(
                 out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head64, c, row_ok, c_ok,
                 s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
             )  # fmt: skip
@@ -444,7 +437,7 @@ def latent_attention_plan(
     block_h = min(next_pow2(h), cfg["heads"])
     head_groups = -(-h // block_h)
     if num_splits is None:
-        num_splits = default_num_splits(q_lat, n_seqs, head_groups, capacity) if decode_only else 1
+        num_splits = _split_k.default_num_splits(q_lat, n_seqs, head_groups, capacity) if decode_only else 1
     block_q = 1 if decode_only else max(1, cfg["rows"] // block_h)
     return LatentPlan(kind, block_h, block_q, head_groups, max(1, int(num_splits)))
 
@@ -490,7 +483,7 @@ def latent_attention_triton(
     block_m = max(16, block_q * block_h)  # tl.dot needs >= 16 rows
     block_c, block_r = max(16, next_pow2(dc)), max(16, next_pow2(dr))
 
-    out, ws_m, ws_l, ws_acc, ws_strides = split_outputs(q_lat, (h, t, dc), num_splits, t, h, dc)
+    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q_lat, (h, t, dc), num_splits, t, h, dc)
 
     dot_fp32 = q_lat.dtype == torch.float32 or not q_lat.is_cuda  # the interpreter's bf16 dot is wrong
     key = (kind, q_lat.device, q_lat.dtype, block_h, block_m, block_c, block_r)
@@ -518,8 +511,9 @@ def latent_attention_triton(
     else:
         raise RuntimeError(f"latent_attention_triton: no launch shape fits for {key}")
     if num_splits > 1:  # out is [H, T, Dc]: its token stride is stride(1), its head stride stride(0)
-        launch_split_reduce(ws_m, ws_l, ws_acc, ws_strides, out, out.stride(1), out.stride(0), query_start_loc,
-                            n_seqs, block_c)  # fmt: skip
+        _split_k.launch_split_reduce(
+            ws_m, ws_l, ws_acc, ws_strides, out, out.stride(1), out.stride(0), query_start_loc, n_seqs, block_c
+        )
     return out
 
 

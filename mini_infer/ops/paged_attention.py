@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._split_k import default_num_splits, launch_split_reduce, split_outputs
+from mini_infer.ops import _split_k
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 __all__ = [
@@ -338,15 +338,6 @@ def paged_attention_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops._split_k import (
-        LOG2E,
-        find_tile_sequence,
-        hide_invisible,
-        key_tile,
-        online_softmax_step,
-        split_key_range,
-        store_rows,
-    )
     from mini_infer.ops.quant import round_to_fp8_e4m3  # the fp8 rounding of the activation quantization
 
     @triton.jit
@@ -404,7 +395,9 @@ if HAS_TRITON:
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        s, q_beg, qlen, ctx, q_off = find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS)
+        s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
+            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
+        )
         if q_off < qlen:
             # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
             r = tl.arange(0, BLOCK_R)
@@ -431,7 +424,7 @@ if HAS_TRITON:
             k_lo = k_hi * 0
             if USE_WINDOW:
                 k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
-            k_lo, k_hi = split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
+            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
 
             first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
             qk_scale = scale
@@ -442,7 +435,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = key_tile(bt_row, start, k_hi, block_size, BLOCK_N)
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, block_size, BLOCK_N)
                 kt = tl.load(
                     kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0,
@@ -453,11 +446,13 @@ if HAS_TRITON:
                     sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
                 # scores in log2 units (softmax with exp2)
                 if USE_SOFTCAP:
-                    sc = (softcap * LOG2E) * _tanh(sc * (qk_scale / softcap))
+                    sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
                 else:
-                    sc = sc * (qk_scale * LOG2E)
-                sc = hide_invisible(sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW)
-                p, alpha, m_i, l_i = online_softmax_step(sc, m_i, l_i)
+                    sc = sc * (qk_scale * _split_k.LOG2E)
+                sc = _split_k.hide_invisible(
+                    sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
+                )
+                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
                 vt = tl.load(
                     vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
@@ -471,7 +466,7 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + pv
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * tl.load(vs_ptr)
-            store_rows(
+            _split_k.store_rows(
                 out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
                 s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
             )  # fmt: skip
@@ -591,10 +586,10 @@ def paged_attention_triton(
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
-            default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
+            _split_k.default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
         )
     num_splits = max(1, int(num_splits))
-    out, ws_m, ws_l, ws_acc, ws_strides = split_outputs(q, (t, hq, dv), num_splits, t, hq, dv)
+    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv)
 
     kind = "decode" if decode_only else "prefill"
     key = (kind, q.device, q.dtype, k_cache.dtype, block_g, block_d, block_dv)
@@ -625,8 +620,9 @@ def paged_attention_triton(
     else:
         raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")
     if num_splits > 1:
-        launch_split_reduce(ws_m, ws_l, ws_acc, ws_strides, out, out.stride(0), out.stride(1), query_start_loc,
-                            n_seqs, block_dv)  # fmt: skip
+        _split_k.launch_split_reduce(
+            ws_m, ws_l, ws_acc, ws_strides, out, out.stride(0), out.stride(1), query_start_loc, n_seqs, block_dv
+        )
     return out
 
 
