@@ -45,9 +45,10 @@ Implementations:
     `paged_attention_reference` (absorbed: as MQA over the latent cache viewed as one kv head).
   * `mla_attention_triton`: a cache-write kernel; the absorbed path's `latent_attention_triton`, one program per
     (query tile, head group, kv split) that loads each latent tile [BLOCK_N, Dc + Dr] once for all heads of the
-    group (all H heads when H <= the config's "heads": V2-Lite's 16), with split-K over the context and
-    `paged_attention`'s reduce kernel (flash-decoding); grid from shapes only, no host sync. The absorption
-    matmuls are torch bmm calls around it. The expanded path runs `paged_attention_triton`.
+    group (all H heads when H <= the config's "heads": V2-Lite's 16), with split-K over the context (flash-
+    decoding: the split, online-softmax and reduce pieces are `_split_k`'s, shared with `paged_attention`); grid
+    from shapes only, no host sync. The absorption matmuls are torch bmm calls around it. The expanded path runs
+    `paged_attention_triton`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from typing import NamedTuple
 
 import torch
 
+from mini_infer.ops import _split_k
 from mini_infer.ops import paged_attention as _paged
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
@@ -288,8 +290,6 @@ if HAS_TRITON:
         y = tl.load(pe_ptr + t * s_pt + r, mask=r_ok, other=0.0)
         tl.store(dst + D_C + r, y.to(cache_ptr.dtype.element_ty), mask=r_ok)
 
-    LOG2E = tl.constexpr(1.4426950408889634)
-
     @triton.jit
     def _latent_attn_kernel(
         ql_ptr, qp_ptr, cache_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
@@ -307,21 +307,9 @@ if HAS_TRITON:
         hg = tl.program_id(0) % HEAD_GROUPS
         tile = tl.program_id(0) // HEAD_GROUPS
         split = tl.program_id(1)
-
-        # Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)): disjoint, below
-        # T // BLOCK_Q + S. Find the last s whose first tile is <= this tile.
-        lo = tile * 0
-        hi = lo + n_seqs - 1
-        for _ in range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            take = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
-            lo = tl.where(take, mid, lo)
-            hi = tl.where(take, hi, mid - 1)
-        s = lo
-        q_beg = tl.load(qsl_ptr + s)
-        qlen = tl.load(qsl_ptr + s + 1) - q_beg
-        ctx = tl.load(seq_lens_ptr + s)
-        q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q  # first query row of this tile, within s
+        s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
+            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
+        )
         if q_off < qlen:
             # score rows: (query row, head) pairs
             m = tl.arange(0, BLOCK_M)
@@ -350,11 +338,7 @@ if HAS_TRITON:
 
             # key range of the tile, then this program's split of it (splits aligned to BLOCK_N)
             k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
-            k_lo = k_hi * 0
-            if NUM_SPLITS > 1:
-                per = tl.cdiv(tl.cdiv(k_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                k_lo = split * per
-                k_hi = tl.minimum(k_lo + per, k_hi)
+            k_lo, k_hi = _split_k.split_key_range(k_hi * 0, k_hi, split, NUM_SPLITS, BLOCK_N)
 
             first_q_pos = ctx - qlen + q_off
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -362,10 +346,8 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos = start + tl.arange(0, BLOCK_N)
-                k_ok = kpos < k_hi
-                pblk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-                row = cache_ptr + pblk * s_cb + (kpos % BLOCK_SIZE).to(tl.int64) * s_co
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
+                row = cache_ptr + pblk * s_cb + koff * s_co
                 lat = tl.load(row[:, None] + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
                 kpe = tl.load(row[:, None] + D_C + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
                 if DOT_FP32:
@@ -375,39 +357,18 @@ if HAS_TRITON:
                 else:
                     sc = tl.dot(q_lat, tl.trans(lat))
                     sc = tl.dot(q_pe, tl.trans(kpe), sc)
-                sc = sc * (scale * LOG2E)  # log2 units: softmax with exp2
-                # only tiles reaching past k_hi or past the first row's position need the mask (k_hi is at
-                # most that position + BLOCK_Q; split ends below it are BLOCK_N-aligned)
-                if start + BLOCK_N > first_q_pos:
-                    visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-                    sc = tl.where(visible, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-                p = tl.exp2(sc - m_ref[:, None])
-                alpha = tl.exp2(m_i - m_ref)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                sc = sc * (scale * _split_k.LOG2E)  # log2 units: softmax with exp2
+                sc = _split_k.hide_invisible(sc, start, kpos, k_ok, q_pos, first_q_pos, 0, BLOCK_N, False)  # causal
+                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
                 if DOT_FP32:
                     pv = tl.dot(p, lat, input_precision="ieee")
                 else:
                     pv = tl.dot(p.to(lat.dtype), lat)
                 acc = acc * alpha[:, None] + pv
-                m_i = m_new
-
-            if NUM_SPLITS == 1:
-                o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                tl.store(
-                    out_ptr + head64[:, None] * s_oh + tok[:, None] * s_ot + c[None, :],
-                    o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :],
-                )  # fmt: skip
-            else:
-                # partials for paged_attention's reduce kernel (same layout and log2 convention); every split
-                # writes every row it owns, an empty range as (m = -inf, l = 0, acc = 0)
-                sp64 = split.to(tl.int64)
-                w = sp64 * s_wms + tok * s_wmt + head64
-                tl.store(ws_m_ptr + w, m_i, mask=row_ok)
-                tl.store(ws_l_ptr + w, l_i, mask=row_ok)
-                wa = sp64 * s_was + tok[:, None] * s_wat + head64[:, None] * s_wah + c[None, :]
-                tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & c_ok[None, :])
+            _split_k.store_rows(
+                out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head64, c, row_ok, c_ok,
+                s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
+            )  # fmt: skip
 
 
 def write_latent_cache_triton(
@@ -476,7 +437,7 @@ def latent_attention_plan(
     block_h = min(next_pow2(h), cfg["heads"])
     head_groups = -(-h // block_h)
     if num_splits is None:
-        num_splits = _paged._default_num_splits(q_lat, n_seqs, head_groups, capacity) if decode_only else 1
+        num_splits = _split_k.default_num_splits(q_lat, n_seqs, head_groups, capacity) if decode_only else 1
     block_q = 1 if decode_only else max(1, cfg["rows"] // block_h)
     return LatentPlan(kind, block_h, block_q, head_groups, max(1, int(num_splits)))
 
@@ -501,8 +462,8 @@ def latent_attention_triton(
       * `decode_only`: True -> one query row per tile, all heads of a head group; False -> `_CONFIG["prefill"]
         ["rows"]` (row, head) pairs per tile. None -> True iff T <= S.
       * `num_splits`: key-range splits (flash-decoding, then a reduce kernel). None -> 1 unless decode_only and
-        the (sequence, head group) programs would leave the GPU under-filled (`paged_attention`'s rule),
-        bounded by the block table's capacity / 256 keys (and 32).
+        the (sequence, head group) programs would leave the GPU under-filled (`paged_attention`'s rule,
+        `_split_k.default_num_splits`), bounded by the block table's capacity / 256 keys (and 32).
     The first call for a new (dtype, dims, kind) compiles: make it before capturing a CUDA graph.
     """
     if not HAS_TRITON:
@@ -522,16 +483,7 @@ def latent_attention_triton(
     block_m = max(16, block_q * block_h)  # tl.dot needs >= 16 rows
     block_c, block_r = max(16, next_pow2(dc)), max(16, next_pow2(dr))
 
-    if num_splits == 1:
-        out = q_lat.new_zeros((h, t, dc))  # rows owned by no sequence stay zero
-        ws_m = ws_l = ws_acc = out  # unused
-        ws_strides = (0, 0, 0, 0, 0)
-    else:
-        out = q_lat.new_empty((h, t, dc))  # the reduce kernel writes every row
-        ws_m = torch.empty((num_splits, t, h), dtype=torch.float32, device=q_lat.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((num_splits, t, h, dc), dtype=torch.float32, device=q_lat.device)
-        ws_strides = (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
+    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q_lat, (h, t, dc), num_splits, t, h, dc)
 
     dot_fp32 = q_lat.dtype == torch.float32 or not q_lat.is_cuda  # the interpreter's bf16 dot is wrong
     key = (kind, q_lat.device, q_lat.dtype, block_h, block_m, block_c, block_r)
@@ -558,13 +510,10 @@ def latent_attention_triton(
         break
     else:
         raise RuntimeError(f"latent_attention_triton: no launch shape fits for {key}")
-    if num_splits > 1:
-        block_hr = min(next_pow2(h), max(1, 4096 // block_c))
-        _paged._split_reduce_kernel[(t, triton.cdiv(h, block_hr))](
-            ws_m, ws_l, ws_acc, out, query_start_loc,
-            n_seqs, h, dc, *ws_strides, out.stride(1), out.stride(0),
-            NUM_SPLITS=num_splits, BLOCK_H=block_hr, BLOCK_DV=block_c, num_warps=4,
-        )  # fmt: skip
+    if num_splits > 1:  # out is [H, T, Dc]: its token stride is stride(1), its head stride stride(0)
+        _split_k.launch_split_reduce(
+            ws_m, ws_l, ws_acc, ws_strides, out, out.stride(1), out.stride(0), query_start_loc, n_seqs, block_c
+        )
     return out
 
 

@@ -32,17 +32,17 @@ Two implementations:
     `num_splits` key-range splits. Each program finds its sequence by binary search over
     `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA), and runs an
     online softmax over the key range. With `num_splits > 1` (flash-decoding), the programs write partial
-    (max, sum, acc) and a reduce kernel combines them. The kernel is correct for every batch under every
-    knob; the knobs only pick tile shapes, see `paged_attention_triton`.
+    (max, sum, acc) and a reduce kernel combines them (the split-K pieces are `_split_k`'s, shared with
+    `mla_attention`'s latent kernel). The kernel is correct for every batch under every knob; the knobs
+    only pick tile shapes, see `paged_attention_triton`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
+from mini_infer.ops import _split_k
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 __all__ = [
     "paged_attention",
@@ -375,8 +375,6 @@ if HAS_TRITON:
         dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
         tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
 
-    LOG2E = tl.constexpr(1.4426950408889634)
-
     @triton.jit
     def _tanh(x):
         # tanh without libdevice (also runs under the interpreter); saturates cleanly at +-1
@@ -397,22 +395,9 @@ if HAS_TRITON:
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-
-        # Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)); these ranges
-        # are disjoint and below T // BLOCK_Q + S. Find the last s whose first tile is <= this tile.
-        lo = tile * 0
-        hi = lo + n_seqs - 1
-        for _ in range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-            take = first <= tile
-            lo = tl.where(take, mid, lo)
-            hi = tl.where(take, hi, mid - 1)
-        s = lo
-        q_beg = tl.load(qsl_ptr + s)
-        qlen = tl.load(qsl_ptr + s + 1) - q_beg
-        ctx = tl.load(seq_lens_ptr + s)
-        q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q  # first query row of this tile, within s
+        s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
+            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
+        )
         if q_off < qlen:
             # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
             r = tl.arange(0, BLOCK_R)
@@ -439,10 +424,7 @@ if HAS_TRITON:
             k_lo = k_hi * 0
             if USE_WINDOW:
                 k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
-            if NUM_SPLITS > 1:
-                per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                k_lo = k_lo + split * per
-                k_hi = tl.minimum(k_lo + per, k_hi)
+            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
 
             first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
             qk_scale = scale
@@ -453,10 +435,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos = start + tl.arange(0, BLOCK_N)
-                k_ok = kpos < k_hi
-                pblk = tl.load(bt_row + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
-                koff = (kpos % block_size).to(tl.int64)
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, block_size, BLOCK_N)
                 kt = tl.load(
                     kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0,
@@ -467,22 +446,13 @@ if HAS_TRITON:
                     sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
                 # scores in log2 units (softmax with exp2)
                 if USE_SOFTCAP:
-                    sc = (softcap * LOG2E) * _tanh(sc * (qk_scale / softcap))
+                    sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
                 else:
-                    sc = sc * (qk_scale * LOG2E)
-                # Masking is needed only on tiles that reach past k_hi or past the first row's position
-                # (or under a window); the bulk of a long context skips it. Rows that are not real
-                # queries are never stored, so they need no mask.
-                if USE_WINDOW or (start + BLOCK_N > first_q_pos):
-                    visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-                    if USE_WINDOW:
-                        visible = visible & ((q_pos[:, None] - kpos[None, :]) < sliding_window)
-                    sc = tl.where(visible, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-                p = tl.exp2(sc - m_ref[:, None])
-                alpha = tl.exp2(m_i - m_ref)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                    sc = sc * (qk_scale * _split_k.LOG2E)
+                sc = _split_k.hide_invisible(
+                    sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
+                )
+                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
                 vt = tl.load(
                     vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
@@ -494,58 +464,12 @@ if HAS_TRITON:
                 else:
                     pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
                 acc = acc * alpha[:, None] + pv
-                m_i = m_new
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * tl.load(vs_ptr)
-
-            if NUM_SPLITS == 1:
-                o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                tl.store(
-                    out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
-                    o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
-                )  # fmt: skip
-            else:
-                # partials for the reduce kernel: every split writes every row it owns, even if its key
-                # range is empty (m = -inf, l = 0, acc = 0)
-                sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
-                w = sp64 * s_wms + tok * s_wmt + head
-                tl.store(ws_m_ptr + w, m_i, mask=row_ok)
-                tl.store(ws_l_ptr + w, l_i, mask=row_ok)
-                wa = sp64 * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + dv[None, :]
-                tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & dv_ok[None, :])
-
-    @triton.jit
-    def _split_reduce_kernel(
-        ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, qsl_ptr,
-        n_seqs, n_heads, head_dv, s_wms, s_wmt, s_was, s_wat, s_wah, s_ot, s_oh,
-        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        dv = tl.arange(0, BLOCK_DV)
-        owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
-        h_ok = owned & (h < n_heads)
-        hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
-        m_off = t * s_wmt + h
-        a_off = t * s_wat + h[:, None] * s_wah + dv[None, :]
-        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in range(NUM_SPLITS):
-            sp64 = t * 0 + sp  # int64 (t is): workspaces can pass 2**31 elements
-            m_max = tl.maximum(m_max, tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf")))
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for sp in range(NUM_SPLITS):
-            sp64 = t * 0 + sp
-            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf"))
-            wgt = tl.exp2(m - m_ref)  # m is in log2 units
-            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=h_ok, other=0.0)
-            acc += wgt[:, None] * tl.load(ws_acc_ptr + sp64 * s_was + a_off, mask=hd_ok, other=0.0)
-        o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(
-            out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=(h < n_heads)[:, None] & (dv < head_dv)[None, :],
-        )  # fmt: skip
+            _split_k.store_rows(
+                out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
+                s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
+            )  # fmt: skip
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -605,18 +529,6 @@ def _launch_configs(kind: str, key: tuple):
             return
 
 
-def _default_num_splits(q: torch.Tensor, n_seqs: int, hkv: int, max_context: int) -> int:
-    """Split-K only pays when (sequence, kv-head) programs are too few to fill the GPU and contexts are long."""
-    if not q.is_cuda:
-        return 1
-    programs = max(1, n_seqs * hkv)
-    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
-        return 1
-    splits = min(math.ceil(2 * sms / programs), math.ceil(max_context / 256), 32)
-    return next_pow2(splits) if splits > 1 else 1
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -674,19 +586,10 @@ def paged_attention_triton(
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
-            _default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
+            _split_k.default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
         )
     num_splits = max(1, int(num_splits))
-    if num_splits == 1:
-        out = q.new_zeros((t, hq, dv))  # rows owned by no sequence stay zero
-        ws_m = ws_l = ws_acc = out  # unused
-        ws_strides = (0, 0, 0, 0, 0)
-    else:
-        out = q.new_empty((t, hq, dv))  # the reduce kernel writes every row
-        ws_m = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((num_splits, t, hq, dv), dtype=torch.float32, device=q.device)
-        ws_strides = (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
+    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv)
 
     kind = "decode" if decode_only else "prefill"
     key = (kind, q.device, q.dtype, k_cache.dtype, block_g, block_d, block_dv)
@@ -717,12 +620,9 @@ def paged_attention_triton(
     else:
         raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")
     if num_splits > 1:
-        block_h = min(next_pow2(hq), max(1, 4096 // block_dv))
-        _split_reduce_kernel[(t, triton.cdiv(hq, block_h))](
-            ws_m, ws_l, ws_acc, out, query_start_loc,
-            n_seqs, hq, dv, *ws_strides, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
-        )  # fmt: skip
+        _split_k.launch_split_reduce(
+            ws_m, ws_l, ws_acc, ws_strides, out, out.stride(0), out.stride(1), query_start_loc, n_seqs, block_dv
+        )
     return out
 
 

@@ -1,0 +1,88 @@
+"""The Triton rotary kernel and its launcher, shared by `apply_rotary` (neox layout) and `apply_rotary_interleaved`.
+
+One kernel body rotates pairs of x's last dim; the INTERLEAVED constexpr picks which elements pair up and which
+cos/sin column each pair reads:
+  * neox (`rotate_half`): pair c is (x[c], x[c + D/2]); cos/sin span the whole D, each half reads its own column.
+  * interleaved (GPT-J): pair c is (x[2c], x[2c+1]); cos/sin hold one angle per pair, column c.
+Either way out[first] = x1 * cos - x2 * sin and out[second] = x2 * cos + x1 * sin, in fp32. This module checks
+no shapes and knows nothing of the ops' reference paths or registration: the op modules do that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton
+
+__all__ = ["launch_rotary"]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rotary_kernel(
+        x_ptr, cos_ptr, sin_ptr, out_ptr,
+        n_rows, N1, N2, HALF,
+        sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ):  # fmt: skip
+        # rows enumerate the three leading dims (i0, i1, i2) of the 4-D view; columns the HALF pairs
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        i2 = rows % N2
+        i1 = (rows // N2) % N1
+        i0 = rows // (N1 * N2)
+        p = tl.arange(0, BLOCK_H)
+        mask = (rows < n_rows)[:, None] & (p < HALF)[None, :]
+        xo = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
+        co = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
+        so = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
+        oo = (i0 * so0 + i1 * so1 + i2 * so2)[:, None]
+        if INTERLEAVED:  # pair p: (x[2p], x[2p+1])
+            first = 2 * p[None, :]
+            second = first + 1
+        else:  # pair p: (x[p], x[p + HALF])
+            first = p[None, :]
+            second = first + HALF
+        x1 = tl.load(x_ptr + xo + first * sx3, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + xo + second * sx3, mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:  # one angle per pair, column p
+            c1 = tl.load(cos_ptr + (co + p[None, :] * sc3), mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + (so + p[None, :] * ss3), mask=mask, other=0.0).to(tl.float32)
+            c2 = c1
+            s2 = s1
+        else:  # cos/sin span D: each element of the pair reads its own column
+            c1 = tl.load(cos_ptr + co + first * sc3, mask=mask, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + co + second * sc3, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + so + first * ss3, mask=mask, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + so + second * ss3, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+        tl.store(out_ptr + oo + first, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + oo + second, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    if t.dim() > 4:
+        return t.reshape((-1,) + tuple(t.shape[-3:]))  # copies only when the leading dims do not merge
+    return t
+
+
+def launch_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool
+) -> None:  # fmt: skip
+    """Rotate x [..., D] (any strides, D even, numel > 0) into out (contiguous, x's shape): programs over blocks
+    of rows (x's leading dims, seen as three through a 4-D view), D/2 pairs each. cos/sin are already expanded
+    (stride 0 where they broadcast) to x's shape (neox) or to x[..., :D/2]'s (interleaved)."""
+    half = x.shape[-1] // 2
+    x4, c4, s4 = _as_4d(x), _as_4d(cos), _as_4d(sin)
+    o4 = out.view(x4.shape)
+    n0, n1, n2, _ = x4.shape
+    n_rows = n0 * n1 * n2
+    block_h = next_pow2(half)
+    block_r = max(1, min(64, 2048 // block_h))
+    _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
+        x4, c4, s4, o4, n_rows, n1, n2, half,
+        *x4.stride(), *c4.stride(), *s4.stride(), *o4.stride()[:3],
+        BLOCK_R=block_r, BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,205 @@
+"""Split-K (flash-decoding) pieces shared by the paged attention kernel (`paged_attention`) and the latent
+attention kernel (`mla_attention`'s absorbed path).
+
+Both kernels tile the packed query rows of all sequences (varlen via `query_start_loc`), run an online softmax
+in log2 units (scores times LOG2E, exp2) over a key range, and with NUM_SPLITS > 1 cut that range into BLOCK_N
+aligned splits whose partials (running max m, sum l, unnormalized acc) a reduce kernel merges. Here:
+  * Triton helpers the kernels inline: which sequence a query tile belongs to, a program's split of its key
+    range, a key tile's cache blocks (through the block table) and causal/window mask, one online-softmax step,
+    and the end of a program (normalized rows, or its partials);
+  * the reduce kernel, and the launchers' side: the output + workspaces for a split count, the reduce launch,
+    and the default split count.
+Partials are fp32, laid out [num_splits, T, H] (m, l) and [num_splits, T, H, Dv] (acc). This module knows
+nothing of either kernel's cache layout (what a block/offset holds) or how it computes scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, num_sms, tl, triton
+
+__all__ = ["default_num_splits", "launch_split_reduce", "split_outputs"]
+
+if HAS_TRITON:
+    LOG2E = tl.constexpr(1.4426950408889634)
+
+    @triton.jit
+    def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+        """(s, q_beg, qlen, ctx, q_off) of query tile `tile`: its sequence s, whose query rows start at q_beg,
+        number qlen and sit at the end of a context of ctx positions; q_off is the tile's first row within s.
+
+        Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)): disjoint, below
+        T // BLOCK_Q + S. A binary search (SEARCH_STEPS >= S.bit_length() steps) finds the last s whose first
+        tile is <= `tile`; q_off >= qlen marks a tile past its sequence's rows (nothing to do)."""
+        lo = tile * 0
+        hi = lo + n_seqs - 1
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            take = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid - 1)
+        s = lo
+        q_beg = tl.load(qsl_ptr + s)
+        qlen = tl.load(qsl_ptr + s + 1) - q_beg
+        ctx = tl.load(seq_lens_ptr + s)
+        q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q
+        return s, q_beg, qlen, ctx, q_off
+
+    @triton.jit
+    def split_key_range(k_lo, k_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program `split`'s part of the key range [k_lo, k_hi): equal BLOCK_N-aligned parts, the last ones
+        possibly short or empty. NUM_SPLITS == 1: the whole range."""
+        if NUM_SPLITS > 1:
+            per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            k_lo = k_lo + split * per
+            k_hi = tl.minimum(k_lo + per, k_hi)
+        return k_lo, k_hi
+
+    @triton.jit
+    def key_tile(bt_row, start, k_hi, block_size, BLOCK_N: tl.constexpr):
+        """Key positions start .. start + BLOCK_N - 1 of the sequence whose block-table row is bt_row:
+        (kpos, k_ok, pblk, koff), k_ok where kpos < k_hi, pblk the cache block holding each (int64; block 0
+        where not k_ok: no unused table entry is read) and koff the offset in it (int64)."""
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < k_hi
+        pblk = tl.load(bt_row + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
+        koff = (kpos % block_size).to(tl.int64)
+        return kpos, k_ok, pblk, koff
+
+    @triton.jit
+    def hide_invisible(
+        sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    ):  # fmt: skip
+        """Scores sc [rows, BLOCK_N] with -inf where row i (position q_pos[i]) may not see key kpos: past k_hi
+        (not k_ok), in its future, or (USE_WINDOW) sliding_window or more positions behind it. Only tiles reaching
+        past the tile's first query position first_q_pos (k_hi is at most that + BLOCK_Q; split ends below it
+        are BLOCK_N-aligned), or under a window, need it: the bulk of a long context skips it. Rows that are not
+        real queries are never stored, so they need no mask."""
+        if USE_WINDOW or (start + BLOCK_N > first_q_pos):
+            visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & ((q_pos[:, None] - kpos[None, :]) < sliding_window)
+            sc = tl.where(visible, sc, float("-inf"))
+        return sc
+
+    @triton.jit
+    def online_softmax_step(sc, m_i, l_i):
+        """Fold a tile of scores sc [rows, keys] (log2 units, -inf where hidden) into the running max m_i and
+        sum l_i: (p, alpha, m_i, l_i) with p the tile's unnormalized probabilities and alpha the factor that
+        rescales the accumulator (acc = acc * alpha[:, None] + p @ V). Rows with nothing visible yet keep
+        m = -inf, l = 0, and p = alpha = 0."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(sc - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @triton.jit
+    def _normalize(acc, l_sum):
+        """acc / l per row; rows that saw no key (l = 0) stay 0."""
+        return acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+
+    @triton.jit
+    def store_rows(
+        out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
+        s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """The end of a program over rows (token tok, head head) and columns col: NUM_SPLITS == 1, the
+        normalized output rows; else the split's partials for the reduce kernel (every split writes every row it
+        owns, an empty key range as m = -inf, l = 0, acc = 0)."""
+        if NUM_SPLITS == 1:
+            o = _normalize(acc, l_i)
+            tl.store(
+                out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + col[None, :],
+                o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
+            )  # fmt: skip
+        else:
+            sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
+            w = sp64 * s_wms + tok * s_wmt + head
+            tl.store(ws_m_ptr + w, m_i, mask=row_ok)
+            tl.store(ws_l_ptr + w, l_i, mask=row_ok)
+            wa = sp64 * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
+            tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _split_reduce_kernel(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, qsl_ptr,
+        n_seqs, n_heads, head_dv, s_wms, s_wmt, s_was, s_wat, s_wah, s_ot, s_oh,
+        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dv = tl.arange(0, BLOCK_DV)
+        owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
+        h_ok = owned & (h < n_heads)
+        hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
+        m_off = t * s_wmt + h
+        a_off = t * s_wat + h[:, None] * s_wah + dv[None, :]
+        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for sp in range(NUM_SPLITS):
+            sp64 = t * 0 + sp  # int64 (t is): workspaces can pass 2**31 elements
+            m_max = tl.maximum(m_max, tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf")))
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for sp in range(NUM_SPLITS):
+            sp64 = t * 0 + sp
+            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf"))
+            wgt = tl.exp2(m - m_ref)  # m is in log2 units
+            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=h_ok, other=0.0)
+            acc += wgt[:, None] * tl.load(ws_acc_ptr + sp64 * s_was + a_off, mask=hd_ok, other=0.0)
+        o = _normalize(acc, l_sum)
+        tl.store(
+            out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=(h < n_heads)[:, None] & (dv < head_dv)[None, :],
+        )  # fmt: skip
+
+
+def split_outputs(
+    like: torch.Tensor, out_shape: tuple[int, ...], num_splits: int, tokens: int, heads: int, dv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(out, ws_m, ws_l, ws_acc, ws_strides) for a kernel over `tokens` x `heads` rows of `dv` values cut into
+    `num_splits` key splits. One split: out zeroed (rows owned by no sequence stay zero), no workspaces (out
+    stands in for them, strides 0). More: out uninitialized (the reduce kernel writes every row) and fp32
+    partials; ws_strides are (split and token strides of m/l, split, token and head strides of acc)."""
+    if num_splits == 1:
+        out = like.new_zeros(out_shape)
+        return out, out, out, out, (0, 0, 0, 0, 0)
+    out = like.new_empty(out_shape)
+    ws_m = torch.empty((num_splits, tokens, heads), dtype=torch.float32, device=like.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty((num_splits, tokens, heads, dv), dtype=torch.float32, device=like.device)
+    return out, ws_m, ws_l, ws_acc, (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
+
+
+def launch_split_reduce(
+    ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, ws_strides: tuple[int, ...], out: torch.Tensor,
+    s_ot: int, s_oh: int, query_start_loc: torch.Tensor, n_seqs: int, block_dv: int,
+) -> None:  # fmt: skip
+    """Merge the partials of `split_outputs` into out (token stride s_ot, head stride s_oh): one program per
+    token and block of heads; rows owned by no sequence (past query_start_loc[n_seqs]) get zeros."""
+    num_splits, t, heads, dv = ws_acc.shape
+    block_h = min(next_pow2(heads), max(1, 4096 // block_dv))
+    _split_reduce_kernel[(t, triton.cdiv(heads, block_h))](
+        ws_m, ws_l, ws_acc, out, query_start_loc,
+        n_seqs, heads, dv, *ws_strides, s_ot, s_oh,
+        NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
+    )  # fmt: skip
+
+
+def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_context: int) -> int:
+    """Split-K only pays when (sequence x programs_per_seq) programs are too few to fill the GPU and contexts
+    are long: then enough splits to cover the SMs twice, bounded by max_context / 256 keys and 32, as a power
+    of two. 1 off CUDA."""
+    if not q.is_cuda:
+        return 1
+    programs = max(1, n_seqs * programs_per_seq)
+    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    splits = min(math.ceil(2 * sms / programs), math.ceil(max_context / 256), 32)
+    return next_pow2(splits) if splits > 1 else 1
