@@ -12,6 +12,11 @@ line; the parent must have freed its own GPU memory first (vLLM takes 90% of the
 back as {"error": ...} with vLLM's last log lines, so a table can name what did not run and why.
 This file must not import mini_infer's engine (only the preset configs and the embedded tokenizer).
 
+On the GPU machines vLLM comes from `../shared/peers/vllm/build.sh` (three parts carried one per call, unpacked
+once, `PYTHONPATH=...:vllm-site/site`). Its OpenAI server (serving.py --peers vllm) also imports
+`model_hosting_container_standards`, which needs `jmespath` and `supervisor`; that pack lacks all three: carry
+their wheels (bench/RESULTS.md, fifth session, has the exact calls).
+
     python bench/vllm_peer.py write-dirs --out .models qwen3-0.6b qwen2.5-7b   # config + tokenizer, to carry
 """
 

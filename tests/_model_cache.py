@@ -53,11 +53,12 @@ def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None,
                     str(device) if device is not None else None, model_name, tuple(sorted(options.items())))
 
 
-def cached_load(model=None, dtype="auto", device=None, seed=0, load_format="auto"):
-    if load_format != "auto":  # random weights of a checkpoint's architecture: not cached
+def cached_load(model=None, dtype="auto", device=None, seed=0, load_format="auto", tensor_parallel_size=1):
+    if load_format != "auto" or tensor_parallel_size > 1:  # random weights of a checkpoint, or a rank's shards
         from mini_infer.models import load_model
 
-        return load_model(model, dtype=dtype, device=device, seed=seed, load_format=load_format)
+        return load_model(model, dtype=dtype, device=device, seed=seed, load_format=load_format,
+                          tensor_parallel_size=tensor_parallel_size)
     return _load(model, str(dtype) if not isinstance(dtype, str) else dtype,
                  str(device) if device is not None else "cpu", seed)
 
