@@ -80,11 +80,14 @@ def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
             _set_experts(loaded.model, "eager")
             loop_ref = hf_ids(p)
             _set_experts(loaded.model, experts)
+            between = sum(a == b for a, b in zip(ref, loop_ref))
             if got == loop_ref:
                 notes.append(f"prompt of {len(p)}: {same}/{len(ref)} ids equal HF's {experts} experts, all equal "
-                             f"HF's eager experts loop ({sum(a == b for a, b in zip(ref, loop_ref))}/{len(ref)} "
-                             f"between HF's two backends)")
+                             f"HF's eager experts loop ({between}/{len(ref)} between HF's two backends)")
                 same, ref = len(got), loop_ref
+            else:
+                notes.append(f"prompt of {len(p)}: HF's eager experts loop gives {between}/{len(ref)} of its "
+                             f"{experts} ids and {sum(a == b for a, b in zip(got, loop_ref))}/{len(ref)} of ours")
         matched += same
         if got != ref:
             ok = False

@@ -164,7 +164,7 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
 def test_ctrl_c_during_generate_is_one_line(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "mini_infer.cli", "-v", "generate", "--model", "tiny-llama",
-                             "--prompt-token-ids", "1,2,3", "--n", "8", "--max-tokens", "1000", "--ignore-eos"],
+                             "--prompt-token-ids", "1,2,3", "--n", "32", "--max-tokens", "1000", "--ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in proc.stderr:  # the engine is up (INFO log line): generation is running

@@ -31,7 +31,7 @@ from tests.passes.helpers import (
 )
 
 PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul",
-            "paged_attention", "gemv_linear", "fuse_norm_gemv"]
+            "paged_attention", "gemv_linear"]
 # MoE models route their experts (route_moe, before merge_projections); DeepSeek's latent attention gets its own
 # attention pass, before paged_attention (which then matches nothing)
 MOE_PIPELINE = [*PIPELINE[:4], "route_moe", *PIPELINE[4:]]
@@ -77,12 +77,11 @@ def test_summary_lists_every_pass(compiled):
     assert "caches: 512 bytes per token over 2 layer caches" in footer  # 2 layers x K+V x 2 heads x 16 x 4 B
     assert "FullAttentionSpec x2" in footer
     assert all(s.max_abs_err is not None and s.max_abs_err <= 1e-4 for s in cm.stats[1:-1])
-    # norms, rotaries, silu_and_mul, attentions, weight linears (qkv, o, gate_up, down per layer; lm_head), less
-    # the 4 norm + qkv / gate_up pairs that fuse_norm_gemv made one op each
-    assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2 + 9 - 4
+    # norms, rotaries, silu_and_mul, attentions, weight linears (qkv, o, gate_up, down per layer; lm_head)
+    assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2 + 9
     matches = {s.name: s.num_matches for s in cm.stats}
-    assert (matches["fuse_rmsnorm"], matches["fuse_rotary"], matches["fuse_silu_mul"], matches["paged_attention"],
-            matches["select_logits"], matches["gemv_linear"], matches["fuse_norm_gemv"]) == (5, 4, 2, 2, 1, 9, 4)
+    assert (matches["fuse_rmsnorm"], matches["fuse_rotary"], matches["fuse_silu_mul"],
+            matches["paged_attention"], matches["select_logits"], matches["gemv_linear"]) == (5, 4, 2, 2, 1, 9)
     assert cm.context.applied == PIPELINE
     assert repr(cm) == f"CompiledModel(tiny-llama, passes={PIPELINE})"
     assert "paged_attention_reference" in cm.code()
@@ -228,10 +227,9 @@ def test_bound_kernels_match_the_ops():
         if "op" in node.meta:
             node.target = node.meta["op"]
     stats = bind_kernels(gm, torch.device("cpu"), backend="triton")
-    assert stats.num_matches == 5 + 4 + 2 + 2 + 9 - 4  # ... and the weight linears (the lm_head's one row: GEMV)
+    assert stats.num_matches == 5 + 4 + 2 + 2 + 9  # ... and the weight linears (the lm_head's one row: GEMV)
     names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and callable(n.target)]
-    assert "paged_attention_triton" in names and "fused_add_rms_norm_triton" in names and "linear_triton" in names
-    assert "rms_norm_linear_triton" in names and "fused_add_rms_norm_linear_triton" in names
+    assert "paged_attention_triton" in names and "rms_norm_triton" in names and "linear_triton" in names
     inputs = cm.example_inputs(ids, pos)
     out = gm(*(inputs[n] for n in cm.input_names))
     assert_logits_close(out, ref, rel=1e-4)
