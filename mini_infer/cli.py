@@ -133,7 +133,9 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     if size > 1 and args.verify:
         raise ValueError(f"--verify runs the graph, which needs all {size} ranks: dump without it (the graphs "
                          "written are rank 0's)")
-    loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device)
+    # rank 0's shards only, as a rank of `serve -tp` loads them (a checkpoint; presets are built whole)
+    loaded = load_model(args.model or args.model_flag, dtype=args.dtype, device=args.device,
+                        tensor_parallel_size=size)
     passes = args.passes.split(",") if args.passes else None
     cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
                        quantization=args.quantization, kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype),

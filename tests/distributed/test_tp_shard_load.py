@@ -8,6 +8,7 @@ A checkpoint written from the tiny-qwen2 preset (q/k/v biases, untied lm_head) i
   not the whole model; the logits equal TP=1's.
 * `LLM(path, tensor_parallel_size=2)` (the engine starts rank 1 itself): rank 0 loads for tensor parallelism
   (its log says how much stayed on the host) and greedy tokens equal TP=1's.
+* `mini-infer dump-graph CKPT -tp 2` loads rank 0's shards the same way and dumps its graph.
 * On a GPU (skipped without one): rank 0 of 2 of a 1.3 GB checkpoint peaks at its shard in the CUDA allocator.
 * The start-up check asks a rank for memory for its shard of a checkpoint, not the whole model (presets, built
   whole on every rank, still need it all).
@@ -154,3 +155,19 @@ def test_cuda_peak_of_a_rank_is_its_shard(tmp_path):
     whole = load_model(str(tmp_path), dtype="bf16", device=cuda)
     assert torch.cuda.max_memory_allocated() - base >= params  # the reference: a TP=1 load holds it all
     del whole
+
+
+def test_dump_graph_of_rank_0_loads_its_shard(checkpoint, tmp_path, caplog, capsys):
+    """`mini-infer dump-graph CKPT -tp 2` loads as rank 0 of a `serve -tp 2` does: sliced weights stay on the host
+    and the dumped graph holds rank 0's halves."""
+    from mini_infer.cli import main
+
+    with caplog.at_level(logging.INFO, logger="mini_infer"):
+        assert main(["dump-graph", str(checkpoint), "--device", "cpu", "-tp", "2", "--out", str(tmp_path)]) == 0
+    assert any("left on the host, sliced per rank" in r.getMessage() for r in caplog.records)
+    out = capsys.readouterr().out
+    assert "shard_tensor_parallel" in out
+    config = preset_config("tiny-qwen2")
+    q_rows = config.num_attention_heads * (config.hidden_size // config.num_attention_heads) // 2
+    (after,) = tmp_path.glob("*_shard_tensor_parallel.after.txt")
+    assert f'q_proj_tp0_weight: "f32[{q_rows}, {config.hidden_size}]"' in after.read_text()
