@@ -11,14 +11,19 @@ exits 1 on any mismatch or error (an architecture that fails to compile is a fai
 
     python bench/gpu_check.py                       # every tiny-* preset
     python bench/gpu_check.py --model qwen3-0.6b    # plus a real-shape preset
+    python bench/gpu_check.py --readme              # plus the README's GPU examples, run as written
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -107,17 +112,51 @@ def _set_experts(model, implementation: str) -> None:
         model.config._experts_implementation = implementation
 
 
+README_GPU = re.compile(r"<!-- example: gpu[^>]*-->\n```\w*\n(.*?)```", re.S)
+
+
+def readme_gpu_commands(readme: Path) -> list[list[str]]:
+    """The command lines of the README's blocks marked `<!-- example: gpu -->` (tests/test_readme.py runs the
+    others on a CPU and checks these are marked), comments dropped."""
+    return [argv for code in README_GPU.findall(readme.read_text()) for line in code.splitlines()
+            if (argv := shlex.split(line, comments=True))]
+
+
+def run_readme_examples(readme: Path, timeout: float) -> list[tuple[str, bool, str]]:
+    """Run each README GPU command as written (`mini-infer` through this interpreter's entry point, `python` as
+    this interpreter); one row per command: (command, ok, note)."""
+    rows = []
+    for argv in readme_gpu_commands(readme):
+        cmd = [sys.executable, "-m", "mini_infer.cli", *argv[1:]] if argv[0] == "mini-infer" else \
+            [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
+        t = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=readme.parent)
+            ok, note = r.returncode == 0, f"exit {r.returncode}"
+            tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+            note += f" in {time.perf_counter() - t:.0f}s; last line: {tail[0][:160]}"
+        except subprocess.TimeoutExpired:
+            ok, note = False, f"timed out after {timeout:g}s"
+        rows.append((shlex.join(argv), ok, note))
+        print(f"[README] {'PASSED' if ok else 'FAILED'}: {shlex.join(argv)}: {note}", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", default=[], help="real-shape presets to check too")
     ap.add_argument("--only", action="append", default=None, help="check only these presets")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--readme", action="store_true",
+                    help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
+    ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")
+    ap.add_argument("--readme-timeout", type=float, default=900.0, help="seconds per README command")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from mini_infer.models.presets import TINY_PRESETS
 
-    names = args.only or [*TINY_PRESETS, *args.model]
+    names = [] if args.readme_only else args.only or [*TINY_PRESETS, *args.model]
     rows = []
     for name in names:
         try:
@@ -130,6 +169,12 @@ def main() -> int:
     print("\n| model | greedy == HF (fp32), graphs on/off, async/sync | notes |\n|---|---|---|")
     for name, ok, note in rows:
         print(f"| `{name}` | {'yes' if ok else '**no**'} | {note} |")
+    if args.readme or args.readme_only:
+        readme_rows = run_readme_examples(Path(__file__).resolve().parent.parent / "README.md", args.readme_timeout)
+        print("\n| README GPU example | runs | notes |\n|---|---|---|")
+        for cmd, ok, note in readme_rows:
+            print(f"| `{cmd}` | {'yes' if ok else '**no**'} | {note} |")
+        rows += readme_rows
     all_ok = all(ok for _, ok, _ in rows)
     print("GPU CHECK", "PASSED" if all_ok else "FAILED")
     return 0 if all_ok else 1

@@ -2,8 +2,8 @@
 
 Every fenced block of README.md is marked (`<!-- example: KIND ... -->` just before it): `cpu` blocks run here
 — shell lines through the `mini-infer` entry point (`mini_infer.cli.main`, what the console script calls),
-Python blocks with `exec` — in a scratch directory; `gpu` blocks need a GPU and are listed for
-bench/gpu_check.py; `setup` blocks install or run the suite (their `mini-infer` line runs here); `output` is
+Python blocks with `exec` — in a scratch directory; `gpu` blocks need a GPU and are run by
+`python bench/gpu_check.py --readme`; `setup` blocks install or run the suite (their `mini-infer` line runs here); `output` is
 printed output and `network` needs the hub. Models load and compile once per test process (tests/_model_cache.py):
 the commands and code are the README's, only the compile is shared.
 """
