@@ -397,12 +397,30 @@ def test_cuda_graph_capture_and_replay(num_splits, mixed):
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="real MLA dims are a GPU matter")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [16, 128])
+def assert_within_reference_error(actual: torch.Tensor, case: Case) -> None:
+    """At real dims a bf16 result carries bf16 rounding of sums over Dc = 512 latent values: the bf16 reference
+    itself is up to ~0.025 from the exact answer (measured on the CPU for the prefill case below; 1 element of
+    208,896 beyond the bf16 `assert_close` tolerance), so kernel vs bf16 reference may differ by twice that. Judge
+    both against the float64 reference of the same inputs: the kernel's worst error within twice the bf16
+    reference's own (+ 1e-3)."""
+    truth = mla_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                      for a in case.args()])
+    ref_err = (mla_attention_reference(*case.args()).double() - truth).abs().max().item()
+    err = (actual.double() - truth).abs().max().item()
+    assert actual.dtype == case.q_nope.dtype and err <= 2 * ref_err + 1e-3, (err, ref_err)
+
+
 def test_triton_real_dims(dtype, heads, monkeypatch):
-    """DeepSeek-V2-Lite / V3 dims (Dn 128, Dr 64, Dc 512, Dv 128): Triton (both paths) vs the reference."""
+    """DeepSeek-V2-Lite / V3 dims (Dn 128, Dr 64, Dc 512, Dv 128): Triton (both paths) vs the reference (fp32),
+    or vs the float64 reference within the bf16 reference's own error (bf16)."""
     for name, value in dict(H=heads, DN=128, DR=64, DC=512, DV=128).items():
         monkeypatch.setattr(sys.modules[__name__], name, value)
     case = make_case([(300, 1), (5, 1), (0, 70), (40, 30)], dtype=dtype, block_size=64)
-    for path in (None, "absorbed", "expanded"):
-        assert_close(mla_attention_triton(*case.args(), path=path), mla_attention_reference(*case.args()))
     dec = make_case([(1000, 1), (37, 1)], dtype=dtype, block_size=64)
-    assert_close(mla_attention_triton(*dec.args()), mla_attention_reference(*dec.args()))
+    for c, paths in ((case, (None, "absorbed", "expanded")), (dec, (None,))):
+        for path in paths:
+            out = mla_attention_triton(*c.args(), path=path)
+            if dtype == torch.bfloat16:
+                assert_within_reference_error(out, c)
+            else:
+                assert_close(out, mla_attention_reference(*c.args()))
