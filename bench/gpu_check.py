@@ -12,6 +12,7 @@ exits 1 on any mismatch or error (an architecture that fails to compile is a fai
     python bench/gpu_check.py                       # every tiny-* preset
     python bench/gpu_check.py --model qwen3-0.6b    # plus a real-shape preset
     python bench/gpu_check.py --readme              # plus the README's GPU examples, run as written
+    python bench/gpu_check.py --only tiny-qwen2-moe --reference-ops fused_moe   # bisect a mismatch to one op
 """
 
 from __future__ import annotations
@@ -28,7 +29,22 @@ from pathlib import Path
 import torch
 
 
-def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
+def use_reference_kernels(compiled, names: set[str]) -> int:
+    """Rebind the compiled graph's nodes of the ops in `names` (e.g. {"fused_moe"}) to their plain-torch
+    reference on the GPU, the rest keeping their Triton kernels: bisects a GPU-only mismatch to one op."""
+    from mini_infer.ops import kernel_impls
+
+    impls, n = kernel_impls("reference"), 0
+    for node in compiled.graph_module.graph.nodes:
+        op = node.meta.get("op")
+        if op is not None and op.name().split("::")[-1].split(".")[0] in names:
+            node.target = impls[op]
+            n += 1
+    compiled.graph_module.recompile()
+    return n
+
+
+def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset()) -> tuple[bool, str]:
     from mini_infer.compiler import compile_model
     from mini_infer.llm import LLM
     from mini_infer.models import load_model
@@ -44,6 +60,9 @@ def check_model(name: str, new_tokens: int, max_len: int) -> tuple[bool, str]:
     t = time.perf_counter()
     compiled = compile_model(loaded.model, device="cuda", model_name=name)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
+    if reference_ops:
+        print(f"[{name}] {use_reference_kernels(compiled, reference_ops)} nodes of {sorted(reference_ops)} run their "
+              "torch reference")
     configs = {"graphs": {"max_num_batched_tokens": 512},
                "graphs, 16-token steps": {"max_num_batched_tokens": 16},
                "graphs, 16-token steps, sync": {"max_num_batched_tokens": 16, "async_scheduling": False},
@@ -147,6 +166,9 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], help="real-shape presets to check too")
     ap.add_argument("--only", action="append", default=None, help="check only these presets")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--reference-ops", default="",
+                    help="comma list of op names (fused_moe, moe_topk, ...) to run as their torch reference on the "
+                         "GPU while the others keep their Triton kernels (bisecting a mismatch)")
     ap.add_argument("--readme", action="store_true",
                     help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
     ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")
@@ -160,7 +182,8 @@ def main() -> int:
     rows = []
     for name in names:
         try:
-            ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024)
+            ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024,
+                                   set(args.reference_ops.split(",")) if args.reference_ops else set())
         except Exception as exc:  # one architecture's failure must not hide the others'
             traceback.print_exc()
             ok, note = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
