@@ -33,7 +33,7 @@ from mini_infer.ops.int8_linear import (
     define_quantized_linear_op,
     define_scaled_linear_op,
     scaled_linear_reference,
-    scaled_mm_triton,
+    scaled_linear_triton,
 )
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
@@ -139,7 +139,7 @@ def fp8_linear_triton(
             return scaled_mm_fp8(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     if not HAS_TRITON:
         raise RuntimeError("fp8_linear_triton needs triton")
-    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return scaled_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
 def fp8_w8a8_linear_triton(
