@@ -363,6 +363,21 @@ def decode_step_sums(rows: list[dict]) -> dict:
     return sums
 
 
+def time_configs(launch: Callable, grid, operands: tuple, copies: list[torch.Tensor], device, args,
+                 label: str) -> list[tuple[float, tuple]]:
+    """(us per call, config) for `launch(x_q, x_scale, w, w_scale, None, bf16, config)` over every config of
+    `grid` (cycling the weight copies), fastest first; a config that fails to launch is reported and left out."""
+    xq, xs, s = operands
+    res = []
+    for cfg in grid:
+        calls = [lambda w=w, cfg=cfg: launch(xq, xs, w, s, None, torch.bfloat16, cfg) for w in copies]
+        try:
+            res.append((time_it(calls, device, args.target_ms, args.rounds) * 1e3, cfg))
+        except Exception as e:  # out of resources
+            print(f"  {label} {cfg}: {type(e).__name__}", file=sys.stderr)
+    return sorted(res)
+
+
 def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> list[dict]:
     """Time scaled_mm_triton over SWEEP (skinny tile, M = 1, 8, 16, int8 and fp8 operands) and SWEEP_MID (int8,
     M = 64, 256)."""
@@ -378,16 +393,9 @@ def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> l
                     continue
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
-                res = []
                 grid = SWEEP_MID if m > 16 else SWEEP if qname == "int8" else [c for c in SWEEP if c[-1] == 1]
-                for cfg in grid:
-                    calls = [lambda w=w, cfg=cfg, xq=xq, xs=xs, s=s: ops.int8.scaled_mm_triton(
-                        xq, xs, w, s, None, torch.bfloat16, cfg) for w in copies]
-                    try:
-                        res.append((time_it(calls, device, args.target_ms, args.rounds) * 1e3, cfg))
-                    except Exception as e:  # out of resources
-                        print(f"  sweep {name} {qname} M={m} {cfg}: {type(e).__name__}", file=sys.stderr)
-                res.sort()
+                res = time_configs(ops.int8.scaled_mm_triton, grid, (xq, xs, s), copies, device, args,
+                                   f"sweep {name} {qname} M={m}")
                 frac = n * k / (res[0][0] * 1e-6) / (copy_gbps * 1e9) if device == "cuda" else 0.0
                 print(f"sweep {name:<10}{qname:<5}M={m:<4} best {res[0][1]} {res[0][0]:.1f} us ({100 * frac:.0f}% copy);"
                       f" next {[f'{t:.1f} {c[1:3] + c[5:]}' for t, c in res[1:4]]}", flush=True)
@@ -407,15 +415,8 @@ def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> lis
                 continue
             copies = weight_copies(w, l2, device)
             xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
-            res = []
-            for cfg in GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2]:
-                calls = [lambda w=w, cfg=cfg, xq=xq, xs=xs, s=s: ops.int8.scaled_gemv_triton(
-                    xq, xs, w, s, None, torch.bfloat16, cfg) for w in copies]
-                try:
-                    res.append((time_it(calls, device, args.target_ms, args.rounds) * 1e3, cfg))
-                except Exception as e:  # out of resources
-                    print(f"  sweep-gemv {name} {qname} {cfg}: {type(e).__name__}", file=sys.stderr)
-            res.sort()
+            res = time_configs(ops.int8.scaled_gemv_triton, GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2],
+                               (xq, xs, s), copies, device, args, f"sweep-gemv {name} {qname}")
             default = next((t for t, c in res if c == ops.int8.SCALED_GEMV_CONFIG), math.nan)
             tbps = n * k / (res[0][0] * 1e-6) / 1e12
             print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "
