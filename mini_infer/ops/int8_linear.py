@@ -10,16 +10,17 @@ and the pieces every W8A8 linear shares (fp8_linear.py builds its ops from them)
 
 Why: a batch-1 decode step reads every weight once; int8 weights halve those bytes. The decode win needs a
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
-(and on CUDA refuses M <= 16). So the Triton launcher picks its tile by M only (shapes, never values: CUDA-graph
-safe): M <= SMALL_M (16) -> a skinny tile (16 rows, few weight rows per program, long K steps: many programs
-streaming the weight), larger M -> GEMM tiles. The int32 accumulation is exact in every tile and path and the
-epilogue is one piece of code, so every M bucket gives the same bits for a row (greedy decoding does not change
-with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
+(and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
+safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU), M <= SMALL_M (16) -> a
+skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
+accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
+every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
 product) gives the same int32 and differs from the kernel at most by the fp32 epilogue's rounding (FMA
 contraction on a GPU; none under the interpreter, where the two are bit-identical).
 
-Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Triton kernel and its launcher
-`scaled_mm_triton`, the argument checks (`check_scaled_linear`), the plain-torch reference
+Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Triton kernels and their launchers
+(`scaled_linear_triton`, the choice by M, over `scaled_gemv_triton` and `scaled_mm_triton`), the argument checks (`check_scaled_linear`), the plain-torch reference
 (`scaled_linear_reference`: checks, the operand dtype's accumulation, the fp32 epilogue), the fakes, and
 `define_scaled_linear_op` / `define_quantized_linear_op`, which register an operand dtype's pair of ops.
 Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from mini_infer outside
