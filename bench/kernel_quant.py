@@ -2,6 +2,7 @@
 
     python bench/kernel_quant.py --check         # correctness at the benchmark shapes, then the timings
     python bench/kernel_quant.py --sweep         # also sweep the skinny (M <= 16) tile of scaled_mm_triton
+    python bench/kernel_quant.py --check --ms 1 --no-attention --sweep-gemv   # the decode (M = 1) GEMVs + tiles
     python bench/kernel_quant.py --tiny          # CPU: Triton under TRITON_INTERPRET=1, tiny shapes, every path
 
 For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888, down 18944->3584, lm_head
@@ -10,20 +11,26 @@ For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888
 
   bf16         F.linear (cuBLAS)
   gemv         mini_infer.ops.linear.linear_triton, the engine's bf16 decode path (M = 1 only; K > 8192 is cuBLAS)
-  int8         int8_linear_triton (already-quantized activation: what a fused producer hands it)
+  int8         int8_linear_triton (already-quantized activation: what a fused producer hands it; at M = 1 the
+               W8A8 GEMV, scaled_gemv_triton, int32 words and dp4a)
+  int8-tile    scaled_mm_triton's skinny tile (M = 1 only: what int8_linear ran at M = 1 before the GEMV)
+  int8-byte    scaled_gemv_triton reading the int8 weights byte by byte (pack_int8=False; M = 1 only)
   int8+q       w8a8_linear_triton (quantize_per_token + int8_linear)
-  fp8-tri      scaled_mm_triton with fp8 operands (the Triton kernel fp8_linear uses for M <= FP8_TRITON_MAX_M)
+  fp8-gemv     scaled_gemv_triton with fp8 operands (M = 1 only: fp8_linear's M = 1 path)
+  fp8-tri      scaled_mm_triton with fp8 operands (the Triton tile fp8_linear uses for 1 < M <= FP8_TRITON_MAX_M)
   fp8-smm      torch._scaled_mm, rowwise scales (what fp8_linear uses above that)
   fp8+q        fp8_w8a8_linear_triton (quantize + whatever fp8_linear picks for M)
 
 Weights are cycled cold through L2 (copies up to 3x L2, as bench/kernel_gemv.py). Reported: us per call; at
 M <= 64 the weight bandwidth (weight bytes / time) as % of the copy bandwidth measured in the same run
-(`copy_bandwidth` of bench/kernel_norm.py); at M >= 256 TFLOP/s; and the sum over one decode step's GEMMs at
-M = 1 (28 layers + lm_head). Then paged decode attention, 4k context, batch 64 and 256, bf16 vs fp8 cache.
+(`copy_bandwidth` of bench/kernel_norm.py), best of bf16 / int8 / fp8, and at M = 1 every impl's TB/s and % of
+copy on a line of its own; at M >= 256 TFLOP/s; and the sum over one decode step's GEMMs at M = 1 (28 layers +
+lm_head). --sweep-gemv times scaled_gemv_triton's tiles (GEMV_SWEEP) at M = 1, int8 and fp8. Then paged decode
+attention, 4k context, batch 64 and 256, bf16 vs fp8 cache.
 
 --check first compares every timed path with the plain-torch references at the benchmark shapes (int8: same
-int32, epilogue within one output ulp, and the same bits for a row at every M bucket; fp8: relative error of the
-fp32-accumulated product; quantization and the fused producers: bit-exact with the unfused kernels; paged
+int32, epilogue within one output ulp, the same bits for a row at every M bucket, and at M = 1 the GEMV's bits
+(words and bytes) equal to the skinny tile's; fp8: relative error of the fp32-accumulated product, GEMV included; quantization and the fused producers: bit-exact with the unfused kernels; paged
 attention with fp8 caches vs its reference) and stops with exit 1 on a mismatch. Prints a table; JSON goes to
 bench/results/kernel_quant_<gpu>.json (--out). --tiny runs the same closures once on CPU (interpreter times mean
 nothing) and writes bench/out/kernel_quant_cpu.json.
@@ -52,7 +59,11 @@ SHAPES = [("qkv", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up", 37888
 MS = (1, 8, 64, 256, 8192)
 TINY_SHAPES = [("qkv", 96, 64, 1), ("down_proj", 40, 200, 1)]  # 200: a K tail, 40: an N tail
 TINY_MS = (1, 8, 20)
-IMPLS = ("bf16", "gemv", "int8", "int8+q", "fp8-tri", "fp8-smm", "fp8+q")
+IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-tri", "fp8-smm", "fp8+q")
+ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv")  # timed at M = 1 only
+# scaled_gemv_triton's tiles for --sweep-gemv: (BLOCK_N, BLOCK_K in elements, num_warps, num_stages)
+GEMV_SWEEP = [(bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
+              if bn * bk <= 16384]
 # paged decode attention: qwen2.5-7b's heads, 4k context
 ATTN = dict(hq=28, hkv=4, d=128, block=16, ctx=4096, batches=(64, 256))
 TINY_ATTN = dict(hq=4, hkv=2, d=16, block=4, ctx=40, batches=(3,))
@@ -104,19 +115,27 @@ def impl_calls(ops: Ops, name: str, x: torch.Tensor, weights: dict, l2: int, dev
     n, k = w8.shape
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w in weight_copies(weights["bf16"], l2, device)]
+    if name in ONE_ROW_IMPLS and m != 1:
+        return None
     if name == "gemv":
-        if m != 1:
-            return None
         return [lambda w=w: ops.linear.linear_triton(x, w, None) for w in weight_copies(weights["bf16"], l2, device)]
-    if name in ("int8", "int8+q"):
+    if name.startswith("int8"):
         xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8)
         if name == "int8":
             return [lambda w=w: int8.int8_linear_triton(xq, xs, w, s8, None, x.dtype)
+                    for w in weight_copies(w8, l2, device)]
+        if name == "int8-tile":
+            return [lambda w=w: int8.scaled_mm_triton(xq, xs, w, s8, None, x.dtype, int8.scaled_mm_config(m))
+                    for w in weight_copies(w8, l2, device)]
+        if name == "int8-byte":
+            return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, s8, None, x.dtype, pack_int8=False)
                     for w in weight_copies(w8, l2, device)]
         return [lambda w=w: int8.w8a8_linear_triton(x, w, s8, None) for w in weight_copies(w8, l2, device)]
     if device == "cuda" and not fp8.fp8_supported(device):
         return None
     xq, xs = ops.quant.quantize_per_token_triton(x, FP8)
+    if name == "fp8-gemv":
+        return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, sf, None, x.dtype) for w in weight_copies(wf, l2, device)]
     if name == "fp8-tri":
         return [lambda w=w: int8.scaled_mm_triton(xq, xs, w, sf, None, x.dtype) for w in weight_copies(wf, l2, device)]
     if name == "fp8-smm":
@@ -165,6 +184,11 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
             got = ops.int8.int8_linear_triton(xq, xs, w8, s8, None, torch.bfloat16)
             res["int8_max_ulps"] = max_ulps(got, want)
             first_rows[m] = got[: min(ms)]
+            if m == 1:  # the GEMV (words and bytes) against the skinny tile: the same bits
+                tile = ops.int8.scaled_mm_triton(xq, xs, w8, s8, None, torch.bfloat16, ops.int8.scaled_mm_config(1))
+                res["int8_gemv_bits_equal_tile"] = all(
+                    torch.equal(ops.int8.scaled_gemv_triton(xq, xs, w8, s8, None, torch.bfloat16, pack_int8=p), tile)
+                    for p in (True, False))
             fq, fs = ops.quant.quantize_per_token_reference(x, FP8)
             tq, ts = ops.quant.quantize_per_token_triton(x, FP8)
             res["quant_fp8_exact"] = bool(torch.equal(fq.view(torch.uint8), tq.view(torch.uint8))
@@ -172,10 +196,14 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
             if device == "cpu" or ops.fp8.fp8_supported(device):
                 want = ops.fp8.fp8_linear_reference(fq, fs, wf, sf, None, torch.float32)
                 res["fp8_triton_rel_err"] = rel_err(ops.int8.scaled_mm_triton(fq, fs, wf, sf, None, torch.bfloat16), want)
+                if m == 1:
+                    res["fp8_gemv_rel_err"] = rel_err(ops.int8.scaled_gemv_triton(fq, fs, wf, sf, None, torch.bfloat16),
+                                                      want)
                 if device == "cuda" and ops.fp8._scaled_mm_takes(m, k, n, torch.bfloat16):
                     res["fp8_scaled_mm_rel_err"] = rel_err(ops.fp8.scaled_mm_fp8(fq, fs, wf, sf, None, torch.bfloat16),
                                                            want)
             res["ok"] = (res["quant_int8_exact"] and res["quant_fp8_exact"] and res["int8_max_ulps"] <= 1.0
+                         and res.get("int8_gemv_bits_equal_tile", True)
                          and all(v < 1e-2 for key, v in res.items() if key.endswith("rel_err")))
             rows.append(res)
             print(f"check {name:<10}M={m:<5} " + " ".join(
@@ -280,7 +308,7 @@ def time_it(calls: list[Callable], device, target_ms: float, rounds: int) -> flo
 
 def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args) -> list[dict]:
     rows = []
-    head = f"{'gemm':<10}{'M':>6} |" + "".join(f"{n:>9}" for n in IMPLS) + " | us per call; then "
+    head = f"{'gemm':<10}{'M':>6} |" + "".join(f"{n:>10}" for n in IMPLS) + " | us per call; then "
     print(head + "%copy (weight bytes / time, M <= 64) or TFLOP/s (M >= 256) of bf16 / int8 / fp8 best")
     for name, n, k, per_step in shapes:
         weights = make_weights(ops, n, k, device)
@@ -300,7 +328,7 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
             us = row["us"]
             best = {"bf16": min(us.get("bf16", math.inf), us.get("gemv", math.inf)), "int8": us.get("int8", math.inf),
                     "fp8": min(us.get("fp8-tri", math.inf), us.get("fp8-smm", math.inf))}
-            line = f"{name:<10}{m:>6} |" + "".join(f"{us[i]:>9.1f}" if i in us else f"{'-':>9}" for i in IMPLS) + " |"
+            line = f"{name:<10}{m:>6} |" + "".join(f"{us[i]:>10.1f}" if i in us else f"{'-':>10}" for i in IMPLS) + " |"
             if device == "cuda" and m <= 64:
                 wbytes = {"bf16": 2 * n * k, "int8": n * k, "fp8": n * k}
                 row["weight_frac_copy"] = {kk: wbytes[kk] / (t * 1e-6) / (copy_gbps * 1e9)
@@ -311,6 +339,11 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
                 line += "".join(f" {kk} {v:>5.0f}" for kk, v in row["tflops"].items())
             if row.get("errors"):
                 line += "  errors: " + ", ".join(row["errors"])
+            if device == "cuda" and m == 1:  # every impl: weight bytes / time, TB/s and % of copy
+                row["weight_tbps"] = {i: (2 if i in ("bf16", "gemv") else 1) * n * k / (t * 1e-6) / 1e12
+                                      for i, t in us.items()}
+                line += "\n" + " " * 10 + "M=1 weight TB/s (% copy): " + ", ".join(
+                    f"{i} {v:.2f} ({100 * v * 1e3 / copy_gbps:.0f}%)" for i, v in row["weight_tbps"].items())
             print(line, flush=True)
             rows.append(row)
         del weights
@@ -330,6 +363,21 @@ def decode_step_sums(rows: list[dict]) -> dict:
     return sums
 
 
+def time_configs(launch: Callable, grid, operands: tuple, copies: list[torch.Tensor], device, args,
+                 label: str) -> list[tuple[float, tuple]]:
+    """(us per call, config) for `launch(x_q, x_scale, w, w_scale, None, bf16, config)` over every config of
+    `grid` (cycling the weight copies), fastest first; a config that fails to launch is reported and left out."""
+    xq, xs, s = operands
+    res = []
+    for cfg in grid:
+        calls = [lambda w=w, cfg=cfg: launch(xq, xs, w, s, None, torch.bfloat16, cfg) for w in copies]
+        try:
+            res.append((time_it(calls, device, args.target_ms, args.rounds) * 1e3, cfg))
+        except Exception as e:  # out of resources
+            print(f"  {label} {cfg}: {type(e).__name__}", file=sys.stderr)
+    return sorted(res)
+
+
 def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> list[dict]:
     """Time scaled_mm_triton over SWEEP (skinny tile, M = 1, 8, 16, int8 and fp8 operands) and SWEEP_MID (int8,
     M = 64, 256)."""
@@ -345,20 +393,36 @@ def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> l
                     continue
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
-                res = []
                 grid = SWEEP_MID if m > 16 else SWEEP if qname == "int8" else [c for c in SWEEP if c[-1] == 1]
-                for cfg in grid:
-                    calls = [lambda w=w, cfg=cfg, xq=xq, xs=xs, s=s: ops.int8.scaled_mm_triton(
-                        xq, xs, w, s, None, torch.bfloat16, cfg) for w in copies]
-                    try:
-                        res.append((time_it(calls, device, args.target_ms, args.rounds) * 1e3, cfg))
-                    except Exception as e:  # out of resources
-                        print(f"  sweep {name} {qname} M={m} {cfg}: {type(e).__name__}", file=sys.stderr)
-                res.sort()
+                res = time_configs(ops.int8.scaled_mm_triton, grid, (xq, xs, s), copies, device, args,
+                                   f"sweep {name} {qname} M={m}")
                 frac = n * k / (res[0][0] * 1e-6) / (copy_gbps * 1e9) if device == "cuda" else 0.0
                 print(f"sweep {name:<10}{qname:<5}M={m:<4} best {res[0][1]} {res[0][0]:.1f} us ({100 * frac:.0f}% copy);"
                       f" next {[f'{t:.1f} {c[1:3] + c[5:]}' for t, c in res[1:4]]}", flush=True)
                 out.append({"gemm": name, "dtype": qname, "M": m, "results": [(t, list(c)) for t, c in res]})
+        del weights
+    return out
+
+
+def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> list[dict]:
+    """Time scaled_gemv_triton (M = 1) over GEMV_SWEEP, int8 (int32 words, dp4a) and fp8 operands."""
+    out = []
+    for name, n, k, _ in shapes:
+        weights = make_weights(ops, n, k, device)
+        x = torch.randn(1, k, device=device).to(torch.bfloat16)
+        for qname, (w, s) in (("int8", weights["int8"]), ("fp8", weights["fp8"])):
+            if qname == "fp8" and device == "cuda" and not ops.fp8.fp8_supported(device):
+                continue
+            copies = weight_copies(w, l2, device)
+            xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
+            res = time_configs(ops.int8.scaled_gemv_triton, GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2],
+                               (xq, xs, s), copies, device, args, f"sweep-gemv {name} {qname}")
+            default = next((t for t, c in res if c == ops.int8.SCALED_GEMV_CONFIG), math.nan)
+            tbps = n * k / (res[0][0] * 1e-6) / 1e12
+            print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "
+                  f"{100 * tbps * 1e3 / copy_gbps:.0f}% copy); default {ops.int8.SCALED_GEMV_CONFIG} {default:.1f} us;"
+                  f" next {[f'{t:.1f} {c}' for t, c in res[1:4]]}", flush=True)
+            out.append({"gemm": name, "dtype": qname, "results": [(t, list(c)) for t, c in res]})
         del weights
     return out
 
@@ -386,6 +450,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="correctness at the benchmark shapes first (exit 1 on failure)")
     ap.add_argument("--check-only", action="store_true", help="only the correctness checks")
     ap.add_argument("--sweep", action="store_true", help="also sweep scaled_mm_triton's tiles (M <= 256)")
+    ap.add_argument("--sweep-gemv", action="store_true", help="also sweep scaled_gemv_triton's tiles (M = 1)")
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: exercises every path")
     ap.add_argument("--ms", default=None, help="comma list of M (default 1,8,64,256,8192)")
     ap.add_argument("--shapes", default=None, help="comma list of gemm names (default all)")
@@ -451,6 +516,8 @@ def main(argv=None) -> int:
             f"{k} {v / 1e3:.3f} ms" for k, v in report["decode_step_us"].items()), flush=True)
     if args.sweep:
         report["sweep_skinny"] = sweep_skinny(ops, shapes, device, copy["gbps"], l2, args)
+    if args.sweep_gemv:
+        report["sweep_gemv"] = sweep_gemv(ops, shapes, device, copy["gbps"], l2, args)
     if not args.no_attention:
         report["attention"] = bench_attention(ops, attn, device, args)
     report["meta"]["wall_seconds"] = round(time.perf_counter() - t0, 1)

@@ -10,15 +10,16 @@ Where it runs:
     which dequantizes (fp8 -> fp32 is exact), multiplies in fp32 and applies the scales and bias in the
     kernels' epilogue order.
   * CUDA, compute capability >= 8.9 (Ada, Hopper and later): by shape only (CUDA-graph safe) —
-    M <= FP8_TRITON_MAX_M rows -> the Triton kernel of int8_linear.py (`scaled_mm_triton`, skinny tile: the
-    decode path that streams the weights); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
+    M = 1 -> int8_linear.py's GEMV (`scaled_gemv_triton`: the batch-1 decode path that streams the weights;
+    fp8 -> fp32 products on CUDA cores, exact, summed in fp32); M <= FP8_TRITON_MAX_M rows -> its Triton
+    tile (`scaled_mm_triton`, skinny tile); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
     FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile
     (whose fp8 accumulation precision on Hopper is int8_linear.FP8_DOT's choice). bench/kernel_quant.py times
     both at every M: move FP8_TRITON_MAX_M if it says so; bench/fp8_gpu_check.py measures their accuracy.
   * CUDA below 8.9: no FP8 tensor-core instructions; the op raises RuntimeError naming the capability.
 Unlike the int8 path, fp32 accumulation order differs between tiles and between Triton and _scaled_mm, so a
 row's output may differ in its last bits between M buckets (int8_linear is exact across buckets).
-The argument checks, the reference, the Triton launcher and the op registration are int8_linear.py's, shared
+The argument checks, the reference, the Triton launchers and the op registration are int8_linear.py's, shared
 with the int8 linears; this module adds the capability check and the choice of GEMM on CUDA. Imports nothing
 from mini_infer outside `mini_infer.ops`.
 """
@@ -33,7 +34,7 @@ from mini_infer.ops.int8_linear import (
     define_quantized_linear_op,
     define_scaled_linear_op,
     scaled_linear_reference,
-    scaled_mm_triton,
+    scaled_linear_triton,
 )
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
@@ -139,7 +140,7 @@ def fp8_linear_triton(
             return scaled_mm_fp8(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     if not HAS_TRITON:
         raise RuntimeError("fp8_linear_triton needs triton")
-    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return scaled_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
 def fp8_w8a8_linear_triton(

@@ -10,16 +10,17 @@ and the pieces every W8A8 linear shares (fp8_linear.py builds its ops from them)
 
 Why: a batch-1 decode step reads every weight once; int8 weights halve those bytes. The decode win needs a
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
-(and on CUDA refuses M <= 16). So the Triton launcher picks its tile by M only (shapes, never values: CUDA-graph
-safe): M <= SMALL_M (16) -> a skinny tile (16 rows, few weight rows per program, long K steps: many programs
-streaming the weight), larger M -> GEMM tiles. The int32 accumulation is exact in every tile and path and the
-epilogue is one piece of code, so every M bucket gives the same bits for a row (greedy decoding does not change
-with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
+(and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
+safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU), M <= SMALL_M (16) -> a
+skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
+accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
+every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
 product) gives the same int32 and differs from the kernel at most by the fp32 epilogue's rounding (FMA
 contraction on a GPU; none under the interpreter, where the two are bit-identical).
 
-Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Triton kernel and its launcher
-`scaled_mm_triton`, the argument checks (`check_scaled_linear`), the plain-torch reference
+Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Triton kernels and their launchers
+(`scaled_linear_triton`, the choice by M, over `scaled_gemv_triton` and `scaled_mm_triton`), the argument checks (`check_scaled_linear`), the plain-torch reference
 (`scaled_linear_reference`: checks, the operand dtype's accumulation, the fp32 epilogue), the fakes, and
 `define_scaled_linear_op` / `define_quantized_linear_op`, which register an operand dtype's pair of ops.
 Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from mini_infer outside
@@ -33,11 +34,13 @@ from collections.abc import Callable
 import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops.linear import launch_gemv, unit_stride_row
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
 __all__ = [
     "FP8_DOT",
     "INT8_MAX_K",
+    "SCALED_GEMV_CONFIG",
     "SMALL_M",
     "check_scaled_linear",
     "define_quantized_linear_op",
@@ -48,7 +51,10 @@ __all__ = [
     "int8_matmul_exact",
     "scaled_linear_reference",
     "scaled_mm_config",
+    "scaled_gemv_triton",
+    "scaled_linear_triton",
     "scaled_mm_triton",
+    "takes_scaled_gemv",
     "w8a8_fake",
     "w8a8_linear",
     "w8a8_linear_reference",
@@ -69,6 +75,10 @@ _CONFIGS = (
     (256, (64, 128, 256, 8, 4, 4, 1)),
     (None, (128, 256, 128, 8, 8, 3, 1)),
 )
+# The one-row GEMV (`scaled_gemv_triton`, M = 1): (weight rows per program, K elements per step, warps, stages).
+# 1024 one-byte weights per row and step: the bytes per step of linear.py's bf16 GEMV tile (4, 512, 4, 1).
+# A first guess, not yet measured: `bench/kernel_quant.py --sweep-gemv` times the alternatives on a GPU.
+SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -216,6 +226,17 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
+
+    @triton.jit
+    def _dequantize(acc, a_scale, w_scale, bias_ptrs, bias_ok, HAS_BIAS: tl.constexpr):
+        """((acc * a_scale) * w_scale + bias) in fp32: the one epilogue arithmetic of the GEMM tile and the GEMV
+        (broadcast shapes), so an int8 row gets the same bits from either."""
+        y = acc.to(tl.float32) * a_scale
+        y = y * w_scale
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptrs, mask=bias_ok, other=0.0).to(tl.float32)
+        return y
 
     @triton.jit
     def _scaled_mm_epilogue(acc, rm, rn, M, N, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, s_cm,
@@ -223,12 +244,49 @@ if HAS_TRITON:
         """c[rm, rn] = ((acc * a_scale[rm]) * w_scale[rn] + bias[rn]) in fp32, cast to c's dtype."""
         m_ok = rm < M
         n_ok = rn < N
-        y = acc.to(tl.float32) * tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
-        y = y * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = _dequantize(acc, tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)[:, None],
+                        tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :], bias_ptr + rn[None, :],
+                        n_ok[None, :], HAS_BIAS)
         c = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
         tl.store(c, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _dot4(acc, w, x, ASM: tl.constexpr):
+        """acc + the dot products of the four signed bytes packed in each int32 of w and x, exactly: PTX dp4a
+        (one instruction per four products) when ASM, else the bytes sign-extended by shifts (the interpreter,
+        which runs no PTX; the same int32)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, x, acc],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            for j in tl.static_range(4):
+                acc += ((w << (24 - 8 * j)) >> 24) * ((x << (24 - 8 * j)) >> 24)
+            return acc
+
+    @triton.jit
+    def _scaled_gemv_kernel(
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
+        program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
+        same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
+        sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
+        and BLOCK_K count words), multiplied by `_dot4`."""
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
+            if PACKED:
+                w = gemv_load(w_rows, row_ok, cols, col_ok)
+                acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
+            else:
+                acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+        y = _dequantize(tl.sum(acc, axis=1), tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
+                        b_ptr + rows, row_ok, HAS_BIAS)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -363,13 +421,70 @@ def scaled_mm_triton(
     return out.reshape(*x_q.shape[:-1], n)
 
 
+def takes_scaled_gemv(m: int, k: int, n: int) -> bool:
+    """Whether an M x K by N x K W8A8 product runs the GEMV (`scaled_gemv_triton`) rather than the GEMM tile: one
+    row (the batch-1 decode step) of a non-empty product. Shapes only: CUDA-graph safe."""
+    return HAS_TRITON and m == 1 and k > 0 and n > 0
+
+
+def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether int8 x [K] and w [N, K] (unit stride along K) can be read as int32 words of four: K, w's row
+    stride and both start addresses multiples of 4 (the same for every call of a CUDA graph's captured tensors)."""
+    return (x.dtype == torch.int8 and x.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and x.data_ptr() % 4 == 0
+            and w.data_ptr() % 4 == 0)
+
+
+def scaled_gemv_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] = SCALED_GEMV_CONFIG,
+    *, pack_int8: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
+    linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
+    int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
+    `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order. `config`
+    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG (benchmark sweeps)."""
+    if not HAS_TRITON:
+        raise RuntimeError("scaled_gemv_triton needs triton")
+    n, k = w_q.shape
+    if x_q.numel() != k or x_scale.numel() != 1:
+        raise ValueError(f"scaled_gemv_triton: one row of K = {k} and one scale, got x_q {tuple(x_q.shape)} and "
+                         f"x_scale {tuple(x_scale.shape)}")
+    w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
+    xr = unit_stride_row(x_q)
+    y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
+    ws = w_scale.contiguous()
+    bn, bk, warps, stages = config
+    packed = pack_int8 and _packs_int8(xr, w)
+    if packed:  # int32 words of four int8s: K, the row stride and the K step in words
+        xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
+    launch_gemv(_scaled_gemv_kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0),
+                config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
+                ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
+                ASM=packed and x_q.is_cuda and torch.version.hip is None)
+    return y
+
+
+def scaled_linear_triton(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton W8A8 linear for any M, chosen by shape: one row -> the GEMV (`takes_scaled_gemv`), more ->
+    `scaled_mm_triton` with the tile of M's bucket."""
+    k, n = x_q.shape[-1], w_q.shape[0]
+    if takes_scaled_gemv(x_q.numel() // k if k else 0, k, n):
+        return scaled_gemv_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
 def int8_linear_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    """The CUDA path: the Triton kernel with the tile of M's bucket (skinny for M <= SMALL_M)."""
+    """The CUDA path: the GEMV for one row, else the Triton kernel with the tile of M's bucket (skinny for
+    M <= SMALL_M)."""
     check_scaled_linear("int8_linear", torch.int8, x_q, x_scale, w_q, w_scale, bias)
-    return scaled_mm_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return scaled_linear_triton(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
 def w8a8_linear_triton(

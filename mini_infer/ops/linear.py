@@ -6,8 +6,9 @@ on some shapes (bench/kernel_gemv.py: 57-90% of copy bandwidth for o_proj and th
 65-98% with this kernel). So: one row and K <= `GEMV_MAX_K` -> the GEMV kernel; anything else (prefill,
 batches, very long rows such as down_proj's, where cuBLAS's split-K is as fast) -> `F.linear`. The choice
 depends only on shapes, so a CUDA graph captured for one batch size keeps its kernel. The tiling is a set of
-@triton.jit pieces (`gemv_rows`, `gemv_step`, `gemv_store`) and a launcher (`launch_gemv`) that other single-row
-kernels build on (rms_norm_linear.py: the norm as the GEMV's prologue). Imports nothing from mini_infer outside
+@triton.jit pieces (`gemv_rows`, `gemv_load` / `gemv_step`, `gemv_store`) and a launcher (`launch_gemv`) that
+other single-row kernels build on (rms_norm_linear.py: the norm as the GEMV's prologue; int8_linear.py: the W8A8
+GEMV, int8 or fp8 weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
@@ -34,18 +35,25 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 if HAS_TRITON:
 
     @triton.jit
-    def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """This program's BLOCK_N weight rows: (row indices, which exist, their pointers, a zero accumulator)."""
+    def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ACC_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
+        """This program's BLOCK_N weight rows: (row indices, which exist, their pointers, a zero accumulator of
+        ACC_DTYPE: fp32 for float weights, int32 for int8 ones (int8_linear.py's GEMV))."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        return rows, rows < N, w_rows, tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        return rows, rows < N, w_rows, tl.zeros([BLOCK_N, BLOCK_K], ACC_DTYPE)
+
+    @triton.jit
+    def gemv_load(w_rows, row_ok, cols, col_ok):
+        """The weight rows' columns `cols` [BLOCK_N, BLOCK_K], zero where a row or column does not exist."""
+        return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
 
     @triton.jit
     def gemv_step(acc, w_rows, row_ok, cols, col_ok, x):
-        """One K-step: acc [BLOCK_N, BLOCK_K] + the weight rows' columns `cols` times `x` (the row's fp32 values at
-        `cols`)."""
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        return acc + w.to(tl.float32) * x[None, :]
+        """One K-step: acc [BLOCK_N, BLOCK_K] + the weight rows' columns `cols` times `x` (the row's values at
+        `cols`, in acc's dtype; the weights are converted to it too: exact for bf16/fp16/fp8 -> fp32 and
+        int8 -> int32)."""
+        return acc + gemv_load(w_rows, row_ok, cols, col_ok).to(acc.dtype) * x[None, :]
 
     @triton.jit
     def gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):

@@ -1,5 +1,5 @@
-"""fp8_linear / fp8_w8a8_linear: the dequantizing reference, the Triton kernel (interpreter here, and on
-GPUs with FP8), torch._scaled_mm on GPUs, the capability check, fakes and opcheck."""
+"""fp8_linear / fp8_w8a8_linear: the dequantizing reference, the Triton kernels (the one-row GEMV and the tile;
+interpreter here, and on GPUs with FP8), torch._scaled_mm on GPUs, the capability check, fakes and opcheck."""
 
 import pytest
 import torch
@@ -90,6 +90,41 @@ def test_triton_kernel_every_tile(dtype):
     for m in (1, 17, 130, 300):
         assert_fp32_acc_close(scaled_mm_triton(*on(DEVICE, x_q[:m], x_scale[:m], w_q, w_scale, b), dtype), want[:m])
     assert len({scaled_mm_config(m, fp8=True) for m in (1, 17, 130, 300)}) == 4
+
+
+@requires_triton
+@pytest.mark.parametrize(("n", "k"), [(33, 200), (7, 203), (130, 1500)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_reference(n, k, bias):
+    """The one-row GEMV (fp32 sums of exact fp8 products, in another order than the reference's): within the
+    fp32 accumulation tolerance, for N and K that divide no tile and with and without a bias."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops.int8_linear import scaled_gemv_triton
+
+    w_q, w_scale, b = make_weights(n, k, seed=n, bias_dtype=torch.float32 if bias else None)
+    _, x_q, x_scale = quantized_x(1, k, torch.float32, seed=k)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, out_dtype)
+        assert_fp32_acc_close(scaled_gemv_triton(*on(DEVICE, x_q, x_scale, w_q, w_scale, b), out_dtype), want)
+
+
+@requires_triton
+def test_gemv_taken_for_one_row_only(monkeypatch):
+    """fp8_linear runs the GEMV for one row and the Triton tile (or torch._scaled_mm) for more."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops import int8_linear as il
+
+    calls = []
+    real = il.scaled_gemv_triton
+    monkeypatch.setattr(il, "scaled_gemv_triton", lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
+    w_q, w_scale, b = make_weights(24, 64, bias_dtype=torch.float32)
+    _, x_q, x_scale = quantized_x(3, 64, torch.float32)
+    x_q, x_scale, w_q, w_scale, b = on(DEVICE, x_q, x_scale, w_q, w_scale, b)
+    for m in (1, 2, 3):
+        fl.fp8_linear_triton(x_q[None, :m], x_scale[None, :m], w_q, w_scale, b, torch.float32)
+    assert calls == [(1, 1, 64)]
 
 
 @requires_triton

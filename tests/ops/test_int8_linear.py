@@ -1,5 +1,5 @@
 """int8_linear / w8a8_linear: exact int32 GEMM, the fp32 epilogue, Triton vs reference, and the same bits for a
-row whatever the M bucket (decode tile, mid and large GEMM tiles)."""
+row whatever the M bucket (the one-row GEMV, decode tile, mid and large GEMM tiles)."""
 
 import pytest
 import torch
@@ -104,6 +104,47 @@ def test_same_bits_for_every_m_bucket(dtype):
     alone = torch.cat([il.int8_linear_triton(x_q[i : i + 1], x_scale[i : i + 1], w_q, w_scale, b, dtype)
                        for i in (0, 64, 299)])
     assert torch.equal(alone, full[[0, 64, 299]])
+
+
+@requires_triton
+@pytest.mark.parametrize(("n", "k"), [(33, 200), (7, 203), (130, 1500)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_same_bits_as_the_tile(n, k, bias):
+    """The one-row GEMV gives the skinny tile's bits (same exact int32, same epilogue), read as int32 words
+    (K % 4 == 0) or byte by byte (K = 203, a row that starts at an odd address, or pack_int8=False); N and K
+    divide no tile, and the operands' extremes (-128 * -128 over half a row) stay exact."""
+    w_q, w_scale, b = make_weights(n, k, seed=n, bias_dtype=torch.bfloat16 if bias else None)
+    _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=k)
+    w_q[0], x_q[0, : k // 2] = -128, -128
+    w_q[1] = 127
+    odd = torch.zeros(k + 1, dtype=torch.int8, device=DEVICE)[1:]
+    odd.copy_(x_q[0])
+    assert il._packs_int8(x_q[0], w_q) == (k % 4 == 0) and not il._packs_int8(odd, w_q)
+    for out_dtype in (torch.bfloat16, torch.float32):  # fp32: the epilogue's every bit shows
+        tile = il.scaled_mm_triton(x_q, x_scale, w_q, w_scale, b, out_dtype, il.scaled_mm_config(1))
+        want = il.int8_linear_reference(x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), b.cpu() if bias else None,
+                                        out_dtype)
+        assert_epilogue_close(tile, want)
+        for x, pack in ((x_q, True), (x_q, False), (odd[None], True)):
+            got = il.scaled_gemv_triton(x, x_scale, w_q, w_scale, b, out_dtype, pack_int8=pack)
+            assert torch.equal(got, tile), (out_dtype, pack, x.data_ptr() % 4)
+
+
+@requires_triton
+def test_gemv_taken_for_one_row_only(monkeypatch):
+    """int8_linear runs the GEMV for one row ([1, 1, K] packed or [K]) and the tile for more rows."""
+    calls = []
+    real = il.scaled_gemv_triton
+    monkeypatch.setattr(il, "scaled_gemv_triton", lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
+    w_q, w_scale, b = make_weights(24, 64, bias_dtype=torch.float32)
+    _, x_q, x_scale = quantized_x(3, 64, torch.float32)
+    for m in (1, 2, 3):
+        got = il.int8_linear_triton(x_q[None, :m], x_scale[None, :m], w_q, w_scale, b, torch.float32)
+        assert torch.equal(got[0], il.scaled_mm_triton(x_q[:m], x_scale[:m], w_q, w_scale, b, torch.float32))
+    il.int8_linear_triton(x_q[0], x_scale[0], w_q, w_scale, b, torch.float32)
+    assert calls == [(1, 1, 64), (64,)]
+    assert il.takes_scaled_gemv(1, 64, 24) and not il.takes_scaled_gemv(2, 64, 24)
+    assert not il.takes_scaled_gemv(1, 0, 24) and not il.takes_scaled_gemv(1, 64, 0)  # empty: the tile's special case
 
 
 @requires_triton
