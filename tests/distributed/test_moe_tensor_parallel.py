@@ -17,25 +17,16 @@ import pytest
 from mini_infer.llm import LLM
 from mini_infer.models.loader import load_model
 from mini_infer.models.presets import preset_config
-from mini_infer.sampling_params import SamplingParams
-
-PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 3]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)  # the 37-token prompt takes 3 steps
-
-
-def _greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+from tests.distributed.helpers import LLM_OPTIONS, greedy_tokens
 
 
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_llm_greedy_equals_tp1(name):
-    tp1 = _greedy(LLM(name, **OPTIONS))
-    llm = LLM(name, tensor_parallel_size=2, **OPTIONS)
+    tp1 = greedy_tokens(LLM(name, **LLM_OPTIONS))
+    llm = LLM(name, tensor_parallel_size=2, **LLM_OPTIONS)
     try:
         assert len(llm.engine.parallel.workers) == 1  # rank 1 runs in its own process
-        assert _greedy(llm) == tp1
+        assert greedy_tokens(llm) == tp1
     finally:
         llm.engine.close()
 
