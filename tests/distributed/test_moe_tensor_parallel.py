@@ -2,8 +2,8 @@
 
 * `LLM(preset, tensor_parallel_size=2)` on tiny-mixtral, tiny-qwen3-moe and tiny-qwen2-moe (the engine starts
   rank 1 itself): greedy tokens equal TP=1's (prefill in chunks, decode, several sequences).
-* `mini-infer dump-graph CKPT -tp 2` on a tiny-mixtral checkpoint: the stacked expert weights stay on the host
-  (sliced per rank like the linears), and the dumped graph of rank 0 shows fused_moe over its half of every
+* `mini-infer dump-graph CKPT -tp 2` on a tiny-mixtral checkpoint: a rank's loader leaves the stacked expert
+  weights on the host (sliced per rank like the linears; the router is replicated), and the dumped graph of rank 0 shows fused_moe over its half of every
   expert's intermediate size, one all-reduce after each attention and each MoE block, the logits all-gather.
 """
 
@@ -15,7 +15,7 @@ import re
 import pytest
 
 from mini_infer.llm import LLM
-from mini_infer.models.loader import load_model
+from mini_infer.models.loader import load_model, shard_placeholders
 from mini_infer.models.presets import preset_config
 from tests.distributed.helpers import LLM_OPTIONS, greedy_tokens
 
@@ -36,6 +36,10 @@ def test_dump_graph_shows_the_experts_shard_and_the_collectives(tmp_path, caplog
 
     ckpt = tmp_path / "ckpt"
     load_model("tiny-mixtral", device="cpu").model.save_pretrained(ckpt)
+    # a rank's loader leaves the stacked expert weights on the host, as the linears it slices
+    held_back = shard_placeholders(load_model(str(ckpt), device="cpu", tensor_parallel_size=2).model)
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"} <= set(held_back)
+    assert "model.layers.0.mlp.gate.weight" not in held_back  # the router is replicated
     out_dir = tmp_path / "dump"
     with caplog.at_level(logging.INFO, logger="mini_infer"):
         assert main(["dump-graph", str(ckpt), "--device", "cpu", "-tp", "2", "--out", str(out_dir)]) == 0
