@@ -14,7 +14,8 @@ styles, more ranks than GPUs, a world size > 1 without a sharding pass.
 
 On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense and MoE tiny preset (DeepSeek's
 latent attention is refused) plus a llama with one KV head (replicated on both ranks) and a vocabulary of 511
-(padded to 512): the pass alone and the full pipeline give eager HF's logits on both ranks, and the same as the
+(padded to 512), tiny-qwen2-moe with its shared expert sharded, and tiny-qwen3-moe with a dense first layer
+(`mlp_only_layers`): the pass alone and the full pipeline give eager HF's logits on both ranks, and the same as the
 TP=1 pipeline.
 """
 
@@ -244,6 +245,7 @@ def test_compile_refusals():
 VARIANTS = {name: (name, {}) for name in TP_PRESETS}
 VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1, vocab_size=511))
 VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
+VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
