@@ -242,7 +242,7 @@ class _Sharder:
                 return None
             if is_op(node, aten.add.Tensor) and a and b:
                 summed.add(node)
-            elif is_op(node, aten.mul.Tensor) and a != b:
+            elif is_op(node, aten.mul.Tensor) and a != b and not any(x in self.region for x in node.all_input_nodes):
                 summed.add(node)  # a share times a replicated factor (Qwen2-MoE's shared-expert gate)
             elif is_op(node, *_SUM_PRESERVING) and a and not b:
                 summed.add(node)
