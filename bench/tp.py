@@ -1,8 +1,10 @@
 """Tensor parallelism on one host: batch-1 decode with TP=1 and TP=N in the same run, greedy outputs compared,
 and the all-reduce time of one decode step measured on its own.
 
-1. Correctness (float32, TF32 off, CUDA graphs on): every dense tiny preset, greedy tokens of TP=N must equal
-   TP=1's (prompts of 5 / 17 / 64 / 130 tokens, 16 new each). Any mismatch is a bug, and exits 1 at the end.
+1. Correctness (float32, TF32 off, CUDA graphs on): every dense tiny preset and the MoE ones tensor parallelism
+   supports (tiny-mixtral, tiny-qwen3-moe, tiny-qwen2-moe: experts split inside, fused_moe on each rank's share),
+   greedy tokens of TP=N must equal TP=1's (prompts of 5 / 17 / 64 / 130 tokens, 16 new each). Any mismatch is a
+   bug, and exits 1 at the end. `--check-only` stops there.
 2. Speed: `--model` (default the `qwen2.5-7b` preset: bf16, random weights), prompt 128, 256 new tokens, batch 1,
    TP=1 on GPU 0, then TP=N on GPUs 0..N-1 (the N-1 other ranks are started by the engine). Prints decode tok/s,
    ms/token, the speed-up and the weight-bandwidth floor of each (weights per rank / copy bandwidth). The greedy
@@ -14,6 +16,8 @@ and the all-reduce time of one decode step measured on its own.
 
     python bench/tp.py                          # 2 GPUs, qwen2.5-7b
     python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
+    python bench/tp.py --check-only                              # the float32 greedy check alone
+    python bench/tp.py --model qwen1.5-moe-a2.7b --skip-check    # MoE decode speed (one all-reduce per MoE block)
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency import copy_bandwidth  # noqa: E402
+
+MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
 
 
 def _greedy(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -51,7 +57,7 @@ def _free() -> None:
 
 
 def check_presets(tp: int) -> list[str]:
-    """Greedy TP=tp == TP=1 in float32 on every dense tiny preset; returns the failures."""
+    """Greedy TP=tp == TP=1 in float32 on every dense tiny preset and MOE_PRESETS; returns the failures."""
     from mini_infer.llm import LLM
     from mini_infer.models.presets import TINY_DENSE_PRESETS
 
@@ -60,7 +66,7 @@ def check_presets(tp: int) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 17, 64, 130)]
     failures = []
-    for name in TINY_DENSE_PRESETS:
+    for name in (*TINY_DENSE_PRESETS, *MOE_PRESETS):
         opts = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
                     max_num_seqs=8)
         try:
@@ -86,6 +92,13 @@ def check_presets(tp: int) -> list[str]:
             failures.append(f"{name}: TP={tp} {many} != TP=1 {one}")
     torch.backends.cuda.matmul.allow_tf32 = True
     return failures
+
+
+def _report_check(failures: list[str], tp: int) -> None:
+    if failures:
+        print("float32 check FAILED:\n  " + "\n  ".join(failures))
+    else:
+        print(f"float32 check: TP={tp} greedy == TP=1 on every dense and MoE tiny preset")
 
 
 def decode_run(model: str, tp: int, prompt: list[int], new: int) -> dict:
@@ -185,6 +198,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--skip-check", action="store_true", help="skip the float32 tiny-preset check")
+    ap.add_argument("--check-only", action="store_true", help="run the float32 tiny-preset check only")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
@@ -192,6 +206,9 @@ def main() -> int:
         return 2
 
     failures = [] if args.skip_check else check_presets(args.tp)
+    if args.check_only:
+        _report_check(failures, args.tp)
+        return 1 if failures else 0
     bw = copy_bandwidth()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
@@ -217,10 +234,8 @@ def main() -> int:
           f"CUDA graph): {ar_us:.1f} us = {ar_us / 1e3 / step_ms:.0%} of the TP={args.tp} step")
     verdict = "identical" if same is None else f"first differ at token {same} of {len(a)} (bf16 sum order)"
     print(f"greedy tokens TP=1 vs TP={args.tp}: {verdict}")
-    if failures:
-        print("float32 check FAILED:\n  " + "\n  ".join(failures))
-    elif not args.skip_check:
-        print(f"float32 check: TP={args.tp} greedy == TP=1 on every dense tiny preset")
+    if not args.skip_check:
+        _report_check(failures, args.tp)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

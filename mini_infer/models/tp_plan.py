@@ -2,8 +2,11 @@
 `base_model_tp_plan` (transformers' own, per module path: "layers.*.self_attn.q_proj": "colwise"), and the
 checks that a world size fits the model (attention heads, KV heads, vocabulary).
 
-Nothing is guessed: a config without a plan, or with an entry this project cannot shard (experts, latent
-attention), is a ValueError naming the field. The sharding pass and the start-up checks both read the plan
+Mixture-of-experts layers follow transformers' "moe_tp_experts" plan (tensor parallelism inside the experts):
+the stacked `experts.gate_up_proj` [E, 2I, H] is "packed_colwise" (each rank keeps its rows of the gate half and
+of the up half), `experts.down_proj` [E, H, I] is "rowwise" (its columns of I), and the experts module's output
+is a partial sum. Nothing is guessed: a config without a plan, or with an entry this project cannot shard (latent
+attention, expert-parallel and other styles), is a ValueError naming the field. The sharding pass and the start-up checks both read the plan
 from here, so a model is refused before any weight loads. This module reads configs only: it never touches a
 graph, a tensor or a process group.
 """
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 
 # Plan styles this project implements. "replicated_with_grad_allreduce" (Qwen3's q/k norms) is a per-head
 # weight every rank keeps whole: nothing to do at inference.
-SHARDED_STYLES = ("colwise", "rowwise")
+SHARDED_STYLES = ("colwise", "rowwise", "packed_colwise", "moe_tp_experts")
+STACKED_STYLES = ("packed_colwise", "rowwise")  # styles of stacked expert parameters ("...experts.down_proj")
+EXPERTS_STYLE = "moe_tp_experts"  # an experts module whose output each rank computes a share of
 REPLICATED_STYLES = ("replicated_with_grad_allreduce",)
 KV_PROJECTIONS = ("k_proj", "v_proj")  # the colwise linears whose rows are KV heads (may be replicated)
 
@@ -61,10 +66,14 @@ class TensorParallelPlan:
 
     def slices(self, module_path: str, tensor_name: str, is_lm_head: bool = False) -> bool:
         """Whether the sharding pass keeps only a slice of `module_path`'s tensor `tensor_name` ("weight",
-        "bias"): colwise weights and biases, rowwise weights (a rowwise bias is added whole, once), and the
-        lm_head's weight and bias (split over the vocabulary). Every other tensor is replicated."""
+        "bias", or a stacked expert parameter's name): colwise weights and biases, rowwise weights (a rowwise
+        bias is added whole, once), the lm_head's weight and bias (split over the vocabulary), and stacked
+        expert parameters whose own path has a packed_colwise or rowwise entry. Every other tensor is
+        replicated."""
         if is_lm_head:
             return tensor_name in ("weight", "bias")
+        if tensor_name not in ("weight", "bias") and self.style_of(f"{module_path}.{tensor_name}") in STACKED_STYLES:
+            return True
         style = self.style_of(module_path)
         if style == "colwise":
             return tensor_name in ("weight", "bias")
@@ -97,14 +106,16 @@ def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
                          "(transformers' tensor-parallel plan), so mini-infer cannot tell how to split it; run it "
                          "with tensor_parallel_size=1")
     if getattr(text, "kv_lora_rank", None) is not None:
-        raise ValueError(f"tensor_parallel_size={world_size}: {model_type!r} uses latent attention (kv_lora_rank="
-                         f"{text.kv_lora_rank}), which the shard_tensor_parallel pass does not split")
+        raise ValueError(f"tensor_parallel_size={world_size}: {model_type!r} uses latent attention (MLA, "
+                         f"kv_lora_rank={text.kv_lora_rank}), which the shard_tensor_parallel pass does not split "
+                         "(its experts would shard; the latent attention and its cache do not yet): run it with "
+                         "tensor_parallel_size=1")
     unsupported = {k: v for k, v in plan.items() if v not in SHARDED_STYLES + REPLICATED_STYLES}
     if unsupported:
         key, style = next(iter(unsupported.items()))
         raise ValueError(f"tensor_parallel_size={world_size}: config.base_model_tp_plan[{key!r}] = {style!r} is "
-                         f"not supported (the shard_tensor_parallel pass splits {', '.join(SHARDED_STYLES)} "
-                         "linears; experts and other styles are not sharded): run this model with "
+                         f"not supported (the shard_tensor_parallel pass implements {', '.join(SHARDED_STYLES)}; "
+                         "expert parallelism and other styles are not sharded): run this model with "
                          "tensor_parallel_size=1")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -115,7 +126,7 @@ def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size={world_size} and num_key_value_heads={kv_heads}: the size must "
                          "divide the KV heads, or be a multiple of them (each rank then keeps one KV head)")
-    for field in ("intermediate_size",):
+    for field in ("intermediate_size", "moe_intermediate_size"):
         value = getattr(text, field, None)
         if isinstance(value, int) and value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} does not divide {field}={value}")

@@ -11,7 +11,8 @@ Per block, found by `node.meta["nn_module_stack"]` (the block, its router and it
     family's rules read from the config (table below), cross-checked against the graph: the scoring op found in
     the router, a top-k of `num_experts_per_tok`, DeepSeek-V3's `e_score_correction_bias` added to the scores;
   * the experts module's output is replaced by `fused_moe(hidden, weights, ids, w13, w2)` where w13 / w2 are HF's
-    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. transformers 5.x already stores every
+    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (I / N on each of N tensor-parallel ranks,
+    as shard_tensor_parallel left them: fused_moe's output is then the rank's share, all-reduced after it). transformers 5.x already stores every
     family's experts stacked this way (checkpoints with per-expert tensors are stacked by its loader), so they
     are taken as they are; a non-contiguous one is copied once into a contiguous buffer that replaces it. Either
     way the graph holds one copy of each expert weight;
@@ -221,13 +222,15 @@ def _in_module(node: fx.Node, block_path: str, cls: str) -> bool:
     return any(c == cls and p.startswith(block_path + ".") for p, c in module_chain(node))
 
 
-def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes: list[fx.Node]) -> _Block:
+def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes: list[fx.Node],
+                 world_size: int = 1) -> _Block:
     """Find the logits, the experts' input, weights and output of one block; ValueError naming the block when its
-    router or experts are not HF's."""
+    router or experts are not HF's. With `world_size` ranks the expert weights hold this rank's share of the
+    intermediate size (shard_tensor_parallel split them)."""
     where = f"{path} ({family.block})"
     routing = routing_for(config, family)
     e, h = routing.num_experts, _positive_int(config, "hidden_size")
-    inter = _positive_int(config, family.inter_field)
+    inter = _positive_int(config, family.inter_field) // world_size
     router = [n for n in nodes if _in_module(n, path, family.router)]
     experts = [n for n in nodes if _in_module(n, path, family.experts)]
     if not router or not experts:
@@ -317,7 +320,8 @@ class RouteMoe(GraphPass):
         groups = _group_by_block(gm)
         if not groups:
             return PassResult(0, "no MoE blocks in the graph")
-        blocks = [_match_block(gm, ctx.config, path, family, nodes) for path, (family, nodes) in groups.items()]
+        blocks = [_match_block(gm, ctx.config, path, family, nodes, ctx.world_size)
+                  for path, (family, nodes) in groups.items()]
         before = _bytes(gm, {n for b in blocks for n in (b.w13, b.w2)})
         copies = 0
         for block in blocks:

@@ -6,6 +6,15 @@ For rank `ctx.rank`:
     replicated KV head per rank when there are fewer KV heads than ranks), its slice of the intermediate size;
   * rowwise linears (o_proj, down_proj) keep the matching columns of their input, and their partial sums are
     added over ranks by an all-reduce right after the GEMM (a bias is added once, after it);
+  * mixture-of-experts blocks ("moe_tp_experts" in the plan: tensor parallelism inside the experts, as vLLM does
+    by default): every rank keeps every expert, with its slice of the expert intermediate size: the stacked
+    `experts.gate_up_proj` [E, 2I, H] ("packed_colwise") keeps rows r*I/N.. of the gate half and of the up half,
+    `experts.down_proj` [E, H, I] ("rowwise") the matching columns. The router stays replicated, so every rank
+    routes identically, and the experts module's output is this rank's share of the sum. When the block's output
+    is a sum of such shares (routed experts + a sharded shared expert: adds, views, a product with a replicated
+    gate), one all-reduce of the block's output serves them all; otherwise each share is all-reduced where it is
+    computed (Qwen2-MoE, whose shared expert the plan leaves replicated). HF's experts code runs unchanged on the
+    sliced weights (route_moe later replaces it by fused_moe over them);
   * lm_head is column-parallel over the vocabulary (padded to a multiple of the world size) and its selected
     logits rows are all-gathered, so every rank returns the full [1, rows, vocab]; the token embedding stays
     replicated (one full table per rank: simpler than a vocabulary-parallel lookup, which would need a mask
@@ -29,13 +38,22 @@ import torch
 import torch.fx as fx
 
 from mini_infer.models.loader import host_weight
-from mini_infer.models.tp_plan import KV_PROJECTIONS, TensorParallelPlan, tensor_parallel_plan
+from mini_infer.models.tp_plan import (
+    EXPERTS_STYLE,
+    KV_PROJECTIONS,
+    STACKED_STYLES,
+    TensorParallelPlan,
+    tensor_parallel_plan,
+)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op, lm_head_of, repeat_kv_source
+from mini_infer.passes.pattern import aten, is_op, lm_head_of, module_chain, repeat_kv_source
 
 c10d = torch.ops._c10d_functional
 DEFAULT_GROUP_NAME = "0"  # torch.distributed's name for the default (WORLD) process group
 _SHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+# ops that keep a sum over ranks a sum over ranks: op(sum_r x_r) == sum_r op(x_r)
+_SUM_PRESERVING = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                   aten.squeeze.dim)
 
 
 def default_group_name(rank: int, world_size: int) -> str:
@@ -61,6 +79,10 @@ def _module_path(weight: fx.Node) -> str:
     return str(weight.target).removesuffix(".weight")
 
 
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
 class _Sharder:
     """One application of the pass: the plan, the rank, and the bookkeeping of what was split."""
 
@@ -69,7 +91,7 @@ class _Sharder:
         self.rank, self.ws = ctx.rank, ctx.world_size
         self.region: dict[fx.Node, str] = {}  # node -> "q" / "kv" / "col": downstream of a colwise linear
         self.col_sizes: dict[int, int] = {}  # out features of non-attention colwise linears -> per rank
-        self.counts = {"colwise": 0, "rowwise": 0, "views": 0}
+        self.counts = {"colwise": 0, "rowwise": 0, "views": 0, "experts": 0, "all_reduce": 0}
         self.rewritten: set[fx.Node] = set()  # shape nodes already given this rank's sizes
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -123,7 +145,10 @@ class _Sharder:
         self.region[node] = region
         self.counts["colwise"] += 1
 
-    def rowwise(self, node: fx.Node) -> None:
+    def rowwise(self, node: fx.Node) -> fx.Node | None:
+        """Keep this rank's input columns of a row-parallel linear. With a bias, the output is all-reduced here and
+        the bias added once after the sum (returns None); without one, returns the new linear, whose output is
+        this rank's share of the sum for `reduce_shares` to all-reduce."""
         x, w, b = _linear_parts(node)
         weight, device = self._whole(w)
         cols = weight.shape[1]
@@ -136,12 +161,104 @@ class _Sharder:
                                    "weight")
         graph = self.graph
         with graph.inserting_before(node.next):
-            out = self.all_reduce(graph.call_function(aten.linear.default, (x, w_node)))
+            out = graph.call_function(aten.linear.default, (x, w_node))
+            out.meta.update(node.meta)
+            share = out
             if b is not None:  # the bias once, after the sum
-                out = graph.call_function(aten.add.Tensor, (out, b))
+                out = graph.call_function(aten.add.Tensor, (self.all_reduce(out), b))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         self.counts["rowwise"] += 1
+        return share if b is None else None
+
+    # -- experts ---------------------------------------------------------------------------------------------
+    def stacked_expert_weight(self, node: fx.Node, style: str) -> None:
+        """A stacked experts parameter: packed_colwise [E, 2I, H] keeps rows r*I/N .. (r+1)*I/N - 1 of the gate
+        half and of the up half; rowwise [E, H, I] keeps the matching columns of I."""
+        weight, device = self._whole(node)
+        path = str(node.target)
+        if weight.dim() != 3:
+            raise ValueError(f"{path}: {style} is supported on stacked expert weights [experts, out, in], this one "
+                             f"is {tuple(weight.shape)}")
+        size = weight.shape[1] if style == "packed_colwise" else weight.shape[2]
+        parts = 2 if style == "packed_colwise" else 1
+        if size % (parts * self.ws):
+            raise ValueError(f"{path}: tensor_parallel_size={self.ws} does not divide its expert intermediate size "
+                             f"{size // parts}")
+        span, n = size // parts, size // (parts * self.ws)
+        with torch.no_grad():
+            if style == "packed_colwise":
+                value = torch.cat([weight[:, h * span + self.rank * n:h * span + (self.rank + 1) * n]
+                                   for h in range(parts)], dim=1)
+            else:
+                value = weight[:, :, self.rank * n:(self.rank + 1) * n]
+            new = PassContext.add_tensor(self.gm, f"{path}_tp{self.rank}", self._slice_to(value, device), before=node)
+        node.replace_all_uses_with(new)
+        self.counts["experts"] += 1
+
+    def experts_outputs(self) -> dict[str, fx.Node]:
+        """The output node of every "moe_tp_experts" module of the graph (the one value its nodes hand on), by
+        module path; ValueError when a module has no single output."""
+        groups: dict[str, set[fx.Node]] = {}
+        for node in self.graph.nodes:
+            path = next((p for p, _ in module_chain(node) if self.plan.style_of(p) == EXPERTS_STYLE), None)
+            if path is not None:
+                groups.setdefault(path, set()).add(node)
+        outs = {}
+        for path, inside in groups.items():
+            found = [n for n in inside if _is_tensor(n) and any(u not in inside for u in n.users)]
+            if len(found) != 1:
+                raise ValueError(f"shard_tensor_parallel: the experts module {path} hands on {len(found)} tensors "
+                                 f"({[n.name for n in found]}); expected its one output")
+            outs[path] = found[0]
+        return outs
+
+    # -- all-reduces -----------------------------------------------------------------------------------------
+    def reduce_shares(self, shares: list[fx.Node], experts_paths: list[str]) -> None:
+        """All-reduce every share (a node holding this rank's part of a sum over ranks). The shares of one MoE
+        block (the module holding an experts module) whose only way out is the block's output, through ops that
+        keep a sum a sum, get one all-reduce of that output; every other share is all-reduced where it is."""
+        blocks = sorted({p.rsplit(".", 1)[0] for p in experts_paths}, key=len, reverse=True)
+        by_block: dict[str, list[fx.Node]] = {}
+        for share in shares:
+            paths = [p for p, _ in module_chain(share)]
+            block = next((b for b in blocks if b in paths), None)
+            by_block.setdefault(block, []).append(share)
+        for block, members in by_block.items():
+            out = None if block is None else self._sum_of_shares(block, members)
+            for node in [out] if out is not None else members:
+                self._all_reduce_after(node)
+
+    def _sum_of_shares(self, block: str, shares: list[fx.Node]) -> fx.Node | None:
+        """The block's output node when it is a sum over ranks of `shares` and nothing else reads them, else None."""
+        inside = {n for n in self.graph.nodes if block in (p for p, _ in module_chain(n))}
+        outs = [n for n in inside if _is_tensor(n) and any(u not in inside for u in n.users)]
+        summed = set(shares)
+        for node in self.graph.nodes:  # in order: what the shares flow into, inside the block
+            if node in summed or node not in inside or not any(a in summed for a in node.all_input_nodes):
+                continue
+            a, b = (isinstance(x, fx.Node) and x in summed for x in (node.args + (None, None))[:2])
+            if node.kwargs:
+                return None
+            if is_op(node, aten.add.Tensor) and a and b:
+                summed.add(node)
+            elif is_op(node, aten.mul.Tensor) and a != b and not any(x in self.region for x in node.all_input_nodes):
+                summed.add(node)  # a share times a replicated factor (Qwen2-MoE's shared-expert gate)
+            elif is_op(node, *_SUM_PRESERVING) and a and not b:
+                summed.add(node)
+            else:
+                return None
+        if len(outs) != 1 or outs[0] not in summed:
+            return None
+        out = outs[0]  # and no share but through it leaves the block
+        return out if all(u in summed for n in summed - {out} for u in n.users) else None
+
+    def _all_reduce_after(self, node: fx.Node) -> None:
+        users = list(node.users)
+        with self.graph.inserting_before(node.next):
+            out = self.all_reduce(node)
+        for user in users:
+            user.replace_input_with(node, out)
 
     def lm_head(self, node: fx.Node) -> str:
         """Column-parallel over the (padded) vocabulary, then all-gather the rows into [1, R, vocab]; returns a
@@ -176,6 +293,7 @@ class _Sharder:
     def all_reduce(self, x: fx.Node) -> fx.Node:
         """sum over ranks of `x` (inserted at the current insertion point)."""
         reduced = self.graph.call_function(c10d.all_reduce.default, (x, "sum", self.group))
+        self.counts["all_reduce"] += 1
         return self.graph.call_function(c10d.wait_tensor.default, (reduced,))
 
     # -- shapes ----------------------------------------------------------------------------------------------
@@ -256,8 +374,13 @@ class ShardTensorParallel(GraphPass):
         head = lm_head_of(gm.graph.output_node().args[0])
         if head is None:
             raise ValueError("shard_tensor_parallel: could not find the lm_head linear feeding the output")
+        experts = sharder.experts_outputs()
         rowwise = []
         for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and plan.style_of(str(node.target)) in STACKED_STYLES:
+                self._check_inside_experts(node, experts)
+                sharder.stacked_expert_weight(node, plan.style_of(str(node.target)))
+                continue
             if node is head or not is_op(node, aten.linear.default):
                 continue
             _, w, b = _linear_parts(node)
@@ -268,20 +391,38 @@ class ShardTensorParallel(GraphPass):
                 sharder.colwise(node)
             elif style == "rowwise":
                 rowwise.append(node)
+            elif style is not None:
+                raise ValueError(f"shard_tensor_parallel: {_module_path(w)} is a linear with tp style {style!r}, which "
+                                 "this pass implements on stacked expert weights only")
         if not sharder.counts["colwise"] or not rowwise:
             raise ValueError(f"shard_tensor_parallel: the tp plan {sorted(plan.styles)} matched "
                              f"{sharder.counts['colwise']} colwise and {len(rowwise)} rowwise linears of the graph")
+        if experts and sharder.counts["experts"] != 2 * len(experts):
+            raise ValueError(f"shard_tensor_parallel: {len(experts)} experts modules but {sharder.counts['experts']} "
+                             "stacked expert weights split (expected a packed_colwise gate_up_proj and a rowwise "
+                             "down_proj each)")
         sharder.tag_regions(set(rowwise) | {head})
         unfed = [n.name for n in rowwise if n.args[0] not in sharder.region]
         if unfed:
             raise ValueError(f"shard_tensor_parallel: rowwise linears {unfed} do not read a colwise linear's output")
         sharder.rewrite_shapes()
-        for node in rowwise:
-            sharder.rowwise(node)
+        shares = [share for node in rowwise if (share := sharder.rowwise(node)) is not None]
+        sharder.reduce_shares(shares + list(experts.values()), list(experts))
         head_note = sharder.lm_head(head)
         c = sharder.counts
-        note = f"{c['colwise']} colwise, {c['rowwise']} rowwise (+all_reduce), {c['views']} shape args; {head_note}"
-        return PassResult(c["colwise"] + c["rowwise"] + 1, note)
+        moe = f", {len(experts)} MoE experts modules ({c['experts']} stacked weights)" if experts else ""
+        note = (f"{c['colwise']} colwise, {c['rowwise']} rowwise{moe}, {c['all_reduce']} all_reduce, {c['views']} "
+                f"shape args; {head_note}")
+        return PassResult(c["colwise"] + c["rowwise"] + c["experts"] + 1, note)
 
+    @staticmethod
+    def _check_inside_experts(weight: fx.Node, experts: dict[str, fx.Node]) -> None:
+        """A stacked expert weight must be read only inside a "moe_tp_experts" module (whose output is then
+        all-reduced); ValueError naming it otherwise."""
+        for user in weight.users:
+            if not any(p in experts for p, _ in module_chain(user)):
+                raise ValueError(f"shard_tensor_parallel: {weight.target} is split by the tp plan but read by "
+                                 f"{user.name} outside a moe_tp_experts module, whose output would not be summed "
+                                 "over ranks")
 
 __all__ = ["ShardTensorParallel", "default_group_name"]

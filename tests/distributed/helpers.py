@@ -1,5 +1,6 @@
 """Shared launching code of the tensor-parallel tests: run a function on N gloo ranks (spawned processes), run
-the CLI as a process, list a process's descendants, wait for a condition.
+the CLI as a process, list a process's descendants, wait for a condition; and the greedy run (`greedy_tokens`:
+three prompts, the longest prefilled in chunks) whose tokens the end-to-end tests compare between TP=1 and TP=N.
 
 `run_ranks(fn, world_size, *args)` spawns one process per rank, joins them in a gloo group through a file
 store, calls `fn(rank, world_size, *args)` (a module-level function, importable by the children) and returns
@@ -21,6 +22,17 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 3]
+LLM_OPTIONS = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)  # the 37-token prompt takes 3 steps
+
+
+def greedy_tokens(llm, max_tokens: int = 6) -> list[list[int]]:
+    """`llm`'s greedy tokens (EOS ignored) for PROMPTS, one list per prompt."""
+    from mini_infer.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple) -> None:

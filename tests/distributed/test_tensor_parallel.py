@@ -24,37 +24,39 @@ import pytest
 
 from mini_infer.llm import LLM
 from mini_infer.runtime.distributed import WorkerDiedError
-from mini_infer.sampling_params import SamplingParams
-from tests.distributed.helpers import ROOT, alive, cli_env, descendants, spawned_ranks, wait_until
+from tests.distributed.helpers import (
+    LLM_OPTIONS,
+    PROMPTS,
+    ROOT,
+    alive,
+    cli_env,
+    descendants,
+    greedy_tokens,
+    spawned_ranks,
+    wait_until,
+)
 from tests.serving.conftest import ServerProcess, free_port
 
-PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 3]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)  # the 37-token prompt takes 3 steps
-
-
-def _greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+MAX_TOKENS = 6  # greedy_tokens' default
 
 
 @pytest.fixture(scope="module")
 def tp1_tokens():
-    return _greedy(LLM("tiny-qwen3", **OPTIONS))
+    return greedy_tokens(LLM("tiny-qwen3", **LLM_OPTIONS))
 
 
 def test_llm_greedy_equals_tp1_then_a_dead_rank_fails_fast(tp1_tokens):
-    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **OPTIONS)
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **LLM_OPTIONS)
     try:
         (worker,) = llm.engine.parallel.workers
         assert worker.pid in descendants(os.getpid())
-        assert _greedy(llm) == tp1_tokens
+        assert greedy_tokens(llm) == tp1_tokens
         os.kill(worker.pid, signal.SIGKILL)
         took = wait_until(lambda: llm.engine.failure is not None, 5, "the engine notices the dead rank")
         assert took < 5
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="rank 1 .* exited with code -9"):
-            _greedy(llm)
+            greedy_tokens(llm)
         assert time.monotonic() - start < 5
         assert not alive(worker.pid)
     finally:
@@ -62,9 +64,9 @@ def test_llm_greedy_equals_tp1_then_a_dead_rank_fails_fast(tp1_tokens):
 
 
 def test_close_stops_the_ranks(tp1_tokens):
-    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **OPTIONS)
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **LLM_OPTIONS)
     (worker,) = llm.engine.parallel.workers
-    assert _greedy(llm)[:1] == tp1_tokens[:1]
+    assert greedy_tokens(llm)[:1] == tp1_tokens[:1]
     llm.engine.close()
     assert worker.exitcode == 0
 
@@ -76,7 +78,7 @@ def _tokens(r: httpx.Response) -> list[int]:
 
 def _complete(url: str, prompt: list[int]) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", timeout=30, json={
-        "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0, "logprobs": 0, "ignore_eos": True})
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0, "ignore_eos": True})
 
 
 def test_server_answers_then_503_when_a_rank_dies(tp1_tokens):
@@ -119,7 +121,7 @@ def test_torchrun_two_nodes_over_loopback(tp1_tokens):
     port = free_port()
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-id", "mini-infer-test", "-m", "mini_infer.cli", "generate", "--model", "tiny-qwen3",
-            "-tp", "2", "--device", "cpu", "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos",
+            "-tp", "2", "--device", "cpu", "--max-tokens", str(MAX_TOKENS), "--ignore-eos",
             "--prompt-token-ids", ",".join(map(str, PROMPTS[0]))]
     nodes = [subprocess.Popen([torchrun, "--node-rank", str(i), *args], cwd=ROOT, env=cli_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

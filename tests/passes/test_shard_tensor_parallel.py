@@ -1,15 +1,22 @@
 """ShardTensorParallel: the graph each rank gets (in this process, no process group needed to compile), its
 refusals, and its numbers on two real gloo ranks.
 
-In-process, on every dense tiny preset: rank 0's graph of 2 has one all-reduce after each row-parallel linear
-(o_proj, down_proj), one all-gather of the logits rows, per-rank caches of half the KV heads, about half the
-layer weights, and fuse_rmsnorm still fuses every residual add + RMSNorm that follows an all-reduce. Refusals
-name the field: no tp plan, heads or KV heads that do not split, experts and latent attention, more ranks than
-GPUs, a world size > 1 without a sharding pass.
+In-process, on every dense and MoE tiny preset: rank 0's graph of 2 has one all-reduce per attention and one per
+MLP or MoE block (o_proj, down_proj, the experts' output together with a sharded shared expert), one all-gather
+of the logits rows, per-rank caches of half the KV heads, about half the layer weights, and fuse_rmsnorm still
+fuses every residual add + RMSNorm that follows an all-reduce. MoE: fused_moe runs over every expert's half of the
+intermediate size (rank 1's gate rows are the second quarter of HF's gate_up_proj, its up rows the fourth); a
+block whose output is a sum of shares gets one all-reduce of that output (tiny-qwen2-moe with its shared expert
+sharded too), and one whose output adds a replicated value to a share all-reduces the share (tiny-qwen2-moe with
+transformers' plan, which leaves the shared expert replicated).
+Refusals name the field: no tp plan, heads or KV heads that do not split, latent attention, expert-parallel
+styles, more ranks than GPUs, a world size > 1 without a sharding pass.
 
-On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense tiny preset plus a llama with one
-KV head (replicated on both ranks) and a vocabulary of 511 (padded to 512): the pass alone and the full pipeline
-give eager HF's logits on both ranks, and the same as the TP=1 pipeline.
+On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense and MoE tiny preset (DeepSeek's
+latent attention is refused) plus a llama with one KV head (replicated on both ranks) and a vocabulary of 511
+(padded to 512), tiny-qwen2-moe with its shared expert sharded, and tiny-qwen3-moe with a dense first layer
+(`mlp_only_layers`): the pass alone and the full pipeline give eager HF's logits on both ranks, and the same as the
+TP=1 pipeline.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_para
 from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassError, PassManager
+from mini_infer.passes.pattern import module_chain
 from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 from mini_infer.runtime.engine import EngineConfig
 from mini_infer.runtime.preflight import check_before_load
@@ -35,6 +43,7 @@ from tests.passes.helpers import (
     NUM_LAYERS,
     ToyLM,
     _cleaned,
+    aten,
     copy_gm,
     full_pipeline,
     loaded,
@@ -47,6 +56,8 @@ from tests.passes.helpers import (
 
 c10d = torch.ops._c10d_functional
 L = NUM_LAYERS
+MOE_TP_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")
+TP_PRESETS = TINY_DENSE_PRESETS + MOE_TP_PRESETS
 
 
 def _tp_pipeline(name: str, rank: int, world_size: int):
@@ -59,15 +70,16 @@ def _tp_pipeline(name: str, rank: int, world_size: int):
     return gm, ctx, stats
 
 
-@pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
+@pytest.mark.parametrize("name", TP_PRESETS)
 def test_rank_graph(name):
     gm, ctx, stats = _tp_pipeline(name, 0, 2)
     counts = op_counts(gm)
-    assert counts[c10d.all_reduce.default] == 2 * L  # after o_proj and down_proj of every layer
+    assert counts[c10d.all_reduce.default] == 2 * L  # after o_proj and down_proj (or the MoE block) of each layer
     assert counts[c10d.all_gather_into_tensor.default] == 1  # the logits rows
     assert counts[c10d.wait_tensor.default] == 2 * L + 1
     row = next(s for s in stats if s.name == "shard_tensor_parallel")
-    assert "4 rowwise" in row.note and "embedding replicated" in row.note
+    assert f"{L if name in MOE_TP_PRESETS else 2 * L} rowwise" in row.note  # o_proj (and down_proj if dense)
+    assert "embedding replicated" in row.note
     # the caches hold this rank's KV heads: 2 KV heads over 2 ranks
     assert {s.num_kv_heads for s in ctx.cache_specs} == {1}
     _, ctx1, _ = full_pipeline(name)
@@ -78,10 +90,11 @@ def test_rank_graph(name):
         0.7 * (sum(b.numel() for b in gm1.buffers()) + sum(p.numel() for p in gm1.parameters()))
 
 
-@pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
+@pytest.mark.parametrize("name", TP_PRESETS)
 def test_add_rmsnorm_fuses_across_the_all_reduce(name):
     """Each all-reduce's result is the residual add of a fused_add_rms_norm, as many fused norms as TP=1 (some of
-    them folded into the sharded linear after them by fuse_norm_gemv, as at TP=1)."""
+    them folded into the sharded linear after them by fuse_norm_gemv, as at TP=1); Qwen2-MoE's routed share is
+    added to its replicated shared expert's output first."""
     gm, _, _ = _tp_pipeline(name, 1, 2)
     norms = (mi.fused_add_rms_norm.default, mi.fused_add_rms_norm_linear.default)
     fused = [n for n in gm.graph.nodes if n.target in norms]
@@ -92,8 +105,67 @@ def test_add_rmsnorm_fuses_across_the_all_reduce(name):
              and n.args[0].target is c10d.all_reduce.default]
     assert len(waits) == 2 * L
     for w in waits:
-        assert any(u.target in norms for u in w.users), f"{w.name} feeds {list(w.users)}"
+        users = list(w.users)
+        if name == "tiny-qwen2-moe" and [u.target for u in users] == [aten.add.Tensor]:
+            # the routed share's sum + the replicated shared expert, reshaped to [1, T, H], then the norm
+            users = [v for u in users[0].users for v in (u.users if u.target is aten.reshape.default else [u])]
+        assert any(u.target in norms for u in users), f"{w.name} feeds {list(w.users)}"
     assert not any(n.target is operator.add for n in gm.graph.nodes)
+
+
+def _fused_moe_weights(gm) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(PassContext.tensor_of(gm, n.args[3]), PassContext.tensor_of(gm, n.args[4]))
+            for n in gm.graph.nodes if n.target is mi.fused_moe.default]
+
+
+@pytest.mark.parametrize("name", MOE_TP_PRESETS)
+def test_experts_keep_their_share_of_the_intermediate_size(name):
+    """Rank 1 of 2: fused_moe reads, for every expert, rows I/2..I-1 (gate) and 3I/2..2I-1 (up) of HF's
+    gate_up_proj [E, 2I, H] and columns I/2..I-1 of down_proj [E, H, I]."""
+    gm, _, _ = _tp_pipeline(name, 1, 2)
+    hf = loaded(name).model.model.layers
+    weights = _fused_moe_weights(gm)
+    assert len(weights) == L
+    for layer, (w13, w2) in zip(hf, weights, strict=True):
+        gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+        inter = down.shape[2]
+        half = inter // 2
+        assert torch.equal(w13, torch.cat([gate_up[:, half:inter], gate_up[:, inter + half:]], dim=1))
+        assert torch.equal(w2, down[:, :, half:])
+
+
+def _moe_rank_graph(config, rank: int = 0):
+    """Rank `rank` of 2's graph of a random model of `config`, through the recommended pipeline."""
+    model = build_random_model(config, torch.float32, CPU, seed=0)
+    ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank, world_size=2)
+    gm = capture(model)
+    PassManager(recommended_passes(ctx)).run(gm, ctx)
+    return gm
+
+
+# Qwen2-MoE with its shared expert sharded too (transformers' plan leaves it replicated)
+SHARED_SHARDED = {**preset_config("tiny-qwen2-moe").base_model_tp_plan,
+                  "layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
+                  "layers.*.mlp.shared_expert.down_proj": "rowwise"}
+
+
+@pytest.mark.parametrize(("plan", "reduced"), [(None, "share"), (SHARED_SHARDED, "block")])
+def test_moe_block_all_reduce_placement(plan, reduced):
+    """The replicated shared expert is added after the routed share's all-reduce; a sharded one is summed with
+    the routed share first, and the block's output is all-reduced once."""
+    config = _config("tiny-qwen2-moe", **({"base_model_tp_plan": plan} if plan else {}))
+    gm = _moe_rank_graph(config)
+    reads = [n.args[0] for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    assert len(reads) == 2 * L
+    moe = [r for r in reads if any(cls == "Qwen2MoeSparseMoeBlock" for _, cls in module_chain(r))]
+    assert len(moe) == L
+    if reduced == "share":
+        assert all(r.target is mi.fused_moe.default for r in moe), [r.target for r in moe]
+    else:
+        assert all(r.target is not mi.fused_moe.default for r in moe)
+        assert all(any(u.target is c10d.all_reduce.default for u in r.users) for r in moe)
+        shared = [n for n in gm.graph.nodes if n.op == "get_attr" and "shared_expert_down_proj" in str(n.target)]
+        assert shared and all(PassContext.tensor_of(gm, n).shape[-1] == 32 for n in shared)  # 64 / 2
 
 
 # -- refusals --------------------------------------------------------------------------------------------------
@@ -112,9 +184,11 @@ def _config(name: str, **fields):
     (_config("tiny-llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96), 3,
      "num_key_value_heads=4"),
     (_config("tiny-llama", intermediate_size=129), 2, "does not divide intermediate_size=129"),
-    (_config("tiny-mixtral"), 2, "'layers.*.mlp.experts"),
-    (_config("tiny-qwen3-moe"), 2, "experts and other styles are not sharded"),
-    (_config("tiny-deepseek-v2"), 2, "latent attention"),
+    (_config("tiny-mixtral", base_model_tp_plan={**preset_config("tiny-mixtral").base_model_tp_plan,
+                                                 "layers.*.mlp.experts.gate_up_proj": "grouped_gemm"}), 2,
+     "'layers.*.mlp.experts.gate_up_proj'] = 'grouped_gemm' is not supported"),
+    (_config("tiny-qwen3-moe", moe_intermediate_size=33), 2, "does not divide moe_intermediate_size=33"),
+    (_config("tiny-deepseek-v2"), 2, "latent attention (MLA"),
     (_config("tiny-llama"), 0, "tensor_parallel_size must be an int >= 1"),
 ])
 def test_plan_refusals(config, size, message):
@@ -142,8 +216,9 @@ def test_more_ranks_than_gpus():
 
 
 def test_preflight_refuses_before_loading():
-    with pytest.raises(ValueError, match="moe_tp_experts|packed_colwise"):
-        check_before_load(EngineConfig(model="tiny-mixtral", device="cpu", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="latent attention"):
+        check_before_load(EngineConfig(model="tiny-deepseek-v2", device="cpu", tensor_parallel_size=2))
+    check_before_load(EngineConfig(model="tiny-mixtral", device="cpu", tensor_parallel_size=2))
     with pytest.raises(ValueError, match="does not divide num_attention_heads"):
         check_before_load(EngineConfig(model="tiny-llama", device="cpu", tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
@@ -167,8 +242,10 @@ def test_compile_refusals():
 
 # -- numbers on two gloo ranks ---------------------------------------------------------------------------------
 
-VARIANTS = {name: (name, {}) for name in TINY_DENSE_PRESETS}
+VARIANTS = {name: (name, {}) for name in TP_PRESETS}
 VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1, vocab_size=511))
+VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
+VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
