@@ -8,7 +8,7 @@ that element), which no end-to-end bar can tell from a bug.
 Model level. For every tiny preset (float32, TF32 off; DeepSeek with fp8 weights only: its latent cache refuses
 fp8) one compile on CUDA, then the graph as compiled (bound to the CUDA kernels) runs a 37-token prefill (M > 16:
 the GEMM path; fp32 outputs take the Triton GEMM tile, bf16/fp16 ones torch._scaled_mm) and a 1-token step
-(M = 1: the skinny Triton tile, the decode attention kernel). Its logits are compared (err = max |diff| /
+(M = 1: the Triton GEMV, the decode attention kernel). Its logits are compared (err = max |diff| /
 max(1, max |reference|), and top-1 agreement) with:
   * reference: the graph bound to the plain-torch references (the comparison this script always made). It
     quantizes its own activations, so a last-bit difference upstream may flip fp8 roundings. Bar: max(TOL,
@@ -176,7 +176,7 @@ class KernelRun(fx.Interpreter):
 
         k, n = x_q.shape[-1], w_q.shape[0]
         m = x_q.numel() // k
-        path = ("triton-skinny" if m <= FP8_TRITON_MAX_M else
+        path = ("triton-gemv" if m == 1 else "triton-skinny" if m <= FP8_TRITON_MAX_M else
                 "scaled_mm" if _scaled_mm_takes(m, k, n, out.dtype) else "triton-gemm")
         err = gemm_error(out, exact_scaled_mm(x_q, x_scale, w_q, w_scale, bias))
         self.gemms.append({"node": name, "M": m, "K": k, "N": n, "path": path, "out": str(out.dtype), **err})

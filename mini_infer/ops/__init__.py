@@ -52,7 +52,8 @@ model family in `moe_topk.py`'s, the expert weight layout in `fused_moe.py`'s. E
 points: `write_kv_cache_triton` and the `decode_only` / `num_splits` knobs of `paged_attention_triton`
 (split-K flash-decoding); `write_latent_cache_triton`, `latent_attention_triton` (the absorbed path's kernel)
 and the `path` / `num_splits` knobs of `mla_attention_triton`. The quantization scheme is in `quant.py`'s
-docstring; `scaled_mm_triton` (int8_linear.py) is the GEMM kernel of both W8A8 linears, `fp8_supported(device)`
+docstring; `scaled_mm_triton` (int8_linear.py) is the GEMM kernel of both W8A8 linears and `scaled_gemv_triton`
+their one-row (decode) kernel, `fp8_supported(device)`
 (fp8_linear.py) says where the FP8 linears run.
 """
 
