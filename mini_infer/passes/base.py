@@ -232,6 +232,11 @@ class GraphPass:
     def invalid(self, argument: str, value: Any, why: str) -> PassConfigError:
         return PassConfigError(f"pass {self.name!r}: invalid {argument}={value!r}: {why}")
 
+    def check_patterns(self, argument: str, value: Any) -> None:
+        """PassConfigError unless `value` is a list (or tuple) of non-empty module-path pattern strings."""
+        if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
+            raise self.invalid(argument, value, "must be a list of non-empty module-path patterns")
+
     def arguments(self) -> dict[str, Any]:
         """The pass's settings (for its repr and the summary)."""
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}

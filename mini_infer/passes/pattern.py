@@ -5,6 +5,7 @@ Only inspection helpers live here; no pass logic and no graph edits.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 import torch
@@ -107,3 +108,9 @@ def lm_head_of(out: Any) -> fx.Node | None:
             return None
         node = node.args[0]
     return None
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    """fnmatch of a module-path pattern (`down_proj`, `layers.0.*`, `model.layers.1.self_attn.*`) on the whole
+    module path `name` or on a dotted suffix of it (the quantization passes' `skip`)."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)

@@ -26,7 +26,6 @@ This module rewrites linears only; the arithmetic is in ops/fp8_linear.py and op
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +36,7 @@ from mini_infer.ops.fp8_linear import FP8_MIN_CAPABILITY, fp8_supported
 from mini_infer.ops.quant import quantize_per_token_reference
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.mla_latent_cache import mla_module
-from mini_infer.passes.pattern import aten, is_op, lm_head_of
+from mini_infer.passes.pattern import aten, is_op, lm_head_of, pattern_matches
 
 ops = torch.ops.mini_infer
 FP8 = torch.float8_e4m3fn
@@ -83,10 +82,6 @@ def _is_moe_gate(node: fx.Node, name: str) -> bool:
     return "router" in _module_class(node).lower() or last == "gate" or last.endswith("_gate")
 
 
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`W [N, K]` → (`w_q` float8_e4m3fn [N, K], `w_scale` fp32 [N]) with `W ≈ w_q * w_scale[:, None]`."""
     w_q, scale = quantize_per_token_reference(weight.detach(), FP8)
@@ -105,8 +100,7 @@ class QuantizeFP8(GraphPass):
     approximation = 0.1
 
     def __init__(self, skip: Sequence[str] = (), lm_head: bool = False) -> None:
-        if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
-            raise self.invalid("skip", skip, "must be a list of non-empty module-name patterns")
+        self.check_patterns("skip", skip)
         if not isinstance(lm_head, bool):
             raise self.invalid("lm_head", lm_head, "must be True or False")
         self.skip = tuple(skip)
@@ -124,7 +118,7 @@ class QuantizeFP8(GraphPass):
             return "moe gate"
         if name.endswith("kv_b_proj") and mla_module(node) is not None:
             return "mla kv_b_proj"
-        if any(_matches(name, p) for p in self.skip):
+        if any(pattern_matches(p, name) for p in self.skip):
             return "skip"
         return None
 
@@ -135,7 +129,7 @@ class QuantizeFP8(GraphPass):
         linears = [n for n in graph.nodes if is_op(n, aten.linear.default)
                    and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"]
         names = {n: linear_name(n) for n in linears}
-        unmatched = [p for p in self.skip if not any(_matches(name, p) for name in names.values())]
+        unmatched = [p for p in self.skip if not any(pattern_matches(p, name) for name in names.values())]
         if unmatched:
             sample = ", ".join(sorted({".".join(nm.split(".")[-2:]) for nm in names.values()})[:8])
             raise self.invalid("skip", unmatched[0], f"matches no linear of this model (names like: {sample})")

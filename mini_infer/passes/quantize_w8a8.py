@@ -27,7 +27,6 @@ Refused: an empty `calibrate`, alpha outside [0, 1], a skip pattern that matches
 
 from __future__ import annotations
 
-import fnmatch
 import operator
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ import mini_infer.ops  # noqa: F401
 from mini_infer.ops.quant import AMAX_FLOOR, QMAX
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.mla_latent_cache import is_mla_config
-from mini_infer.passes.pattern import aten, is_op, val
+from mini_infer.passes.pattern import aten, is_op, pattern_matches, val
 from mini_infer.passes.smoothquant import (
     NormFold,
     activation_amax,
@@ -108,11 +107,6 @@ def _is_lm_head(lin: _Linear) -> bool:
     return False
 
 
-def pattern_matches(pattern: str, name: str) -> bool:
-    """fnmatch on the whole module path or on a dotted suffix of it."""
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
 class QuantizeW8A8(GraphPass):
     """Linears → quantize_per_token + int8_linear with per-channel int8 weights; SmoothQuant folded in first."""
 
@@ -127,8 +121,7 @@ class QuantizeW8A8(GraphPass):
     def __init__(self, skip: list[str] | tuple[str, ...] = (), lm_head: bool = False, embeddings: bool = False,
                  smoothquant: bool = True, calibrate: list | tuple | None = None, alpha: float = 0.5,
                  smooth_down_proj: bool = True) -> None:
-        if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
-            raise self.invalid("skip", skip, "must be a list of non-empty module-path patterns")
+        self.check_patterns("skip", skip)
         if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise self.invalid("alpha", alpha, "must be a number in [0, 1]")
         if calibrate is not None:
