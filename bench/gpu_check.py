@@ -94,7 +94,7 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
 
     def hf_ids(p: list[int], model=loaded.model) -> list[int]:
         return model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+                              min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
 
     for p, got in zip(prompts, results["graphs"]):
         ref = hf_ids(p)

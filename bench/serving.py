@@ -633,6 +633,9 @@ def main() -> None:
         ap.error(f"--peers must be none or vllm, got {args.peers!r}")
     if (args.peers == "vllm" or args.preset) and args.launch is None:
         ap.error("--peers vllm and --preset need --launch (the servers this script starts)")
+    first = (shlex.split(args.launch or "") or [""])[0]
+    if args.peers == "vllm" and not args.preset and (not first or first.startswith("-")):
+        ap.error("--peers vllm needs --preset NAME or a model path as the first --launch argument (vLLM loads it)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -146,36 +146,30 @@ def main() -> None:
               flush=True)
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     async_scheduling = llm.engine.async_scheduling
-    hf_model = None
     del llm  # the GPU is the next engine's
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     peer_meta = {}
-    for peer in peers:
-        if peer == "vllm":  # first, while this process holds no model: vLLM takes 90% of the device
-            from vllm_peer import model_dir, run_offline
+    if "vllm" in peers:  # first, while this process holds no model: vLLM takes 90% of the device
+        from vllm_peer import model_dir, run_offline
 
-            res = run_offline("throughput", dict(
-                model_dir=str(model_dir(model)), max_model_len=2304, temperature=temp, prompts=wl.prompts,
-                output_lens=wl.output_lens, out=args.out))
-            if "error" in res:
-                print(f"vllm: did not run: {res['error']}", flush=True)
-                peer_meta["vllm"] = res
-                continue
+        res = peer_meta["vllm"] = run_offline("throughput", dict(
+            model_dir=str(model_dir(model)), max_model_len=2304, temperature=temp, prompts=wl.prompts,
+            output_lens=wl.output_lens, out=args.out))
+        if "error" in res:
+            print(f"vllm: did not run: {res['error']}", flush=True)
+        else:
             results.append(BenchResult(f"vllm {res['version']}", len(wl.prompts), res["output_tokens"],
                                        res["seconds"], res["startup_seconds"]))
-            peer_meta["vllm"] = {k: v for k, v in res.items()}
             print(f"{results[-1].name}: {results[-1].output_tok_s:.1f} output tok/s ({res['seconds']:.1f}s; startup "
                   f"{res['startup_seconds']:.1f}s)", flush=True)
-    for peer in peers:
-        if peer.startswith("hf") and hf_model is None:
-            # a second copy of the same (seeded) model: the engine released its HF model after compiling
-            from mini_infer.models import load_model
+    hf_peers = [p for p in peers if p != "vllm"]
+    if hf_peers:  # a second copy of the same (seeded) model: the engine released its HF model after compiling
+        from mini_infer.models import load_model
 
-            hf_model = load_model(model, device="cuda" if torch.cuda.is_available() else "cpu").model
-        if peer == "vllm":
-            continue
+        hf_model = load_model(model, device="cuda" if torch.cuda.is_available() else "cpu").model
+    for peer in hf_peers:
         if peer == "hf-generate":
             results.append(hf_batched_generate(hf_model, wl, pad if pad is not None else 0))
         elif peer == "hf-generate_batch":

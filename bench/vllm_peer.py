@@ -34,13 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIRS = ROOT / ".models"  # written here and carried to the GPU machine (git-ignored)
 
 
-def vllm_version() -> str | None:
-    """vLLM's version in a child interpreter (importing it here would initialize CUDA state), or None."""
-    r = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                       text=True, timeout=300)
-    return r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else None
-
-
 def model_dir(preset: str | None, root: Path = DEFAULT_DIRS) -> Path:
     """A directory vLLM (and mini-infer with load_format="dummy") can load `preset` from: the one under `root`
     if it exists (written ahead, with the tokenizer), else written now (config only where the embedded
