@@ -1,7 +1,10 @@
 """Where a batch-1 decode step's time goes: host work (schedule, input prep, sampling, bookkeeping) versus
-the GPU replay of the captured graph, measured with CUDA events around the replay over many steps.
+the GPU replay of the captured graph, measured with CUDA events around the replay over many steps, and the
+kernels one replay launches. With `--prefill N`, instead: one N-token prompt's prefill (chunked as the engine
+chunks it), its time to first token and the kernels it spends it in.
 
     python bench/profile_decode.py [--model qwen2.5-7b] [--steps 200]
+    python bench/profile_decode.py --model qwen3-0.6b --prefill 10000
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     args = ap.parse_args()
+    if args.prefill:
+        profile_prefill(args.model, args.prefill)
+        return
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams
 
@@ -56,7 +63,42 @@ def main() -> None:
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         replay.replay()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"kernels per decode step (one replay): {len(kernels)}; host time per step outside the replay: "
+          f"{step_ms - gpu_ms:.2f} ms")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+def profile_prefill(model: str, tokens: int) -> None:
+    """Time to first token of one `tokens`-long prompt (after a warm-up prompt of the same length) and the
+    kernels of its prefill steps, by GPU time."""
+    from mini_infer.llm import LLM
+    from mini_infer.sampling_params import SamplingParams
+
+    llm = LLM(model, max_num_seqs=4, max_model_len=tokens + 64)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def first_token(offset: int) -> tuple[float, int]:
+        eng.add_request(None, {"prompt_token_ids": [(offset + i) % 30000 + 100 for i in range(tokens)]}, params)
+        torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3, steps
+
+    first_token(0)  # warm-up: Triton compiles, allocator
+    ttft, steps = first_token(7)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        first_token(13)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3
+    print(f"{model} prefill of {tokens} tokens: TTFT {ttft:.1f} ms in {steps} steps; kernels {len(kernels)}, "
+          f"GPU time {gpu_ms:.1f} ms (profiled run)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
