@@ -49,7 +49,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prompt tokens one sequence prefills per step, so short requests are not stuck "
                         "behind a long prompt (default: 4%% of max-model-len, at least 256, at most half the "
-                        "step budget; 0: no cap)")
+                        "step budget, applied only in steps shared with other requests; 0: no cap; a value: "
+                        "that cap in every step)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks, one process and one GPU each (started here, or "
                         "by torchrun: see docs/distributed.md)")

@@ -214,7 +214,8 @@ class LLMEngine:
             policy=config.scheduling_policy, attention_window=attention_window(self.compiled.cache_specs),
             long_prefill_token_threshold=long_prefill_threshold(
                 config.long_prefill_token_threshold, config.enable_chunked_prefill, self.max_model_len,
-                max_batched)), self.block_manager)
+                max_batched),
+            long_prefill_only_when_shared=config.long_prefill_token_threshold is None), self.block_manager)
         self.runner = ModelRunner(self.compiled, self.kv_cache, self.device)
         graphs_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         self.capture_seconds = 0.0 if config.enforce_eager else \

@@ -18,7 +18,9 @@ its blocks are freed, ``num_computed_tokens`` is reset to 0 and it goes back to 
 sequences preempt: a high-priority arrival waits for free blocks rather than evicting lower-priority
 running work. With FCFS, the oldest unfinished sequence is scheduled in every step (it is never the
 victim unless it could not fit alone), so nothing starves. ``long_prefill_token_threshold`` (chunked
-prefill only) caps any one sequence's prefill chunk, so long prompts do not crowd out short ones.
+prefill only) caps any one sequence's prefill chunk, so long prompts do not crowd out short ones; with
+``long_prefill_only_when_shared`` (the engine's default cap) it applies only in steps where other sequences
+are running or waiting: a long prompt alone takes the whole step budget.
 
 A sequence needs cache slots and positions for all of its ``num_tokens`` tokens (under an attention window
 with chunked prefill, only for its window and the chunk being computed). One that can never
@@ -74,6 +76,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     long_prefill_token_threshold: int | None = None  # with chunked prefill: cap on one prefill chunk
+    long_prefill_only_when_shared: bool = False  # the cap applies only while other sequences run or wait
     attention_window: int | None = None  # every layer reads at most this many tokens back (sliding window)
 
     def __post_init__(self) -> None:
@@ -222,6 +225,9 @@ class Scheduler:
         self._pending_finished = []
         budget = cfg.max_num_batched_tokens
         run_limit = self._token_limit(admission=False)
+        cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else None
+        if cfg.long_prefill_only_when_shared and len(self.running) + len(self.waiting) <= 1:
+            cap = None  # nobody else to make room for
         if cfg.attention_window is not None:
             for seq in self.running:
                 bm.release_out_of_window(seq, cfg.attention_window)
@@ -237,7 +243,7 @@ class Scheduler:
                 self._finish_too_long(seq, run_limit)
                 out.finished.append(seq)
                 continue
-            n = self._num_new_tokens(seq, budget)
+            n = self._num_new_tokens(seq, budget, cap)
             if n <= 0:
                 i += 1
                 continue
@@ -267,7 +273,7 @@ class Scheduler:
             remaining = seq.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
-            n = self._num_new_tokens(seq, budget, num_computed=num_cached)
+            n = self._num_new_tokens(seq, budget, cap, num_computed=num_cached)
             if not bm.can_allocate(seq, n):
                 break
             bm.allocate_prompt(seq, n)
@@ -299,13 +305,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, num_computed: int | None = None) -> int:
+    def _num_new_tokens(self, seq: Sequence, budget: int, cap: int | None, num_computed: int | None = None) -> int:
         if num_computed is None:
             num_computed = seq.num_computed_tokens
         n = seq.num_tokens - num_computed
-        threshold = self.config.long_prefill_token_threshold
-        if self.config.enable_chunked_prefill and threshold is not None:
-            n = min(n, threshold)
+        if cap is not None:
+            n = min(n, cap)
         return min(n, budget)
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:

@@ -493,3 +493,16 @@ def test_random_interleavings(ops, num_blocks, block_size, max_num_seqs, budget,
     event(f"num_seqs={min(len(seqs), 5)}")
     event(f"preempted={sched.num_preemptions > 0} prefix_hits={bm.prefix_cache_hits > 0}")
     assert_drained(sched, bm)
+
+
+def test_default_long_prefill_cap_applies_only_when_the_step_is_shared():
+    """The engine's default cap (long_prefill_only_when_shared): a prompt alone takes the whole budget; once
+    another request waits, the long prompt's chunk is capped and the newcomer is admitted in the same step."""
+    sched, _ = make(num_blocks=256, max_num_batched_tokens=100, long_prefill_token_threshold=8,
+                    long_prefill_only_when_shared=True, prefix=False)
+    a = make_seq(list(range(300)), "a")
+    sched.add(a)
+    eng = FakeEngine(sched)
+    assert [(s.request_id, n) for s, n in eng.step().scheduled] == [("a", 100)]
+    sched.add(make_seq(list(range(500, 520)), "b"))
+    assert [(s.request_id, n) for s, n in eng.step().scheduled] == [("a", 8), ("b", 8)]
