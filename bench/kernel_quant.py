@@ -417,10 +417,11 @@ def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> lis
             xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
             res = time_configs(ops.int8.scaled_gemv_triton, GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2],
                                (xq, xs, s), copies, device, args, f"sweep-gemv {name} {qname}")
-            default = next((t for t, c in res if c == ops.int8.SCALED_GEMV_CONFIG), math.nan)
+            cfg = ops.int8.SCALED_GEMV_CONFIG if qname == "int8" else ops.int8.SCALED_GEMV_CONFIG_FP8
+            default = next((t for t, c in res if c == cfg), math.nan)
             tbps = n * k / (res[0][0] * 1e-6) / 1e12
             print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "
-                  f"{100 * tbps * 1e3 / copy_gbps:.0f}% copy); default {ops.int8.SCALED_GEMV_CONFIG} {default:.1f} us;"
+                  f"{100 * tbps * 1e3 / copy_gbps:.0f}% copy); default {cfg} {default:.1f} us;"
                   f" next {[f'{t:.1f} {c}' for t, c in res[1:4]]}", flush=True)
             out.append({"gemm": name, "dtype": qname, "results": [(t, list(c)) for t, c in res]})
         del weights

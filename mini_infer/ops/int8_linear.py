@@ -41,6 +41,7 @@ __all__ = [
     "FP8_DOT",
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
+    "SCALED_GEMV_CONFIG_FP8",
     "SMALL_M",
     "check_scaled_linear",
     "define_quantized_linear_op",
@@ -76,9 +77,12 @@ _CONFIGS = (
     (None, (128, 256, 128, 8, 8, 3, 1)),
 )
 # The one-row GEMV (`scaled_gemv_triton`, M = 1): (weight rows per program, K elements per step, warps, stages).
-# 1024 one-byte weights per row and step: the bytes per step of linear.py's bf16 GEMV tile (4, 512, 4, 1).
-# A first guess, not yet measured: `bench/kernel_quant.py --sweep-gemv` times the alternatives on a GPU.
+# int8: 1024 one-byte weights per row and step (the bytes per step of linear.py's bf16 GEMV tile (4, 512, 4, 1)):
+# within 5% of the best of `bench/kernel_quant.py --sweep-gemv`'s 36 tiles at every qwen2.5-7b shape on the H200.
+# fp8 (fp32 sums of converted weights, no dp4a): 512 per step, the sweep's best or within 7% at every shape
+# (1024 was 10-45% slower).
 SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
+SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -436,14 +440,15 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] = SCALED_GEMV_CONFIG,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
     *, pack_int8: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
     `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order. `config`
-    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG (benchmark sweeps)."""
+    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG / SCALED_GEMV_CONFIG_FP8
+    (benchmark sweeps)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_gemv_triton needs triton")
     n, k = w_q.shape
@@ -454,6 +459,8 @@ def scaled_gemv_triton(
     xr = unit_stride_row(x_q)
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     ws = w_scale.contiguous()
+    if config is None:
+        config = SCALED_GEMV_CONFIG if x_q.dtype == torch.int8 else SCALED_GEMV_CONFIG_FP8
     bn, bk, warps, stages = config
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
