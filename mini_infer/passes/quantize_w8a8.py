@@ -180,11 +180,12 @@ class QuantizeW8A8(GraphPass):
         shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized unscaled weights by storage
         after = 0
         for lin in chosen:
-            if lin.x not in act:
+            x = lin.node.args[0]  # not lin.x: an input made by a linear rewritten above is now its int8_linear
+            if x not in act:
                 with graph.inserting_before(lin.node):
-                    q = graph.call_function(ops.quantize_per_token.default, (lin.x, torch.int8))
-                    act[lin.x] = (graph.call_function(operator.getitem, (q, 0)),
-                                  graph.call_function(operator.getitem, (q, 1)))
+                    q = graph.call_function(ops.quantize_per_token.default, (x, torch.int8))
+                    act[x] = (graph.call_function(operator.getitem, (q, 0)),
+                              graph.call_function(operator.getitem, (q, 1)))
             w = PassContext.tensor_of(gm, lin.weight)
             if lin.node in cols or lin.node in rows:  # one fp32 copy at a time, freed once quantized
                 w_q, w_scale = quantize_weight_int8(_scaled(w, cols.get(lin.node), rows.get(lin.node)))
@@ -201,7 +202,7 @@ class QuantizeW8A8(GraphPass):
                 bias = ctx.add_tensor(gm, f"{lin.name}.bias", biases[lin.node], before=lin.node)
             out_dtype = val(lin.node).dtype
             replace_with_call(gm, lin.node, ops.int8_linear.default,
-                              (*act[lin.x], wq_node, ws_node, bias, out_dtype))
+                              (*act[x], wq_node, ws_node, bias, out_dtype))
         emb_note = self._quantize_embeddings(gm, ctx, shared) if self.embeddings else ""
         note = f"{len(chosen)} of {len(linears)} linears int8 ({before / 1e6:.2f} -> {after / 1e6:.2f} MB)"
         return PassResult(len(chosen), "; ".join(n for n in (note, smooth_note, emb_note) if n))
