@@ -18,7 +18,6 @@ exits 1 on any mismatch or error (an architecture that fails to compile is a fai
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from readme_examples import README, gpu_commands  # the README parser tests/test_readme.py uses too
 
 
 def use_reference_kernels(compiled, names: set[str]) -> int:
@@ -131,21 +131,11 @@ def _set_experts(model, implementation: str) -> None:
         model.config._experts_implementation = implementation
 
 
-README_GPU = re.compile(r"<!-- example: gpu[^>]*-->\n```\w*\n(.*?)```", re.S)
-
-
-def readme_gpu_commands(readme: Path) -> list[list[str]]:
-    """The command lines of the README's blocks marked `<!-- example: gpu -->` (tests/test_readme.py runs the
-    others on a CPU and checks these are marked), comments dropped."""
-    return [argv for code in README_GPU.findall(readme.read_text()) for line in code.splitlines()
-            if (argv := shlex.split(line, comments=True))]
-
-
 def run_readme_examples(readme: Path, timeout: float) -> list[tuple[str, bool, str]]:
     """Run each README GPU command as written (`mini-infer` through this interpreter's entry point, `python` as
     this interpreter); one row per command: (command, ok, note)."""
     rows = []
-    for argv in readme_gpu_commands(readme):
+    for argv in gpu_commands(readme):
         cmd = [sys.executable, "-m", "mini_infer.cli", *argv[1:]] if argv[0] == "mini-infer" else \
             [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
         t = time.perf_counter()
@@ -193,7 +183,7 @@ def main() -> int:
     for name, ok, note in rows:
         print(f"| `{name}` | {'yes' if ok else '**no**'} | {note} |")
     if args.readme or args.readme_only:
-        readme_rows = run_readme_examples(Path(__file__).resolve().parent.parent / "README.md", args.readme_timeout)
+        readme_rows = run_readme_examples(README, args.readme_timeout)
         print("\n| README GPU example | runs | notes |\n|---|---|---|")
         for cmd, ok, note in readme_rows:
             print(f"| `{cmd}` | {'yes' if ok else '**no**'} | {note} |")

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kernel_norm import copy_bandwidth, time_calls  # the sibling script's timing
+from kernel_norm import copy_bandwidth, git_info, time_calls  # the sibling script's timing and git state
 
 from mini_infer.ops._triton_support import triton  # None without triton
 from mini_infer.ops.linear import gemv_triton
@@ -107,9 +106,8 @@ def main() -> int:
           f"copy-bandwidth floor {step['floor']:.3f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit, "date": time.strftime("%Y-%m-%d"), "copy_Bps": bw}
+            **git_info(), "date": time.strftime("%Y-%m-%d"), "copy_Bps": bw}
     (out / "kernel_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "step_ms": step}, indent=2))
     try:
         import matplotlib

@@ -215,6 +215,9 @@ def copy_bandwidth(gib: float, target_ms: float, rounds: int) -> dict:
 
 
 def git_info() -> dict:
+    """What code ran, for every bench script's JSON: {"commit": HEAD's short hash (None outside a git checkout),
+    "dirty_files": the paths that differ from HEAD, untracked ones included (not ignored ones)}. A copy of a newer
+    working tree over an older .git (as on the GPU machine) has a stale HEAD: the dirty files say so."""
     def git(*a: str) -> str:  # not stripped: porcelain lines start with a status column that may be a space
         try:
             return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
@@ -222,7 +225,7 @@ def git_info() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    dirty = [line[3:] for line in git("status", "--porcelain").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or None, "dirty_files": dirty}
 
 

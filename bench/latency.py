@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from active_bytes import token_bytes  # the sibling script's count of the weight bytes a token reads
+from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -185,9 +185,8 @@ def main() -> None:
         print(f"{name:<54}{tps:>9.1f}{1e3 / tps:>10.2f}{tps / own:>10.2f}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     (out_dir / "latency.json").write_text(json.dumps({
-        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, **git_info(),
         "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "peers": peer_meta,
         "engines": [{k: v for k, v in e.items() if k not in ("tokens", "prompt")} for e in engines],
         "results": {name: tps for name, tps in rows}}, indent=2))

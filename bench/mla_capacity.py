@@ -23,11 +23,11 @@ import argparse
 import gc
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 VARIANTS = ("latent", "per-head")
 
@@ -133,10 +133,9 @@ def main() -> None:
               f"{rows[1]['kv_bytes_per_token'] / rows[0]['kv_bytes_per_token']:.1f}x fewer bytes per token")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
     (out / f"mla_capacity_{args.model}.json").write_text(json.dumps({
-        "model": args.model, "context": args.context, "device": device, "commit": commit,
+        "model": args.model, "context": args.context, "device": device, **git_info(),
         "date": time.strftime("%Y-%m-%d"), "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager, "max_num_seqs": args.max_num_seqs, "rows": rows}, indent=1))
 

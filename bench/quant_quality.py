@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 DATA = Path(__file__).parent / "data" / "english_eval.json"
 
@@ -110,9 +110,8 @@ def main() -> None:
               f"{r['perplexity']:.3f} ({r['perplexity_change']:+.2%}) | {r['weight_bytes'] / 1e6:.1f} |")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     (out_dir / "quant_quality.json").write_text(json.dumps({
-        "model": name, "device": args.device, "dtype": str(dtype), "torch": torch.__version__, "commit": commit,
+        "model": name, "device": args.device, "dtype": str(dtype), "torch": torch.__version__, **git_info(),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "new_tokens": args.new_tokens,
         "reference_perplexity": ref_ppl, "reference_weight_bytes": ref.weight_bytes, "results": rows}, indent=2))
 

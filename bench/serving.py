@@ -60,6 +60,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 # 258 common English words, no repeats: the prompt vocabulary (fixed: changing it changes every prompt).
 WORDS = """
@@ -495,18 +496,6 @@ class LaunchedServer:
 
 
 # ------------------------------------------------------------------------------------------------- output
-def git_info() -> dict:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "--short", "HEAD") or None, "dirty_files": dirty}
-
-
 def print_table(summaries: list[dict]) -> None:
     def f(x, w, d=1):
         return f"{'-':>{w}}" if x is None else f"{x:>{w}.{d}f}"

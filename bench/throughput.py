@@ -28,11 +28,11 @@ import argparse
 import gc
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 from mini_infer.benchmark import BenchResult, Workload, run_engine
 
@@ -186,10 +186,9 @@ def main() -> None:
               f"{base / r.output_tok_s if r.output_tok_s else float('nan'):>14.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"engines": engine_meta, "peers": peer_meta, "async_scheduling": async_scheduling, "workload": args.workload, "model": model, "num_prompts": n, "device": torch.cuda.get_device_name()
             if on_gpu else platform.processor() or "cpu", "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+            "torch": torch.__version__, **git_info(), "date": time.strftime("%Y-%m-%d")}
     (out / f"throughput_{args.workload}.json").write_text(json.dumps(
         {"meta": meta, "results": [r.as_dict() for r in results]}, indent=2))
     try:

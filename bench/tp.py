@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -238,11 +237,11 @@ def main() -> int:
         _report_check(failures, args.tp)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from kernel_norm import git_info  # HEAD and the files that differ from it
     for r in runs:
         r.pop("tokens")
     (out_dir / "tp.json").write_text(json.dumps({
-        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+        "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, **git_info(),
         "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "runs": runs, "allreduce_us_per_step": ar_us,
         "greedy_first_difference": same, "check_failures": failures}, indent=2))
     return 1 if failures else 0

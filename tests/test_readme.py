@@ -3,8 +3,9 @@
 Every fenced block of README.md is marked (`<!-- example: KIND ... -->` just before it): `cpu` blocks run here
 — shell lines through the `mini-infer` entry point (`mini_infer.cli.main`, what the console script calls),
 Python blocks with `exec` — in a scratch directory; `gpu` blocks need a GPU and are run by
-`python bench/gpu_check.py --readme`; `setup` blocks install or run the suite (their `mini-infer` line runs here); `output` is
-printed output and `network` needs the hub. Models load and compile once per test process (tests/_model_cache.py):
+`python bench/gpu_check.py --readme` (both read the blocks through bench/readme_examples.py); `setup` blocks
+install or run the suite (their `mini-infer` line runs here); `output` is printed output and `network` needs the
+hub. Models load and compile once per test process (tests/_model_cache.py):
 the commands and code are the README's, only the compile is shared.
 """
 
@@ -21,23 +22,11 @@ import httpx
 import pytest
 
 import mini_infer.serving.launcher as launcher
+from bench.readme_examples import README, blocks, commands, gpu_commands
 from mini_infer.cli import main
 from tests import _model_cache as mc
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 KINDS = {"cpu", "gpu", "setup", "output", "network"}
-_BLOCK = re.compile(r"(?:<!-- example: (\w+)([^>]*?)-->\n)?```(\w*)\n(.*?)```", re.S)
-
-
-def blocks() -> list[tuple[int, str | None, str, str, str]]:
-    """(line, kind, note, language, code) of every fenced block, in order."""
-    text = README.read_text()
-    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2).strip(), m.group(3), m.group(4))
-            for m in _BLOCK.finditer(text)]
-
-
-def commands(code: str) -> list[list[str]]:
-    return [argv for line in code.splitlines() if (argv := shlex.split(line, comments=True))]
 
 
 def test_every_block_is_marked():
@@ -45,8 +34,7 @@ def test_every_block_is_marked():
     assert len(found) == README.read_text().count("```") // 2
     unmarked = [line for line, kind, *_ in found if kind not in KINDS]
     assert not unmarked, f"README blocks without an <!-- example: {'|'.join(sorted(KINDS))} --> mark: lines {unmarked}"
-    gpu = [argv for _, kind, _, _, code in found if kind == "gpu" for argv in commands(code)]
-    assert ["mini-infer", "generate", "--model", "qwen2.5-7b", "--dry-run", "hi"] in gpu
+    assert ["mini-infer", "generate", "--model", "qwen2.5-7b", "--dry-run", "hi"] in gpu_commands()
 
 
 @pytest.fixture

@@ -8,15 +8,11 @@ dequantizing reference on the CPU). No calibration data is needed. The quantized
 buffers of the graph and the original is no longer referenced: the pass manager drops it, so the compiled model
 holds one copy (a weight a skipped linear or the embedding still reads stays as it is).
 
-Which linears: every `aten.linear` whose weight is a parameter, except
-  * the lm_head (the linear feeding the logits), unless `lm_head=True`: vLLM leaves it unquantized too, and
-    logits are where rounding shows first;
-  * MoE gating linears (router modules, Qwen2-MoE's `shared_expert_gate`): tiny, and a rounding flips an
-    expert choice at a near-tie (vLLM builds them unquantized). The experts themselves run in `fused_moe` /
-    HF's grouped GEMM, which this pass does not touch: they stay in the model dtype;
-  * `kv_b_proj` of DeepSeek MLA attention: `mla_latent_cache` absorbs its float weight into the attention;
-  * linears named by `skip` (glob patterns over the HF module name, e.g. `"down_proj"`, `"model.layers.0.*"`;
-    a bare name matches it as the last components). A pattern that matches no linear is an error.
+Which linears: every `aten.linear` whose weight is a parameter, except those passes/keep_float.py keeps in float
+(the policy quantize_w8a8 shares): the lm_head unless `lm_head=True`, MoE routers, the `kv_b_proj` that
+`mla_latent_cache` absorbs, and linears named by `skip` (glob patterns over the HF module name, e.g. `"down_proj"`,
+`"model.layers.0.*"`; a pattern that matches no linear is refused). The experts of an MoE run in `fused_moe` / HF's
+grouped GEMM, which this pass does not touch: they stay in the model dtype.
 Runs in stage "quantization", before `merge_projections` (which merges the fp8 weights with their scales).
 
 On CUDA it needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or later): anything older is refused
@@ -35,12 +31,11 @@ import mini_infer.ops  # noqa: F401
 from mini_infer.ops.fp8_linear import FP8_MIN_CAPABILITY, fp8_supported
 from mini_infer.ops.quant import quantize_per_token_reference
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
-from mini_infer.passes.mla_latent_cache import mla_module
-from mini_infer.passes.pattern import aten, is_op, lm_head_of, pattern_matches
+from mini_infer.passes.keep_float import kept_in_float
+from mini_infer.passes.pattern import aten, is_op
 
 ops = torch.ops.mini_infer
 FP8 = torch.float8_e4m3fn
-_CAPTURE_PREFIX = "model."  # capture wraps the HF model as attribute `model` (passes/capture.py)
 
 
 def require_fp8_device(device: torch.device, what: str) -> None:
@@ -56,30 +51,6 @@ def require_fp8_device(device: torch.device, what: str) -> None:
                          f"{major}.{minor}; FP8 needs >= {need} (Ada, Hopper or later). On this GPU use "
                          "quantization='w8a8' (int8) or no quantization, and kv_cache_dtype='auto'")
     raise ValueError(f"{what}: device {dev} has no FP8 kernels (CUDA >= {need} or the CPU reference)")
-
-
-def linear_name(node: fx.Node) -> str:
-    """The HF module name of a linear (`model.layers.0.self_attn.q_proj`), from the node's module stack, else
-    from its weight's attribute path."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1][0]
-    else:
-        path = str(node.args[1].target).removesuffix(".weight")
-    return path.removeprefix(_CAPTURE_PREFIX)
-
-
-def _module_class(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    typ = list(stack.values())[-1][1]
-    return (typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))).rsplit(".", 1)[-1]
-
-
-def _is_moe_gate(node: fx.Node, name: str) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    return "router" in _module_class(node).lower() or last == "gate" or last.endswith("_gate")
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,34 +81,17 @@ class QuantizeFP8(GraphPass):
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
         return cls() if ctx.quantization == "fp8" else None
 
-    def _keep_reason(self, node: fx.Node, name: str, head: fx.Node | None) -> str | None:
-        """Why this linear stays in the model dtype (None: quantize it)."""
-        if node is head and not self.lm_head:
-            return "lm_head"
-        if _is_moe_gate(node, name):
-            return "moe gate"
-        if name.endswith("kv_b_proj") and mla_module(node) is not None:
-            return "mla kv_b_proj"
-        if any(pattern_matches(p, name) for p in self.skip):
-            return "skip"
-        return None
-
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         require_fp8_device(ctx.device, "quantization='fp8'")
         graph = gm.graph
-        head = lm_head_of(graph.output_node().args[0])
         linears = [n for n in graph.nodes if is_op(n, aten.linear.default)
                    and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"]
-        names = {n: linear_name(n) for n in linears}
-        unmatched = [p for p in self.skip if not any(pattern_matches(p, name) for name in names.values())]
-        if unmatched:
-            sample = ", ".join(sorted({".".join(nm.split(".")[-2:]) for nm in names.values()})[:8])
-            raise self.invalid("skip", unmatched[0], f"matches no linear of this model (names like: {sample})")
+        reasons = kept_in_float(gm, linears, self, self.skip, self.lm_head)
         kept: dict[str, int] = {}
         done: dict[str, tuple[fx.Node, fx.Node]] = {}  # weight attribute → its fp8 weight and scale nodes
         n_quantized = 0
         for node in linears:
-            reason = self._keep_reason(node, names[node], head)
+            reason = reasons.get(node)
             if reason is not None:
                 kept[reason] = kept.get(reason, 0) + 1
                 continue

@@ -9,13 +9,13 @@ w_scale are new buffers; W is no longer referenced, so the graph owns one copy (
 quantize nodes are what `fuse_act_quant` later fuses into rms_norm / fused_add_rms_norm / silu_and_mul, and
 `merge_projections` merges the int8 q/k/v and gate/up linears (weights and scales).
 
-Selected: every linear over a 2-D parameter weight except the lm_head (named so, or the linear whose output is the
-graph's; `lm_head=True` to include it), MoE routers (`gate`, `shared_expert_gate`: kept in float, as vLLM does),
-DeepSeek MLA's `kv_b_proj` (mla_latent_cache absorbs its float weight into the attention), and the `skip` patterns
-(fnmatch on the module path, e.g. `model.layers.0.mlp.down_proj`, matched whole or as a dotted suffix:
-`down_proj`, `layers.0.*`; a pattern that matches no linear is an error). Linears of activations (MoE experts
-indexed from stacked weights) are not touched. `embeddings=True` also stores the token embedding as int8 with one
-scale per row (a tied lm_head, if quantized, shares the same int8 table and scales).
+Selected: every linear over a 2-D parameter weight except those passes/keep_float.py keeps in float (the policy
+quantize_fp8 shares): the lm_head (`lm_head=True` to include it), MoE routers (as vLLM does), the DeepSeek MLA
+`kv_b_proj` that mla_latent_cache absorbs as a float weight, and the `skip` patterns (fnmatch on the module path,
+e.g. `model.layers.0.mlp.down_proj`, matched whole or as a dotted suffix: `down_proj`, `layers.0.*`; a pattern
+that matches no linear is refused). Linears of activations (MoE experts indexed from stacked weights) are not
+touched. `embeddings=True` also stores the token embedding as int8 with one scale per row (a tied lm_head, if
+quantized, shares the same int8 table and scales).
 
 SmoothQuant (`smoothquant=True`, default; see smoothquant.py) runs the float graph on the `calibrate` prompts
 (default: a small built-in English set, as text and through the chat template) and divides each smoothable input by
@@ -36,8 +36,8 @@ import torch.fx as fx
 import mini_infer.ops  # noqa: F401
 from mini_infer.ops.quant import AMAX_FLOOR, QMAX
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
-from mini_infer.passes.mla_latent_cache import is_mla_config
-from mini_infer.passes.pattern import aten, is_op, pattern_matches, val
+from mini_infer.passes.keep_float import kept_in_float, linear_name
+from mini_infer.passes.pattern import aten, is_op, val
 from mini_infer.passes.smoothquant import (
     NormFold,
     activation_amax,
@@ -48,8 +48,6 @@ from mini_infer.passes.smoothquant import (
 )
 
 ops = torch.ops.mini_infer
-
-ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: their top-k is sensitive, their GEMMs are tiny
 
 
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,23 +86,8 @@ def find_linears(gm: fx.GraphModule) -> list[_Linear]:
             continue
         t = PassContext.tensor_of(gm, w)
         if t.dim() == 2 and t.is_floating_point():
-            out.append(_Linear(node, _module_path(w), x, w, b))
+            out.append(_Linear(node, linear_name(node), x, w, b))
     return out
-
-
-def _is_lm_head(lin: _Linear) -> bool:
-    """Named lm_head, or (a tied head may be named after the embedding) its output is the graph's output."""
-    if lin.name.rsplit(".", 1)[-1] == "lm_head":
-        return True
-    node = lin.node
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.op == "output":
-            return True
-        if not is_op(user, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            return False
-        node = user
-    return False
 
 
 class QuantizeW8A8(GraphPass):
@@ -148,27 +131,16 @@ class QuantizeW8A8(GraphPass):
         return cls() if ctx.quantization == "w8a8" else None
 
     # -- selection ------------------------------------------------------------------------------------------
-    def select(self, linears: list[_Linear], ctx: PassContext) -> list[_Linear]:
-        """The linears to quantize; ValueError naming a skip pattern that matches no linear."""
-        for p in self.skip:
-            if not any(pattern_matches(p, lin.name) for lin in linears):
-                names = ", ".join(lin.name for lin in linears[:6])
-                raise ValueError(f"quantize_w8a8: skip pattern {p!r} matches no linear (linears: {names}"
-                                 f"{', ...' if len(linears) > 6 else ''})")
-        mla = is_mla_config(ctx.config)
-        heads = {lin.node for lin in linears if _is_lm_head(lin)}
-
-        def keep_float(lin: _Linear) -> bool:
-            last = lin.name.rsplit(".", 1)[-1]
-            return (lin.node in heads and not self.lm_head) or last in ROUTERS or (mla and last == "kv_b_proj") \
-                or any(pattern_matches(p, lin.name) for p in self.skip)
-
-        return [lin for lin in linears if not keep_float(lin)]
+    def select(self, gm: fx.GraphModule, linears: list[_Linear]) -> list[_Linear]:
+        """The linears to quantize (all but those keep_float keeps in float); PassConfigError naming a skip pattern
+        that matches no linear."""
+        kept = kept_in_float(gm, [lin.node for lin in linears], self, self.skip, self.lm_head)
+        return [lin for lin in linears if lin.node not in kept]
 
     # -- the pass -------------------------------------------------------------------------------------------
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         linears = find_linears(gm)
-        chosen = self.select(linears, ctx)
+        chosen = self.select(gm, linears)
         biases = {lin.node: PassContext.tensor_of(gm, lin.bias) for lin in linears if lin.bias is not None}
         before = sum(PassContext.tensor_of(gm, lin.weight).nbytes for lin in chosen)
         cols: dict[fx.Node, torch.Tensor] = {}  # SmoothQuant factors: weight columns times, rows divided by
@@ -180,11 +152,12 @@ class QuantizeW8A8(GraphPass):
         shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized unscaled weights by storage
         after = 0
         for lin in chosen:
-            if lin.x not in act:
+            x = lin.node.args[0]  # not lin.x: an input made by a linear rewritten above is now its int8_linear
+            if x not in act:
                 with graph.inserting_before(lin.node):
-                    q = graph.call_function(ops.quantize_per_token.default, (lin.x, torch.int8))
-                    act[lin.x] = (graph.call_function(operator.getitem, (q, 0)),
-                                  graph.call_function(operator.getitem, (q, 1)))
+                    q = graph.call_function(ops.quantize_per_token.default, (x, torch.int8))
+                    act[x] = (graph.call_function(operator.getitem, (q, 0)),
+                              graph.call_function(operator.getitem, (q, 1)))
             w = PassContext.tensor_of(gm, lin.weight)
             if lin.node in cols or lin.node in rows:  # one fp32 copy at a time, freed once quantized
                 w_q, w_scale = quantize_weight_int8(_scaled(w, cols.get(lin.node), rows.get(lin.node)))
@@ -201,7 +174,7 @@ class QuantizeW8A8(GraphPass):
                 bias = ctx.add_tensor(gm, f"{lin.name}.bias", biases[lin.node], before=lin.node)
             out_dtype = val(lin.node).dtype
             replace_with_call(gm, lin.node, ops.int8_linear.default,
-                              (*act[lin.x], wq_node, ws_node, bias, out_dtype))
+                              (*act[x], wq_node, ws_node, bias, out_dtype))
         emb_note = self._quantize_embeddings(gm, ctx, shared) if self.embeddings else ""
         note = f"{len(chosen)} of {len(linears)} linears int8 ({before / 1e6:.2f} -> {after / 1e6:.2f} MB)"
         return PassResult(len(chosen), "; ".join(n for n in (note, smooth_note, emb_note) if n))

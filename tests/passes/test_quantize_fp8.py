@@ -23,8 +23,9 @@ from mini_infer.compiler import compile_model
 from mini_infer.models.presets import TINY_DENSE_PRESETS
 from mini_infer.ops.quant import quantize_per_token_reference
 from mini_infer.passes import PassConfigError, PassContext, recommended_passes
+from mini_infer.passes.keep_float import linear_name
 from mini_infer.passes.manager import PassError, PassManager
-from mini_infer.passes.quantize_fp8 import QuantizeFP8, linear_name, quantize_weight_fp8
+from mini_infer.passes.quantize_fp8 import QuantizeFP8, quantize_weight_fp8
 from tests.passes.helpers import (
     ARCHS,
     CPU,
@@ -207,7 +208,8 @@ def test_lm_head_and_skip_patterns():
 
 
 def test_skip_pattern_matching_nothing_is_refused():
-    with pytest.raises(PassError, match=r"invalid skip='donw_proj': matches no linear of this model \(names like"):
+    with pytest.raises(PassError, match=r"pass 'quantize_fp8': invalid skip='donw_proj': matches no linear of this "
+                       r"model \(names like: lm_head, mlp.down_proj, mlp.gate_proj"):
         _run("tiny-llama", QuantizeFP8(skip=["donw_proj"]))
 
 

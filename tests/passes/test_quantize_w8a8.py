@@ -393,7 +393,8 @@ def test_unknown_mode_is_refused():
 
 
 def test_skip_pattern_matching_nothing_is_refused():
-    with pytest.raises(PassError, match="skip pattern 'dwon_proj' matches no linear"):
+    with pytest.raises(PassError, match=r"pass 'quantize_w8a8': invalid skip='dwon_proj': matches no linear of this "
+                       r"model \(names like: lm_head, mlp.down_proj, mlp.gate_proj"):
         run_passes("tiny-llama", [QuantizeW8A8(skip=["dwon_proj"], calibrate=CAL)])
 
 
