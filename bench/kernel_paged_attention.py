@@ -16,12 +16,15 @@ visible (query, key) pairs over the time) of:
 SDPA columns take the bottom-right causal mask as `causal_lower_right` (chunked case: FlashAttention applies it
 natively; cuDNN gets it materialized as a dense mask). Timed eagerly with CUDA events (the op's route is never
 taken under CUDA-graph capture), median of 3 rounds after a warm-up. `first ms` is the op's first call at that
-shape (cuDNN builds an execution plan per new shape: what a prompt of a new length pays once); `diff` the largest
+shape (cuDNN builds an execution plan per new shape, or per power-of-two length class under
+TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which ops/_prefill_sdpa.py sets unless the environment says otherwise: what a
+prompt of a new length pays once); `diff` the largest
 |op - triton|. Prints a table and writes bench/results/kernel_paged_attention_prefill_<gpu>.json (--out DIR).
 """
 
 import itertools
 import json
+import os
 import re
 import statistics
 import sys
@@ -226,6 +229,7 @@ def prefill(lengths, out_dir):
     path = out / f"kernel_paged_attention_prefill_{tag}.json"
     meta = {"device": dev, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "git": git_info(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "min_query_rows": _prefill_sdpa.MIN_QUERY_ROWS,
+            "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
             "timing": "eager, CUDA events, median of 3 rounds", "wall_seconds": round(time.perf_counter() - t0, 1)}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{meta['wall_seconds']:.0f} s; wrote {path}")

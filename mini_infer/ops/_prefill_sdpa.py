@@ -13,19 +13,29 @@ kv heads repeated. Which backends serve a (device, dtype, heads, head dims) is d
 on a small problem against a float32 computation (wrong log-sum-exp conventions or refused shapes drop a
 backend); none left means the caller keeps those rows on its own kernel.
 
+cuDNN builds an execution plan per new shape (tens to hundreds of ms; each prompt length and each chunk's
+context length is a new one). torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` keys its plans on lengths rounded up
+to powers of two for unmasked calls on BSHD-contiguous q/k/v/out, which every call here is (the packed token
+layout): importing this module sets it unless the environment already says otherwise (torch reads it once, at
+its first cuDNN attention call; "0" keeps one plan per exact shape).
+
 `ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
 CPU; "off": never) and `MIN_QUERY_ROWS` are module-level switches read on every call.
 
-This module must not write the caches, read block tables or sync with the device: the caller reads the step's
-lengths (outside CUDA-graph capture only) and gathers the context. It imports nothing from mini_infer.
+This module must not write the caches, read block tables or sync with the device (but for the one-time probe
+of a new head/dtype combination, made at the first call, in warm-up): the caller reads the step's lengths
+(outside CUDA-graph capture only) and gathers the context. It imports nothing from mini_infer.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module docstring
 
 __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_wanted"]
 
@@ -69,10 +79,11 @@ class Backend:
         return self.kernel(q, k, v, causal, scale, lse)
 
 
-# per device type, in order of preference (cuDNN is ~2x FlashAttention-2 on an H200 at long prompts)
+# per device type, in order of preference (cuDNN is ~2x FlashAttention-2 on an H200 at long prompts, which
+# outweighs repeating the kv heads: a copy of K and V, ~2% of the attention's time at 32k tokens)
 BACKENDS: dict[str, list[Backend]] = {
-    "cuda": [Backend("cudnn", _cudnn, False), Backend("flash", _flash, False),
-             Backend("cudnn+repeat", _cudnn, True), Backend("flash+repeat", _flash, True)],
+    "cuda": [Backend("cudnn", _cudnn, False), Backend("cudnn+repeat", _cudnn, True),
+             Backend("flash", _flash, False), Backend("flash+repeat", _flash, True)],
     "cpu": [Backend("cpu_flash", _cpu_flash, False), Backend("cpu_flash+repeat", _cpu_flash, True)],
 }
 
@@ -121,11 +132,14 @@ def _passes_probe(backend: Backend, device: torch.device, dtype: torch.dtype, hq
     causal on a square problem and unmasked on a wider one."""
     gen = torch.Generator().manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    q = torch.randn(1, hq, 64, d, generator=gen).to(device, dtype)
+
+    def rows(n: int, h: int, dim: int) -> torch.Tensor:  # laid out as attend_run's inputs are
+        return _heads_first(torch.randn(n, h, dim, generator=gen).to(device, dtype))
+
+    q = rows(80, hq, d)  # lengths that are no power of two (cuDNN's AVOID_RECOMPILE pads them)
     try:
-        for causal, keys in ((True, 64), (False, 160)):
-            k = torch.randn(1, hkv, keys, d, generator=gen).to(device, dtype)
-            v = torch.randn(1, hkv, keys, dv, generator=gen).to(device, dtype)
+        for causal, keys in ((True, 80), (False, 200)):
+            k, v = rows(keys, hkv, d), rows(keys, hkv, dv)
             out, lse = backend.run(q, k, v, causal, d**-0.5, True)
             want_out, want_lse = _math_attention(q, k, v, causal, d**-0.5)
             if out.shape != want_out.shape or not torch.allclose(out.float(), want_out, atol=tol, rtol=tol):
@@ -158,14 +172,15 @@ def attend_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.T
     """Attention of one sequence's query run: q [L, Hq, D] at positions C .. C+L-1 over the context keys/values
     k_ctx, v_ctx [C, Hkv, D|Dv] (C may be 0) and the run's own k, v [L, Hkv, D|Dv], causal. Returns [L, Hq, Dv]
     in q's dtype, or None when no backend serves these shapes (the caller computes the run itself)."""
-    q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
+    q4, k4, v4 = (_heads_first(x.contiguous()) for x in (q, k, v))  # contiguous rows: the BSHD layout
     with_ctx = k_ctx.shape[0] > 0
     for backend in usable_backends(q, k, v):
         try:
             o_new, lse_new = backend.run(q4, k4, v4, True, scale, with_ctx)
             if not with_ctx:
                 return _tokens_first(o_new)
-            o_ctx, lse_ctx = backend.run(q4, _heads_first(k_ctx), _heads_first(v_ctx), False, scale, True)
+            o_ctx, lse_ctx = backend.run(q4, _heads_first(k_ctx.contiguous()), _heads_first(v_ctx.contiguous()),
+                                         False, scale, True)
         except _REFUSALS:  # a shape this backend refuses: the next one
             continue
         return _merge(o_ctx, lse_ctx, o_new, lse_new, q.dtype)

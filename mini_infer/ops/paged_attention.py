@@ -35,6 +35,14 @@ Two implementations:
     (max, sum, acc) and a reduce kernel combines them (the split-K pieces are `_split_k`'s, shared with
     `mla_attention`'s latent kernel). The kernel is correct for every batch under every knob; the knobs
     only pick tile shapes, see `paged_attention_triton`.
+
+The registered op writes the cache as its implementation does, then sends each sequence whose query run is long
+(prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused attention kernels
+(cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache plus its new
+k/v, and the other sequences through the implementation above, as a batch of those alone. That route is on for
+CUDA tensors (`_prefill_sdpa.ROUTE`), off while a CUDA graph is captured (the route reads the step's lengths on
+the host, once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
+`paged_attention_reference` called directly never take it.
 """
 
 from __future__ import annotations

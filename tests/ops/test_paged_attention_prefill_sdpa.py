@@ -16,6 +16,8 @@ from tests.ops.helpers import DEVICE, assert_close, requires_triton
 from tests.ops.test_paged_attention import check_cache, fp8_args, fp8_case, make_case, oracle
 
 MIN_ROWS = 8
+# on CUDA the fused kernels take 16-bit inputs only (fp32 runs stay on the Triton kernel)
+ON_DEVICE = dict(dtype=torch.bfloat16, d=64) if DEVICE == "cuda" else {}
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +99,7 @@ def test_route_half_precision(dtype, spies):
 def test_route_with_triton_for_the_rest(name, spies):
     """The Triton kernel (CPU interpreter here) computes the rows the route leaves, on the sub-batch."""
     seqs, kw, sdpa_rows, rest_rows = ROUTED[name]
-    case = make_case(seqs, device=DEVICE, **kw)
+    case = make_case(seqs, device=DEVICE, **kw, **ON_DEVICE)
     out, args = routed(case, "triton")
     assert spies["sdpa"] == sdpa_rows
     assert spies["rest"] == ([sum(rest_rows)] if rest_rows else [])
@@ -106,7 +108,7 @@ def test_route_with_triton_for_the_rest(name, spies):
 
 
 def test_registered_op_takes_the_route(spies):
-    case = make_case([(6, 1), (11, 17)], hq=4, hkv=2)
+    case = make_case([(6, 1), (11, 17)], hq=4, hkv=2, **ON_DEVICE)
     args = case.args()
     out = torch.ops.mini_infer.paged_attention(*args)
     assert spies["sdpa"] == [17]
@@ -229,12 +231,13 @@ def test_cuda_fused_backend_matches_triton(hq, hkv, seqs, spies):
 @CUDA
 def test_cuda_graph_capture_skips_the_route(spies):
     """While a graph is captured the route is off (no host read): the captured step is the Triton kernel's."""
-    case = make_case([(7, 12), (3, 1)], seed=1, cache_fill=0.0)
+    case = make_case([(7, 12), (3, 1)], seed=1, cache_fill=0.0, **ON_DEVICE)
     static = list(case.args())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         torch.ops.mini_infer.paged_attention(*static)  # warm-up, eager: takes the route
+        pa.paged_attention_triton(*static)  # compiles the kernel shape the capture will launch
     torch.cuda.current_stream().wait_stream(stream)
     assert spies["sdpa"] == [12]
     graph = torch.cuda.CUDAGraph()
