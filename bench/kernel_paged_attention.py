@@ -1,13 +1,35 @@
 """Timing of paged_attention (not a test): Triton on CUDA vs torch SDPA on contiguous K/V, and the CPU reference.
 
-    python bench/kernel_paged_attention.py [--cpu-only | --sweep]
+    python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
+
+--prefill: one sequence's causal prefill, bf16, head dim 128, block size 16, at --lengths new tokens (default
+512,1024,4096,16384,32768) with no cached context, plus a chunked-prefill case (16384 cached + 2048 new), for
+qwen3-0.6b-like (16 q / 8 kv heads) and qwen2.5-7b-like (28 q / 4 kv heads) attention. TFLOP/s (4 x Hq x D x
+visible (query, key) pairs over the time) of:
+  op       `torch.ops.mini_infer.paged_attention` as the engine calls it: the cache write, then the long run
+           through torch's fused kernels (ops/_prefill_sdpa.py; the backend it used is printed beside it)
+  triton   `paged_attention_triton`: the cache write and the unified Triton kernel (the route off)
+  flash    torch SDPA, FlashAttention backend, on contiguous K/V
+  cudnn    torch SDPA, cuDNN backend, on contiguous K/V
+SDPA columns take the bottom-right causal mask as `causal_lower_right` (chunked case: FlashAttention applies it
+natively; cuDNN gets it materialized as a dense mask). Timed eagerly with CUDA events (the op's route is never
+taken under CUDA-graph capture), median of 3 rounds after a warm-up. `first ms` is the op's first call at that
+shape (cuDNN builds an execution plan per new shape, or per power-of-two length class under
+TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which ops/_prefill_sdpa.py sets unless the environment says otherwise: what a
+prompt of a new length pays once); `diff` the largest
+|op - triton|. Prints a table and writes bench/results/kernel_paged_attention_prefill_<gpu>.json (--out DIR).
 """
 
 import itertools
+import json
+import os
+import re
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -113,8 +135,120 @@ def cpu():
         print(f"S={s:3d} ctx={ctx:5d} qlen={new:4d} {str(dtype):15s} {min(ts) * 1e3:7.2f} ms/call  x30 layers {min(ts) * 30e3:7.1f} ms")
 
 
+PREFILL_MODELS = {"qwen3-0.6b": (16, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # (Hq, Hkv, D)
+PREFILL_CHUNKED = (16384, 2048)  # (cached context, new tokens)
+
+
+def eager_ms(fn, budget_ms=250.0, rounds=3):
+    """Median over `rounds` of the mean time of back-to-back calls (enough calls for ~budget_ms / rounds)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    iters = max(2, min(50, int(budget_ms / rounds / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def prefill_case(hq, hkv, d, cached, new):
+    """One row of --prefill: the four timings at (cached context, new tokens)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from mini_infer.ops import _prefill_sdpa
+
+    dtype, total = torch.bfloat16, cached + new
+    args = build(1, total, new, hq, hkv, d, 16, dtype, "cuda")
+    flops = 4 * hq * d * (new * (new + 1) // 2 + new * cached)
+    row = {"hq": hq, "hkv": hkv, "d": d, "cached": cached, "new": new, "tflop": flops / 1e12}
+    ms = {"triton": eager_ms(lambda: paged_attention_triton(*args))}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = torch.ops.mini_infer.paged_attention(*args)
+    torch.cuda.synchronize()
+    row["op_first_ms"] = (time.perf_counter() - t0) * 1e3
+    ms["op"] = eager_ms(lambda: torch.ops.mini_infer.paged_attention(*args))
+    row["diff"] = (out.float() - paged_attention_triton(*args).float()).abs().max().item()
+    row["op_backend"] = next((b.name for b in _prefill_sdpa.usable_backends(args[0], args[1], args[2])), "none")
+    if new < _prefill_sdpa.MIN_QUERY_ROWS:
+        row["op_backend"] = "triton (below MIN_QUERY_ROWS)"
+    q4 = args[0].view(1, new, hq, d).transpose(1, 2)
+    kf = torch.randn(1, total, hkv, d, dtype=dtype, device="cuda").transpose(1, 2)
+    vf = torch.randn_like(kf)
+    mask = {"is_causal": True} if cached == 0 else {"attn_mask": causal_lower_right(new, total)}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                sdpa(q4, kf, vf, enable_gqa=True, **mask)
+        try:
+            ms[name] = eager_ms(call)
+        except RuntimeError as e:  # the backend refuses the shape or mask
+            ms[name], row[f"{name}_error"] = None, str(e).splitlines()[0][:120]
+    row["ms"] = ms
+    row["tflops"] = {k: (flops / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
+    return row
+
+
+def prefill(lengths, out_dir):
+    from kernel_norm import git_info  # the sibling script's helper
+
+    from mini_infer.ops import _prefill_sdpa
+
+    cases = [(0, n) for n in lengths] + [PREFILL_CHUNKED]
+    dev = torch.cuda.get_device_name()
+    print(f"GPU {dev} | one sequence, causal, bf16, D=128, block 16 | MIN_QUERY_ROWS={_prefill_sdpa.MIN_QUERY_ROWS}")
+    print(f"{'model':11s} {'cached':>6s} {'new':>6s} | TFLOP/s: {'op':>6s} {'triton':>6s} {'flash':>6s} {'cudnn':>6s}"
+          f" | op/cudnn | {'first ms':>8s} {'diff':>7s} backend")
+    rows = []
+    t0 = time.perf_counter()
+    for model, (hq, hkv, d) in PREFILL_MODELS.items():
+        for cached, new in cases:
+            row = prefill_case(hq, hkv, d, cached, new)
+            row["model"] = model
+            rows.append(row)
+            tf = row["tflops"]
+            ratio = f"{tf['op'] / tf['cudnn']:8.2f}" if tf.get("cudnn") else f"{'n/a':>8s}"
+            print(f"{model:11s} {cached:6d} {new:6d} | TFLOP/s: {cell(tf['op'])} {cell(tf['triton'])} "
+                  f"{cell(tf['flash'])} {cell(tf['cudnn'])} | {ratio} | {row['op_first_ms']:8.1f} "
+                  f"{row['diff']:7.4f} {row['op_backend']}", flush=True)
+            torch.cuda.empty_cache()
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", dev)
+    tag = (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", dev.lower())).lower()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernel_paged_attention_prefill_{tag}.json"
+    meta = {"device": dev, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "git": git_info(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "min_query_rows": _prefill_sdpa.MIN_QUERY_ROWS,
+            "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
+            "timing": "eager, CUDA events, median of 3 rounds", "wall_seconds": round(time.perf_counter() - t0, 1)}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"{meta['wall_seconds']:.0f} s; wrote {path}")
+
+
+def cell(x):
+    return f"{x:6.0f}" if x else f"{'n/a':>6s}"
+
+
+def arg_value(flag, default):
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+
+
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:
+    if "--prefill" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        prefill([int(x) for x in arg_value("--lengths", "512,1024,4096,16384,32768").split(",")],
+                arg_value("--out", "bench/results"))
+    elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:
         gpu()

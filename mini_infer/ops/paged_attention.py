@@ -35,13 +35,21 @@ Two implementations:
     (max, sum, acc) and a reduce kernel combines them (the split-K pieces are `_split_k`'s, shared with
     `mla_attention`'s latent kernel). The kernel is correct for every batch under every knob; the knobs
     only pick tile shapes, see `paged_attention_triton`.
+
+The registered op writes the cache as its implementation does, then sends each sequence whose query run is long
+(prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused attention kernels
+(cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache plus its new
+k/v, and the other sequences through the implementation above, as a batch of those alone. That route is on for
+CUDA tensors (`_prefill_sdpa.ROUTE`), off while a CUDA graph is captured (the route reads the step's lengths on
+the host, once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
+`paged_attention_reference` called directly never take it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mini_infer.ops import _split_k
+from mini_infer.ops import _prefill_sdpa, _split_k
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 __all__ = [
@@ -219,40 +227,48 @@ def _attend_reference(
     out[rows[qvalid]] = o[qvalid].to(out.dtype)
 
 
-_PLAN_CACHE: list = []  # [(weakref(block_tables), version, weakref(lens), version, args, plan)], one entry
+_PLAN_CACHE: list = []  # one entry, see _per_step
+_HOST_LENGTHS: list = []  # likewise
+
+
+def _per_step(slot: list, tensors: tuple, args: tuple, compute):
+    """compute(), cached in `slot` (one entry) on the identity and version of `tensors` and on `args`.
+
+    The same metadata tensors reach every layer of a step, so whatever is derived from them alone is computed
+    once per step (weak references: a freed tensor never matches). Tensors made under inference_mode (e.g. a
+    sub-batch's metadata) have no version counter: not cached."""
+    import weakref
+
+    cacheable = not any(t.is_inference() for t in tensors)
+    if cacheable and slot:
+        refs, versions, c_args, value = slot[0]
+        if (c_args == args and all(r() is t for r, t in zip(refs, tensors))
+                and versions == tuple(t._version for t in tensors)):
+            return value
+    value = compute()
+    if cacheable:
+        slot[:] = [(tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), args, value)]
+    return value
 
 
 def _decode_gather_plan(block_tables, lens, block_size: int, sliding_window: int, dtype):
-    """Flat cache slots to gather [S * L] and the additive key mask [S, 1, 1, L] of a decode step.
+    """Flat cache slots to gather [S * L] and the additive key mask [S, 1, 1, L] of a decode step (once per
+    step, see _per_step)."""
 
-    The same metadata tensors reach every layer of a step, so the plan is computed once per step: it is
-    cached on the identity (weak references: a freed tensor never matches) and version of those tensors.
-    """
-    import weakref
+    def plan():
+        seq_lens = lens.to(torch.int64)
+        length = -(-int(seq_lens.max()) // block_size) * block_size
+        pos = torch.arange(length, device=lens.device)
+        valid = pos[None, :] < seq_lens[:, None]  # [S, L]
+        safe = torch.where(valid, pos[None, :], 0)
+        blk = block_tables.to(torch.int64).gather(1, safe // block_size)
+        slots = (blk * block_size + safe % block_size).flatten()
+        if sliding_window > 0:
+            valid &= (seq_lens[:, None] - 1 - pos[None, :]) < sliding_window
+        mask = torch.zeros(valid.shape, dtype=dtype, device=lens.device).masked_fill_(~valid, float("-inf"))
+        return slots, mask[:, None, None, :], length
 
-    args = (block_size, sliding_window, dtype)
-    # tensors made under inference_mode (e.g. a sub-batch's metadata) have no version counter: not cached
-    cacheable = not (block_tables.is_inference() or lens.is_inference())
-    if cacheable and _PLAN_CACHE:
-        bt_ref, bt_ver, ln_ref, ln_ver, c_args, plan = _PLAN_CACHE[0]
-        if (bt_ref() is block_tables and ln_ref() is lens and bt_ver == block_tables._version
-                and ln_ver == lens._version and c_args == args):
-            return plan
-    seq_lens, lens = lens, lens.to(torch.int64)
-    length = -(-int(lens.max()) // block_size) * block_size
-    pos = torch.arange(length, device=lens.device)
-    valid = pos[None, :] < lens[:, None]  # [S, L]
-    safe = torch.where(valid, pos[None, :], 0)
-    blk = block_tables.to(torch.int64).gather(1, safe // block_size)
-    slots = (blk * block_size + safe % block_size).flatten()
-    if sliding_window > 0:
-        valid &= (lens[:, None] - 1 - pos[None, :]) < sliding_window
-    mask = torch.zeros(valid.shape, dtype=dtype, device=lens.device).masked_fill_(~valid, float("-inf"))
-    plan = (slots, mask[:, None, None, :], length)
-    if cacheable:
-        _PLAN_CACHE[:] = [(weakref.ref(block_tables), block_tables._version, weakref.ref(seq_lens),
-                           seq_lens._version, args, plan)]
-    return plan
+    return _per_step(_PLAN_CACHE, (block_tables, lens), (block_size, sliding_window, dtype), plan)
 
 
 def _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int,
@@ -293,6 +309,13 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Plain torch paged attention (writes k/v into the caches first). See the module docstring."""
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                softcap, k_scale, v_scale)
+
+
+def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                         sliding_window: int, softcap: float, k_scale, v_scale) -> torch.Tensor:
+    """`paged_attention_reference` after its cache write: attention over what the caches hold."""
     t, hq, _ = q.shape
     out = q.new_zeros((t, hq, v_cache.shape[3]))
     n_seqs = seq_lens.shape[0]
@@ -565,6 +588,15 @@ def paged_attention_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton")
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                             softcap, k_scale, v_scale, decode_only=decode_only, num_splits=num_splits)
+
+
+def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                      sliding_window: int, softcap: float, k_scale, v_scale, *, decode_only: bool | None = None,
+                      num_splits: int | None = None) -> torch.Tensor:
+    """`paged_attention_triton` after its cache write: the unified attention kernel (and split-K reduce)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     dv = v_cache.shape[3]
@@ -572,7 +604,6 @@ def paged_attention_triton(
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
     n_seqs = seq_lens.shape[0]
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if t == 0 or n_seqs == 0:
         return q.new_zeros((t, hq, dv))
 
@@ -627,6 +658,83 @@ def paged_attention_triton(
 
 
 # --------------------------------------------------------------------------------------------------
+# long query runs through torch's fused attention kernels (ops/_prefill_sdpa.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _host_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The step's query offsets and context lengths on the host: one device sync per step (_per_step)."""
+    return _per_step(_HOST_LENGTHS, (query_start_loc, seq_lens), (),
+                     lambda: (query_start_loc.tolist(), seq_lens.tolist()))
+
+
+def _gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions 0 .. n-1 of one sequence from a paged cache, as a contiguous [n, H, D] copy (whole blocks
+    are gathered; the positions past n in the last one are sliced off, never read)."""
+    blk = block_table_row[: -(-n // cache.shape[1])].to(torch.int64)
+    return _gather_blocks(cache, blk).reshape(-1, *cache.shape[2:])[:n]
+
+
+def _sub_batch(seqs: list[int], qsl: list[int], lens: list[int], block_tables: torch.Tensor):
+    """The metadata of a batch holding only sequences `seqs` (their rows packed in order): (rows of the full
+    batch [T'], block_tables [S', max_blocks], seq_lens [S'], query_start_loc [S'+1])."""
+    dev = block_tables.device
+    rows = [r for s in seqs for r in range(qsl[s], qsl[s + 1])]
+    sub_qsl = [0]
+    for s in seqs:
+        sub_qsl.append(sub_qsl[-1] + qsl[s + 1] - qsl[s])
+    return (torch.tensor(rows, dtype=torch.int64, device=dev), block_tables[torch.tensor(seqs, device=dev)],
+            torch.tensor([lens[s] for s in seqs], dtype=torch.int32, device=dev),
+            torch.tensor(sub_qsl, dtype=torch.int32, device=dev))
+
+
+def _paged_attention_routed(
+    q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale: float,
+    sliding_window: int, softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The registered op's body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
+    reference), then each sequence with a long query run (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through
+    `_prefill_sdpa.attend_run` over its gathered context plus its new k/v, and every other sequence through the
+    implementation's attention, given a batch of those sequences only (no work twice). The route is decided
+    by `_prefill_sdpa.route_wanted` (shapes and arguments; never during CUDA-graph capture); only a step it
+    accepts reads its lengths on the host."""
+    kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
+    attend = _triton_attention if use_triton_kernel else _reference_attention
+    write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    opts = (scale, sliding_window, softcap, k_scale, v_scale)
+    meta = (block_tables, seq_lens, query_start_loc)
+    if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8):
+        return attend(q, k_cache, v_cache, *meta, *opts)
+    qsl, lens = _host_lengths(query_start_loc, seq_lens)
+    t, hq, _ = q.shape
+    out, rest = None, []
+    for s in range(len(lens)):
+        q0, qlen = qsl[s], qsl[s + 1] - qsl[s]
+        run = None
+        cached = lens[s] - qlen
+        if qlen >= _prefill_sdpa.MIN_QUERY_ROWS and cached >= 0:
+            k_ctx, v_ctx = (_gather_context(c, block_tables[s], cached) for c in (k_cache, v_cache))
+            rows = slice(q0, q0 + qlen)
+            run = _prefill_sdpa.attend_run(q[rows], k[rows], v[rows], k_ctx, v_ctx, scale)
+        if run is None:
+            rest.append(s)
+        elif qlen == t:  # the step is this one run: its output as it is
+            return run.contiguous()
+        else:
+            if out is None:
+                out = q.new_zeros((t, hq, v_cache.shape[3]))  # rows owned by no sequence stay zero
+            out[q0 : q0 + qlen] = run
+    if out is None:  # no run was taken
+        return attend(q, k_cache, v_cache, *meta, *opts)
+    rest = [s for s in rest if qsl[s + 1] > qsl[s]]
+    if rest:
+        rows, *sub_meta = _sub_batch(rest, qsl, lens, block_tables)
+        out[rows] = attend(q[rows], k_cache, v_cache, *sub_meta, *opts)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # the registered op
 # --------------------------------------------------------------------------------------------------
 
@@ -648,11 +756,11 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference."""
+    """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference;
+    long query runs through torch's fused attention kernels (see `_paged_attention_routed`)."""
     args = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-    if use_triton(q):
-        return paged_attention_triton(*args, scale, sliding_window, softcap, k_scale, v_scale)
-    return paged_attention_reference(*args, scale, sliding_window, softcap, k_scale, v_scale)
+    return _paged_attention_routed(*args, scale, sliding_window, softcap, k_scale, v_scale,
+                                   use_triton_kernel=use_triton(q))
 
 
 @paged_attention.register_fake

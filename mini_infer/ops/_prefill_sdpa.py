@@ -1,0 +1,187 @@
+"""Long query runs of a paged-attention step through torch's fused attention kernels (cuDNN, FlashAttention).
+
+`mini_infer::paged_attention` (ops/paged_attention.py) hands this module each sequence of a step whose query
+run is long (`MIN_QUERY_ROWS` rows or more): its queries q [L, Hq, D], its new keys/values k, v [L, Hkv, D|Dv]
+and its cached context [C, Hkv, D|Dv] (gathered by the caller; C = 0 for an all-new prompt). Query row j sits
+at position C + j and sees every context key plus new keys 0..j (the bottom-right-aligned causal mask):
+  * C == 0: one causal call; the mask is square, so top-left and bottom-right alignment agree;
+  * C > 0: two calls, the queries over the context keys (no mask: all visible) and over the new keys (causal,
+    square), merged with their log-sum-exps. No call relies on how a backend aligns a non-square causal mask
+    (torch's cuDNN backend aligns it top-left in some versions and bottom-right in others).
+GQA/MQA go to the kernels as they are (they take fewer kv heads) or, for a backend that refuses them, with the
+kv heads repeated. Which backends serve a (device, dtype, heads, head dims) is decided once, by running each
+on a small problem against a float32 computation (wrong log-sum-exp conventions or refused shapes drop a
+backend); none left means the caller keeps those rows on its own kernel.
+
+cuDNN builds an execution plan per new shape (tens to hundreds of ms; each prompt length and each chunk's
+context length is a new one). torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` keys its plans on lengths rounded up
+to powers of two for unmasked calls on BSHD-contiguous q/k/v/out, which every call here is (the packed token
+layout): importing this module sets it unless the environment already says otherwise (torch reads it once, at
+its first cuDNN attention call; "0" keeps one plan per exact shape).
+
+`ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
+CPU; "off": never) and `MIN_QUERY_ROWS` are module-level switches read on every call.
+
+This module must not write the caches, read block tables or sync with the device (but for the one-time probe
+of a new head/dtype combination, made at the first call, in warm-up): the caller reads the step's lengths
+(outside CUDA-graph capture only) and gathers the context. It imports nothing from mini_infer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module docstring
+
+__all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_wanted"]
+
+# "auto" | "on" | "off", see the module docstring.
+ROUTE = "auto"
+
+# Shortest query run taken through the fused kernels (below it the unified Triton kernel is as fast, and a
+# step holding no such run never reads its lengths on the host). Tune with
+# bench/kernel_paged_attention.py --prefill on the GPU.
+MIN_QUERY_ROWS = 512
+
+# a backend: (q, k, v as [1, H, S, D] views, causal, scale, want the log-sum-exp) -> (out [1, Hq, L, Dv],
+# log-sum-exp with Hq * L elements in natural-log units, or None when not asked for)
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float, bool], tuple]
+
+
+def _cudnn(q, k, v, causal: bool, scale: float, lse: bool):
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, causal, False, scale=scale)
+    return out[0], out[1] if lse else None
+
+
+def _flash(q, k, v, causal: bool, scale: float, lse: bool):
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def _cpu_flash(q, k, v, causal: bool, scale: float, lse: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    kernel: Kernel
+    repeat_kv: bool  # repeat the kv heads to Hq first (for a kernel that refuses GQA)
+
+    def run(self, q, k, v, causal: bool, scale: float, lse: bool):
+        g = q.shape[1] // k.shape[1]
+        if self.repeat_kv and g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return self.kernel(q, k, v, causal, scale, lse)
+
+
+# per device type, in order of preference (cuDNN is ~2x FlashAttention-2 on an H200 at long prompts, which
+# outweighs repeating the kv heads: a copy of K and V, ~2% of the attention's time at 32k tokens)
+BACKENDS: dict[str, list[Backend]] = {
+    "cuda": [Backend("cudnn", _cudnn, False), Backend("cudnn+repeat", _cudnn, True),
+             Backend("flash", _flash, False), Backend("flash+repeat", _flash, True)],
+    "cpu": [Backend("cpu_flash", _cpu_flash, False), Backend("cpu_flash+repeat", _cpu_flash, True)],
+}
+
+# what a backend raises for inputs it does not take
+_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
+
+# (device, dtype, Hq, Hkv, D, Dv) -> the backends that passed the probe, in BACKENDS order
+_USABLE: dict[tuple, list[Backend]] = {}
+
+
+def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool) -> bool:
+    """Whether a step may send long runs here, from shapes and arguments alone (no device sync): the route is
+    on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap or fp8 cache (those
+    stay on the caller's kernel), the cache holds q's dtype (the new rows are read from k/v, not the cache), and
+    no CUDA graph is being captured."""
+    if ROUTE == "off" or (ROUTE == "auto" and not q.is_cuda) or q.shape[0] < MIN_QUERY_ROWS:
+        return False
+    if sliding_window > 0 or softcap > 0 or kv_fp8 or k_cache.dtype != q.dtype:
+        return False
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[S, H, D] -> a [1, H, S, D] view (the packed token layout is the kernels' BSHD layout)."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _tokens_first(o: torch.Tensor) -> torch.Tensor:
+    """[1, H, L, D] -> [L, H, D]."""
+    return o[0].transpose(0, 1)
+
+
+def _math_attention(q, k, v, causal: bool, scale: float):
+    """Float32 attention with its log-sum-exp, for [1, H, S, D] inputs (kv heads repeated): the probe's oracle."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)
+    s = q.float() @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v, s.logsumexp(-1)
+
+
+def _passes_probe(backend: Backend, device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int,
+                  dv: int) -> bool:
+    """Whether `backend` runs these heads and dims and agrees with float32 attention (output and log-sum-exp),
+    causal on a square problem and unmasked on a wider one."""
+    gen = torch.Generator().manual_seed(0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+
+    def rows(n: int, h: int, dim: int) -> torch.Tensor:  # laid out as attend_run's inputs are
+        return _heads_first(torch.randn(n, h, dim, generator=gen).to(device, dtype))
+
+    q = rows(80, hq, d)  # lengths that are no power of two (cuDNN's AVOID_RECOMPILE pads them)
+    try:
+        for causal, keys in ((True, 80), (False, 200)):
+            k, v = rows(keys, hkv, d), rows(keys, hkv, dv)
+            out, lse = backend.run(q, k, v, causal, d**-0.5, True)
+            want_out, want_lse = _math_attention(q, k, v, causal, d**-0.5)
+            if out.shape != want_out.shape or not torch.allclose(out.float(), want_out, atol=tol, rtol=tol):
+                return False
+            if not torch.allclose(lse.float().reshape(want_lse.shape), want_lse, atol=tol, rtol=tol):
+                return False
+    except _REFUSALS:  # refused: dtype, head dims, GQA, no such kernel (or another signature in this torch)
+        return False
+    return True
+
+
+def usable_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Backend]:
+    """The backends that serve q/k/v's device, dtype, heads and head dims (probed on first use)."""
+    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    if key not in _USABLE:
+        _USABLE[key] = [b for b in BACKENDS.get(q.device.type, []) if _passes_probe(b, q.device, *key[1:])]
+    return _USABLE[key]
+
+
+def _merge(o_ctx, lse_ctx, o_new, lse_new, out_dtype: torch.dtype) -> torch.Tensor:
+    """Attention over context + new keys from the two parts: weights exp(lse) / (exp(lse_ctx) + exp(lse_new)),
+    i.e. the context part's weight is sigmoid(lse_ctx - lse_new). Out [L, Hq, Dv]."""
+    hq, n = o_ctx.shape[1], o_ctx.shape[2]
+    w_ctx = torch.sigmoid(lse_ctx.float().reshape(hq, n) - lse_new.float().reshape(hq, n)).t()[:, :, None]
+    return _tokens_first(o_new).float().lerp_(_tokens_first(o_ctx).float(), w_ctx).to(out_dtype)
+
+
+def attend_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+               scale: float) -> torch.Tensor | None:
+    """Attention of one sequence's query run: q [L, Hq, D] at positions C .. C+L-1 over the context keys/values
+    k_ctx, v_ctx [C, Hkv, D|Dv] (C may be 0) and the run's own k, v [L, Hkv, D|Dv], causal. Returns [L, Hq, Dv]
+    in q's dtype, or None when no backend serves these shapes (the caller computes the run itself)."""
+    q4, k4, v4 = (_heads_first(x.contiguous()) for x in (q, k, v))  # contiguous rows: the BSHD layout
+    with_ctx = k_ctx.shape[0] > 0
+    for backend in usable_backends(q, k, v):
+        try:
+            o_new, lse_new = backend.run(q4, k4, v4, True, scale, with_ctx)
+            if not with_ctx:
+                return _tokens_first(o_new)
+            o_ctx, lse_ctx = backend.run(q4, _heads_first(k_ctx.contiguous()), _heads_first(v_ctx.contiguous()),
+                                         False, scale, True)
+        except _REFUSALS:  # a shape this backend refuses: the next one
+            continue
+        return _merge(o_ctx, lse_ctx, o_new, lse_new, q.dtype)
+    return None
