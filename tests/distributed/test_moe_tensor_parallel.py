@@ -17,14 +17,13 @@ import logging
 import re
 
 import pytest
-
 import torch
 
 from mini_infer.compiler import compile_model
 from mini_infer.llm import LLM
 from mini_infer.models.loader import load_model, shard_placeholders
-from mini_infer.passes import PassContext
 from mini_infer.models.presets import preset_config
+from mini_infer.passes import PassContext
 from tests.distributed.helpers import LLM_OPTIONS, greedy_tokens
 
 
