@@ -8,7 +8,7 @@
 * Expert parallelism (`enable_expert_parallel=True`, `--enable-expert-parallel`): greedy tokens equal TP=1's on
   the same presets; rank 0 compiled from a checkpoint holds experts 0 .. E/2-1 whole and nothing of the others
   (the checkpoint's bytes of those experts exactly); `dump-graph -tp 2 --enable-expert-parallel` shows them, the
-  expert map and the same collectives.
+  expert map and the same collectives; a size that does not divide the experts is refused at start-up.
 """
 
 from __future__ import annotations
@@ -77,6 +77,22 @@ def test_expert_parallel_rank_loads_only_its_experts(mixtral_checkpoint):
         assert torch.equal(w13, stacks[f"model.layers.{i}.mlp.experts.gate_up_proj"][:e // 2])
         assert torch.equal(w2, stacks[f"model.layers.{i}.mlp.experts.down_proj"][:e // 2])
     assert sum(t.nbytes for t in held) * 2 == sum(t.nbytes for t in stacks.values())
+
+
+def test_expert_parallel_refused_at_start_up_when_the_experts_do_not_split(tmp_path):
+    """Five experts over two ranks: refused before loading, naming both numbers; fine with the experts split
+    inside (tensor parallelism), which needs no even count of experts."""
+    from mini_infer.models.loader import build_random_model
+    from mini_infer.runtime.engine import EngineConfig
+    from mini_infer.runtime.preflight import check_before_load
+
+    config = preset_config("tiny-mixtral")
+    config.num_local_experts = 5
+    build_random_model(config, torch.float32, torch.device("cpu")).save_pretrained(tmp_path)
+    options = dict(model=str(tmp_path), device="cpu", tensor_parallel_size=2)
+    check_before_load(EngineConfig(**options))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 5 routed experts"):
+        check_before_load(EngineConfig(**options, enable_expert_parallel=True))
 
 
 def test_dump_graph_shows_the_expert_parallel_shard(mixtral_checkpoint, tmp_path, capsys):
