@@ -145,9 +145,9 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     list, a repeated pass or a missing prerequisite is a ValueError naming the pass, before capture).
     `passes=None` runs the recommended pipeline for the model and options. `quantization`, `kv_cache_dtype`,
     `rank`, `world_size`, `expert_parallel` (MoE experts split whole over the ranks) and `tokenizer` (for passes
-    that calibrate on text) reach the passes through the `PassContext`. `dump_dir` gets each pass's graph before and after plus a summary table. `verify=True` runs
-    the eager model and the graph after every pass on the same tokens and raises PassError naming the first pass
-    whose logits diverge beyond tolerance.
+    that calibrate on text) reach the passes through the `PassContext`. `dump_dir` gets each pass's graph before
+    and after plus a summary table. `verify=True` runs the eager model and the graph after every pass on the same
+    tokens and raises PassError naming the first pass whose logits diverge beyond tolerance.
     The graph shares the model's weights until a pass replaces one; the caller should drop the model after
     compiling so that replaced weights are freed.
     """
@@ -189,7 +189,6 @@ def _check_options_served(ctx: PassContext, passes: Sequence[GraphPass]) -> None
     if ctx.world_size > 1 and not any(p.stage == "sharding" for p in passes):
         raise ValueError(f"world_size={ctx.world_size}: no sharding pass in the pipeline (add "
                          "'shard_tensor_parallel')")
-
     if ctx.quantization is None:
         return
     modes = {m for p in passes for m in p.quantization_modes}

@@ -7,10 +7,11 @@ the stacked `experts.gate_up_proj` [E, 2I, H] is "packed_colwise" (each rank kee
 of the up half), `experts.down_proj` [E, H, I] is "rowwise" (its columns of I), and the experts module's output
 is a partial sum. With expert parallelism (`expert_parallel=True`, vLLM's `--enable-expert-parallel`) the same
 stacked weights are split along the experts instead: rank r keeps experts r*E/N .. (r+1)*E/N - 1 whole
-(`local_experts`), and the experts module's output is again a partial sum. Nothing is guessed: a config without a plan, or with an entry this project cannot shard (latent
-attention, expert-parallel and other styles), is a ValueError naming the field. The sharding pass and the start-up checks both read the plan
-from here, so a model is refused before any weight loads. This module reads configs only: it never touches a
-graph, a tensor or a process group.
+(`local_experts`), and the experts module's output is again a partial sum. Nothing is guessed: a config without
+a plan, or with an entry this project cannot shard (latent attention, expert-parallel and other styles), or
+experts the ranks do not divide under expert parallelism, is a ValueError naming the field. The sharding pass
+and the start-up checks both read the plan from here, so a model is refused before any weight loads. This module
+reads configs only: it never touches a graph, a tensor or a process group.
 """
 
 from __future__ import annotations

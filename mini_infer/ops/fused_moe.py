@@ -30,8 +30,8 @@ Two implementations:
     runs inside a CUDA graph:
       1. align: the (token, slot) pairs are grouped by (local) expert and each expert's run padded to a multiple
          of BLOCK_M, on the device (atomic counts, an exclusive scan, atomic placement); pairs of other ranks'
-         experts are left out here. Buffers have their
-         worst-case size, T*k + min(E, T*k) * (BLOCK_M - 1) rows; padding rows hold the sentinel T*k.
+         experts are left out here. Buffers have their worst-case size (every pair on this rank),
+         T*k + min(E, T*k) * (BLOCK_M - 1) rows; padding rows hold the sentinel T*k.
          Small batches use one single-program kernel, larger ones three kernels.
       2. one grouped-GEMM launch over all experts for gate and up (two accumulators), silu(gate) * up in its
          epilogue: intermediate [T*k, I];
@@ -39,7 +39,7 @@ Two implementations:
          directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert).
     Programs whose block lies past the padded end exit at once. Tile sizes (`moe_tile_config`) depend only on
-    (T, E, k, H, I), so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
+    (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
     a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).
 
@@ -393,9 +393,9 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                      expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs of `topk_ids` [T, k] by expert, each expert's run padded to a multiple of
     block_m, on the device. With `expert_map` the experts are the local ones, expert_map[id], and pairs whose
-    expert is on another rank (-1) are left out. Returns (sorted_pairs [padded_rows] int32: pair index t*k + j, or the sentinel T*k
-    in padding rows; block_expert [padded_rows // block_m (ceil)] int32: the expert of each block; num_padded [1]
-    int32: rows in use). Entries past num_padded are unspecified. Pairs are in no particular order within an
+    expert is on another rank (-1) are left out. Returns (sorted_pairs [padded_rows] int32: pair index t*k + j,
+    or the sentinel T*k in padding rows; block_expert [padded_rows // block_m (ceil)] int32: the expert of each
+    block; num_padded [1] int32: rows in use). Entries past num_padded are unspecified. Pairs are in no particular order within an
     expert's run (atomics); each row's result does not depend on it."""
     if not HAS_TRITON:
         raise RuntimeError("moe_align_triton needs triton")
