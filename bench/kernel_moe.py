@@ -99,7 +99,7 @@ class Case:
     def triton_calls(self, config=None) -> list[Callable]:
         from mini_infer.ops.fused_moe import fused_moe_triton
 
-        return [lambda s=s: fused_moe_triton(*s, self.w13, self.w2, "silu", config) for s in self.sets]
+        return [lambda s=s: fused_moe_triton(*s, self.w13, self.w2, "silu", config=config) for s in self.sets]
 
     def reference_calls(self) -> list[Callable]:
         from mini_infer.ops.fused_moe import fused_moe_reference

@@ -14,10 +14,16 @@ and the all-reduce time of one decode step measured on its own.
    batch-1 decode step runs (the same `_c10d_functional.all_reduce` + `wait_tensor` ops as the compiled graph),
    and time its replay.
 
+`--enable-expert-parallel` (MoE models): the check runs the MoE tiny presets with expert parallelism (each rank
+E/N whole experts, fused_moe over them with an expert map) instead of every preset with the experts split
+inside; the speed part runs TP=N twice, experts split inside and then expert-parallel, beside TP=1 in the same
+run (one all-reduce per MoE block either way: docs/distributed.md, "when to choose which").
+
     python bench/tp.py                          # 2 GPUs, qwen2.5-7b
     python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
     python bench/tp.py --check-only                              # the float32 greedy check alone
     python bench/tp.py --model qwen1.5-moe-a2.7b --skip-check    # MoE decode speed (one all-reduce per MoE block)
+    python bench/tp.py --model qwen3-30b-a3b --enable-expert-parallel   # MoE: TP=1, TP=2, TP=2 + EP; EP check
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def check_presets(tp: int) -> list[str]:
-    """Greedy TP=tp == TP=1 in float32 on every dense tiny preset and MOE_PRESETS; returns the failures."""
+def check_presets(tp: int, expert_parallel: bool = False) -> list[str]:
+    """Greedy TP=tp == TP=1 in float32 on every dense tiny preset and MOE_PRESETS (MOE_PRESETS alone, with
+    expert parallelism, when `expert_parallel`); returns the failures."""
     from mini_infer.llm import LLM
     from mini_infer.models.presets import TINY_DENSE_PRESETS
 
@@ -65,7 +72,7 @@ def check_presets(tp: int) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 17, 64, 130)]
     failures = []
-    for name in (*TINY_DENSE_PRESETS, *MOE_PRESETS):
+    for name in MOE_PRESETS if expert_parallel else (*TINY_DENSE_PRESETS, *MOE_PRESETS):
         opts = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
                     max_num_seqs=8)
         try:
@@ -74,7 +81,7 @@ def check_presets(tp: int) -> list[str]:
             _release(llm)
             del llm
             _free()
-            llm = LLM(name, tensor_parallel_size=tp, **opts)
+            llm = LLM(name, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **opts)
             many = _greedy(llm, prompts, 16)
             graphs = len(llm.engine.runner.cuda_graphs.graphs) if llm.engine.runner.cuda_graphs else 0
             _release(llm)
@@ -85,22 +92,24 @@ def check_presets(tp: int) -> list[str]:
             print(f"[check] {name}: ERROR {type(exc).__name__}: {exc}", flush=True)
             continue
         ok = one == many
-        print(f"[check] {name}: TP={tp} greedy {'==' if ok else '!='} TP=1 ({graphs} CUDA graphs on rank 0)",
-              flush=True)
+        print(f"[check] {name}: TP={tp}{' EP' if expert_parallel else ''} greedy {'==' if ok else '!='} TP=1 "
+              f"({graphs} CUDA graphs on rank 0)", flush=True)
         if not ok:
             failures.append(f"{name}: TP={tp} {many} != TP=1 {one}")
     torch.backends.cuda.matmul.allow_tf32 = True
     return failures
 
 
-def _report_check(failures: list[str], tp: int) -> None:
+def _report_check(failures: list[str], tp: int, expert_parallel: bool = False) -> None:
     if failures:
         print("float32 check FAILED:\n  " + "\n  ".join(failures))
+    elif expert_parallel:
+        print(f"float32 check: TP={tp} with expert parallelism greedy == TP=1 on every MoE tiny preset")
     else:
         print(f"float32 check: TP={tp} greedy == TP=1 on every dense and MoE tiny preset")
 
 
-def decode_run(model: str, tp: int, prompt: list[int], new: int) -> dict:
+def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False) -> dict:
     """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine."""
     from mini_infer.compiler import tensor_bytes
     from mini_infer.llm import LLM
@@ -108,7 +117,7 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(model, max_num_seqs=1, max_model_len=len(prompt) + new + 16, kv_cache_memory_bytes=2 << 30,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
     startup = time.perf_counter() - t0
     eng = llm.engine
     llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -124,7 +133,7 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int) -> dict:
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     hidden = eng.model_config.get_text_config().hidden_size
     layers = eng.model_config.get_text_config().num_hidden_layers
-    result = dict(tp=tp, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
+    result = dict(tp=tp, label=f"{tp}{' EP' if expert_parallel else ''}", expert_parallel=expert_parallel, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
                   weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
                   tokens=list(out.outputs[0].token_ids), hidden=hidden, layers=layers,
                   graphs=len(eng.runner.cuda_graphs.graphs) if eng.runner.cuda_graphs else 0)
@@ -198,43 +207,49 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--skip-check", action="store_true", help="skip the float32 tiny-preset check")
     ap.add_argument("--check-only", action="store_true", help="run the float32 tiny-preset check only")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE: check the MoE presets with expert parallelism, and time TP=N with it too")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
         print(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
         return 2
 
-    failures = [] if args.skip_check else check_presets(args.tp)
+    ep = args.enable_expert_parallel
+    failures = [] if args.skip_check else check_presets(args.tp, ep)
     if args.check_only:
-        _report_check(failures, args.tp)
+        _report_check(failures, args.tp, ep)
         return 1 if failures else 0
     bw = copy_bandwidth()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
     runs = []
-    for tp in (1, args.tp):
-        runs.append(decode_run(args.model, tp, prompt, args.new_tokens))
+    for tp, with_ep in ((1, False), (args.tp, False), *([(args.tp, True)] if ep else [])):
+        runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep))
         _free()
     ar_us = allreduce_us_per_step(args.tp, runs[0]["hidden"], runs[0]["layers"])
-    a, b = runs[0]["tokens"], runs[1]["tokens"]
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    a = runs[0]["tokens"]
     mean_ctx = args.prompt_len + args.new_tokens / 2
     print(f"\n{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s per GPU; {torch.cuda.get_device_name()}")
-    print(f"{'TP':<4}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
+    print(f"{'TP':<6}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
           f"{'startup s':>11}{'graphs':>8}")
     for r in runs:
         floor = bw / (r["weight_bytes_per_rank"] + r["kv_bytes_per_token_per_rank"] * mean_ctx)
         r["floor_tok_s"] = floor
-        print(f"{r['tp']:<4}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
+        print(f"{r['label']:<6}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
               f"{r['tok_s'] / runs[0]['tok_s']:>10.2f}{r['startup_s']:>11.1f}{r['graphs']:>8}")
     step_ms = 1e3 / runs[1]["tok_s"]
     print(f"all-reduce per decode step (TP={args.tp}, {2 * runs[0]['layers']} x [1, {runs[0]['hidden']}] bf16, "
           f"CUDA graph): {ar_us:.1f} us = {ar_us / 1e3 / step_ms:.0%} of the TP={args.tp} step")
-    verdict = "identical" if same is None else f"first differ at token {same} of {len(a)} (bf16 sum order)"
-    print(f"greedy tokens TP=1 vs TP={args.tp}: {verdict}")
+    for r in runs[1:]:
+        b = r["tokens"]
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        r["greedy_first_difference"] = same
+        verdict = "identical" if same is None else f"first differ at token {same} of {len(a)} (bf16 sum order)"
+        print(f"greedy tokens TP=1 vs TP={r['label']}: {verdict}")
     if not args.skip_check:
-        _report_check(failures, args.tp)
+        _report_check(failures, args.tp, ep)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     from kernel_norm import git_info  # HEAD and the files that differ from it
@@ -243,7 +258,8 @@ def main() -> int:
     (out_dir / "tp.json").write_text(json.dumps({
         "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, **git_info(),
         "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "runs": runs, "allreduce_us_per_step": ar_us,
-        "greedy_first_difference": same, "check_failures": failures}, indent=2))
+        "greedy_first_difference": runs[1]["greedy_first_difference"], "expert_parallel_checked": ep,
+        "check_failures": failures}, indent=2))
     return 1 if failures else 0
 
 

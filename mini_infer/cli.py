@@ -54,6 +54,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks, one process and one GPU each (started here, or "
                         "by torchrun: see docs/distributed.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with -tp N, each rank keeps E/N whole MoE experts instead of 1/N of every expert "
+                        "(attention stays tensor-parallel; see docs/distributed.md)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -69,7 +72,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         load_format="dummy" if args.dry_run else "auto", generation_config=args.generation_config,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
     )
 
 
@@ -129,7 +132,8 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     from mini_infer.models import load_model
     from mini_infer.runtime.engine import EngineConfig, resolve_kv_cache_dtype
 
-    EngineConfig(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)  # options named when bad
+    EngineConfig(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                 enable_expert_parallel=args.enable_expert_parallel)  # options named when bad
     size = args.tensor_parallel_size
     if size > 1 and args.verify:
         raise ValueError(f"--verify runs the graph, which needs all {size} ranks: dump without it (the graphs "
@@ -140,7 +144,8 @@ def cmd_dump_graph(args: argparse.Namespace) -> int:
     passes = args.passes.split(",") if args.passes else None
     cm = compile_model(loaded.model, passes=passes, dump_dir=args.out, verify=args.verify, model_name=loaded.name,
                        quantization=args.quantization, kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype),
-                       rank=0, world_size=size, tokenizer=loaded.tokenizer)
+                       rank=0, world_size=size, expert_parallel=args.enable_expert_parallel,
+                       tokenizer=loaded.tokenizer)
     print(cm.summary())
     print(f"graphs written to {args.out}")
     return 0

@@ -5,10 +5,13 @@ checks that a world size fits the model (attention heads, KV heads, vocabulary).
 Mixture-of-experts layers follow transformers' "moe_tp_experts" plan (tensor parallelism inside the experts):
 the stacked `experts.gate_up_proj` [E, 2I, H] is "packed_colwise" (each rank keeps its rows of the gate half and
 of the up half), `experts.down_proj` [E, H, I] is "rowwise" (its columns of I), and the experts module's output
-is a partial sum. Nothing is guessed: a config without a plan, or with an entry this project cannot shard (latent
-attention, expert-parallel and other styles), is a ValueError naming the field. The sharding pass and the start-up checks both read the plan
-from here, so a model is refused before any weight loads. This module reads configs only: it never touches a
-graph, a tensor or a process group.
+is a partial sum. With expert parallelism (`expert_parallel=True`, vLLM's `--enable-expert-parallel`) the same
+stacked weights are split along the experts instead: rank r keeps experts r*E/N .. (r+1)*E/N - 1 whole
+(`local_experts`), and the experts module's output is again a partial sum. Nothing is guessed: a config without
+a plan, or with an entry this project cannot shard (latent attention, expert-parallel and other styles), or
+experts the ranks do not divide under expert parallelism, is a ValueError naming the field. The sharding pass
+and the start-up checks both read the plan from here, so a model is refused before any weight loads. This module
+reads configs only: it never touches a graph, a tensor or a process group.
 """
 
 from __future__ import annotations
@@ -23,6 +26,20 @@ STACKED_STYLES = ("packed_colwise", "rowwise")  # styles of stacked expert param
 EXPERTS_STYLE = "moe_tp_experts"  # an experts module whose output each rank computes a share of
 REPLICATED_STYLES = ("replicated_with_grad_allreduce",)
 KV_PROJECTIONS = ("k_proj", "v_proj")  # the colwise linears whose rows are KV heads (may be replicated)
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # routed experts, by family
+
+
+def num_routed_experts(config) -> tuple[str, int] | None:
+    """(field, value) of a config's routed-expert count, or None for a model without routed experts."""
+    return next(((f, v) for f in EXPERT_COUNT_FIELDS
+                 if isinstance(v := getattr(config, f, None), int) and not isinstance(v, bool) and v > 0), None)
+
+
+def local_experts(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first expert, count) that rank `rank` of `world_size` keeps under expert parallelism: a contiguous run
+    of num_experts / world_size (vLLM's "linear" placement)."""
+    count = num_experts // world_size
+    return rank * count, count
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,8 @@ class TensorParallelPlan:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    expert_parallel: bool = False  # stacked expert weights split along the experts, not the intermediate size
+    num_experts: int = 0  # routed experts (0: none)
 
     @property
     def heads_per_rank(self) -> int:
@@ -93,9 +112,10 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile(rf"(^|\.){body}$")
 
 
-def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
-    """The plan for `config` (a transformers config) over `world_size` ranks; ValueError naming the field and
-    the limit when the model cannot be split that way."""
+def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False) -> TensorParallelPlan:
+    """The plan for `config` (a transformers config) over `world_size` ranks, with expert parallelism for the
+    MoE experts when `expert_parallel`; ValueError naming the field and the limit when the model cannot be split
+    that way."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world_size!r}")
     text = config.get_text_config()
@@ -126,12 +146,20 @@ def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size={world_size} and num_key_value_heads={kv_heads}: the size must "
                          "divide the KV heads, or be a multiple of them (each rank then keeps one KV head)")
-    for field in ("intermediate_size", "moe_intermediate_size"):
+    experts = num_routed_experts(text)
+    if expert_parallel and experts is not None and experts[1] % world_size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size={world_size} does not divide the "
+                         f"{experts[1]} routed experts ({experts[0]}={experts[1]}): every rank must keep the same "
+                         "number of whole experts; pick a size that divides them, or leave expert parallelism off")
+    # with expert parallelism the experts keep their whole intermediate size
+    fields = ("intermediate_size",) if expert_parallel else ("intermediate_size", "moe_intermediate_size")
+    for field in fields:
         value = getattr(text, field, None)
         if isinstance(value, int) and value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} does not divide {field}={value}")
     styles = {k: v for k, v in plan.items() if v in SHARDED_STYLES}
-    return TensorParallelPlan(world_size, styles, heads, kv_heads, head_dim, text.vocab_size)
+    return TensorParallelPlan(world_size, styles, heads, kv_heads, head_dim, text.vocab_size, expert_parallel,
+                              experts[1] if experts is not None else 0)
 
 
 def check_tensor_parallel_devices(world_size: int, device_type: str, num_gpus: int) -> None:

@@ -33,7 +33,8 @@ nothing from mini_infer outside this package.
 |   routed_scaling_factor, n_group, topk_group,         |  Tensor int32)      | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
 |   correction_bias)                                    |  [T, top_k] each    | renormalize, scale; ties: lower expert index          |
 | fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
-|   activation)                                         |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]  |
+|   activation, expert_map=None)                        |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
+|                                                       |                     | expert_map: e = map[ids[t,j]], -1 = another rank's    |
 | quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
 | rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
 | fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |

@@ -11,6 +11,14 @@ w13 stacks, for each expert, the gate projection W1 (rows 0 .. I-1) on top of th
 `experts.down_proj` (`down_proj.weight` per expert). A slot whose id is outside [0, E) contributes nothing (HF
 uses id E to mean "no expert"). Only activation="silu" is defined.
 
+Expert parallelism (`expert_map`, vLLM's name and convention): with it, w13 / w2 hold only this rank's E_local
+experts and topk_ids stay the router's global ids; expert_map [E_global] (int32 or int64) gives the local index
+of each global expert, or -1 where the expert lives on another rank. Slot (t, j) then uses local expert
+expert_map[ids[t, j]], and contributes nothing when that is -1 (or the id is outside [0, E_global)): the rank's
+output is its share of the routed sum, for the caller to all-reduce. The map is applied where the (token, slot)
+pairs are counted and placed, so the GEMMs see only this rank's pairs: its work is its tokens-for-its-experts,
+not all T*k slots. Its entries must be -1 or in [0, E_local) (not checked on the device).
+
 Numerics: matmuls accumulate in fp32; the silu(gate) * up product is rounded to hidden's dtype before the down
 projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton path
 also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1).
@@ -20,9 +28,10 @@ Two implementations:
     (host-side, so not for CUDA graphs), fp32 math.
   * `fused_moe_triton`: in the style of vLLM's fused_moe, with no host sync and no data-dependent shape, so it
     runs inside a CUDA graph:
-      1. align: the (token, slot) pairs are grouped by expert and each expert's run padded to a multiple of
-         BLOCK_M, on the device (atomic counts, an exclusive scan, atomic placement). Buffers have their
-         worst-case size, T*k + min(E, T*k) * (BLOCK_M - 1) rows; padding rows hold the sentinel T*k.
+      1. align: the (token, slot) pairs are grouped by (local) expert and each expert's run padded to a multiple
+         of BLOCK_M, on the device (atomic counts, an exclusive scan, atomic placement); pairs of other ranks'
+         experts are left out here. Buffers have their worst-case size (every pair on this rank),
+         T*k + min(E, T*k) * (BLOCK_M - 1) rows; padding rows hold the sentinel T*k.
          Small batches use one single-program kernel, larger ones three kernels.
       2. one grouped-GEMM launch over all experts for gate and up (two accumulators), silu(gate) * up in its
          epilogue: intermediate [T*k, I];
@@ -30,7 +39,7 @@ Two implementations:
          directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert).
     Programs whose block lies past the padded end exit at once. Tile sizes (`moe_tile_config`) depend only on
-    (T, E, k, H, I), so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
+    (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
     a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).
 
@@ -53,6 +62,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_reference",
     "fused_moe_triton",
+    "local_expert_ids",
     "moe_align_triton",
     "moe_tile_config",
     "padded_rows",
@@ -104,13 +114,19 @@ def _decode_block_n(n_out: int, live_blocks: int) -> int:
     return block_n
 
 
-def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoeTileConfig:
+def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                    local_experts: int | None = None) -> MoeTileConfig:
     """The tiles for a call with these shapes (and nothing else, so that a captured CUDA graph keeps them).
+    `num_experts` is the router's count; `local_experts` the experts this rank holds under expert parallelism
+    (None: all of them), which receive about num_tokens * top_k * local / num_experts of the pairs.
     Chosen with bench/kernel_moe.py --sweep on an H100 (qwen3-30b-a3b and mixtral-8x7b shapes, bf16)."""
-    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    num_experts = max(num_experts, 1)
+    local = num_experts if local_experts is None else local_experts
+    rows_per_expert = num_tokens * top_k / num_experts  # the same for a local expert as for any
     for max_rows, block_m in _DECODE_BLOCK_M:
         if rows_per_expert <= max_rows:
-            live_blocks = max(1, min(num_experts, num_tokens * top_k))  # about one block per used expert
+            local_pairs = -(-num_tokens * top_k * local // num_experts)
+            live_blocks = max(1, min(local, local_pairs))  # about one block per used expert
             return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks), 128, 1, 4, 3),
                                  GemmTile(_decode_block_n(hidden, live_blocks), 128, 1, 4, 3))
     if rows_per_expert <= _MID_MAX_ROWS_PER_EXPERT:
@@ -125,7 +141,8 @@ def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, activation: str) -> tuple[int, int, int, int, int]:
+                w2: torch.Tensor, activation: str,
+                expert_map: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     """Validate shapes and dtypes (ValueError naming the argument); returns (T, H, E, I, k)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -147,7 +164,21 @@ def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.dtype.is_floating_point:
         raise ValueError(f"fused_moe: topk_weights must be a float tensor shaped like topk_ids "
                          f"{tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)
+                                   or expert_map.shape[0] < e):
+        raise ValueError(f"fused_moe: expert_map must be an int32/int64 [E_global >= E={e}] tensor (local index of "
+                         f"each global expert, -1 elsewhere), got {expert_map.dtype} {tuple(expert_map.shape)}")
     return t, h, e, two_i // 2, topk_ids.shape[1]
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Each slot's local expert: expert_map[id], or -1 for an id outside [0, E_global); the ids themselves
+    without a map."""
+    if expert_map is None:
+        return topk_ids
+    ids = topk_ids.long()
+    inside = (ids >= 0) & (ids < expert_map.shape[0])
+    return torch.where(inside, expert_map[ids.clamp(0, expert_map.shape[0] - 1)].long(), -1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,12 +186,13 @@ def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 
 def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """Plain torch: for each expert in use, its rows through gate/up, silu * up (rounded to hidden's dtype), down,
-    times the routing weight, added into an fp32 [T, H] accumulator."""
-    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+                        w2: torch.Tensor, activation: str = "silu",
+                        expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: for each (local) expert in use, its rows through gate/up, silu * up (rounded to hidden's
+    dtype), down, times the routing weight, added into an fp32 [T, H] accumulator."""
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    flat_ids = topk_ids.reshape(-1)
+    flat_ids = local_expert_ids(topk_ids, expert_map).reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
     for expert in torch.unique(flat_ids).tolist():
         if not 0 <= expert < e:
@@ -182,11 +214,22 @@ _ALIGN_SINGLE_MAX = 4096  # up to this many pairs, one program aligns them all (
 if HAS_TRITON:
 
     @triton.jit
-    def _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, BLOCK: tl.constexpr):
-        """counts[e] += pairs of expert e among pairs [start, start + BLOCK)."""
+    def _map_expert(expert, ok, map_ptr, num_global, HAS_MAP: tl.constexpr):
+        """The local expert of router ids `expert` (where `ok`): expert_map[id], -1 for an id outside
+        [0, num_global); the ids themselves without a map."""
+        if HAS_MAP:
+            inside = ok & (expert >= 0) & (expert < num_global)
+            expert = tl.load(map_ptr + expert, mask=inside, other=-1).to(tl.int32)
+        return expert
+
+    @triton.jit
+    def _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, map_ptr, num_global,
+                     BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+        """counts[e] += pairs of (local) expert e among pairs [start, start + BLOCK)."""
         offs = start + tl.arange(0, BLOCK)
         ok = offs < num_pairs
         expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        expert = _map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
         ok = ok & (expert >= 0) & (expert < num_experts)
         tl.atomic_add(counts_ptr + expert, 1, mask=ok)
 
@@ -218,18 +261,23 @@ if HAS_TRITON:
             tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
 
     @triton.jit
-    def _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, BLOCK: tl.constexpr):
-        """Each pair of [start, start + BLOCK) takes the next free row of its expert's run (atomic cursor)."""
+    def _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, map_ptr, num_global,
+                       BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+        """Each pair of [start, start + BLOCK) takes the next free row of its (local) expert's run (atomic
+        cursor); pairs of no local expert take none."""
         offs = start + tl.arange(0, BLOCK)
         ok = offs < num_pairs
         expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        expert = _map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
         ok = ok & (expert >= 0) & (expert < num_experts)
         row = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
         tl.store(sorted_ptr + row, offs, mask=ok)
 
     @triton.jit
-    def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
-        _align_count(ids_ptr, counts_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK)
+    def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, map_ptr, num_global, BLOCK: tl.constexpr,
+                            HAS_MAP: tl.constexpr):  # fmt: skip
+        _align_count(ids_ptr, counts_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, map_ptr, num_global,
+                     BLOCK, HAS_MAP)
 
     @triton.jit
     def _align_scan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
@@ -238,25 +286,28 @@ if HAS_TRITON:
                     BLOCK_M, BLOCK_E)
 
     @triton.jit
-    def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
-        _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK)
+    def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, map_ptr, num_global,
+                              BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+        _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, map_ptr,
+                       num_global, BLOCK, HAS_MAP)
 
     @triton.jit
     def _align_single_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-                             num_pairs, num_experts, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_E: tl.constexpr):  # fmt: skip
+                             num_pairs, num_experts, map_ptr, num_global, BLOCK: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
         """All three align steps in one program (barriers between them): one launch for small batches."""
         e = tl.arange(0, BLOCK_E)
         tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < num_experts)
         tl.debug_barrier()
         for start in range(0, num_pairs, BLOCK):
-            _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, BLOCK)
+            _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, map_ptr, num_global, BLOCK, HAS_MAP)
         tl.debug_barrier()
         _align_scan(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
                     BLOCK_M, BLOCK_E)
         tl.debug_barrier()
         for start in range(0, num_pairs, BLOCK):
-            _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, BLOCK)
+            _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, start, num_pairs, num_experts, map_ptr, num_global,
+                           BLOCK, HAS_MAP)
 
     @triton.jit
     def _moe_gemm_kernel(
@@ -323,26 +374,28 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-        """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not an expert
-        (their rows were never written)."""
+    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+        """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
+        expert (their rows were never written)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
         acc = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + t * TOP_K + j)
+            expert = _map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
             row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
         tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
-                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs of `topk_ids` [T, k] by expert, each expert's run padded to a multiple of
-    block_m, on the device. Returns (sorted_pairs [padded_rows] int32: pair index t*k + j, or the sentinel T*k
-    in padding rows; block_expert [padded_rows // block_m (ceil)] int32: the expert of each block; num_padded [1]
-    int32: rows in use). Entries past num_padded are unspecified. Pairs are in no particular order within an
+    block_m, on the device. With `expert_map` the experts are the local ones, expert_map[id], and pairs whose
+    expert is on another rank (-1) are left out. Returns (sorted_pairs [padded_rows] int32: pair index t*k + j,
+    or the sentinel T*k in padding rows; block_expert [padded_rows // block_m (ceil)] int32: the expert of each
+    block; num_padded [1] int32: rows in use). Entries past num_padded are unspecified. Pairs are in no particular order within an
     expert's run (atomics); each row's result does not depend on it."""
     if not HAS_TRITON:
         raise RuntimeError("moe_align_triton needs triton")
@@ -356,18 +409,29 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
     sorted_pairs, block_expert, counts, cursor, num_padded = torch.split(
         meta, [rows, n_blocks, num_experts, num_experts, 1])
     block_e = next_pow2(num_experts)
+    emap, num_global = _map_args(ids, expert_map)
+    has_map = expert_map is not None
     if num_pairs <= _ALIGN_SINGLE_MAX:
         _align_single_kernel[(1,)](ids, counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs,
-                                   num_experts, BLOCK=_ALIGN_BLOCK, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8)
+                                   num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK, BLOCK_M=block_m,
+                                   BLOCK_E=block_e, HAS_MAP=has_map, num_warps=8)
     else:
         counts.zero_()
         grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
-        _align_count_kernel[grid](ids, counts, num_pairs, num_experts, BLOCK=_ALIGN_BLOCK, num_warps=4)
+        _align_count_kernel[grid](ids, counts, num_pairs, num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK,
+                                  HAS_MAP=has_map, num_warps=4)
         _align_scan_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
                                  BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8)
-        _align_scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, num_experts, BLOCK=_ALIGN_BLOCK,
-                                    num_warps=4)
+        _align_scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, num_experts, emap, num_global,
+                                    BLOCK=_ALIGN_BLOCK, HAS_MAP=has_map, num_warps=4)
     return sorted_pairs, block_expert, num_padded
+
+
+def _map_args(ids: torch.Tensor, expert_map: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(map pointer, E_global) for the kernels; without a map, `ids` stands in for the unread pointer."""
+    if expert_map is None:
+        return ids, 0
+    return (expert_map if expert_map.is_contiguous() else expert_map.contiguous()), expert_map.shape[0]
 
 
 # Launch shapes that compiled for a (dtype, gemm, tile) key; a tile that runs out of shared memory (fp32) is
@@ -414,24 +478,26 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
 
 
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor, activation: str = "silu", config: MoeTileConfig | None = None) -> torch.Tensor:
+                     w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                     config: MoeTileConfig | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1): align, gate/up GEMM with silu * up, down GEMM with the
     routing weight, sum over slots (module docstring). No host sync; `config` overrides `moe_tile_config`."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
-    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
-    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (id outside [0, E))
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
     if t == 0:
         return out
-    cfg = config or moe_tile_config(t, e, k, h, inter)
+    num_global = e if expert_map is None else expert_map.shape[0]
+    cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weights = topk_weights.reshape(-1)
     weights = weights if weights.is_contiguous() else weights.contiguous()
     num_pairs = t * k
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m)
+    sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
@@ -441,7 +507,9 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
                   cfg.block_m, cfg.down)
     if k > 1:
         block = min(1024, next_pow2(h))
-        _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, TOP_K=k, BLOCK=block, num_warps=4)
+        emap, n_global = _map_args(ids, expert_map)
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block,
+                                                    HAS_MAP=expert_map is not None, num_warps=4)
     return out
 
 
@@ -451,15 +519,15 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 
 @torch.library.custom_op("mini_infer::fused_moe", mutates_args=())
 def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+              w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (module docstring): Triton on CUDA when available, else the torch reference."""
     if use_triton(hidden):
-        return fused_moe_triton(hidden, topk_weights, topk_ids, w13, w2, activation)
-    return fused_moe_reference(hidden, topk_weights, topk_ids, w13, w2, activation)
+        return fused_moe_triton(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+    return fused_moe_reference(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
 
 
 @fused_moe.register_fake
 def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-      activation: str = "silu") -> torch.Tensor:
-    _check_args(hidden, topk_weights, topk_ids, w13, w2, activation)
+      activation: str = "silu", expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
     return hidden.new_empty(hidden.shape)

@@ -3,9 +3,10 @@
 A pass is a small object with a `name`, a `stage`, optional constructor arguments (validated when it is built)
 and `apply(gm, ctx) -> PassResult`; it rewrites the GraphModule in place and reports how many places it matched.
 The context is the pass's window on everything beyond the graph: the model config, target device and dtype,
-the distributed rank and world size, the quantization mode and KV-cache dtype the user asked for, parameters by
-node, and the declarations the runtime reads as data — the graph inputs a pass adds (`InputSpec`) and the
-caches its ops use (`CacheSpec`, see `mini_infer.contract`). Passes never import the runtime.
+the distributed rank and world size (and whether MoE experts are split by expert parallelism), the
+quantization mode and KV-cache dtype the user asked for, parameters by node, and the declarations the
+runtime reads as data — the graph inputs a pass adds (`InputSpec`) and the caches its ops use (`CacheSpec`,
+see `mini_infer.contract`). Passes never import the runtime.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class PassContext:
     dtype: torch.dtype
     rank: int = 0
     world_size: int = 1
+    expert_parallel: bool = False  # MoE experts split whole over the ranks instead of inside (world_size > 1)
     quantization: str | None = None  # "w8a8", "fp8" or None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     tokenizer: Any = None  # the model's tokenizer, if it has one (calibration prompts are text)

@@ -12,7 +12,13 @@ Per block, found by `node.meta["nn_module_stack"]` (the block, its router and it
     the router, a top-k of `num_experts_per_tok`, DeepSeek-V3's `e_score_correction_bias` added to the scores;
   * the experts module's output is replaced by `fused_moe(hidden, weights, ids, w13, w2)` where w13 / w2 are HF's
     `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (I / N on each of N tensor-parallel ranks,
-    as shard_tensor_parallel left them: fused_moe's output is then the rank's share, all-reduced after it). transformers 5.x already stores every
+    as shard_tensor_parallel left them: fused_moe's output is then the rank's share, all-reduced after it). With
+    expert parallelism (`ctx.expert_parallel`) shard_tensor_parallel left each rank E / N whole experts
+    [E/N, 2I, H] (`tp_plan.local_experts`), and fused_moe also gets `expert_map` [E] (the local index of each
+    global expert, -1 for another rank's: one int32 buffer per graph, shared by every block), so the rank
+    computes only its experts' slots and its output is again its share. shard_tensor_parallel applies this
+    rewrite itself then (HF's experts code cannot run on a subset of the experts), and this pass leaves the
+    blocks it finds routed already (a fused_moe among their nodes). transformers 5.x already stores every
     family's experts stacked this way (checkpoints with per-expert tensors are stacked by its loader), so they
     are taken as they are; a non-contiguous one is copied once into a contiguous buffer that replaces it. Either
     way the graph holds one copy of each expert weight;
@@ -49,6 +55,7 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401
+from mini_infer.models.tp_plan import local_experts, num_routed_experts
 from mini_infer.ops.moe_topk import check_moe_topk_args
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, erase_dead
 from mini_infer.passes.pattern import aten, dtype, is_op, module_chain, same_shape, shape
@@ -118,8 +125,7 @@ class Routing:
 
 def is_moe_config(config) -> bool:
     """True for configs with routed experts (any family: the pass then refuses the ones it does not know)."""
-    return any(isinstance(v := getattr(config, f, None), int) and v > 0
-               for f in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return num_routed_experts(config) is not None
 
 
 def _positive_int(config, field: str) -> int:
@@ -198,6 +204,7 @@ class _Block:
     w13: fx.Node  # get_attr of gate_up_proj [E, 2I, H]
     w2: fx.Node  # get_attr of down_proj [E, H, I]
     output: fx.Node  # the experts module's output [T, H]
+    experts: tuple[int, int]  # (first, count) of the routed experts w13 / w2 hold: all but under expert parallelism
 
 
 def _group_by_block(gm: fx.GraphModule) -> dict[str, tuple[MoeFamily, list[fx.Node]]]:
@@ -223,14 +230,19 @@ def _in_module(node: fx.Node, block_path: str, cls: str) -> bool:
 
 
 def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes: list[fx.Node],
-                 world_size: int = 1) -> _Block:
+                 ctx: PassContext) -> _Block:
     """Find the logits, the experts' input, weights and output of one block; ValueError naming the block when its
-    router or experts are not HF's. With `world_size` ranks the expert weights hold this rank's share of the
-    intermediate size (shard_tensor_parallel split them)."""
+    router or experts are not HF's. With `ctx.world_size` ranks the expert weights hold this rank's share of the
+    intermediate size, or with `ctx.expert_parallel` its experts whole (shard_tensor_parallel split them)."""
     where = f"{path} ({family.block})"
     routing = routing_for(config, family)
-    e, h = routing.num_experts, _positive_int(config, "hidden_size")
-    inter = _positive_int(config, family.inter_field) // world_size
+    h, inter = _positive_int(config, "hidden_size"), _positive_int(config, family.inter_field)
+    held = (0, routing.num_experts)
+    if ctx.world_size > 1 and ctx.expert_parallel:
+        held = local_experts(routing.num_experts, ctx.rank, ctx.world_size)
+    else:
+        inter //= ctx.world_size
+    e = held[1]
     router = [n for n in nodes if _in_module(n, path, family.router)]
     experts = [n for n in nodes if _in_module(n, path, family.experts)]
     if not router or not experts:
@@ -243,8 +255,8 @@ def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes
                          f"{family.model_type} routing is {routing.scoring}")
     logits = _uncast(scoring.args[0])
     ls = shape(logits)
-    if ls is None or len(ls) != 2 or ls[1] != e:
-        raise ValueError(f"{where}: router logits {ls} are not [T, {family.experts_field}={e}]")
+    if ls is None or len(ls) != 2 or ls[1] != routing.num_experts:
+        raise ValueError(f"{where}: router logits {ls} are not [T, {family.experts_field}={routing.num_experts}]")
     ks = sorted({n.args[1] for n in router if is_op(n, aten.topk.default)})
     if routing.top_k not in ks:
         raise ValueError(f"{where}: the router takes top-{ks} experts, not num_experts_per_tok={routing.top_k}")
@@ -252,9 +264,11 @@ def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes
     if routing.scoring == "sigmoid":
         adds = [a for n in router if is_op(n, aten.add.Tensor) and scoring in n.args
                 for a in map(_uncast, n.args) if a is not scoring]
-        bias = next((a for a in adds if isinstance(a, fx.Node) and a.op == "get_attr" and shape(a) == (e,)), None)
+        bias = next((a for a in adds if isinstance(a, fx.Node) and a.op == "get_attr"
+                     and shape(a) == (routing.num_experts,)), None)
         if bias is None:
-            raise ValueError(f"{where}: no e_score_correction_bias [{e}] added to the router's sigmoid scores")
+            raise ValueError(f"{where}: no e_score_correction_bias [{routing.num_experts}] added to the router's "
+                             "sigmoid scores")
     # the experts: stacked weights, one input of activations besides the routing, one output
     inside = set(experts)
     params = {a for n in experts for a in n.all_input_nodes if a.op == "get_attr"}
@@ -283,7 +297,7 @@ def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes
         if t.dtype != dtype(hidden):
             raise ValueError(f"{where}: expert weight {w.target} is {t.dtype}, the activations "
                              f"{dtype(hidden)} (fused_moe needs both in one float dtype)")
-    return _Block(path, family, routing, set(router) | inside, logits, bias, hidden, w13, w2, outs[0])
+    return _Block(path, family, routing, set(router) | inside, logits, bias, hidden, w13, w2, outs[0], held)
 
 
 def _downstream(start: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
@@ -320,13 +334,19 @@ class RouteMoe(GraphPass):
         groups = _group_by_block(gm)
         if not groups:
             return PassResult(0, "no MoE blocks in the graph")
-        blocks = [_match_block(gm, ctx.config, path, family, nodes, ctx.world_size)
+        routed = [p for p, (_, nodes) in groups.items() if any(is_op(n, ops.fused_moe.default) for n in nodes)]
+        groups = {p: g for p, g in groups.items() if p not in routed}
+        if not groups:
+            return PassResult(0, f"{len(routed)} MoE blocks routed already (by shard_tensor_parallel: expert "
+                                 "parallelism)")
+        blocks = [_match_block(gm, ctx.config, path, family, nodes, ctx)
                   for path, (family, nodes) in groups.items()]
         before = _bytes(gm, {n for b in blocks for n in (b.w13, b.w2)})
         copies = 0
+        maps: dict[tuple[int, int, int], fx.Node] = {}  # (first, count, E) -> the expert map's get_attr
         for block in blocks:
             copies += self._stack(gm, ctx, block)
-            self._rewrite(gm, block)
+            self._rewrite(gm, block, self._expert_map(gm, block, maps))
             erase_dead(gm, block.nodes.__contains__, block.family.block)
             alive = set(gm.graph.nodes)
             left = [n.name for n in block.nodes
@@ -353,7 +373,25 @@ class RouteMoe(GraphPass):
         return copies
 
     @staticmethod
-    def _rewrite(gm: fx.GraphModule, block: _Block) -> None:
+    def _expert_map(gm: fx.GraphModule, block: _Block, maps: dict[tuple[int, int, int], fx.Node]) -> fx.Node | None:
+        """The expert map of a block whose weights hold only some experts (expert parallelism): global id ->
+        local index, -1 for the experts of other ranks; one buffer for all blocks that hold the same experts,
+        placed before the first graph node (so every block can read it). None when the block holds them all."""
+        (first, count), total = block.experts, block.routing.num_experts
+        if count == total:
+            return None
+        key = (first, count, total)
+        if key not in maps:
+            device = PassContext.tensor_of(gm, block.w13).device
+            value = torch.full((total,), -1, dtype=torch.int32, device=device)
+            value[first:first + count] = torch.arange(count, dtype=torch.int32, device=device)
+            first_node = next(n for n in gm.graph.nodes if n.op != "placeholder")
+            maps[key] = PassContext.add_tensor(gm, f"moe_expert_map_{first}_{first + count - 1}", value,
+                                               before=first_node)
+        return maps[key]
+
+    @staticmethod
+    def _rewrite(gm: fx.GraphModule, block: _Block, expert_map: fx.Node | None) -> None:
         graph, r = gm.graph, block.routing
         with graph.inserting_before(block.output):
             topk = graph.call_function(ops.moe_topk.default, (
@@ -365,7 +403,9 @@ class RouteMoe(GraphPass):
             if block.family.weights_in_logits_dtype and logits_dtype != torch.float32:
                 weights = graph.call_function(aten.to.dtype, (weights, logits_dtype))
                 new.append(weights)
-            out = graph.call_function(ops.fused_moe.default, (block.hidden, weights, ids, block.w13, block.w2))
+            args = (block.hidden, weights, ids, block.w13, block.w2)
+            out = graph.call_function(ops.fused_moe.default, args if expert_map is None else (*args, "silu",
+                                                                                               expert_map))
             new.append(out)
         stack = {k: v for k, v in (block.output.meta.get("nn_module_stack") or {}).items()
                  if v[0] == block.path or not v[0].startswith(block.path)}
@@ -378,7 +418,9 @@ class RouteMoe(GraphPass):
         kinds = Counter(b.family.block for b in blocks)
         what = ", ".join(f"{k} x{n}" for k, n in kinds.items())
         how = f"{copies} made contiguous" if copies else "HF's stacked gate_up_proj/down_proj taken as they are"
-        return (f"{len(blocks)} MoE blocks ({what}): {blocks[0].routing.describe()}; expert weights "
+        (first, count), total = blocks[0].experts, blocks[0].routing.num_experts
+        held = f"; experts {first}..{first + count - 1} on this rank (expert map)" if count != total else ""
+        return (f"{len(blocks)} MoE blocks ({what}): {blocks[0].routing.describe()}{held}; expert weights "
                 f"{before / 1e6:.3f} MB before stacking, {after / 1e6:.3f} MB after ({how})")
 
 

@@ -15,6 +15,14 @@ For rank `ctx.rank`:
     gate), one all-reduce of the block's output serves them all; otherwise each share is all-reduced where it is
     computed (Qwen2-MoE, whose shared expert the plan leaves replicated). HF's experts code runs unchanged on the
     sliced weights (route_moe later replaces it by fused_moe over them);
+  * with expert parallelism (`ctx.expert_parallel`, vLLM's `--enable-expert-parallel`) the same two stacked
+    weights are split along the experts instead: rank r keeps experts r*E/N .. (r+1)*E/N - 1 whole
+    (`tp_plan.local_experts`), everything else (router, shared experts, attention) as above, and the experts
+    module's output is again this rank's share, all-reduced by the same rule. HF's experts code cannot run on a
+    subset of the experts (it indexes them by the router's global ids), so this pass then applies route_moe's
+    rewrite to those blocks itself: moe_topk (every rank routes identically) + fused_moe over the rank's experts
+    with the map of global ids to them; the graph it leaves runs and gives the model's logits, and the route_moe
+    pass later finds those blocks routed;
   * lm_head is column-parallel over the vocabulary (padded to a multiple of the world size) and its selected
     logits rows are all-gathered, so every rank returns the full [1, rows, vocab]; the token embedding stays
     replicated (one full table per rank: simpler than a vocabulary-parallel lookup, which would need a mask
@@ -43,10 +51,12 @@ from mini_infer.models.tp_plan import (
     KV_PROJECTIONS,
     STACKED_STYLES,
     TensorParallelPlan,
+    local_experts,
     tensor_parallel_plan,
 )
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op, lm_head_of, module_chain, repeat_kv_source
+from mini_infer.passes.route_moe import RouteMoe
 
 c10d = torch.ops._c10d_functional
 DEFAULT_GROUP_NAME = "0"  # torch.distributed's name for the default (WORLD) process group
@@ -174,12 +184,16 @@ class _Sharder:
     # -- experts ---------------------------------------------------------------------------------------------
     def stacked_expert_weight(self, node: fx.Node, style: str) -> None:
         """A stacked experts parameter: packed_colwise [E, 2I, H] keeps rows r*I/N .. (r+1)*I/N - 1 of the gate
-        half and of the up half; rowwise [E, H, I] keeps the matching columns of I."""
+        half and of the up half; rowwise [E, H, I] keeps the matching columns of I. With expert parallelism,
+        either keeps its experts r*E/N .. (r+1)*E/N - 1 whole."""
         weight, device = self._whole(node)
         path = str(node.target)
         if weight.dim() != 3:
             raise ValueError(f"{path}: {style} is supported on stacked expert weights [experts, out, in], this one "
                              f"is {tuple(weight.shape)}")
+        if self.plan.expert_parallel:
+            self._local_experts(node, path, weight, device)
+            return
         size = weight.shape[1] if style == "packed_colwise" else weight.shape[2]
         parts = 2 if style == "packed_colwise" else 1
         if size % (parts * self.ws):
@@ -193,6 +207,18 @@ class _Sharder:
             else:
                 value = weight[:, :, self.rank * n:(self.rank + 1) * n]
             new = PassContext.add_tensor(self.gm, f"{path}_tp{self.rank}", self._slice_to(value, device), before=node)
+        node.replace_all_uses_with(new)
+        self.counts["experts"] += 1
+
+    def _local_experts(self, node: fx.Node, path: str, weight: torch.Tensor, device: torch.device) -> None:
+        """Expert parallelism: this rank's experts of a stacked [E, out, in] weight, whole."""
+        if weight.shape[0] != self.plan.num_experts:
+            raise ValueError(f"{path}: {weight.shape[0]} stacked experts, but the config routes to "
+                             f"{self.plan.num_experts}")
+        first, count = local_experts(self.plan.num_experts, self.rank, self.ws)
+        with torch.no_grad():
+            new = PassContext.add_tensor(self.gm, f"{path}_ep{self.rank}",
+                                         self._slice_to(weight[first:first + count], device), before=node)
         node.replace_all_uses_with(new)
         self.counts["experts"] += 1
 
@@ -368,7 +394,7 @@ class ShardTensorParallel(GraphPass):
             return PassResult(0, "world size 1: nothing to shard")
         if not 0 <= ctx.rank < ctx.world_size:
             raise ValueError(f"rank {ctx.rank} is not in [0, {ctx.world_size})")
-        plan = tensor_parallel_plan(ctx.config, ctx.world_size)
+        plan = tensor_parallel_plan(ctx.config, ctx.world_size, ctx.expert_parallel)
         group = self.group_name or default_group_name(ctx.rank, ctx.world_size)
         sharder = _Sharder(gm, ctx, plan, group)
         head = lm_head_of(gm.graph.output_node().args[0])
@@ -408,12 +434,24 @@ class ShardTensorParallel(GraphPass):
         sharder.rewrite_shapes()
         shares = [share for node in rowwise if (share := sharder.rowwise(node)) is not None]
         sharder.reduce_shares(shares + list(experts.values()), list(experts))
+        routed = ""
+        if plan.expert_parallel and experts:  # HF's experts code cannot run on this rank's subset of the experts
+            routed = f"; {RouteMoe().apply(gm, ctx).num_matches} MoE blocks routed over this rank's experts"
         head_note = sharder.lm_head(head)
         c = sharder.counts
-        moe = f", {len(experts)} MoE experts modules ({c['experts']} stacked weights)" if experts else ""
+        moe = f", {len(experts)} MoE experts modules ({c['experts']} stacked weights{self._split(plan, ctx)})" \
+            if experts else ""
         note = (f"{c['colwise']} colwise, {c['rowwise']} rowwise{moe}, {c['all_reduce']} all_reduce, {c['views']} "
-                f"shape args; {head_note}")
+                f"shape args{routed}; {head_note}")
         return PassResult(c["colwise"] + c["rowwise"] + c["experts"] + 1, note)
+
+    @staticmethod
+    def _split(plan: TensorParallelPlan, ctx: PassContext) -> str:
+        """How the stacked expert weights were split, for the summary."""
+        if not plan.expert_parallel:
+            return ", each expert's intermediate size split"
+        first, count = local_experts(plan.num_experts, ctx.rank, ctx.world_size)
+        return f", expert parallel: experts {first}..{first + count - 1} of {plan.num_experts} on this rank"
 
     @staticmethod
     def _check_inside_experts(weight: fx.Node, experts: dict[str, fx.Node]) -> None:

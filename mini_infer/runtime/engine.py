@@ -104,12 +104,16 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     # ranks the model is split over (one process, and one GPU, each; runtime/distributed.py)
     tensor_parallel_size: int = 1
+    # MoE experts split whole over those ranks (E/N each) instead of each expert's intermediate size (vLLM's name)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.kv_cache_dtype)
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} or None; "
                              f"got {self.quantization!r}")
@@ -192,7 +196,7 @@ class LLMEngine:
             self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
             quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
             rank=self.parallel.rank if self.parallel else 0, world_size=config.tensor_parallel_size,
-            tokenizer=self.tokenizer)
+            expert_parallel=config.enable_expert_parallel, tokenizer=self.tokenizer)
         self.compile_seconds = time.perf_counter() - t1
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.

@@ -132,7 +132,7 @@ def _check_tensor_parallel(config: EngineConfig, model_config, device: torch.dev
     from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_parallel_plan
 
     size = config.tensor_parallel_size
-    tensor_parallel_plan(model_config, size)
+    tensor_parallel_plan(model_config, size, config.enable_expert_parallel)
     if device.type == "cuda" and device.index is not None:
         raise ValueError(f"device={config.device!r} with tensor_parallel_size={size}: each rank takes its own GPU; "
                          "pass device='cuda'")

@@ -9,6 +9,7 @@ from mini_infer.ops.fused_moe import (
     MoeTileConfig,
     fused_moe_reference,
     fused_moe_triton,
+    local_expert_ids,
     moe_align_triton,
     moe_tile_config,
     padded_rows,
@@ -184,19 +185,26 @@ def test_triton_never_syncs_with_the_host(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("placement", [None, "linear rank 1"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_cuda_graph_replays_new_routing(tokens):
+def test_cuda_graph_replays_new_routing(tokens, placement):
     """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
-    (other experts, other counts per expert) into its input buffers gives that routing's result."""
+    (other experts, other counts per expert) into its input buffers gives that routing's result (also with an
+    expert map: the rank's share changes with the routing)."""
     num_experts, hidden, inter = 8, 64, 96
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
+    emap = None
+    if placement is not None:
+        held = PLACEMENTS[placement]
+        emap = _expert_map(num_experts, held).to("cuda")
+        w13, w2 = w13[list(held)].contiguous(), w2[list(held)].contiguous()
     weights, ids = _routing(tokens, num_experts, 2, seed=6)
-    fused_moe_triton(x, weights, ids, w13, w2)  # compile outside the capture
+    fused_moe_triton(x, weights, ids, w13, w2, "silu", emap)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_triton(x, weights, ids, w13, w2)
+        out = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap)
     for seed in (7, 8):
         new_w, new_ids = _routing(tokens, num_experts, 2, seed=seed)
         new_ids[: tokens // 2, 0] = 3  # skew: many rows on one expert
@@ -204,7 +212,7 @@ def test_cuda_graph_replays_new_routing(tokens):
         weights.copy_(new_w)
         ids.copy_(new_ids)
         graph.replay()
-        assert_close(out, fused_moe_reference(x, weights, ids, w13, w2))
+        assert_close(out, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
 
 
 def test_tile_config_by_regime():
@@ -240,6 +248,118 @@ def test_invalid_arguments_name_the_argument(change, name):
             fn(**args)
 
 
+# -- expert parallelism: an expert map (global id -> local index, -1 on another rank) ---------------------------
+
+# the experts one rank holds, of 8: two ranks' contiguous halves (vLLM's "linear" placement), and every other
+# expert (its "round_robin", which the op serves as well though the sharding pass uses the linear one)
+PLACEMENTS = {"linear rank 0": range(0, 4), "linear rank 1": range(4, 8), "round robin": range(1, 8, 2)}
+
+
+def _expert_map(num_experts: int, held: range) -> torch.Tensor:
+    """Written out here, not by the code under test: held[i] -> i, every other expert -> -1."""
+    emap = [-1] * num_experts
+    for local, expert in enumerate(held):
+        emap[expert] = local
+    return torch.tensor(emap, dtype=torch.int32)
+
+
+def _rank_case(num_experts=8, tokens=19, hidden=32, inter=48, top_k=2, dtype=torch.float32, seed=9):
+    torch.manual_seed(seed)
+    x = torch.randn(tokens, hidden).to(dtype).to(DEVICE)
+    w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=seed)
+    weights, ids = _routing(tokens, num_experts, top_k, seed=seed)
+    ids[::5, -1] = num_experts  # HF's "no expert" id: on no rank
+    return x, weights, ids, w13, w2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_with_expert_map_is_the_ranks_share(dtype):
+    """A rank's output is the op's formula over the slots whose expert it holds (the other slots given HF's "no
+    expert" id), computed with the whole expert stack; the shares of the ranks add up to the whole op."""
+    x, weights, ids, w13, w2 = _rank_case(dtype=dtype)
+    shares = []
+    for name, held in PLACEMENTS.items():
+        emap = _expert_map(8, held).to(DEVICE)
+        got = fused_moe_reference(x, weights, ids, w13[list(held)], w2[list(held)], "silu", emap)
+        theirs = torch.where(torch.isin(ids, torch.tensor(list(held), device=ids.device)), ids, 8)
+        assert_close(got, _loop_definition(x, weights, theirs, w13, w2).to(DEVICE))
+        if name.startswith("linear"):
+            shares.append(got.float())
+    whole = fused_moe_reference(x, weights, ids, w13, w2)
+    assert_close((shares[0] + shares[1]).to(dtype), whole)
+
+
+@requires_triton
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_triton_with_expert_map_matches_reference(placement, config):
+    x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
+    held = list(PLACEMENTS[placement])
+    emap = _expert_map(8, PLACEMENTS[placement]).to(DEVICE)
+    w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    expected = fused_moe_reference(x, weights, ids, w13, w2, "silu", emap)
+    assert expected.abs().amax(1).gt(0).sum() >= len(ids) // 2  # some tokens have a slot on this rank
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=config), expected)
+    # one slot per token (the down GEMM writes the output rows; other ranks' rows stay zero), int64 ids
+    expected = fused_moe_reference(x, weights[:, :1], ids[:, :1].long(), w13, w2, "silu", emap)
+    assert_close(fused_moe_triton(x, weights[:, :1], ids[:, :1].long(), w13, w2, "silu", emap, config=config),
+                 expected)
+
+
+@requires_triton
+@pytest.mark.parametrize("multi_kernel", [False, True], ids=["one_program", "three_kernels"])
+def test_align_with_expert_map_places_only_the_ranks_pairs(multi_kernel, monkeypatch):
+    """The rank's work is its pairs: only the slots whose expert it holds are placed (by local index), so the
+    padded rows, and with them the GEMM blocks that run, count those alone; with none, nothing runs."""
+    if multi_kernel:
+        monkeypatch.setattr(fused_moe_mod, "_ALIGN_SINGLE_MAX", 16)
+        monkeypatch.setattr(fused_moe_mod, "_ALIGN_BLOCK", 64)
+    torch.manual_seed(10)
+    block_m = 16
+    for held in PLACEMENTS.values():
+        emap = _expert_map(8, held).to(DEVICE)
+        for ids in [torch.randint(0, 8, (150, 2)), torch.full((150, 2), held[1]), torch.randint(0, 9, (3, 2))]:
+            ids = ids.int().to(DEVICE)
+            local = torch.tensor([[emap[e] if e < 8 else -1 for e in row] for row in ids.cpu().tolist()])
+            aligned = moe_align_triton(ids, len(held), block_m, emap)
+            _check_alignment(local, len(held), block_m, *aligned)
+            mine = int((local >= 0).sum())
+            assert int(aligned[2]) <= mine + len(held) * (block_m - 1)
+    others = torch.full((40, 2), 0, dtype=torch.int32, device=DEVICE)  # every slot on rank 0's expert 0
+    emap = _expert_map(8, PLACEMENTS["linear rank 1"]).to(DEVICE)
+    assert int(moe_align_triton(others, 4, block_m, emap)[2]) == 0
+    x, weights, _, w13, w2 = _rank_case(tokens=40)
+    out = fused_moe_triton(x, weights, others, w13[4:].contiguous(), w2[4:].contiguous(), "silu", emap)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_local_expert_ids():
+    emap = _expert_map(8, PLACEMENTS["round robin"])
+    ids = torch.tensor([[1, 2], [7, 8], [-1, 3]], dtype=torch.int32)
+    assert local_expert_ids(ids, emap).tolist() == [[0, -1], [3, -1], [-1, 1]]
+    assert local_expert_ids(ids, None) is ids
+
+
+@pytest.mark.parametrize("emap", [torch.zeros(8), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)],
+                         ids=["float", "2-d", "shorter than the local experts"])
+def test_invalid_expert_map_is_named(emap):
+    args = (torch.randn(3, 16), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32), torch.randn(4, 24, 16),
+            torch.randn(4, 16, 12), "silu", emap)
+    for fn in (fused_moe_reference, fused_moe_triton, torch.ops.mini_infer.fused_moe):
+        with pytest.raises(ValueError, match="expert_map"):
+            fn(*args)
+
+
+def test_tile_config_counts_the_ranks_pairs():
+    """Under expert parallelism the regime follows the rows per expert (the router's count), and the decode
+    tiles narrow for the fewer blocks a rank's experts get."""
+    qwen3 = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+    whole, half = moe_tile_config(8, **qwen3), moe_tile_config(8, **qwen3, local_experts=64)
+    assert (whole.block_m, whole.gate_up.block_n) == (16, 128)  # ~64 experts used: 64 x 6 blocks of 128 columns
+    assert (half.block_m, half.gate_up.block_n) == (16, 64)  # ~32 on this rank: 32 x 12 blocks of 64
+    assert moe_tile_config(2048, **qwen3, local_experts=64).block_m == moe_tile_config(2048, **qwen3).block_m
+
+
 def test_registered_op_fake_and_opcheck():
     torch.manual_seed(5)
     x = torch.randn(6, 16)
@@ -253,3 +373,8 @@ def test_registered_op_fake_and_opcheck():
             torch.empty(8, 96, 64, dtype=torch.bfloat16), torch.empty(8, 64, 48, dtype=torch.bfloat16))
     assert out.shape == (7, 64) and out.dtype == torch.bfloat16
     torch.library.opcheck(torch.ops.mini_infer.fused_moe.default, args)
+    emap = _expert_map(8, PLACEMENTS["linear rank 1"])
+    ids8 = _routing(6, 8, 2)[1].cpu()
+    map_args = (x, weights.cpu(), ids8, w13.cpu(), w2.cpu(), "silu", emap)
+    assert torch.equal(torch.ops.mini_infer.fused_moe(*map_args), fused_moe_reference(*map_args))
+    torch.library.opcheck(torch.ops.mini_infer.fused_moe.default, map_args)

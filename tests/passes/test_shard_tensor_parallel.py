@@ -8,15 +8,17 @@ fuses every residual add + RMSNorm that follows an all-reduce. MoE: fused_moe ru
 intermediate size (rank 1's gate rows are the second quarter of HF's gate_up_proj, its up rows the fourth); a
 block whose output is a sum of shares gets one all-reduce of that output (tiny-qwen2-moe with its shared expert
 sharded too), and one whose output adds a replicated value to a share all-reduces the share (tiny-qwen2-moe with
-transformers' plan, which leaves the shared expert replicated).
+transformers' plan, which leaves the shared expert replicated). With expert parallelism rank 1 keeps experts
+E/2 .. E-1 whole (half the expert bytes), fused_moe maps the router's ids to them, and the pass routes the blocks.
 Refusals name the field: no tp plan, heads or KV heads that do not split, latent attention, expert-parallel
-styles, more ranks than GPUs, a world size > 1 without a sharding pass.
+styles, more ranks than GPUs, a world size > 1 without a sharding pass, experts that do not split over the ranks
+under expert parallelism.
 
 On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense and MoE tiny preset (DeepSeek's
 latent attention is refused) plus a llama with one KV head (replicated on both ranks) and a vocabulary of 511
 (padded to 512), tiny-qwen2-moe with its shared expert sharded, and tiny-qwen3-moe with a dense first layer
 (`mlp_only_layers`): the pass alone and the full pipeline give eager HF's logits on both ranks, and the same as the
-TP=1 pipeline.
+TP=1 pipeline; the same for the MoE ones with expert parallelism.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ MOE_TP_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")
 TP_PRESETS = TINY_DENSE_PRESETS + MOE_TP_PRESETS
 
 
-def _tp_pipeline(name: str, rank: int, world_size: int):
+def _tp_pipeline(name: str, rank: int, world_size: int, expert_parallel: bool = False):
     """The recommended pipeline for rank `rank` of `world_size` on `name`'s cleaned graph (no process group)."""
     lm = loaded(name)
     ctx = PassContext(config=lm.config, device=CPU, dtype=torch.float32, rank=rank, world_size=world_size,
-                      applied=["cleanup"])
+                      expert_parallel=expert_parallel, applied=["cleanup"])
     gm = copy_gm(_cleaned(name))
     stats = PassManager(recommended_passes(ctx)[1:]).run(gm, ctx)
     return gm, ctx, stats
@@ -134,6 +136,32 @@ def test_experts_keep_their_share_of_the_intermediate_size(name):
         assert torch.equal(w2, down[:, :, half:])
 
 
+@pytest.mark.parametrize("name", MOE_TP_PRESETS)
+def test_expert_parallel_rank_holds_its_experts_whole(name):
+    """Expert parallelism, rank 1 of 2: fused_moe reads experts E/2 .. E-1 of HF's gate_up_proj and down_proj
+    whole, maps the router's global ids to them (experts of rank 0 -> -1), and the graph's expert weights are
+    half of TP=1's bytes; attention is split as without it, with the same one all-reduce per MoE block."""
+    gm, _, stats = _tp_pipeline(name, 1, 2, expert_parallel=True)
+    hf = loaded(name).model.model.layers
+    e = hf[0].mlp.experts.gate_up_proj.shape[0]
+    weights = _fused_moe_weights(gm)
+    assert len(weights) == L
+    for layer, (w13, w2) in zip(hf, weights, strict=True):
+        assert torch.equal(w13, layer.mlp.experts.gate_up_proj[e // 2:])
+        assert torch.equal(w2, layer.mlp.experts.down_proj[e // 2:])
+    maps = {n.args[6] for n in gm.graph.nodes if n.target is mi.fused_moe.default}
+    assert len(maps) == 1  # one buffer shared by every block
+    assert PassContext.tensor_of(gm, maps.pop()).tolist() == [-1] * (e // 2) + list(range(e // 2))
+    expert_bytes = sum(w.nbytes for pair in weights for w in pair)
+    tp1 = sum(w.nbytes for pair in _fused_moe_weights(full_pipeline(name)[0]) for w in pair)
+    assert expert_bytes * 2 == tp1
+    counts = op_counts(gm)
+    assert counts[c10d.all_reduce.default] == 2 * L and counts[mi.moe_topk.default] == L
+    notes = {s.name: s.note for s in stats}
+    assert f"expert parallel: experts {e // 2}..{e - 1} of {e} on this rank" in notes["shard_tensor_parallel"]
+    assert "routed already" in notes["route_moe"]
+
+
 def _moe_rank_graph(config, rank: int = 0):
     """Rank `rank` of 2's graph of a random model of `config`, through the recommended pipeline."""
     model = build_random_model(config, torch.float32, CPU, seed=0)
@@ -196,6 +224,25 @@ def test_plan_refusals(config, size, message):
         tensor_parallel_plan(config, size)
 
 
+def test_expert_parallel_refusals():
+    """The experts must split evenly over the ranks (named with both numbers); the intermediate size of whole
+    experts need not; latent attention stays refused."""
+    config = _config("tiny-mixtral", num_local_experts=5)
+    tensor_parallel_plan(config, 2)  # inside the experts, 5 of them split fine
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 5 routed experts "
+                                         r"\(num_local_experts=5\)"):
+        tensor_parallel_plan(config, 2, expert_parallel=True)
+    odd = _config("tiny-qwen3-moe", moe_intermediate_size=33)
+    assert tensor_parallel_plan(odd, 2, expert_parallel=True).expert_parallel
+    with pytest.raises(ValueError, match="latent attention"):
+        tensor_parallel_plan(_config("tiny-deepseek-v2"), 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="latent attention"):
+        check_before_load(EngineConfig(model="tiny-deepseek-v2", device="cpu", tensor_parallel_size=2,
+                                       enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="enable_expert_parallel must be a bool"):
+        EngineConfig(enable_expert_parallel=1)
+
+
 def test_plan_arithmetic():
     plan = tensor_parallel_plan(_config("tiny-llama", num_key_value_heads=1, vocab_size=511), 2)
     assert (plan.heads_per_rank, plan.kv_heads_per_rank, plan.kv_replicated) == (2, 1, True)
@@ -249,11 +296,13 @@ VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_laye
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
-def _errors(rank: int, world_size: int) -> dict:
+def _errors(rank: int, world_size: int, labels: list[str] | None = None, expert_parallel: bool = False) -> dict:
     """On each rank: max |logits - eager| of the pass alone and of the full pipeline, and |TP=N - TP=1|
-    (one capture per model, each pipeline on a copy of it)."""
+    (one capture per model, each pipeline on a copy of it), for VARIANTS (or those of `labels`)."""
     out = {}
     for label, (preset, fields) in VARIANTS.items():
+        if labels is not None and label not in labels:
+            continue
         model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
         captured = capture(model)
         num, start = 11, 5
@@ -265,7 +314,7 @@ def _errors(rank: int, world_size: int) -> dict:
         logits = {}
         for kind, size in (("alone", world_size), ("full", world_size), ("tp1", 1)):
             ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank % size,
-                              world_size=size)
+                              world_size=size, expert_parallel=expert_parallel)
             passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
             gm = copy_gm(captured)
             PassManager(passes).run(gm, ctx)
@@ -280,8 +329,7 @@ def _errors(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_two_ranks_match_eager_and_tp1():
-    results = run_ranks(_errors, 2)
+def _check_errors(results: list[dict]) -> None:
     for rank, rows in enumerate(results):
         for label, row in rows.items():
             where = f"rank {rank}, {label}"
@@ -290,3 +338,18 @@ def test_two_ranks_match_eager_and_tp1():
             assert row["vs_tp1"] <= row["tol"], f"{where}: TP=2 and TP=1 differ by {row['vs_tp1']:.2e}"
             assert row["alone_all_reduces"] == row["full_all_reduces"] == 2 * L, where
             assert row["tp1_all_reduces"] == 0, where
+
+
+def test_two_ranks_match_eager_and_tp1():
+    _check_errors(run_ranks(_errors, 2))
+
+
+EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0"]
+
+
+def test_two_ranks_expert_parallel_match_eager_and_tp1():
+    """Expert parallelism: each rank runs its half of the experts whole (the pass alone routes them, since HF's
+    experts code cannot run on half of them); both ranks give eager HF's logits and TP=1's."""
+    results = run_ranks(_errors, 2, EP_VARIANTS, True)
+    assert all(set(rows) == set(EP_VARIANTS) for rows in results)
+    _check_errors(results)
