@@ -13,6 +13,7 @@ exits 1 on any mismatch or error (an architecture that fails to compile is a fai
     python bench/gpu_check.py --model qwen3-0.6b    # plus a real-shape preset
     python bench/gpu_check.py --readme              # plus the README's GPU examples, run as written
     python bench/gpu_check.py --only tiny-qwen2-moe --reference-ops fused_moe   # bisect a mismatch to one op
+    python bench/gpu_check.py --only tiny-qwen2-moe --passes paged_attention,route_moe   # ... or to a pass
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def use_reference_kernels(compiled, names: set[str]) -> int:
     return n
 
 
-def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset()) -> tuple[bool, str]:
+def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset(),
+                passes: list[str] | None = None) -> tuple[bool, str]:
     from mini_infer.compiler import compile_model
     from mini_infer.llm import LLM
     from mini_infer.models import load_model
@@ -58,7 +60,7 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     prompts = [torch.randint(min(100, vocab // 4), min(5000, vocab), (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t = time.perf_counter()
-    compiled = compile_model(loaded.model, device="cuda", model_name=name)
+    compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
     if reference_ops:
         print(f"[{name}] {use_reference_kernels(compiled, reference_ops)} nodes of {sorted(reference_ops)} run their "
@@ -159,6 +161,9 @@ def main() -> int:
     ap.add_argument("--reference-ops", default="",
                     help="comma list of op names (fused_moe, moe_topk, ...) to run as their torch reference on the "
                          "GPU while the others keep their Triton kernels (bisecting a mismatch)")
+    ap.add_argument("--passes", default=None,
+                    help="comma list of passes to compile with instead of the recommended pipeline (bisecting a "
+                         "mismatch to a pass)")
     ap.add_argument("--readme", action="store_true",
                     help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
     ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")
@@ -173,7 +178,8 @@ def main() -> int:
     for name in names:
         try:
             ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024,
-                                   set(args.reference_ops.split(",")) if args.reference_ops else set())
+                                   set(args.reference_ops.split(",")) if args.reference_ops else set(),
+                                   args.passes.split(",") if args.passes else None)
         except Exception as exc:  # one architecture's failure must not hide the others'
             traceback.print_exc()
             ok, note = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
