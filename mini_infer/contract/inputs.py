@@ -131,3 +131,8 @@ SEQ_LENS = InputSpec("seq_lens", torch.int32, ("seqs",), _array("seq_lens"), pad
 QUERY_START_LOC = InputSpec("query_start_loc", torch.int32, ("seqs+1",), _array("query_start_loc"), pad="last")
 LOGITS_INDICES = InputSpec("logits_indices", torch.int64, ("logits",), _array("logits_indices"), pad=0)
 ATTENTION_METADATA = (SLOT_MAPPING, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC)
+
+# A pass whose op reads step lengths on the host for long query runs (which a CUDA graph cannot replay) declares
+# in `PassContext.info[UNCAPTURED_QUERY_ROWS]` the run length from which that happens: the runtime runs steps
+# holding a query run at least that long uncaptured.
+UNCAPTURED_QUERY_ROWS = "uncaptured_query_rows"

@@ -37,15 +37,18 @@ import torch
 
 os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module docstring
 
-__all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_wanted"]
+__all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
 
 # "auto" | "on" | "off", see the module docstring.
 ROUTE = "auto"
 
-# Shortest query run taken through the fused kernels (below it the unified Triton kernel is as fast, and a
-# step holding no such run never reads its lengths on the host). Tune with
-# bench/kernel_paged_attention.py --prefill on the GPU.
-MIN_QUERY_ROWS = 512
+# Shortest query run taken through the fused kernels (a step holding no such run never reads its lengths on
+# the host). H200, bench/kernel_paged_attention.py --prefill (one sequence, causal, bf16, D 128): cuDNN through
+# the op is 0.99-1.01x cuDNN alone at 16k-32k new tokens (518-555 TFLOP/s vs the Triton kernel's 268-311), and
+# 1.5-1.6x the Triton kernel for a 2k chunk over 16k of context; at 512-1024 rows it is 3-5x slower than the
+# Triton kernel, at 4096 faster for 28 query heads (381 vs 221) and slower for 16 (106 vs 209, each call
+# paying its own host read there; the engine pays one per step).
+MIN_QUERY_ROWS = 4096
 
 # a backend: (q, k, v as [1, H, S, D] views, causal, scale, want the log-sum-exp) -> (out [1, Hq, L, Dv],
 # log-sum-exp with Hq * L elements in natural-log units, or None when not asked for)
@@ -92,6 +95,15 @@ _REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
 
 # (device, dtype, Hq, Hkv, D, Dv) -> the backends that passed the probe, in BACKENDS order
 _USABLE: dict[tuple, list[Backend]] = {}
+
+
+def route_min_query_rows(device: torch.device) -> int | None:
+    """The query-run length from which steps on `device` take the route (None: never). A step with such a run
+    reads its lengths on the host, which a CUDA graph cannot replay: the runtime runs those steps uncaptured
+    (the paged_attention pass declares this number for it)."""
+    if ROUTE == "off" or (ROUTE == "auto" and torch.device(device).type != "cuda"):
+        return None
+    return MIN_QUERY_ROWS
 
 
 def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool) -> bool:

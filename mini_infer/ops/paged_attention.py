@@ -50,9 +50,11 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops import _prefill_sdpa, _split_k
+from mini_infer.ops._prefill_sdpa import route_min_query_rows
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 __all__ = [
+    "route_min_query_rows",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",

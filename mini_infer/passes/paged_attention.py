@@ -36,7 +36,8 @@ import torch.fx as fx
 import mini_infer.ops  # noqa: F401
 from mini_infer.contract import FullAttentionSpec, SlidingWindowSpec
 from mini_infer.contract.caches import FP8_DTYPES
-from mini_infer.contract.inputs import ATTENTION_METADATA
+from mini_infer.contract.inputs import ATTENTION_METADATA, UNCAPTURED_QUERY_ROWS
+from mini_infer.ops.paged_attention import route_min_query_rows
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, repeat_kv_source, shape
 from mini_infer.passes.quantize_fp8 import require_fp8_device
@@ -141,6 +142,8 @@ class PagedAttention(GraphPass):
             sdpa.replace_all_uses_with(out)
             graph.erase_node(sdpa)
         ctx.info["attention_layers"] = len(sdpas)
+        if sdpas and (rows := route_min_query_rows(ctx.device)) is not None:
+            ctx.info[UNCAPTURED_QUERY_ROWS] = rows  # the op's long-prefill route reads lengths on the host
         windows = sorted({s.attention_window for s in ctx.cache_specs if s.attention_window})
         note = f"{len(sdpas)} layers" + (f", sliding window {windows}" if windows else "")
         if fp8:

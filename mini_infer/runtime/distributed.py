@@ -38,7 +38,7 @@ import torch.distributed as dist
 logger = logging.getLogger("mini_infer")
 
 CMD_STEP, CMD_STOP = 1, 2
-_HEADER = 8  # cmd, tokens, seqs, logits, blocks, decode, padded, spare
+_HEADER = 8  # cmd, tokens, seqs, logits, blocks, decode, padded, max_query_len
 _LONG = datetime.timedelta(days=365)  # ranks > 0 wait for rank 0's next step for as long as the server idles
 _START_TIMEOUT = 600.0  # seconds the started ranks get to import and join
 _STARTED_RANK = "MINI_INFER_TP_RANK"  # set in the ranks rank 0 started
@@ -111,7 +111,7 @@ class ParallelState:
             if "blocks" in spec.shape:
                 blocks = int(inputs[spec.name].shape[spec.shape.index("blocks")])
         header = torch.tensor([CMD_STEP, plan.num_tokens, plan.num_seqs, plan.num_logits, blocks, int(decode),
-                               int(padded), 0], dtype=torch.int64)
+                               int(padded), plan.max_query_len], dtype=torch.int64)
         try:
             dist.broadcast(header, src=0, group=self.control)
             dist.broadcast(_pack([inputs[s.name] for s in _by_itemsize(specs)]), src=0)
@@ -175,7 +175,7 @@ class ParallelState:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         while True:
             dist.broadcast(header, src=0, group=self.control)
-            cmd, tokens, seqs, logits, blocks, decode, padded = header.tolist()[:7]
+            cmd, tokens, seqs, logits, blocks, decode, padded, max_query_len = header.tolist()[:8]
             if cmd == CMD_STOP:
                 break
             shapes = [s.sizes(tokens, seqs, logits, blocks) for s in specs]
@@ -184,7 +184,8 @@ class ParallelState:
             dist.broadcast(buf, src=0)
             inputs = _unpack(buf, shapes, specs)
             inputs.update(caches)
-            runner.execute(inputs, StepPlan(num_tokens=tokens, num_seqs=seqs, num_logits=logits),
+            runner.execute(inputs, StepPlan(num_tokens=tokens, num_seqs=seqs, num_logits=logits,
+                                            max_query_len=max_query_len),
                            decode=bool(decode), padded=bool(padded))
         self._closed = True
         try:

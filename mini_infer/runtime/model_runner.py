@@ -16,6 +16,7 @@ import torch
 
 from mini_infer.compiler import CompiledModel
 from mini_infer.contract import StepBatch
+from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
 from mini_infer.runtime.kv_cache import KVCache
 from mini_infer.runtime.sequence import Sequence
 from mini_infer.runtime.transfer import to_device
@@ -31,6 +32,7 @@ class StepPlan:
     num_tokens: int = 0
     num_seqs: int = 0
     num_logits: int = 0
+    max_query_len: int = 0  # the longest query run of the step
 
 
 class ModelRunner:
@@ -147,6 +149,7 @@ class ModelRunner:
             query_start_loc=np.asarray(qsl, dtype=np.int32), block_tables=self._tables[rows, :width],
             logits_indices=np.asarray(logits_idx or [len(ids) - 1], dtype=np.int64), block_size=bs)
         plan.num_tokens, plan.num_seqs, plan.num_logits = step.num_tokens, step.num_seqs, step.num_logits
+        plan.max_query_len = max(n for _, n in scheduled)
         return self.inputs_for(step), plan
 
     def inputs_for(self, step: StepBatch) -> dict[str, torch.Tensor]:
@@ -176,6 +179,9 @@ class ModelRunner:
         sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape replays
         it; otherwise (prompt logprobs, oversized steps) the graph runs as is."""
         graphs = self.cuda_graphs
+        uncaptured_rows = self.compiled.context.info.get(UNCAPTURED_QUERY_ROWS)
+        if uncaptured_rows is not None and plan.max_query_len >= uncaptured_rows:
+            padded = False  # an op takes a host-side path for this step's long query run
         if graphs is not None and padded:
             shape = graphs.bucket_for(plan.num_tokens, plan.num_seqs, plan.num_logits, decode)
             if shape is not None:

@@ -95,3 +95,29 @@ def test_greedy_matches_hf_in_padded_shapes(name):
     padded_decode = [s for s in shapes if s[2][0] == s[2][1] and s[1] < s[2][1]]
     assert padded_mixed and padded_decode, shapes
     assert_no_leak(engine)
+
+
+def test_steps_with_a_query_run_the_graph_declares_uncapturable_run_uncaptured():
+    """A pass declares UNCAPTURED_QUERY_ROWS when its op reads lengths on the host for long query runs (the
+    paged-attention op's long-prefill route): steps holding such a run skip the captured shapes, the others
+    still replay them, and the tokens do not change."""
+    from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
+
+    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=40)
+    engine.compiled.context.info[UNCAPTURED_QUERY_ROWS] = 10
+    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 24, force=True)
+    graphs = engine.runner.cuda_graphs
+    replayed = []
+    real_run = graphs.run
+
+    def record(inputs, plan, shape):
+        replayed.append(plan.max_query_len)
+        return real_run(inputs, plan, shape)
+
+    graphs.run = record
+    outs = run(engine, PROMPTS)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == hf_ref("tiny-llama", tuple(p)), f"prompt of {len(p)} tokens"
+    assert replayed and max(replayed) < 10  # decodes and short chunks replayed; no run of 10+ rows did
+    assert any(len(p) >= 10 for p in PROMPTS)
+    assert_no_leak(engine)
