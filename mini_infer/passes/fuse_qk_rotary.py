@@ -62,7 +62,7 @@ def _rotary_pair(sdpa: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     cs, ss = shape(q_rot.args[1]), shape(q_rot.args[2])
     if qs is None or ks is None or cs is None or ss is None or not len(qs) == len(ks) == len(cs) == len(ss) == 4:
         return None
-    if cs[1] != 1 or ss[1] != 1 or not isinstance(qs[3], int) or not _same_dims(qs, ks, (0, 2, 3)):
+    if str(cs[1]) != "1" or str(ss[1]) != "1" or not isinstance(qs[3], int) or not _same_dims(qs, ks, (0, 2, 3)):
         return None
     return q_rot, k_rot
 
