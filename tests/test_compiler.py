@@ -30,12 +30,12 @@ from tests.passes.helpers import (
     start_pos,
 )
 
-PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "merge_projections", "fuse_silu_mul",
-            "paged_attention", "gemv_linear"]
+PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "fuse_qk_rotary", "merge_projections",
+            "fuse_silu_mul", "paged_attention", "gemv_linear"]
 # MoE models route their experts (route_moe, before merge_projections); DeepSeek's latent attention gets its own
 # attention pass, before paged_attention (which then matches nothing)
-MOE_PIPELINE = [*PIPELINE[:4], "route_moe", *PIPELINE[4:]]
-MLA_PIPELINE = [*MOE_PIPELINE[:7], "mla_latent_cache", *MOE_PIPELINE[7:]]
+MOE_PIPELINE = [*PIPELINE[:5], "route_moe", *PIPELINE[5:]]
+MLA_PIPELINE = [*MOE_PIPELINE[:8], "mla_latent_cache", *MOE_PIPELINE[8:]]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,9 @@ def test_summary_lists_every_pass(compiled):
     assert "caches: 512 bytes per token over 2 layer caches" in footer  # 2 layers x K+V x 2 heads x 16 x 4 B
     assert "FullAttentionSpec x2" in footer
     assert all(s.max_abs_err is not None and s.max_abs_err <= 1e-4 for s in cm.stats[1:-1])
-    # norms, rotaries, silu_and_mul, attentions, weight linears (qkv, o, gate_up, down per layer; lm_head)
-    assert cm.stats[-1].num_matches == 5 + 4 + 2 + 2 + 9
+    # norms, rotaries (one qk_rotary per layer), silu_and_mul, attentions, weight linears (qkv, o, gate_up, down
+    # per layer; lm_head)
+    assert cm.stats[-1].num_matches == 5 + 2 + 2 + 2 + 9
     matches = {s.name: s.num_matches for s in cm.stats}
     assert (matches["fuse_rmsnorm"], matches["fuse_rotary"], matches["fuse_silu_mul"],
             matches["paged_attention"], matches["select_logits"], matches["gemv_linear"]) == (5, 4, 2, 2, 1, 9)
@@ -95,8 +96,8 @@ def test_dump_dir(compiled):
     assert {p.name for p in dump.iterdir()} == expected
     rows = (dump / "summary.txt").read_text().splitlines()[2:]
     assert [r.split()[0] for r in rows] == PIPELINE
-    assert "scaled_dot_product_attention" in (dump / "07_paged_attention.before.txt").read_text()
-    assert "scaled_dot_product_attention" not in (dump / "07_paged_attention.after.txt").read_text()
+    assert "scaled_dot_product_attention" in (dump / "08_paged_attention.before.txt").read_text()
+    assert "scaled_dot_product_attention" not in (dump / "08_paged_attention.after.txt").read_text()
 
 
 def test_inputs_and_cache_specs(compiled):
@@ -227,7 +228,7 @@ def test_bound_kernels_match_the_ops():
         if "op" in node.meta:
             node.target = node.meta["op"]
     stats = bind_kernels(gm, torch.device("cpu"), backend="triton")
-    assert stats.num_matches == 5 + 4 + 2 + 2 + 9  # ... and the weight linears (the lm_head's one row: GEMV)
+    assert stats.num_matches == 5 + 2 + 2 + 2 + 9  # ... and the weight linears (the lm_head's one row: GEMV)
     names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and callable(n.target)]
     assert "paged_attention_triton" in names and "rms_norm_triton" in names and "linear_triton" in names
     inputs = cm.example_inputs(ids, pos)

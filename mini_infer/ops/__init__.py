@@ -15,6 +15,8 @@ nothing from mini_infer outside this package.
 | apply_rotary(x, cos, sin)                             | Tensor (contiguous) | x * cos + rotate_half(x) * sin (HF neox-style)        |
 | apply_rotary_interleaved(x, cos, sin)                 | Tensor (contiguous) | GPT-J style: pairs (x[2i], x[2i+1]) turned by angle i;|
 |                                                       |                     | cos/sin [..., D/2]; fp32 math, x's dtype (DeepSeek)   |
+| qk_rotary(q, k, cos, sin, q_weight, k_weight, eps)    | (Tensor, Tensor)    | (apply_rotary(rms_norm(q, q_weight, eps)), same for k)|
+|                                                       |  (contiguous)       | one launch; a None weight skips that norm (Qwen3)     |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
 | rms_norm_linear(x, norm_weight, eps, weight, bias)    | Tensor              | linear(rms_norm(x, norm_weight, eps), weight, bias);  |
@@ -68,6 +70,7 @@ from mini_infer.ops import linear as _linear_mod
 from mini_infer.ops import mla_attention as _mla_attention_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
+from mini_infer.ops import qk_rotary as _qk_rotary_mod
 from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
@@ -80,6 +83,7 @@ _MODULE_OF = {
     "fused_add_rms_norm": _fused_add_rms_norm_mod,
     "apply_rotary": _apply_rotary_mod,
     "apply_rotary_interleaved": _apply_rotary_interleaved_mod,
+    "qk_rotary": _qk_rotary_mod,
     "silu_and_mul": _silu_and_mul_mod,
     "paged_attention": _paged_attention_mod,
     "linear": _linear_mod,

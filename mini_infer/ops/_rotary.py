@@ -1,4 +1,6 @@
-"""The Triton rotary kernel and its launcher, shared by `apply_rotary` (neox layout) and `apply_rotary_interleaved`.
+"""The Triton rotary kernel and its launcher, shared by `apply_rotary` (neox layout) and `apply_rotary_interleaved`;
+its row body `rotate_rows` (an @triton.jit helper, with an optional RMSNorm of each row first) is also the body of
+`qk_rotary`'s kernel.
 
 One kernel body rotates pairs of x's last dim; the INTERLEAVED constexpr picks which elements pair up and which
 cos/sin column each pair reads:
@@ -14,19 +16,22 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton
 
-__all__ = ["launch_rotary"]
+__all__ = ["launch_rotary", "rotary_blocks"]
 
 if HAS_TRITON:
+    from mini_infer.ops.rms_norm import rms_inverse, weighted_norm
 
     @triton.jit
-    def _rotary_kernel(
-        x_ptr, cos_ptr, sin_ptr, out_ptr,
-        n_rows, N1, N2, HALF,
+    def rotate_rows(
+        x_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, row_block, n_rows, N1, N2, HALF, eps,
         sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
     ):  # fmt: skip
+        """Rotate block `row_block` of BLOCK_R rows of x into out; with HAS_NORM, RMSNorm each row first (weight at
+        `w_ptr`, over its 2 * HALF elements), rounded where HF's norm rounds (rms_norm.py's `weighted_norm`) and to
+        the norm's output dtype, promote(x, w), before the rotation reads it."""
         # rows enumerate the three leading dims (i0, i1, i2) of the 4-D view; columns the HALF pairs
-        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        rows = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         i2 = rows % N2
         i1 = (rows // N2) % N1
         i0 = rows // (N1 * N2)
@@ -44,6 +49,17 @@ if HAS_TRITON:
             second = first + HALF
         x1 = tl.load(x_ptr + xo + first * sx3, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + xo + second * sx3, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x_dtype = x_ptr.dtype.element_ty
+            inv_rms = rms_inverse(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), 2 * HALF, eps)[:, None]
+            w_ok = (p < HALF)[None, :]
+            w1 = tl.load(w_ptr + first, mask=w_ok, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + second, mask=w_ok, other=0.0).to(tl.float32)
+            x1 = weighted_norm(x1, inv_rms, w1, x_dtype)
+            x2 = weighted_norm(x2, inv_rms, w2, x_dtype)
+            if w_ptr.dtype.element_ty == x_dtype:  # else promote(x, w) is fp32 (fp16/bf16/fp32): no rounding
+                x1 = x1.to(x_dtype).to(tl.float32)
+                x2 = x2.to(x_dtype).to(tl.float32)
         if INTERLEAVED:  # one angle per pair, column p
             c1 = tl.load(cos_ptr + (co + p[None, :] * sc3), mask=mask, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + (so + p[None, :] * ss3), mask=mask, other=0.0).to(tl.float32)
@@ -59,6 +75,17 @@ if HAS_TRITON:
         tl.store(out_ptr + oo + first, o1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + oo + second, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _rotary_kernel(
+        x_ptr, cos_ptr, sin_ptr, out_ptr,
+        n_rows, N1, N2, HALF,
+        sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ):  # fmt: skip
+        rotate_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_ptr, tl.program_id(0), n_rows, N1, N2, HALF, 0.0,
+                    sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
+                    BLOCK_R, BLOCK_H, INTERLEAVED, False)
+
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 4:
@@ -66,6 +93,12 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > 4:
         return t.reshape((-1,) + tuple(t.shape[-3:]))  # copies only when the leading dims do not merge
     return t
+
+
+def rotary_blocks(half: int) -> tuple[int, int]:
+    """(BLOCK_R rows, BLOCK_H pairs) of one program of `rotate_rows` for D/2 = `half` pairs per row."""
+    block_h = next_pow2(half)
+    return max(1, min(64, 2048 // block_h)), block_h
 
 
 def launch_rotary(
@@ -79,8 +112,7 @@ def launch_rotary(
     o4 = out.view(x4.shape)
     n0, n1, n2, _ = x4.shape
     n_rows = n0 * n1 * n2
-    block_h = next_pow2(half)
-    block_r = max(1, min(64, 2048 // block_h))
+    block_r, block_h = rotary_blocks(half)
     _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
         x4, c4, s4, o4, n_rows, n1, n2, half,
         *x4.stride(), *c4.stride(), *s4.stride(), *o4.stride()[:3],

@@ -5,8 +5,8 @@ Inserted by the FuseRMSNorm pass in place of the pow/mean/rsqrt/mul chain. Seman
 promotion for the last multiply. Imports nothing from mini_infer outside `mini_infer.ops`.
 The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant); its row body
 (`rms_norm_tile`) and the steps it is made of (`norm_input`, `rms_inverse`, `weighted_norm`) are @triton.jit
-helpers that the quantizing norms (quant.py) and the norm-in-GEMV prologue (rms_norm_linear.py) call, so all of
-them round where HF rounds.
+helpers that the quantizing norms (quant.py), the norm-in-GEMV prologue (rms_norm_linear.py) and the q/k head norms
+of `qk_rotary` (_rotary.py's `rotate_rows`) call, so all of them round where HF rounds.
 """
 
 from __future__ import annotations
