@@ -112,8 +112,14 @@ def kernel_impls(backend: str) -> dict:
 
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return {getattr(torch.ops.mini_infer, name).default: getattr(_MODULE_OF[name], f"{name}_{backend}")
-            for name in OPS}
+    return {getattr(torch.ops.mini_infer, name).default: _entry(name, backend) for name in OPS}
+
+
+def _entry(name: str, backend: str):
+    """What op `name` runs for `backend`: its module's `<name>_<backend>_entry` where the op's body does more
+    than call one kernel (paged_attention routes long query runs elsewhere), else `<name>_<backend>`."""
+    mod = _MODULE_OF[name]
+    return getattr(mod, f"{name}_{backend}_entry", None) or getattr(mod, f"{name}_{backend}")
 
 
 def backend_for(device) -> str:

@@ -39,8 +39,8 @@ os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module
 
 __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
 
-# "auto" | "on" | "off", see the module docstring.
-ROUTE = "auto"
+# "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
+ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "auto")
 
 # Shortest query run taken through the fused kernels (a step holding no such run never reads its lengths on
 # the host). H200, bench/kernel_paged_attention.py --prefill (one sequence, causal, bf16, D 128): cuDNN through

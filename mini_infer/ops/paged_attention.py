@@ -736,6 +736,16 @@ def _paged_attention_routed(
     return out
 
 
+def paged_attention_triton_entry(*args, **kwargs) -> torch.Tensor:
+    """The registered op's body on the Triton path (what compiled graphs call directly: ops.kernel_impls)."""
+    return _paged_attention_routed(*args, **kwargs, use_triton_kernel=True)
+
+
+def paged_attention_reference_entry(*args, **kwargs) -> torch.Tensor:
+    """The registered op's body on the torch-reference path (ops.kernel_impls)."""
+    return _paged_attention_routed(*args, **kwargs, use_triton_kernel=False)
+
+
 # --------------------------------------------------------------------------------------------------
 # the registered op
 # --------------------------------------------------------------------------------------------------

@@ -116,6 +116,20 @@ def test_registered_op_takes_the_route(spies):
     check_cache(case, args[3], args[4])
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bound_kernel_takes_the_route(backend, spies):
+    """Compiled graphs call ops.kernel_impls' function instead of the op (bind_kernels): it must be the op's
+    routed body, not the bare kernel (which never routes), or the engine never takes the route."""
+    from mini_infer.ops import kernel_impls
+
+    case = make_case([(6, 1), (11, 17)], hq=4, hkv=2, **ON_DEVICE)
+    args = case.args()
+    out = kernel_impls(backend)[torch.ops.mini_infer.paged_attention.default](*args)
+    assert spies["sdpa"] == [17] and spies["rest"] == [1]
+    assert_close(out, oracle(case))
+    check_cache(case, args[3], args[4])
+
+
 @pytest.mark.parametrize(
     "name,kw",
     [
