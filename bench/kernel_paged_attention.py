@@ -204,6 +204,8 @@ def prefill(lengths, out_dir):
 
     from mini_infer.ops import _prefill_sdpa
 
+    if "MINI_INFER_PREFILL_ROUTE" not in os.environ:
+        _prefill_sdpa.ROUTE = "auto"  # the route is off by default in the engine; this times it
     cases = [(0, n) for n in lengths] + [PREFILL_CHUNKED]
     dev = torch.cuda.get_device_name()
     print(f"GPU {dev} | one sequence, causal, bf16, D=128, block 16 | MIN_QUERY_ROWS={_prefill_sdpa.MIN_QUERY_ROWS}")

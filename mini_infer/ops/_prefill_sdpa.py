@@ -20,7 +20,8 @@ layout): importing this module sets it unless the environment already says other
 its first cuDNN attention call; "0" keeps one plan per exact shape).
 
 `ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
-CPU; "off": never) and `MIN_QUERY_ROWS` are module-level switches read on every call.
+CPU; "off": never, the default until per-shape plan building is paid off, see below) and `MIN_QUERY_ROWS` are
+module-level switches read on every call; `MINI_INFER_PREFILL_ROUTE=auto` in the environment turns it on.
 
 This module must not write the caches, read block tables or sync with the device (but for the one-time probe
 of a new head/dtype combination, made at the first call, in warm-up): the caller reads the step's lengths
@@ -40,7 +41,10 @@ os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module
 __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
 
 # "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
-ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "auto")
+# Off by default: in the engine (H200, qwen2.5-7b, a 32,000-token prompt in 8,192-token chunks) the route made
+# TTFT 2,434 ms against 1,407 ms without it, though the kernel bench shows cuDNN at 1.8x the Triton kernel once
+# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then.
+ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "off")
 
 # Shortest query run taken through the fused kernels (a step holding no such run never reads its lengths on
 # the host). H200, bench/kernel_paged_attention.py --prefill (one sequence, causal, bf16, D 128): cuDNN through
