@@ -47,6 +47,8 @@ def use_reference_kernels(compiled, names: set[str]) -> int:
 
 def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset(),
                 passes: list[str] | None = None) -> tuple[bool, str]:
+    from transformers import GenerationConfig
+
     from mini_infer.compiler import compile_model
     from mini_infer.llm import LLM
     from mini_infer.models import load_model
@@ -95,8 +97,12 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     experts = getattr(loaded.model.config, "_experts_implementation", None)
 
     def hf_ids(p: list[int], model=loaded.model) -> list[int]:
-        return model.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist()
+        # exactly new_tokens, with no EOS at all (as tests/_model_cache.hf_greedy): `min_new_tokens` would instead
+        # forbid the EOS id until then, which `ignore_eos` does not (nor does vLLM's), so a model whose greedy
+        # choice is EOS mid-way (tiny-qwen2-moe's prompt of 5 at token 11) would differ for that reason alone
+        ids = torch.tensor([p], device="cuda")
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)[0, len(p):].tolist()
 
     for p, got in zip(prompts, results["graphs"]):
         ref = hf_ids(p)
