@@ -230,7 +230,7 @@ def test_bound_kernels_match_the_ops():
     stats = bind_kernels(gm, torch.device("cpu"), backend="triton")
     assert stats.num_matches == 5 + 2 + 2 + 2 + 9  # ... and the weight linears (the lm_head's one row: GEMV)
     names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and callable(n.target)]
-    assert "paged_attention_triton" in names and "rms_norm_triton" in names and "linear_triton" in names
+    assert "paged_attention_triton_entry" in names and "rms_norm_triton" in names and "linear_triton" in names
     inputs = cm.example_inputs(ids, pos)
     out = gm(*(inputs[n] for n in cm.input_names))
     assert_logits_close(out, ref, rel=1e-4)
