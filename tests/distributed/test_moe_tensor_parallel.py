@@ -38,7 +38,10 @@ def test_llm_greedy_equals_tp1(name):
         llm.engine.close()
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
+# one preset end to end (each is ~11 s of the suite's budget): tests/passes/test_shard_tensor_parallel.py's 2-rank
+# expert-parallel test compares all three MoE presets' logits with eager HF and TP=1; tiny-mixtral is the one whose
+# greedy ids changed when the expert map was broken on purpose
+@pytest.mark.parametrize("name", ["tiny-mixtral"])
 def test_llm_expert_parallel_greedy_equals_tp1(name):
     tp1 = greedy_tokens(LLM(name, **LLM_OPTIONS))
     llm = LLM(name, tensor_parallel_size=2, enable_expert_parallel=True, **LLM_OPTIONS)
