@@ -3,7 +3,7 @@ the GPU replay of the captured graph, measured with CUDA events around the repla
 kernels one replay launches. With `--prefill N`, instead: one N-token prompt's prefill (chunked as the engine
 chunks it), its time to first token and the kernels it spends it in.
 
-    python bench/profile_decode.py [--model qwen2.5-7b] [--steps 200]
+    python bench/profile_decode.py [--model qwen2.5-7b] [--steps 200] [--quantization w8a8]
     python bench/profile_decode.py --model qwen3-0.6b --prefill 10000
 """
 
@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
+    ap.add_argument("--quantization", default=None, help="w8a8 or fp8 (default: none)")
     args = ap.parse_args()
     if args.prefill:
         profile_prefill(args.model, args.prefill)
@@ -29,7 +30,8 @@ def main() -> None:
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64)
+    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
+              quantization=args.quantization)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(args.batch):
