@@ -17,7 +17,7 @@ SDPA columns take the bottom-right causal mask as `causal_lower_right` (chunked 
 natively; cuDNN gets it materialized as a dense mask). Timed eagerly with CUDA events (the op's route is never
 taken under CUDA-graph capture), median of 3 rounds after a warm-up. `first ms` is the op's first call at that
 shape (cuDNN builds an execution plan per new shape, or per power-of-two length class under
-TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which ops/_prefill_sdpa.py sets unless the environment says otherwise: what a
+TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which ops/_prefill_sdpa.py sets with the route on, unless the environment says otherwise: what a
 prompt of a new length pays once); `diff` the largest
 |op - triton|. Prints a table and writes bench/results/kernel_paged_attention_prefill_<gpu>.json (--out DIR).
 """
@@ -206,6 +206,7 @@ def prefill(lengths, out_dir):
 
     if "MINI_INFER_PREFILL_ROUTE" not in os.environ:
         _prefill_sdpa.ROUTE = "auto"  # the route is off by default in the engine; this times it
+        os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # as the module sets it when the route is on
     cases = [(0, n) for n in lengths] + [PREFILL_CHUNKED]
     dev = torch.cuda.get_device_name()
     print(f"GPU {dev} | one sequence, causal, bf16, D=128, block 16 | MIN_QUERY_ROWS={_prefill_sdpa.MIN_QUERY_ROWS}")

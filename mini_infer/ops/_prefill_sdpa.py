@@ -16,8 +16,8 @@ backend); none left means the caller keeps those rows on its own kernel.
 cuDNN builds an execution plan per new shape (tens to hundreds of ms; each prompt length and each chunk's
 context length is a new one). torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` keys its plans on lengths rounded up
 to powers of two for unmasked calls on BSHD-contiguous q/k/v/out, which every call here is (the packed token
-layout): importing this module sets it unless the environment already says otherwise (torch reads it once, at
-its first cuDNN attention call; "0" keeps one plan per exact shape).
+layout): importing this module sets it, when the environment turns the route on and does not already say
+otherwise (torch reads it once, at its first cuDNN attention call; "0" keeps one plan per exact shape).
 
 `ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
 CPU; "off": never, the default until per-shape plan building is paid off, see below) and `MIN_QUERY_ROWS` are
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # see the module docstring
 
 __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
 
@@ -45,6 +44,8 @@ __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "rou
 # TTFT 2,434 ms against 1,407 ms without it, though the kernel bench shows cuDNN at 1.8x the Triton kernel once
 # warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then.
 ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "off")
+if ROUTE != "off":  # a process-wide torch setting: only when the route may run (see the module docstring)
+    os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 # Shortest query run taken through the fused kernels (a step holding no such run never reads its lengths on
 # the host). H200, bench/kernel_paged_attention.py --prefill (one sequence, causal, bf16, D 128): cuDNN through
