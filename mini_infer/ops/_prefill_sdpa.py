@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 __all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
 
 # "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
