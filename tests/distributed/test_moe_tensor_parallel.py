@@ -27,7 +27,10 @@ from mini_infer.passes import PassContext
 from tests.distributed.helpers import LLM_OPTIONS, greedy_tokens
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
+# one preset end to end (~10 s each of the suite's 15-minute budget): tiny-qwen2-moe, whose replicated shared expert
+# is the odd case; tests/passes/test_shard_tensor_parallel.py's 2-rank test compares all three MoE presets' logits
+# with eager HF and TP=1
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe"])
 def test_llm_greedy_equals_tp1(name):
     tp1 = greedy_tokens(LLM(name, **LLM_OPTIONS))
     llm = LLM(name, tensor_parallel_size=2, **LLM_OPTIONS)
