@@ -194,6 +194,36 @@ if HAS_TRITON:
             tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _chunk_amax_kernel(
+        x_ptr, u_ptr, part_ptr, n_cols, n_chunks, stride_x, stride_u, GATED: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        """Split rows, pass 1: program (row, c) writes the amax of the row's chunk c."""
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        v = _row_values(x_ptr + row * stride_x, u_ptr + row * stride_u, cols, mask, GATED)
+        tl.store(part_ptr + row * n_chunks + c, tl.max(tl.abs(v), axis=0))
+
+    @triton.jit
+    def _chunk_quant_kernel(
+        x_ptr, u_ptr, part_ptr, q_ptr, scale_ptr, n_cols, n_chunks, stride_x, stride_u, stride_q,
+        GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    ):  # fmt: skip
+        """Split rows, pass 2: program (row, c) takes the row's amax from the chunks' (max is exact: the scale
+        is the one-program kernel's), quantizes chunk c; chunk 0 stores the scale."""
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        parts = tl.arange(0, PARTS)
+        amax = tl.max(tl.load(part_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0), axis=0)
+        scale, inv = _scale_and_inverse(amax, QMAX)
+        if c == 0:
+            tl.store(scale_ptr + row, scale)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        v = _quantize_values(_row_values(x_ptr + row * stride_x, u_ptr + row * stride_u, cols, mask, GATED), inv,
+                             IS_FP8)
+        tl.store(q_ptr + row * stride_q + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rms_norm_quant_kernel(
         x_ptr, r_ptr, w_ptr, q_ptr, scale_ptr, s_ptr,
         n_rows, n_cols, stride_x, stride_r, stride_q, stride_s, eps,
@@ -226,6 +256,26 @@ def _outputs(shape, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Ten
             torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device))
 
 
+# A few long rows (batch-1 decode's down_proj input: 18,944 columns in qwen2.5-7b) are split over programs of
+# SPLIT_CHUNK columns in two launches (chunk amaxes, then the quantization), instead of one program walking the
+# whole row twice; the bits are the one-program kernel's. Not yet timed on a GPU (bench/kernel_quant.py --ms 1:
+# its "int8+q" column).
+SPLIT_MAX_ROWS = 8
+SPLIT_MIN_COLS = 8192
+SPLIT_CHUNK = 1024
+
+
+def _launch_split_rows(x2, u2, q2, scale, n_rows: int, n_cols: int, gated: bool, dtype: torch.dtype) -> None:
+    n_chunks = triton.cdiv(n_cols, SPLIT_CHUNK)
+    parts = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=x2.device)
+    grid = (n_rows, n_chunks)
+    _chunk_amax_kernel[grid](x2, u2, parts, n_cols, n_chunks, x2.stride(0), u2.stride(0), GATED=gated,
+                             CHUNK=SPLIT_CHUNK, num_warps=4)
+    _chunk_quant_kernel[grid](x2, u2, parts, q2, scale, n_cols, n_chunks, x2.stride(0), u2.stride(0), q2.stride(0),
+                              GATED=gated, IS_FP8=dtype == torch.float8_e4m3fn, QMAX=QMAX[dtype], CHUNK=SPLIT_CHUNK,
+                              PARTS=next_pow2(n_chunks), num_warps=4)
+
+
 def _launch_quant_rows(x: torch.Tensor, up: torch.Tensor | None, dtype: torch.dtype):
     check_quant_dtype(dtype)
     if not HAS_TRITON:
@@ -240,6 +290,9 @@ def _launch_quant_rows(x: torch.Tensor, up: torch.Tensor | None, dtype: torch.dt
     u2 = _rows(up, n_cols) if up is not None else x2
     q2 = x_q.view(-1, n_cols)
     n_rows = x2.shape[0]
+    if n_rows <= SPLIT_MAX_ROWS and n_cols >= SPLIT_MIN_COLS:
+        _launch_split_rows(x2, u2, q2, scale, n_rows, n_cols, up is not None, dtype)
+        return x_q, scale
     block = min(4096, next_pow2(n_cols))
     block_m = max(1, min(16, 4096 // block))  # short rows: several per program
     _quant_rows_kernel[(triton.cdiv(n_rows, block_m),)](

@@ -209,6 +209,28 @@ def test_silu_and_mul_quant_long_rows():
     assert_same_quant(got, quant.quantize_per_token_triton(silu_and_mul_triton(g, u), torch.int8))
 
 
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_split_rows_equal_the_one_program_kernel(monkeypatch, qdtype, rows):
+    """A few long rows go over programs of SPLIT_CHUNK columns (chunk amaxes, then the quantization): the same
+    bits as one program per row, plain and gated (silu_and_mul_quant), and as the reference."""
+    g, u = make_x(rows, 1000, torch.bfloat16, seed=1), make_x(rows, 1000, torch.bfloat16, seed=2)
+    g[0, 777] = 40.0  # the row's amax in the last, partial chunk
+    monkeypatch.setattr(quant, "SPLIT_CHUNK", 256)
+    taken = []
+    real = quant._launch_split_rows
+    monkeypatch.setattr(quant, "_launch_split_rows", lambda *a: (taken.append(a[4:6]), real(*a)))
+    monkeypatch.setattr(quant, "SPLIT_MIN_COLS", 512)
+    split = (quant.quantize_per_token_triton(g, qdtype), quant.silu_and_mul_quant_triton(g, u, qdtype))
+    assert taken == [(rows, 1000)] * 2
+    monkeypatch.setattr(quant, "SPLIT_MIN_COLS", 1 << 30)
+    whole = (quant.quantize_per_token_triton(g, qdtype), quant.silu_and_mul_quant_triton(g, u, qdtype))
+    assert len(taken) == 2
+    for a, b in zip(split, whole):
+        assert_same_quant(a, b)
+    assert_same_quant(split[0], quant.quantize_per_token_reference(g, qdtype))
+
+
 def test_registered_ops_run_the_reference_on_cpu():
     x, r = make_x(5, 32, torch.bfloat16).cpu(), make_x(5, 32, torch.bfloat16, seed=1).cpu()
     w = torch.ones(32, dtype=torch.bfloat16)
