@@ -115,7 +115,8 @@ def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, so
     on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap or fp8 cache (those
     stay on the caller's kernel), the cache holds q's dtype (the new rows are read from k/v, not the cache), and
     no CUDA graph is being captured."""
-    if ROUTE == "off" or (ROUTE == "auto" and not q.is_cuda) or q.shape[0] < MIN_QUERY_ROWS:
+    rows = route_min_query_rows(q.device)
+    if rows is None or q.shape[0] < rows:
         return False
     if sliding_window > 0 or softcap > 0 or kv_fp8 or k_cache.dtype != q.dtype:
         return False

@@ -772,9 +772,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference;
     long query runs through torch's fused attention kernels (see `_paged_attention_routed`)."""
-    args = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-    return _paged_attention_routed(*args, scale, sliding_window, softcap, k_scale, v_scale,
-                                   use_triton_kernel=use_triton(q))
+    entry = paged_attention_triton_entry if use_triton(q) else paged_attention_reference_entry
+    return entry(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                 sliding_window, softcap, k_scale, v_scale)
 
 
 @paged_attention.register_fake

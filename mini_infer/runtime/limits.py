@@ -37,7 +37,8 @@ def long_prefill_threshold(setting: int | None, enable_chunked_prefill: bool, ma
     256 tokens, and at most half the step budget, so a long prompt leaves room in every step for the short
     ones that arrive while it prefills (their first token comes within two steps); the engine applies this
     default only in steps shared with other sequences (a prompt alone takes the whole budget, so its TTFT
-    does not pay for fairness nobody needs). 0 turns the cap off; a positive `setting` is the cap, always. Without chunked prefill a prompt runs whole: no cap."""
+    does not pay for fairness nobody needs). 0 turns the cap off; a positive `setting` is the cap, always.
+    Without chunked prefill a prompt runs whole: no cap."""
     if not enable_chunked_prefill or setting == 0:
         return None
     if setting is not None:

@@ -173,16 +173,19 @@ class ModelRunner:
         self.cuda_graphs.capture()
         return self.cuda_graphs.capture_seconds
 
+    def _has_uncapturable_run(self, plan: StepPlan) -> bool:
+        """Whether the step holds a query run at least as long as a pass declared its op handles on the host
+        (UNCAPTURED_QUERY_ROWS: paged_attention's long-prefill route), which a captured graph cannot replay."""
+        rows = self.compiled.context.info.get(UNCAPTURED_QUERY_ROWS)
+        return rows is not None and plan.max_query_len >= rows
+
     def execute(self, inputs: dict[str, torch.Tensor], plan: StepPlan, decode: bool = False,
                 padded: bool = True) -> torch.Tensor:
         """Run the graph; returns logits [rows, vocab]. `decode` marks a pure decode step (one token per
         sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape replays
-        it; otherwise (prompt logprobs, oversized steps) the graph runs as is."""
+        it; otherwise (prompt logprobs, oversized steps, a query run `_has_uncapturable_run`) the graph runs as is."""
         graphs = self.cuda_graphs
-        uncaptured_rows = self.compiled.context.info.get(UNCAPTURED_QUERY_ROWS)
-        if uncaptured_rows is not None and plan.max_query_len >= uncaptured_rows:
-            padded = False  # an op takes a host-side path for this step's long query run
-        if graphs is not None and padded:
+        if graphs is not None and padded and not self._has_uncapturable_run(plan):
             shape = graphs.bucket_for(plan.num_tokens, plan.num_seqs, plan.num_logits, decode)
             if shape is not None:
                 return graphs.run(inputs, plan, shape)
