@@ -25,10 +25,9 @@ import torch.fx as fx
 
 from mini_infer.passes.base import GraphPass
 from mini_infer.passes.mla_latent_cache import mla_module
-from mini_infer.passes.pattern import aten, is_op, lm_head_of, module_chain, pattern_matches
+from mini_infer.passes.pattern import VIEWS, is_op, lm_head_of, module_chain, pattern_matches
 
 _CAPTURE_PREFIX = "model."  # capture wraps the HF model as attribute `model` (passes/capture.py)
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def linear_name(node: fx.Node) -> str:
@@ -43,7 +42,7 @@ def _logits_heads(gm: fx.GraphModule) -> set[fx.Node]:
     """The linears whose results are the graph's outputs, through views and then per-row ops."""
     heads = set()
     for out in gm.graph.output_node().all_input_nodes:
-        while is_op(out, *_VIEWS):
+        while is_op(out, *VIEWS):
             out = out.args[0]
         head = lm_head_of(out)
         if head is not None:

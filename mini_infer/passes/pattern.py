@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+# the ops that only re-view a tensor's elements (same values, same order)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def is_op(node: Any, *targets: Any) -> bool:

@@ -32,7 +32,7 @@ import torch.fx as fx
 from mini_infer.chat_template import chat_prompt_ids
 from mini_infer.passes.base import PassContext
 from mini_infer.passes.fuse_rmsnorm import match_rms_norm
-from mini_infer.passes.pattern import aten, is_op, only_user, shape
+from mini_infer.passes.pattern import VIEWS, aten, is_op, only_user, shape
 
 # A few short English texts of different kinds (prose, dialogue, code, lists, numbers): what an instruction model
 # sees. Written for this project; kept short so that calibration costs a few forward passes at start-up.
@@ -64,7 +64,6 @@ def default_calibration(tokenizer) -> list[str | list[int]]:
     return prompts
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _EPS = 1e-5  # floor of the amax values in the factor (as SmoothQuant's reference code)
 
 
@@ -144,7 +143,7 @@ class UpProjFold:
 def find_fold(x: fx.Node) -> NormFold | UpProjFold | None:
     """Where a per-channel division of `x` (along its last dim) can be folded exactly, or None."""
     node = x
-    while is_op(node, *_VIEWS) and len(node.args[0].users) == 1:  # views that keep the channel dim
+    while is_op(node, *VIEWS) and len(node.args[0].users) == 1:  # views that keep the channel dim
         parent = node.args[0]
         ps, xs = shape(parent), shape(x)
         if ps is None or xs is None or str(ps[-1]) != str(xs[-1]):
