@@ -417,7 +417,7 @@ def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> lis
             xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
             res = time_configs(ops.int8.scaled_gemv_triton, GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2],
                                (xq, xs, s), copies, device, args, f"sweep-gemv {name} {qname}")
-            cfg = ops.int8.SCALED_GEMV_CONFIG if qname == "int8" else ops.int8.SCALED_GEMV_CONFIG_FP8
+            cfg = ops.int8.scaled_gemv_config(xq.dtype, k)
             default = next((t for t, c in res if c == cfg), math.nan)
             tbps = n * k / (res[0][0] * 1e-6) / 1e12
             print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "

@@ -42,6 +42,8 @@ __all__ = [
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
+    "SCALED_GEMV_CONFIG_FP8_LONG_K",
+    "scaled_gemv_config",
     "SMALL_M",
     "check_scaled_linear",
     "define_quantized_linear_op",
@@ -80,9 +82,12 @@ _CONFIGS = (
 # int8: 1024 one-byte weights per row and step (the bytes per step of linear.py's bf16 GEMV tile (4, 512, 4, 1)):
 # within 5% of the best of `bench/kernel_quant.py --sweep-gemv`'s 36 tiles at every qwen2.5-7b shape on the H200.
 # fp8 (fp32 sums of converted weights, no dp4a): 512 per step, the sweep's best or within 7% at every shape
-# (1024 was 10-45% slower).
+# (1024 was 10-45% slower), except for long rows (K >= FP8_GEMV_LONG_K: qwen2.5-7b's down_proj, K 18,944), where
+# (4, 4096, 8, 1) took 23.7 us against 32.7 us for (4, 512, 4, 1) on the H200.
 SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
+SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
+FP8_GEMV_LONG_K = 8192
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -438,6 +443,13 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 4 == 0)
 
 
+def scaled_gemv_config(dtype: torch.dtype, k: int) -> tuple[int, int, int, int]:
+    """The one-row GEMV's default tile for quantized activations of `dtype` and rows of K elements."""
+    if dtype == torch.int8:
+        return SCALED_GEMV_CONFIG
+    return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
+
+
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
@@ -447,7 +459,7 @@ def scaled_gemv_triton(
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
     `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order. `config`
-    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG / SCALED_GEMV_CONFIG_FP8
+    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG / SCALED_GEMV_CONFIG_FP8(_LONG_K)
     (benchmark sweeps)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_gemv_triton needs triton")
@@ -460,7 +472,7 @@ def scaled_gemv_triton(
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     ws = w_scale.contiguous()
     if config is None:
-        config = SCALED_GEMV_CONFIG if x_q.dtype == torch.int8 else SCALED_GEMV_CONFIG_FP8
+        config = scaled_gemv_config(x_q.dtype, k)
     bn, bk, warps, stages = config
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words

@@ -93,11 +93,11 @@ def test_triton_kernel_every_tile(dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize(("n", "k"), [(33, 200), (7, 203), (130, 1500)])
+@pytest.mark.parametrize(("n", "k"), [(33, 200), (7, 203), (130, 1500), (5, 8200)])  # 8200: the long-K tile
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_reference(n, k, bias):
     """The one-row GEMV (fp32 sums of exact fp8 products, in another order than the reference's): within the
-    fp32 accumulation tolerance, for N and K that divide no tile and with and without a bias."""
+    fp32 accumulation tolerance, for N and K that divide no tile (both default tiles) and with and without a bias."""
     if DEVICE == "cuda" and not HAS_FP8_GPU:
         pytest.skip("this GPU has no FP8")
     from mini_infer.ops.int8_linear import scaled_gemv_triton
