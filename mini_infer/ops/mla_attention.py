@@ -45,10 +45,12 @@ Implementations:
     `paged_attention_reference` (absorbed: as MQA over the latent cache viewed as one kv head).
   * `mla_attention_triton`: a cache-write kernel; the absorbed path's `latent_attention_triton`, one program per
     (query tile, head group, kv split) that loads each latent tile [BLOCK_N, Dc + Dr] once for all heads of the
-    group (all H heads when H <= the config's "heads": V2-Lite's 16), with split-K over the context (flash-
-    decoding: the split, online-softmax and reduce pieces are `_split_k`'s, shared with `paged_attention`); grid
-    from shapes only, no host sync. The absorption matmuls are torch bmm calls around it. The expanded path runs
-    `paged_attention_triton`.
+    group (all H heads when H <= the config's `heads`: V2-Lite's 16), with split-K over the context (flash-
+    decoding: the split, online-softmax and partials pieces are `_split_k`'s, shared with `paged_attention`;
+    the merge is `_latent_reduce_kernel`, parallel over (token, head, Dc chunk) so that one decode row with
+    many splits still spreads over many programs). Decode launch shapes and split counts come from a table
+    keyed by heads and batch size (`_DECODE_CONFIGS`, `decode_config`); grid from shapes only, no host sync.
+    The absorption matmuls are torch bmm calls around it. The expanded path runs `paged_attention_triton`.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ from mini_infer.ops.paged_attention import paged_attention_reference, paged_atte
 
 __all__ = [
     "PATHS",
+    "LatentConfig",
     "LatentPlan",
     "absorption_weights",
+    "decode_config",
     "latent_attention_plan",
     "latent_attention_triton",
     "mla_attention",
