@@ -235,7 +235,7 @@ def shapes_from(args) -> list[Shape]:
 def plan_of(sh: Shape, device: str) -> dict:
     from mini_infer.ops.mla_attention import latent_attention_plan
 
-    q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device)
+    q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device, dtype=sh.dtype)
     return latent_attention_plan(q_lat, sh.batch, -(-sh.ctx // sh.block_size) * sh.block_size)._asdict()
 
 
@@ -349,7 +349,7 @@ def sweep(args, on_gpu: bool) -> dict:
         capacity = -(-sh.ctx // sh.block_size) * sh.block_size
         n_sets = 1 if (args.warm or not on_gpu) else max(1, min(args.max_sets, math.ceil(2 * l2 / sh.latent_bytes)))
         sets = [make_inputs(sh, device, seed=10 + i) for i in range(n_sets)]
-        q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device)
+        q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device, dtype=sh.dtype)
 
         def effective(cfg, q_lat=q_lat, sh=sh, capacity=capacity):  # the split count the op takes from cfg
             return cfg._replace(splits=latent_attention_plan(q_lat, sh.batch, capacity, config=cfg).num_splits)

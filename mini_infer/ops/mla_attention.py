@@ -99,20 +99,24 @@ class LatentConfig(NamedTuple):
 
 
 # Decode launch shapes, (most heads, most sequences, config), the first that fits the batch wins (None: no
-# bound). Measured on an H200 at 4k context (`bench/kernel_mla.py --sweep` times candidates per shape):
+# bound). Not timed on a GPU yet: chosen from sm_90 compiles (registers, spills, shared memory, latent tiles in
+# flight); `bench/kernel_mla.py --sweep` times candidates per shape and prints its winners as lines of this table.
 #   * few sequences: many splits, so that ~100+ programs stream the latent (16 heads fit one program: batch 1
 #     is otherwise 1 program per split), the partials merged by `_latent_reduce_kernel`;
-#   * more heads than 16 (V3's 128): 32-head tiles at 8 warps (64-head ones spill on sm_90 with Dc = 512).
+#   * more heads than 16 (V3's 128): 64-head tiles at 8 warps, so that tl.dot becomes Hopper's wgmma (M >= 64;
+#     the [64, 512] fp32 accumulator is 128 registers a thread; sm_90 then spills a few registers around the
+#     key loop, none inside it).
 # Where a shape runs out of shared memory (fp32) the launch retries smaller ones.
 _DECODE_CONFIGS: tuple[tuple[int | None, int | None, LatentConfig], ...] = (
     (16, 4, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=64)),
     (16, 16, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=16)),
     (16, 96, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=4)),
     (16, None, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=1)),
-    (None, 4, LatentConfig(heads=32, block_n=32, num_warps=8, num_stages=3, splits=32)),
-    (None, 32, LatentConfig(heads=32, block_n=32, num_warps=8, num_stages=3, splits=4)),
-    (None, None, LatentConfig(heads=32, block_n=32, num_warps=8, num_stages=3, splits=1)),
+    (None, 4, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=32)),
+    (None, 32, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=4)),
+    (None, None, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=1)),
 )
+_FP32_MAX_HEADS = 16  # fp32 operands: twice the shared memory, and no tensor cores to feed with bigger tiles
 _PREFILL_CONFIG = LatentConfig(heads=16, block_n=32, num_warps=8, num_stages=2, rows=32)
 
 
@@ -505,7 +509,7 @@ def latent_attention_plan(
         decode_only = t <= n_seqs
     kind = "decode" if decode_only else "prefill"
     cfg = config or (decode_config(h, n_seqs) if decode_only else _PREFILL_CONFIG)
-    block_h = min(next_pow2(h), cfg.heads)
+    block_h = min(next_pow2(h), cfg.heads, _FP32_MAX_HEADS if q_lat.dtype == torch.float32 else cfg.heads)
     head_groups = -(-h // block_h)
     if num_splits is None:
         num_splits = min(cfg.splits, max(1, capacity // cfg.block_n)) if decode_only else 1

@@ -308,8 +308,8 @@ def test_triton_heads_in_groups(monkeypatch):
 def test_decode_config_table():
     """Decode picks its launch shape by heads and batch: many splits for one sequence (bounded by the block
     table's capacity / block_n), none for a full batch; prefill tiles take one config and no splits."""
-    def plan(heads, seqs, capacity, tokens=None):
-        return latent_attention_plan(torch.empty(heads, tokens or seqs, 512), seqs, capacity)
+    def plan(heads, seqs, capacity, tokens=None, dtype=torch.bfloat16):
+        return latent_attention_plan(torch.empty(heads, tokens or seqs, 512, dtype=dtype), seqs, capacity)
 
     one = mla_mod.decode_config(16, 1)
     assert one.splits >= 32 and plan(16, 1, 4096).num_splits == one.splits
@@ -317,6 +317,7 @@ def test_decode_config_table():
     assert plan(16, 256, 4096).num_splits == 1 and plan(16, 256, 4096).head_groups == 1
     v3 = plan(128, 256, 4096)
     assert v3.num_splits == 1 and v3.block_h * v3.head_groups == 128 and v3.block_h >= 32
+    assert plan(128, 256, 4096, dtype=torch.float32).block_h == mla_mod._FP32_MAX_HEADS  # fp32: smaller tiles
     prefill = plan(16, 2, 4096, tokens=40)
     assert prefill.kind == "prefill" and prefill.num_splits == 1 and prefill.block_q > 1
     assert mla_mod.decode_config(1024, 10**6) == mla_mod._DECODE_CONFIGS[-1][2]  # the table covers every batch
