@@ -312,8 +312,9 @@ def run_timing(name: str, sh: Shape, sets: list[dict], args, on_gpu: bool) -> fl
 
 
 def sweep_shapes(sh: Shape, table: LatentConfig) -> list[LatentConfig]:
-    """Tile shapes worth timing at a decode shape besides the table's: for each heads-per-program that fits
-    sm_90's registers with Dc = 512 (16; 32 and 64 for more heads), a few (block_n, num_warps, num_stages)."""
+    """Tile shapes worth timing at a decode shape besides the table's: for each heads-per-program (16; for more
+    heads also 32, and 64 where tl.dot is wgmma) a few (block_n, num_warps, num_stages) that compile for sm_90
+    with Dc = 512 without spilling inside the key loop."""
     from mini_infer.ops.mla_attention import LatentConfig
 
     if sh.heads <= 16:
@@ -325,7 +326,7 @@ def sweep_shapes(sh: Shape, table: LatentConfig) -> list[LatentConfig]:
 
 
 def sweep_splits(best: LatentConfig, capacity: int) -> list[LatentConfig]:
-    """Split counts around `best`'s (x1/4 .. x4, powers of two, at most one per block_n keys of capacity)."""
+    """Split counts around `best`'s (x1/4, x1/2, x2, x4; at most one per block_n keys of capacity)."""
     cands = {max(1, best.splits * f // 4) for f in (1, 2, 8, 16)} - {best.splits}
     return [best._replace(splits=s) for s in sorted(cands) if s <= max(1, capacity // best.block_n)]
 
@@ -335,7 +336,7 @@ def sweep(args, on_gpu: bool) -> dict:
     (`sweep_shapes`) at the table's split count, then split counts (`sweep_splits`) for the fastest tile; inputs
     cycled over > 2x L2 as in the bench. Prints each shape's candidates best first and the winners as
     `_DECODE_CONFIGS`-style lines; returns them for the JSON."""
-    from mini_infer.ops.mla_attention import decode_config, latent_attention_plan
+    from mini_infer.ops.mla_attention import LatentConfig, decode_config, latent_attention_plan
 
     if on_gpu:
         copy_gbps = copy_bandwidth(args.copy_gib, args.target_ms, args.rounds)["gbps"]
@@ -345,6 +346,7 @@ def sweep(args, on_gpu: bool) -> dict:
     device = "cuda" if on_gpu else "cpu"
     t0 = time.perf_counter()
     rows = []
+    print(f"sweep: launch shapes as {LatentConfig._fields}, latent kernel + reduce, us (%copy)", flush=True)
     for sh in shapes_from(args):
         capacity = -(-sh.ctx // sh.block_size) * sh.block_size
         n_sets = 1 if (args.warm or not on_gpu) else max(1, min(args.max_sets, math.ceil(2 * l2 / sh.latent_bytes)))
@@ -374,8 +376,7 @@ def sweep(args, on_gpu: bool) -> dict:
             continue
         run(sweep_splits(min(times, key=times.get), capacity))
         ranked = sorted(times.items(), key=lambda kv: kv[1])
-        print(f"{sh.model} H{sh.heads} batch {sh.batch}: {len(times)} shapes, us (%copy); table's {tuple(table)}",
-              flush=True)  # fmt: skip
+        print(f"{sh.model} H{sh.heads} batch {sh.batch}: {len(times)} shapes timed, best first", flush=True)
         for cfg, ms in ranked[:6]:
             mark = "  <- table" if cfg == table else ""
             print(f"  {tuple(cfg)}  {ms * 1e3:9.1f}  ({sh.latent_bytes / ms / 1e6 / copy_gbps:4.0%}){mark}")
