@@ -2,7 +2,9 @@
 
     python bench/kernel_mla.py --check             # correctness at the benchmark shapes first, then timings
     python bench/kernel_mla.py [--ctx 4096] [--batches 1,64,256] [--heads 16,128] [--block-size 16]
-    python bench/kernel_mla.py --sweep             # the latent kernel's decode launch configs, best first
+    python bench/kernel_mla.py --check --sweep     # first the latent kernel's launch shapes per bench shape
+                                                   # (best first; the winners as `_DECODE_CONFIGS` lines), then
+                                                   # the bench with the table as it is (~2-3 min on an H200)
     python bench/kernel_mla.py --tiny              # CPU, Triton under TRITON_INTERPRET=1, tiny shapes: exercises
                                                    # every code path here (numbers mean nothing)
 
@@ -42,9 +44,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from kernel_norm import copy_bandwidth, git_info, int_list, time_calls  # the sibling script's helpers
+
+if TYPE_CHECKING:  # imported where used: --tiny sets TRITON_INTERPRET before mini_infer.ops imports triton
+    from mini_infer.ops.mla_attention import LatentConfig
 
 # (name, H, Dn, Dr, Dc, Dv)
 MODELS = {"v2-lite": (16, 128, 64, 512, 128), "v3-like": (128, 128, 64, 512, 128)}
@@ -129,8 +135,8 @@ def expanded_cache_inputs(sh: Shape, inp: dict, seed: int) -> tuple:
             inp["query_start_loc"], inp["scale"])  # fmt: skip
 
 
-def impl_calls(name: str, sh: Shape, sets: list[dict], seed: int) -> list[Callable]:
-    """One closure per input set for impl `name`."""
+def impl_calls(name: str, sh: Shape, sets: list[dict], seed: int, config=None) -> list[Callable]:
+    """One closure per input set for impl `name` (`config`: the absorbed kernel's LatentConfig, None: its table)."""
     from mini_infer.ops.mla_attention import latent_attention_triton, mla_attention_triton
     from mini_infer.ops.paged_attention import paged_attention_triton
 
@@ -142,7 +148,8 @@ def impl_calls(name: str, sh: Shape, sets: list[dict], seed: int) -> list[Callab
         if name == "absorbed kernel":
             q_lat = torch.bmm(inp["q_nope"].transpose(0, 1), inp["w_uk"])  # [H, T, Dc], outside the timing
             calls.append(bind(latent_attention_triton, (q_lat, inp["q_pe"], inp["latent_cache"], inp["block_tables"],
-                                                        inp["seq_lens"], inp["query_start_loc"], inp["scale"])))
+                                                        inp["seq_lens"], inp["query_start_loc"], inp["scale"]),
+                              config=config))
         elif name == "absorbed op":
             calls.append(bind(mla_attention_triton, op_args(inp)))
         elif name == "expanded cached":
@@ -228,7 +235,7 @@ def shapes_from(args) -> list[Shape]:
 def plan_of(sh: Shape, device: str) -> dict:
     from mini_infer.ops.mla_attention import latent_attention_plan
 
-    q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device)
+    q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device, dtype=sh.dtype)
     return latent_attention_plan(q_lat, sh.batch, -(-sh.ctx // sh.block_size) * sh.block_size)._asdict()
 
 
@@ -304,35 +311,91 @@ def run_timing(name: str, sh: Shape, sets: list[dict], args, on_gpu: bool) -> fl
     return ms
 
 
-def sweep(args) -> None:
-    """Time the latent kernel over decode launch configs (mla_attention._CONFIG["decode"]) at the bench shapes."""
-    import itertools
+def sweep_shapes(sh: Shape, table: LatentConfig) -> list[LatentConfig]:
+    """Tile shapes worth timing at a decode shape besides the table's: for each heads-per-program (16; for more
+    heads also 32, and 64 where tl.dot is wgmma) a few (block_n, num_warps, num_stages) that compile for sm_90
+    with Dc = 512 without spilling inside the key loop."""
+    from mini_infer.ops.mla_attention import LatentConfig
 
-    from mini_infer.ops import mla_attention as mla
+    if sh.heads <= 16:
+        tiles = {16: [(32, 4, 3), (32, 4, 2), (32, 8, 3), (16, 4, 4), (64, 8, 3)]}
+    else:
+        tiles = {16: [(32, 4, 3), (32, 8, 3)], 32: [(32, 8, 3), (32, 8, 2), (16, 8, 4)], 64: [(32, 8, 2), (16, 8, 3)]}
+    out = [LatentConfig(h, *t, splits=table.splits) for h, shapes in tiles.items() for t in shapes]
+    return [table] + [c for c in out if c._replace(splits=table.splits) != table]
 
-    saved = dict(mla._CONFIG["decode"])
-    grid = dict(heads=[16, 32, 64], block_n=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2, 3])
-    shapes = shapes_from(args)
-    sets = {id(sh): [make_inputs(sh, "cuda", seed=10)] for sh in shapes}
-    results = []
-    for values in itertools.product(*grid.values()):
-        cfg = dict(zip(grid, values))
-        mla._CONFIG["decode"] = dict(saved, **cfg)
-        mla._LAUNCH_OK.clear()
-        try:
-            times = [time_calls(impl_calls("absorbed kernel", sh, sets[id(sh)], 0), args.target_ms, 3)[0]
-                     for sh in shapes]  # fmt: skip
-        except Exception as e:  # out of resources, etc.
-            print(cfg, "failed:", type(e).__name__)
+
+def sweep_splits(best: LatentConfig, capacity: int) -> list[LatentConfig]:
+    """Split counts around `best`'s (x1/4, x1/2, x2, x4; at most one per block_n keys of capacity)."""
+    cands = {max(1, best.splits * f // 4) for f in (1, 2, 8, 16)} - {best.splits}
+    return [best._replace(splits=s) for s in sorted(cands) if s <= max(1, capacity // best.block_n)]
+
+
+def sweep(args, on_gpu: bool) -> dict:
+    """Time the latent kernel (+ its reduce) per bench shape over launch shapes: first the tile shapes
+    (`sweep_shapes`) at the table's split count, then split counts (`sweep_splits`) for the fastest tile; inputs
+    cycled over > 2x L2 as in the bench. Prints each shape's candidates best first and the winners as
+    `_DECODE_CONFIGS`-style lines; returns them for the JSON."""
+    from mini_infer.ops.mla_attention import LatentConfig, decode_config, latent_attention_plan
+
+    if on_gpu:
+        copy_gbps = copy_bandwidth(args.copy_gib, args.target_ms, args.rounds)["gbps"]
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size or 64 * 2**20
+    else:
+        copy_gbps, l2 = cpu_copy_bandwidth()["gbps"], 0
+    device = "cuda" if on_gpu else "cpu"
+    t0 = time.perf_counter()
+    rows = []
+    print(f"sweep: launch shapes as {LatentConfig._fields}, latent kernel + reduce, us (%copy)", flush=True)
+    for sh in shapes_from(args):
+        capacity = -(-sh.ctx // sh.block_size) * sh.block_size
+        n_sets = 1 if (args.warm or not on_gpu) else max(1, min(args.max_sets, math.ceil(2 * l2 / sh.latent_bytes)))
+        sets = [make_inputs(sh, device, seed=10 + i) for i in range(n_sets)]
+        q_lat = torch.empty(sh.heads, sh.batch, sh.dc, device=device, dtype=sh.dtype)
+
+        def effective(cfg, q_lat=q_lat, sh=sh, capacity=capacity):  # the split count the op takes from cfg
+            return cfg._replace(splits=latent_attention_plan(q_lat, sh.batch, capacity, config=cfg).num_splits)
+
+        table = effective(decode_config(sh.heads, sh.batch))
+        times: dict = {}
+
+        def run(cfgs, sh=sh, sets=sets, times=times):
+            for cfg in dict.fromkeys(effective(c) for c in cfgs):
+                if cfg in times:
+                    continue
+                calls = impl_calls("absorbed kernel", sh, sets, 0, config=cfg)
+                try:
+                    ms = time_calls(calls, args.target_ms, 3)[0] if on_gpu else time_cpu(calls, 1)
+                except Exception as e:  # out of resources, a compile error: report, go on
+                    print(f"  {tuple(cfg)} failed: {type(e).__name__}: {e}"[:200], flush=True)
+                    continue
+                times[cfg] = ms
+
+        run(sweep_shapes(sh, table))
+        if not times:
             continue
-        results.append((sum(times), times, cfg))
-        print(cfg, " ".join(f"{t * 1e3:.1f}" for t in times), "us", flush=True)
-    mla._CONFIG["decode"] = saved
-    mla._LAUNCH_OK.clear()
-    results.sort(key=lambda r: r[0])
-    print("best first; shapes:", ", ".join(f"{s.model} b{s.batch}" for s in shapes))
-    for _total, times, cfg in results[:8]:
-        print(f"  {cfg} " + " ".join(f"{t * 1e3:.1f}" for t in times) + " us")
+        run(sweep_splits(min(times, key=times.get), capacity))
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"{sh.model} H{sh.heads} batch {sh.batch}: {len(times)} shapes timed, best first", flush=True)
+        for cfg, ms in ranked[:6]:
+            mark = "  <- table" if cfg == table else ""
+            print(f"  {tuple(cfg)}  {ms * 1e3:9.1f}  ({sh.latent_bytes / ms / 1e6 / copy_gbps:4.0%}){mark}")
+        best, best_ms = ranked[0]
+        rows.append({"model": sh.model, "heads": sh.heads, "batch": sh.batch, "ctx": sh.ctx,
+                     "table": table._asdict(), "table_us": times[table] * 1e3 if table in times else None,
+                     "best": best._asdict(), "best_us": best_ms * 1e3,
+                     "best_frac_copy": sh.latent_bytes / best_ms / 1e6 / copy_gbps,
+                     "all": [{**c._asdict(), "us": ms * 1e3} for c, ms in ranked]})  # fmt: skip
+        del sets
+        if on_gpu:
+            torch.cuda.empty_cache()
+    print(f"sweep: {time.perf_counter() - t0:.0f} s. Winners as _DECODE_CONFIGS entries (most heads, most sequences):")
+    for r in rows:
+        b = r["best"]
+        print(f"    ({r['heads']}, {r['batch']}, LatentConfig(heads={b['heads']}, block_n={b['block_n']}, "
+              f"num_warps={b['num_warps']}, num_stages={b['num_stages']}, splits={b['splits']})),  "
+              f"# {r['best_us']:.1f} us, {r['best_frac_copy']:.0%} copy; table {r['table_us'] or 0:.1f} us")  # fmt: skip
+    return {"copy_gbps": copy_gbps, "shapes": rows}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -343,7 +406,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="cache block size (the engine's default 16)")
     ap.add_argument("--check", action="store_true", help="compare with mla_attention_reference before timing")
     ap.add_argument("--tiny", action="store_true", help="CPU under TRITON_INTERPRET=1 at tiny shapes")
-    ap.add_argument("--sweep", action="store_true", help="time the latent kernel's decode launch configs")
+    ap.add_argument("--sweep", action="store_true", help="first time the latent kernel's decode launch shapes "
+                    "per shape (best first, winners as table lines), then the bench as usual")
     ap.add_argument("--warm", action="store_true", help="one input set (L2-warm) instead of cycled copies")
     ap.add_argument("--max-sets", type=int, default=64, help="most input copies cycled per shape")
     ap.add_argument("--max-expanded-gib", type=float, default=40.0, help="skip expanded variants above this")
@@ -356,8 +420,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batches = args.batches or ([1, 3] if args.tiny else [1, 64, 256])
     if args.tiny:
         args.check = True
-    if args.tiny and args.sweep:
-        ap.error("--sweep times GPU launch configs: not with --tiny")
     if not args.tiny and not set(args.heads) & {m[0] for m in MODELS.values()}:
         ap.error("--heads: choose from 16, 128")
     return args
@@ -379,12 +441,11 @@ def main(argv=None) -> int:
 
     if not HAS_TRITON:
         raise SystemExit("triton is not importable: nothing to benchmark")
-    if args.sweep:
-        sweep(args)
-        return 0
     device = "cuda" if on_gpu else "cpu"
     t0 = time.perf_counter()
     report = {"meta": meta(args, device)}
+    if args.sweep:
+        report["sweep"] = sweep(args, on_gpu)
     report.update(bench(args, device))
     report["meta"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out or ("bench/out" if args.tiny else "bench/results"))

@@ -45,10 +45,12 @@ Implementations:
     `paged_attention_reference` (absorbed: as MQA over the latent cache viewed as one kv head).
   * `mla_attention_triton`: a cache-write kernel; the absorbed path's `latent_attention_triton`, one program per
     (query tile, head group, kv split) that loads each latent tile [BLOCK_N, Dc + Dr] once for all heads of the
-    group (all H heads when H <= the config's "heads": V2-Lite's 16), with split-K over the context (flash-
-    decoding: the split, online-softmax and reduce pieces are `_split_k`'s, shared with `paged_attention`); grid
-    from shapes only, no host sync. The absorption matmuls are torch bmm calls around it. The expanded path runs
-    `paged_attention_triton`.
+    group (all H heads when H <= the config's `heads`: V2-Lite's 16), with split-K over the context (flash-
+    decoding: the split, online-softmax and partials pieces are `_split_k`'s, shared with `paged_attention`;
+    the merge is `_latent_reduce_kernel`, parallel over (token, head, Dc chunk) so that one decode row with
+    many splits still spreads over many programs). Decode launch shapes and split counts come from a table
+    keyed by heads and batch size (`_DECODE_CONFIGS`, `decode_config`); grid from shapes only, no host sync.
+    The absorption matmuls are torch bmm calls around it. The expanded path runs `paged_attention_triton`.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ from mini_infer.ops.paged_attention import paged_attention_reference, paged_atte
 
 __all__ = [
     "PATHS",
+    "LatentConfig",
     "LatentPlan",
     "absorption_weights",
+    "decode_config",
     "latent_attention_plan",
     "latent_attention_triton",
     "mla_attention",
@@ -78,14 +82,50 @@ __all__ = [
 
 PATHS = ("absorbed", "expanded")
 
-# Triton launch shapes of the latent attention kernel. "heads": most heads per program (the fp32 accumulator is
-# [rows, Dc]: 16 x 512 fp32 is 64 registers a thread at 4 warps); "rows": (query row, head) pairs per program for
-# multi-row tiles; block_n: latent rows per inner step. Not tuned on a GPU yet: `bench/kernel_mla.py --sweep`.
+
+class LatentConfig(NamedTuple):
+    """A launch shape of the latent attention kernel. `heads`: most heads per program (BLOCK_H; the fp32
+    accumulator is [rows, Dc]); `block_n`: latent rows per inner step; `num_stages`: the compiler's software
+    pipelining (stages - 1 latent tiles in flight); `splits`: kv splits (flash-decoding; decode only, bounded by
+    the block table's capacity / block_n); `rows`: (query row, head) pairs per program (prefill tiles; 0: one
+    query row per tile, the decode shape)."""
+
+    heads: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    splits: int = 1
+    rows: int = 0
+
+
+# Decode launch shapes, (most heads, most sequences, config), the first that fits the batch wins (None: no
+# bound). Not timed on a GPU yet: chosen from sm_90 compiles (registers, spills, shared memory, latent tiles in
+# flight); `bench/kernel_mla.py --sweep` times candidates per shape and prints its winners as lines of this table.
+#   * few sequences: many splits, so that ~100+ programs stream the latent (16 heads fit one program: batch 1
+#     is otherwise 1 program per split), the partials merged by `_latent_reduce_kernel`;
+#   * more heads than 16 (V3's 128): 64-head tiles at 8 warps, so that tl.dot becomes Hopper's wgmma (M >= 64;
+#     the [64, 512] fp32 accumulator is 128 registers a thread; sm_90 then spills a few registers around the
+#     key loop, none inside it).
 # Where a shape runs out of shared memory (fp32) the launch retries smaller ones.
-_CONFIG = {
-    "decode": {"heads": 16, "rows": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    "prefill": {"heads": 16, "rows": 32, "block_n": 32, "num_warps": 8, "num_stages": 2},
-}
+_DECODE_CONFIGS: tuple[tuple[int | None, int | None, LatentConfig], ...] = (
+    (16, 4, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=64)),
+    (16, 16, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=16)),
+    (16, 96, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=4)),
+    (16, None, LatentConfig(heads=16, block_n=32, num_warps=4, num_stages=3, splits=1)),
+    (None, 4, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=32)),
+    (None, 32, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=4)),
+    (None, None, LatentConfig(heads=64, block_n=32, num_warps=8, num_stages=2, splits=1)),
+)
+_FP32_MAX_HEADS = 16  # fp32 operands: twice the shared memory, and no tensor cores to feed with bigger tiles
+_PREFILL_CONFIG = LatentConfig(heads=16, block_n=32, num_warps=8, num_stages=2, rows=32)
+
+
+def decode_config(heads: int, n_seqs: int) -> LatentConfig:
+    """The `_DECODE_CONFIGS` entry for a decode batch of n_seqs sequences with `heads` heads."""
+    for max_heads, max_seqs, cfg in _DECODE_CONFIGS:
+        if (max_heads is None or heads <= max_heads) and (max_seqs is None or n_seqs <= max_seqs):
+            return cfg
+    raise LookupError(f"no decode config for {heads} heads and {n_seqs} sequences")  # the last entry takes all
 
 
 def absorption_weights(
@@ -345,11 +385,14 @@ if HAS_TRITON:
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
+            # block-table lookups run one key tile ahead: a tile's latent loads then depend on no load of their
+            # own iteration, so the compiler's pipeliner can keep several latent tiles in flight (num_stages)
+            kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, k_lo, k_hi, BLOCK_SIZE, BLOCK_N)
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
                 row = cache_ptr + pblk * s_cb + koff * s_co
                 lat = tl.load(row[:, None] + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
                 kpe = tl.load(row[:, None] + D_C + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+                n_kpos, n_k_ok, n_pblk, n_koff = _split_k.key_tile(bt_row, start + BLOCK_N, k_hi, BLOCK_SIZE, BLOCK_N)
                 if DOT_FP32:
                     lat = lat.to(tl.float32)
                     sc = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
@@ -365,10 +408,36 @@ if HAS_TRITON:
                 else:
                     pv = tl.dot(p.to(lat.dtype), lat)
                 acc = acc * alpha[:, None] + pv
+                kpos, k_ok, pblk, koff = n_kpos, n_k_ok, n_pblk, n_koff
             _split_k.store_rows(
                 out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head64, c, row_ok, c_ok,
                 s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
             )  # fmt: skip
+
+    @triton.jit
+    def _latent_reduce_kernel(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, qsl_ptr, n_seqs, d_c,
+        s_wms, s_wmt, s_was, s_wat, s_wah, s_ot, s_oh,
+        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # program = (token, head, chunk of Dc); partials of all splits at once: [SPLITS_P2, BLOCK_D]
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        sp = tl.arange(0, SPLITS_P2).to(tl.int64)
+        owned = (t + sp * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
+        sp_ok = owned & (sp < NUM_SPLITS)
+        d_ok = d < d_c
+        m = tl.load(ws_m_ptr + sp * s_wms + t * s_wmt + h, mask=sp_ok, other=float("-inf"))
+        m_max = tl.max(m, axis=0)
+        wgt = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # m in log2 units; empty splits: 0
+        l_sum = tl.sum(wgt * tl.load(ws_l_ptr + sp * s_wms + t * s_wmt + h, mask=sp_ok, other=0.0), axis=0)
+        acc = tl.load(
+            ws_acc_ptr + sp[:, None] * s_was + t * s_wat + h * s_wah + d[None, :],
+            mask=sp_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        o = tl.sum(wgt[:, None] * acc, axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+        tl.store(out_ptr + t * s_ot + h * s_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def write_latent_cache_triton(
@@ -392,19 +461,18 @@ def write_latent_cache_triton(
     )  # fmt: skip
 
 
-# (kind, device, dtype, BLOCK_H, BLOCK_M, BLOCK_C, BLOCK_R) -> the (block_n, num_warps, num_stages) that compiled
+# (config, device, dtype, BLOCK_M, BLOCK_C, BLOCK_R) -> the (block_n, num_warps, num_stages) that compiled
 _LAUNCH_OK: dict[tuple, tuple[int, int, int]] = {}
 
 
-def _launch_shapes(kind: str, key: tuple):
-    """_CONFIG[kind]'s (block_n, num_warps, num_stages), then smaller key tiles and fewer stages until one fits."""
+def _launch_shapes(cfg: LatentConfig, key: tuple):
+    """cfg's (block_n, num_warps, num_stages), then smaller key tiles and fewer stages until one fits."""
     if key in _LAUNCH_OK:
         yield _LAUNCH_OK[key]
         return
-    cfg = _CONFIG[kind]
-    block_n, num_stages = cfg["block_n"], cfg["num_stages"]
+    block_n, num_stages = cfg.block_n, cfg.num_stages
     while True:
-        yield block_n, cfg["num_warps"], num_stages
+        yield block_n, cfg.num_warps, num_stages
         if block_n > 16:
             block_n //= 2
         elif num_stages > 1:
@@ -414,32 +482,40 @@ def _launch_shapes(kind: str, key: tuple):
 
 
 class LatentPlan(NamedTuple):
-    """How `latent_attention_triton` tiles a batch: `kind` ("decode" / "prefill", the _CONFIG entry), heads
-    per program, query rows per tile, head groups (programs per tile) and kv splits."""
+    """How `latent_attention_triton` tiles a batch: `kind` ("decode" / "prefill"), heads per program, query rows
+    per tile, head groups (programs per tile), kv splits, and the launch shape it asks for first (a shape that
+    does not fit in shared memory falls back to smaller ones)."""
 
     kind: str
     block_h: int
     block_q: int
     head_groups: int
     num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
 def latent_attention_plan(
-    q_lat: torch.Tensor, n_seqs: int, capacity: int, decode_only: bool | None = None, num_splits: int | None = None
-) -> LatentPlan:
+    q_lat: torch.Tensor, n_seqs: int, capacity: int, decode_only: bool | None = None, num_splits: int | None = None,
+    config: LatentConfig | None = None,
+) -> LatentPlan:  # fmt: skip
     """The tiling `latent_attention_triton` uses for q_lat [H, T, Dc] and S = n_seqs sequences, from shapes only.
-    `capacity`: keys a block-table row can address (its width x block_size), which bounds the default splits."""
+    `capacity`: keys a block-table row can address (its width x block_size), which bounds the splits: at most
+    one per block_n keys. `config` replaces the table's (`decode_config` / `_PREFILL_CONFIG`); `num_splits`
+    replaces its split count (not bounded)."""
     h, t, _ = q_lat.shape
     if decode_only is None:
         decode_only = t <= n_seqs
     kind = "decode" if decode_only else "prefill"
-    cfg = _CONFIG[kind]
-    block_h = min(next_pow2(h), cfg["heads"])
+    cfg = config or (decode_config(h, n_seqs) if decode_only else _PREFILL_CONFIG)
+    block_h = min(next_pow2(h), cfg.heads, _FP32_MAX_HEADS if q_lat.dtype == torch.float32 else cfg.heads)
     head_groups = -(-h // block_h)
     if num_splits is None:
-        num_splits = _split_k.default_num_splits(q_lat, n_seqs, head_groups, capacity) if decode_only else 1
-    block_q = 1 if decode_only else max(1, cfg["rows"] // block_h)
-    return LatentPlan(kind, block_h, block_q, head_groups, max(1, int(num_splits)))
+        num_splits = min(cfg.splits, max(1, capacity // cfg.block_n)) if decode_only else 1
+    block_q = 1 if decode_only or not cfg.rows else max(1, cfg.rows // block_h)
+    return LatentPlan(kind, block_h, block_q, head_groups, max(1, int(num_splits)), cfg.block_n, cfg.num_warps,
+                      cfg.num_stages)  # fmt: skip
 
 
 def latent_attention_triton(
@@ -453,18 +529,19 @@ def latent_attention_triton(
     *,
     num_splits: int | None = None,
     decode_only: bool | None = None,
+    config: LatentConfig | None = None,
 ) -> torch.Tensor:
     """The absorbed path's attention: o_lat [H, T, Dc] from q_lat [H, T, Dc] (any strides with unit last stride,
     e.g. a bmm output), q_pe [T, H, Dr] and the latent cache (its rows [c | k_pe] are the keys, c the values).
 
     Every knob gives the same result for every batch; they only pick tile shapes, from shapes and arguments,
     never tensor values (CUDA-graph capturable, no host sync):
-      * `decode_only`: True -> one query row per tile, all heads of a head group; False -> `_CONFIG["prefill"]
-        ["rows"]` (row, head) pairs per tile. None -> True iff T <= S.
-      * `num_splits`: key-range splits (flash-decoding, then a reduce kernel). None -> 1 unless decode_only and
-        the (sequence, head group) programs would leave the GPU under-filled (`paged_attention`'s rule,
-        `_split_k.default_num_splits`), bounded by the block table's capacity / 256 keys (and 32).
-    The first call for a new (dtype, dims, kind) compiles: make it before capturing a CUDA graph.
+      * `decode_only`: True -> one query row per tile, all heads of a head group; False -> `_PREFILL_CONFIG.rows`
+        (row, head) pairs per tile. None -> True iff T <= S.
+      * `num_splits`: key-range splits (flash-decoding, then `_latent_reduce_kernel`). None -> the config's
+        (decode; bounded by the block table's capacity / block_n), 1 (prefill).
+      * `config`: the launch shape (`LatentConfig`); None -> `decode_config(H, S)` / `_PREFILL_CONFIG`.
+    The first call for a new (dtype, dims, config, splits) compiles: make it before capturing a CUDA graph.
     """
     if not HAS_TRITON:
         raise RuntimeError("latent_attention_triton needs triton")
@@ -477,18 +554,18 @@ def latent_attention_triton(
         return q_lat.new_zeros((h, t, dc))
     q_pe = _paged._last_dim_contiguous(q_pe)
     block_size = latent_cache.shape[1]
-    kind, block_h, block_q, head_groups, num_splits = latent_attention_plan(
-        q_lat, n_seqs, block_tables.shape[1] * block_size, decode_only, num_splits
-    )
+    plan = latent_attention_plan(q_lat, n_seqs, block_tables.shape[1] * block_size, decode_only, num_splits, config)
+    cfg = LatentConfig(plan.block_h, plan.block_n, plan.num_warps, plan.num_stages)
+    block_h, block_q, head_groups, num_splits = plan.block_h, plan.block_q, plan.head_groups, plan.num_splits
     block_m = max(16, block_q * block_h)  # tl.dot needs >= 16 rows
     block_c, block_r = max(16, next_pow2(dc)), max(16, next_pow2(dr))
 
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q_lat, (h, t, dc), num_splits, t, h, dc)
 
     dot_fp32 = q_lat.dtype == torch.float32 or not q_lat.is_cuda  # the interpreter's bf16 dot is wrong
-    key = (kind, q_lat.device, q_lat.dtype, block_h, block_m, block_c, block_r)
+    key = (cfg, q_lat.device, q_lat.dtype, block_m, block_c, block_r)
     grid = ((t // block_q + n_seqs) * head_groups, num_splits)
-    for block_n, num_warps, num_stages in _launch_shapes(kind, key):
+    for block_n, num_warps, num_stages in _launch_shapes(cfg, key):
         try:
             _latent_attn_kernel[grid](
                 q_lat, q_pe, latent_cache, out, ws_m, ws_l, ws_acc,
@@ -510,11 +587,22 @@ def latent_attention_triton(
         break
     else:
         raise RuntimeError(f"latent_attention_triton: no launch shape fits for {key}")
-    if num_splits > 1:  # out is [H, T, Dc]: its token stride is stride(1), its head stride stride(0)
-        _split_k.launch_split_reduce(
-            ws_m, ws_l, ws_acc, ws_strides, out, out.stride(1), out.stride(0), query_start_loc, n_seqs, block_c
-        )
+    if num_splits > 1:
+        _launch_latent_reduce(ws_m, ws_l, ws_acc, ws_strides, out, query_start_loc, n_seqs)
     return out
+
+
+def _launch_latent_reduce(ws_m, ws_l, ws_acc, ws_strides, out, query_start_loc, n_seqs) -> None:
+    """Merge the split partials into out [H, T, Dc]: one program per (token, head, chunk of Dc) that reads every
+    split of its chunk in one load, so a single decode row with many splits still spreads over H x chunks
+    programs (`_split_k`'s reduce walks the splits one after another in one program per token and heads)."""
+    num_splits, t, h, dc = ws_acc.shape
+    splits_p2 = next_pow2(num_splits)
+    block_d = max(16, min(next_pow2(dc), 4096 // splits_p2))  # <= 16 KB of fp32 partials per program
+    _latent_reduce_kernel[(t, h, triton.cdiv(dc, block_d))](
+        ws_m, ws_l, ws_acc, out, query_start_loc, n_seqs, dc, *ws_strides, out.stride(1), out.stride(0),
+        NUM_SPLITS=num_splits, SPLITS_P2=splits_p2, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
 
 
 def _absorbed_triton(latent_cache, w_uk, w_uv, scale, q_nope, q_pe, block_tables, seq_lens, query_start_loc,

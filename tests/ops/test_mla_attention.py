@@ -18,7 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
 from mini_infer.ops import mla_attention as mla_mod
 from mini_infer.ops.mla_attention import (
+    LatentConfig,
+    LatentPlan,
     absorption_weights,
+    latent_attention_plan,
     latent_attention_triton,
     mla_attention_reference,
     mla_attention_triton,
@@ -266,7 +269,7 @@ def test_triton_matches_reference(name):
 
 
 @requires_triton
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 32])  # 32: more splits than key tiles, most of them empty
 def test_triton_decode_split_k(num_splits):
     case = make_case([(40, 1), (70, 1), (5, 1), (0, 0)], block_size=4, seed=3)
     args = case.args()
@@ -290,11 +293,34 @@ def test_triton_forced_paths(name, knobs):
 
 @requires_triton
 def test_triton_heads_in_groups(monkeypatch):
-    """More heads than one program takes: head groups read the same latent tiles, each writes its own heads."""
-    monkeypatch.setitem(mla_mod._CONFIG, "decode", dict(mla_mod._CONFIG["decode"], heads=2))
-    monkeypatch.setattr(mla_mod, "_LAUNCH_OK", {})
+    """More heads than one program takes: head groups read the same latent tiles, each writes its own heads;
+    the decode table's split count (bounded by the block table: 2 of 32 keys) merged by the latent reduce."""
+    cfg = LatentConfig(heads=2, block_n=32, num_warps=4, num_stages=3, splits=64)
+    monkeypatch.setattr(mla_mod, "_DECODE_CONFIGS", ((None, None, cfg),))
     case = make_case(**CASES["decode"])
-    assert_close(mla_attention_triton(*case.args(), num_splits=2), oracle(case))
+    q_lat = torch.empty(H, 4, DC)
+    assert latent_attention_plan(q_lat, 4, case.block_tables.shape[1] * 16) == LatentPlan(
+        "decode", block_h=2, block_q=1, head_groups=2, num_splits=2, block_n=32, num_warps=4, num_stages=3
+    )
+    assert_close(mla_attention_triton(*case.args()), oracle(case))
+
+
+def test_decode_config_table():
+    """Decode picks its launch shape by heads and batch: many splits for one sequence (bounded by the block
+    table's capacity / block_n), none for a full batch; prefill tiles take one config and no splits."""
+    def plan(heads, seqs, capacity, tokens=None, dtype=torch.bfloat16):
+        return latent_attention_plan(torch.empty(heads, tokens or seqs, 512, dtype=dtype), seqs, capacity)
+
+    one = mla_mod.decode_config(16, 1)
+    assert one.splits >= 32 and plan(16, 1, 4096).num_splits == one.splits
+    assert plan(16, 1, 64).num_splits == 64 // mla_mod.decode_config(16, 1).block_n
+    assert plan(16, 256, 4096).num_splits == 1 and plan(16, 256, 4096).head_groups == 1
+    v3 = plan(128, 256, 4096)
+    assert v3.num_splits == 1 and v3.block_h * v3.head_groups == 128 and v3.block_h >= 32
+    assert plan(128, 256, 4096, dtype=torch.float32).block_h == mla_mod._FP32_MAX_HEADS  # fp32: smaller tiles
+    prefill = plan(16, 2, 4096, tokens=40)
+    assert prefill.kind == "prefill" and prefill.num_splits == 1 and prefill.block_q > 1
+    assert mla_mod.decode_config(1024, 10**6) == mla_mod._DECODE_CONFIGS[-1][2]  # the table covers every batch
 
 
 @requires_triton
