@@ -5,8 +5,8 @@ Both kernels tile the packed query rows of all sequences (varlen via `query_star
 in log2 units (scores times LOG2E, exp2) over a key range, and with NUM_SPLITS > 1 cut that range into BLOCK_N
 aligned splits whose partials (running max m, sum l, unnormalized acc) are merged in split order, either by a
 reduce kernel (`store_rows` + `launch_split_reduce`) or inside the attention launch (`finish_rows`: the split
-that arrives last at its rows, counted in a per-(tile, program) counter it resets, merges the non-empty splits;
-a range that fits one split is written normalized at once). Here:
+that arrives last at its rows, counted in a counter per set of rows that it zeroes again, merges the non-empty
+splits; a range that fits one split is written normalized at once). Here:
   * Triton helpers the kernels inline: which sequence a query tile belongs to, a program's split of its key
     range and how many splits are non-empty, a key tile's cache blocks (through the block table) and
     causal/window mask, one online-softmax step, the merge of partials, and the end of a program (normalized
@@ -136,25 +136,31 @@ if HAS_TRITON:
         tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was):
-        """(acc, l) of splits 0 .. n-1's partials merged in split order, for rows at offsets m_off (into m/l)
-        and a_off (into acc, [rows, cols], masked by mask); m_off is int64 (workspaces can pass 2**31
-        elements). Read through L2 (.cg): the partials may come from other programs of the same launch."""
+    def merge_partials(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """(acc, l) of splits 0 .. n-1's partials (n <= NUM_SPLITS) merged in split order, for rows at offsets
+        m_off (into m/l) and a_off (into acc, [rows, cols], masked by mask); m_off is int64 (workspaces can
+        pass 2**31 elements). The loops are unrolled over NUM_SPLITS with splits from n on masked off (they add
+        exact zeros), so that every load can be in flight at once; the loads go through L2 (.cg): the partials
+        may come from other programs of the same launch."""
         zero = m_off * 0
         m_max = tl.full(m_off.shape, float("-inf"), tl.float32)
-        for sp in range(n):
-            m = tl.load(ws_m_ptr + (zero + sp) * s_wms + m_off, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        for sp in tl.static_range(NUM_SPLITS):
+            ok = row_ok & ((zero + sp) < n)
+            m = tl.load(ws_m_ptr + (zero + sp) * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
             m_max = tl.maximum(m_max, m)
         m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
         l_sum = tl.zeros(m_off.shape, tl.float32)
         acc = tl.zeros(a_off.shape, tl.float32)
-        for sp in range(n):
+        for sp in tl.static_range(NUM_SPLITS):
             sp64 = zero + sp
-            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            ok = row_ok & (sp64 < n)
+            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
             wgt = tl.exp2(m - m_ref)  # m is in log2 units
-            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=row_ok, other=0.0, cache_modifier=".cg")
+            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=ok, other=0.0, cache_modifier=".cg")
             acc += wgt[:, None] * tl.load(
-                ws_acc_ptr + sp64[:, None] * s_was + a_off, mask=mask, other=0.0, cache_modifier=".cg"
+                ws_acc_ptr + sp64[:, None] * s_was + a_off, mask=mask & ok[:, None], other=0.0, cache_modifier=".cg"
             )
         return acc, l_sum
 
@@ -175,7 +181,7 @@ if HAS_TRITON:
     @triton.jit
     def finish_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
-        col_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah,
+        col_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
     ):  # fmt: skip
         """The end of split `split` (< n_used, the non-empty splits of its rows' key range) with the merge in
         the same launch: n_used == 1, the normalized rows at once; else its partials, then a count at cnt_ptr
@@ -192,7 +198,7 @@ if HAS_TRITON:
                 mask = row_ok[:, None] & col_ok[None, :]
                 a_off = tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
                 acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok * s_wmt + head, a_off, row_ok, mask,
-                                            n_used, s_wms, s_was)
+                                            n_used, s_wms, s_was, NUM_SPLITS)
                 _store_normalized(out_ptr, acc, l_sum, tok, head, col, row_ok, col_ok, s_ot, s_oh)
 
     @triton.jit
@@ -209,7 +215,9 @@ if HAS_TRITON:
         hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
         m_off = t * s_wmt + h  # int64 (t is)
         a_off = t * s_wat + h[:, None] * s_wah + dv[None, :]
-        acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, h_ok, hd_ok, NUM_SPLITS, s_wms, s_was)
+        acc, l_sum = merge_partials(
+            ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, h_ok, hd_ok, NUM_SPLITS, s_wms, s_was, NUM_SPLITS
+        )
         o = _normalize(acc, l_sum)
         tl.store(
             out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],

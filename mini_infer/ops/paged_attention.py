@@ -505,6 +505,7 @@ if HAS_TRITON:
                 _split_k.finish_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
                     l_i, split, n_used, tok, head, dv, row_ok, dv_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah,
+                    NUM_SPLITS,
                 )  # fmt: skip
             else:
                 _split_k.store_rows(
@@ -647,7 +648,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         )
     num_splits = max(1, int(num_splits))
     fused_merge = fused_merge and num_splits > 1
-    # the kernel writes every row (zeros where no sequence owns it) unless the reduce kernel merges
+    # the kernel zeroes the rows no sequence owns: out needs no memset
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
                                                                  writes_every_row=True)
 
@@ -657,7 +658,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
-        counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # never read: 1 split
+        counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,

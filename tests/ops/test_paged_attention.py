@@ -211,8 +211,7 @@ def test_triton_matches_reference(name):
 @pytest.mark.parametrize(
     "name,knobs",
     [
-        ("prefill", dict(decode_only=True)),  # decode tiles on a prefill batch: slower, still exact
-        ("chunked_prefill", dict(decode_only=True, num_splits=2)),
+        ("chunked_prefill", dict(decode_only=True, num_splits=2)),  # decode tiles on a prefill batch: slower, exact
         ("decode_gqa", dict(decode_only=False)),
         ("sliding_window", dict(num_splits=3)),  # split-K over prefill tiles and a window
         ("padding", dict(decode_only=True, num_splits=2)),  # reduce kernel zeroes unowned rows
@@ -234,40 +233,38 @@ def small_key_tiles(monkeypatch):
     monkeypatch.setattr(pa, "_LAUNCH_OK", {})
 
 
-# contexts 41 / 71 / 6 / 33 over 4 splits of 16-key tiles: 3 of 4 splits used (41: 16 + 16 + 9; 71: 32 + 32 + 7, a
-# split of two tiles), one (6: written directly, no partials), 3 (33: the last split holds one key); plus a padding
-# sequence and a padding row
-SPLIT_SEQS = [(40, 1), (70, 1), (5, 1), (32, 1), (0, 0)]
+# contexts 71 / 6 / 33 over 4 splits of 16-key tiles: 3 of 4 splits used (71: 32 + 32 + 7, splits of two tiles), one
+# (6: written directly, no partials), 3 (33: 16 + 16 + 1 key); plus a padding sequence (and a padding row where added)
+SPLIT_SEQS = [(70, 1), (5, 1), (32, 1), (0, 0)]
 
 
 @requires_triton
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
-def test_triton_split_k_decode(small_key_tiles, hq, hkv):
+def test_triton_split_k_decode(small_key_tiles):
     """The merge in the attention launch (last split merges, empty splits exit) gives the bits of the reduce
-    kernel, which merges every split's partials (empty ones included) in a second launch."""
-    case = make_case(SPLIT_SEQS, hq=hq, hkv=hkv, block_size=4, seed=3, pad_tokens=1)
+    kernel, which merges every split's partials (empty ones included) in a second launch; a second call on the
+    same buffers (a CUDA graph's replay) gives them again and leaves the counters zero."""
+    from mini_infer.ops import _split_k
+
+    case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
     args = case.args()
     out = paged_attention_triton(*args, decode_only=True, num_splits=4)
     assert_close(out, oracle(case))
     check_cache(case, args[3], args[4])
     assert torch.equal(out, paged_attention_triton(*case.args(), decode_only=True, num_splits=4, fused_merge=False))
+    assert torch.equal(paged_attention_triton(*args, decode_only=True, num_splits=4), out)
+    assert not _split_k.split_counters(case.q.device, 1).any()
 
 
 @requires_triton
-def test_triton_fused_merge_repeated_calls(small_key_tiles):
-    """Calls on the same buffers (a CUDA graph's replays) give the same bits: the last split of each tile
-    zeroes its counter again. Prefill tiles and a window too (a range starting inside a split)."""
-    from mini_infer.ops import _split_k
-
-    for seqs, kw in [(SPLIT_SEQS, dict(decode_only=True)), ([(30, 9), (60, 1), (0, 4)], dict(decode_only=False)),
-                     ([(50, 1), (21, 3)], dict(decode_only=True, sliding_window=19))]:  # fmt: skip
-        case = make_case(seqs, hq=4, hkv=2, block_size=4, seed=5, sliding_window=kw.pop("sliding_window", 0))
-        args = case.args()
-        first = paged_attention_triton(*args, num_splits=3, **kw)
-        assert_close(first, oracle(case))
-        for _ in range(2):
-            assert torch.equal(paged_attention_triton(*args, num_splits=3, **kw), first)
-            assert not _split_k.split_counters(case.q.device, 1).any()
+@pytest.mark.parametrize("seqs,window", [([(30, 9), (60, 1), (0, 4)], 0), ([(50, 1), (21, 3)], 19)])
+def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
+    """The fused merge over prefill tiles (rows whose visible keys end in different splits), and under a window
+    (a key range starting inside a split), twice on the same buffers."""
+    case = make_case(seqs, hq=4, hkv=2, block_size=4, seed=5, sliding_window=window)
+    args = case.args()
+    first = paged_attention_triton(*args, decode_only=False, num_splits=3)
+    assert_close(first, oracle(case))
+    assert torch.equal(paged_attention_triton(*args, decode_only=False, num_splits=3), first)
 
 
 @requires_triton
@@ -457,11 +454,9 @@ def test_fp8_cache_write(impl):
 @pytest.mark.parametrize(
     "name,knobs",
     [
-        ("prefill", {}),
-        ("chunked_prefill", {}),
+        ("chunked_prefill", {}),  # prefill tiles over a cached prefix and new rows
         ("decode_gqa", {}),
-        ("decode_gqa", dict(decode_only=True, num_splits=4)),  # split-K decode + reduce kernel
-        ("window_softcap_g4", dict(num_splits=2)),
+        ("window_softcap_g4", dict(num_splits=2)),  # (split-K over several splits: test_fp8_triton_split_k_long_decode)
     ],
 )
 def test_fp8_triton_matches_reference(dtype, name, knobs):
