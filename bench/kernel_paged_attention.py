@@ -1,8 +1,18 @@
 """Timing of paged_attention (not a test): Triton on CUDA vs torch SDPA on contiguous K/V, and the CPU reference.
 
-    python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]]
+    python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
+                                            | --decode-latency [--check] [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
+
+--decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
+(default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
+off), bf16, head dim 128, block 16, every block table 4,096 keys wide (the split count follows that capacity, not the
+context), for qwen3-0.6b-like (16 q / 8 kv heads) and qwen2.5-7b-like (28 / 4) attention at batch 1, 8, 64, 256
+and context 128, 1024, 4096. Prints microseconds per call of the split-K merge in the attention launch
+(`fused`, the default) and of the reduce-kernel merge (`reduce`, fused_merge=False: every split writes partials, a
+second launch merges them), with the split count. --check also compares both outputs with the torch reference
+(bf16 tolerance 2e-2; exit status 1 beyond it) and with each other.
 
 --prefill: one sequence's causal prefill, bf16, head dim 128, block size 16, at --lengths new tokens (default
 512,1024,4096,16384,32768) with no cached context, plus a chunked-prefill case (16384 cached + 2048 new), for
@@ -119,6 +129,72 @@ def sweep():
             print("  current default:", " ".join(f"{t:.3f}" for t in default[0][1]))
     pa._CONFIG.update(saved)
     pa._LAUNCH_OK.clear()
+
+
+DECODE_BATCHES = (1, 8, 64, 256)
+DECODE_CONTEXTS = (128, 1024, 4096)
+DECODE_CAPACITY = 4096  # keys a block-table row addresses (max_model_len)
+
+
+def decode_args(s, ctx, hq, hkv, d, bs=16, capacity=DECODE_CAPACITY):
+    """`build`'s decode step (one new token per sequence at context ctx) with block tables `capacity` keys wide:
+    the entries past ctx point at block 0 (never read)."""
+    args = list(build(s, ctx, 1, hq, hkv, d, bs, torch.bfloat16, "cuda"))
+    bt = torch.zeros((s, capacity // bs), dtype=torch.int32, device="cuda")
+    bt[:, : args[6].shape[1]] = args[6]
+    args[6] = bt
+    return args
+
+
+def graph_us(fn, calls, replays=10):
+    """Microseconds per call of `calls` back-to-back calls of fn captured in one CUDA graph (a model's layers)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def decode_latency(check, layers):
+    from mini_infer.ops import _split_k
+
+    print(f"GPU {torch.cuda.get_device_name()} | decode, bf16, D=128, block 16, block tables {DECODE_CAPACITY} keys, "
+          f"CUDA graph of {layers} calls (write + attention + merge), us per call")
+    print(f"{'model':11s} {'batch':>5s} {'ctx':>5s} {'splits':>6s} | {'fused':>7s} {'reduce':>7s} {'ratio':>6s}"
+          + (" | max|fused-ref| max|reduce-ref| max|fused-reduce|" if check else ""))
+    bad = 0
+    t0 = time.perf_counter()
+    for model, (hq, hkv, d) in PREFILL_MODELS.items():
+        for s in DECODE_BATCHES:
+            for ctx in DECODE_CONTEXTS:
+                args = decode_args(s, ctx, hq, hkv, d)
+                splits = _split_k.default_num_splits(args[0], s, hkv, DECODE_CAPACITY)
+                us = {name: graph_us(lambda f=f, a=args: paged_attention_triton(*a, fused_merge=f), layers)
+                      for name, f in (("fused", True), ("reduce", False))}
+                row = (f"{model:11s} {s:5d} {ctx:5d} {splits:6d} | {us['fused']:7.2f} {us['reduce']:7.2f} "
+                       f"{us['fused'] / us['reduce']:6.2f}")
+                if check:
+                    fused = paged_attention_triton(*args).float()
+                    red = paged_attention_triton(*args, fused_merge=False).float()
+                    ref = paged_attention_reference(*args).float()
+                    diffs = [(fused - ref).abs().max().item(), (red - ref).abs().max().item(),
+                             (fused - red).abs().max().item()]
+                    bad += diffs[0] > 2e-2 or diffs[1] > 2e-2
+                    row += " | " + " ".join(f"{x:12.2e}" for x in diffs)
+                print(row, flush=True)
+                del args
+                torch.cuda.empty_cache()
+    print(f"{time.perf_counter() - t0:.0f} s" + (f"; {bad} case(s) beyond tolerance" if check else ""))
+    return bad
 
 
 def cpu():
@@ -251,6 +327,8 @@ if __name__ == "__main__":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         prefill([int(x) for x in arg_value("--lengths", "512,1024,4096,16384,32768").split(",")],
                 arg_value("--out", "bench/results"))
+    elif "--decode-latency" in sys.argv:
+        sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28"))) else 0)
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:

@@ -3,12 +3,16 @@ attention kernel (`mla_attention`'s absorbed path).
 
 Both kernels tile the packed query rows of all sequences (varlen via `query_start_loc`), run an online softmax
 in log2 units (scores times LOG2E, exp2) over a key range, and with NUM_SPLITS > 1 cut that range into BLOCK_N
-aligned splits whose partials (running max m, sum l, unnormalized acc) a reduce kernel merges. Here:
+aligned splits whose partials (running max m, sum l, unnormalized acc) are merged in split order, either by a
+reduce kernel (`store_rows` + `launch_split_reduce`) or inside the attention launch (`finish_rows`: the split
+that arrives last at its rows, counted in a counter per set of rows that it zeroes again, merges the non-empty
+splits; a range that fits one split is written normalized at once). Here:
   * Triton helpers the kernels inline: which sequence a query tile belongs to, a program's split of its key
-    range, a key tile's cache blocks (through the block table) and causal/window mask, one online-softmax step,
-    and the end of a program (normalized rows, or its partials);
-  * the reduce kernel, and the launchers' side: the output + workspaces for a split count, the reduce launch,
-    and the default split count.
+    range and how many splits are non-empty, a key tile's cache blocks (through the block table) and
+    causal/window mask, one online-softmax step, the merge of partials, and the end of a program (normalized
+    rows, its partials, or the fused merge);
+  * the reduce kernel, and the launchers' side: the output + workspaces for a split count, the fused merge's
+    counters, the reduce launch, and the default split count.
 Partials are fp32, laid out [num_splits, T, H] (m, l) and [num_splits, T, H, Dv] (acc). This module knows
 nothing of either kernel's cache layout (what a block/offset holds) or how it computes scores.
 """
@@ -21,7 +25,7 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, num_sms, tl, triton
 
-__all__ = ["default_num_splits", "launch_split_reduce", "split_outputs"]
+__all__ = ["default_num_splits", "launch_split_reduce", "split_counters", "split_outputs"]
 
 if HAS_TRITON:
     LOG2E = tl.constexpr(1.4426950408889634)
@@ -57,6 +61,14 @@ if HAS_TRITON:
             k_lo = k_lo + split * per
             k_hi = tl.minimum(k_lo + per, k_hi)
         return k_lo, k_hi
+
+    @triton.jit
+    def used_splits(k_lo, k_hi, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """How many of `split_key_range`'s splits of [k_lo, k_hi) are non-empty (they come first); at least 1,
+        so that an empty range still has one program writing its (zero) rows."""
+        n = k_hi - k_lo
+        per = tl.maximum(tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+        return tl.maximum(tl.cdiv(n, per), 1)
 
     @triton.jit
     def key_tile(bt_row, start, k_hi, block_size, BLOCK_N: tl.constexpr):
@@ -104,6 +116,55 @@ if HAS_TRITON:
         return acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
 
     @triton.jit
+    def _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh):
+        o = _normalize(acc, l_i)
+        tl.store(
+            out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + col[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
+        )  # fmt: skip
+
+    @triton.jit
+    def _store_partials(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
+        s_wms, s_wmt, s_was, s_wat, s_wah,
+    ):  # fmt: skip
+        sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
+        w = sp64 * s_wms + tok * s_wmt + head
+        tl.store(ws_m_ptr + w, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + w, l_i, mask=row_ok)
+        wa = sp64 * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
+        tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def merge_partials(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """(acc, l) of splits 0 .. n-1's partials (n <= NUM_SPLITS) merged in split order, for rows at offsets
+        m_off (into m/l) and a_off (into acc, [rows, cols], masked by mask); m_off is int64 (workspaces can
+        pass 2**31 elements). The loops are unrolled over NUM_SPLITS with splits from n on masked off (they add
+        exact zeros), so that every load can be in flight at once; the loads go through L2 (.cg): the partials
+        may come from other programs of the same launch."""
+        zero = m_off * 0
+        m_max = tl.full(m_off.shape, float("-inf"), tl.float32)
+        for sp in tl.static_range(NUM_SPLITS):
+            ok = row_ok & ((zero + sp) < n)
+            m = tl.load(ws_m_ptr + (zero + sp) * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros(m_off.shape, tl.float32)
+        acc = tl.zeros(a_off.shape, tl.float32)
+        for sp in tl.static_range(NUM_SPLITS):
+            sp64 = zero + sp
+            ok = row_ok & (sp64 < n)
+            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.exp2(m - m_ref)  # m is in log2 units
+            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += wgt[:, None] * tl.load(
+                ws_acc_ptr + sp64[:, None] * s_was + a_off, mask=mask & ok[:, None], other=0.0, cache_modifier=".cg"
+            )
+        return acc, l_sum
+
+    @triton.jit
     def store_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
         s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
@@ -112,18 +173,33 @@ if HAS_TRITON:
         normalized output rows; else the split's partials for the reduce kernel (every split writes every row it
         owns, an empty key range as m = -inf, l = 0, acc = 0)."""
         if NUM_SPLITS == 1:
-            o = _normalize(acc, l_i)
-            tl.store(
-                out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + col[None, :],
-                o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
-            )  # fmt: skip
+            _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh)
         else:
-            sp64 = split.to(tl.int64)  # workspaces can pass 2**31 elements
-            w = sp64 * s_wms + tok * s_wmt + head
-            tl.store(ws_m_ptr + w, m_i, mask=row_ok)
-            tl.store(ws_l_ptr + w, l_i, mask=row_ok)
-            wa = sp64 * s_was + tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
-            tl.store(ws_acc_ptr + wa, acc, mask=row_ok[:, None] & col_ok[None, :])
+            _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
+                            s_wms, s_wmt, s_was, s_wat, s_wah)
+
+    @triton.jit
+    def finish_rows(
+        out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
+        col_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """The end of split `split` (< n_used, the non-empty splits of its rows' key range) with the merge in
+        the same launch: n_used == 1, the normalized rows at once; else its partials, then a count at cnt_ptr
+        (one counter per set of rows, zero between launches); the split that arrives last resets it and
+        merges the n_used partials in split order (deterministic, whatever the arrival order)."""
+        if n_used == 1:
+            _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh)
+        else:
+            _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
+                            s_wms, s_wmt, s_was, s_wat, s_wah)
+            tl.debug_barrier()  # every thread's partials are stored before the (acq_rel, gpu) count is released
+            if tl.atomic_add(cnt_ptr, 1) == n_used - 1:
+                tl.store(cnt_ptr, 0)  # zero again for the next launch (a CUDA graph's replay)
+                mask = row_ok[:, None] & col_ok[None, :]
+                a_off = tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
+                acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok * s_wmt + head, a_off, row_ok, mask,
+                                            n_used, s_wms, s_was, NUM_SPLITS)
+                _store_normalized(out_ptr, acc, l_sum, tok, head, col, row_ok, col_ok, s_ot, s_oh)
 
     @triton.jit
     def _split_reduce_kernel(
@@ -137,21 +213,11 @@ if HAS_TRITON:
         owned = (t + h * 0) < tl.load(qsl_ptr + n_seqs)  # rows past the last sequence: zeros
         h_ok = owned & (h < n_heads)
         hd_ok = h_ok[:, None] & (dv < head_dv)[None, :]
-        m_off = t * s_wmt + h
+        m_off = t * s_wmt + h  # int64 (t is)
         a_off = t * s_wat + h[:, None] * s_wah + dv[None, :]
-        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in range(NUM_SPLITS):
-            sp64 = t * 0 + sp  # int64 (t is): workspaces can pass 2**31 elements
-            m_max = tl.maximum(m_max, tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf")))
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for sp in range(NUM_SPLITS):
-            sp64 = t * 0 + sp
-            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=h_ok, other=float("-inf"))
-            wgt = tl.exp2(m - m_ref)  # m is in log2 units
-            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=h_ok, other=0.0)
-            acc += wgt[:, None] * tl.load(ws_acc_ptr + sp64 * s_was + a_off, mask=hd_ok, other=0.0)
+        acc, l_sum = merge_partials(
+            ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, h_ok, hd_ok, NUM_SPLITS, s_wms, s_was, NUM_SPLITS
+        )
         o = _normalize(acc, l_sum)
         tl.store(
             out_ptr + t * s_ot + h[:, None] * s_oh + dv[None, :],
@@ -160,20 +226,37 @@ if HAS_TRITON:
 
 
 def split_outputs(
-    like: torch.Tensor, out_shape: tuple[int, ...], num_splits: int, tokens: int, heads: int, dv: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    like: torch.Tensor, out_shape: tuple[int, ...], num_splits: int, tokens: int, heads: int, dv: int,
+    writes_every_row: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:  # fmt: skip
     """(out, ws_m, ws_l, ws_acc, ws_strides) for a kernel over `tokens` x `heads` rows of `dv` values cut into
-    `num_splits` key splits. One split: out zeroed (rows owned by no sequence stay zero), no workspaces (out
-    stands in for them, strides 0). More: out uninitialized (the reduce kernel writes every row) and fp32
-    partials; ws_strides are (split and token strides of m/l, split, token and head strides of acc)."""
+    `num_splits` key splits. One split: out zeroed (rows owned by no sequence stay zero) unless the kernel
+    `writes_every_row` (zeros included), no workspaces (out stands in for them, strides 0). More: out
+    uninitialized (the reduce kernel, or the kernel, writes every row) and fp32 partials; ws_strides are
+    (split and token strides of m/l, split, token and head strides of acc)."""
     if num_splits == 1:
-        out = like.new_zeros(out_shape)
+        out = like.new_empty(out_shape) if writes_every_row else like.new_zeros(out_shape)
         return out, out, out, out, (0, 0, 0, 0, 0)
     out = like.new_empty(out_shape)
     ws_m = torch.empty((num_splits, tokens, heads), dtype=torch.float32, device=like.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((num_splits, tokens, heads, dv), dtype=torch.float32, device=like.device)
     return out, ws_m, ws_l, ws_acc, (ws_m.stride(0), ws_m.stride(1), *ws_acc.stride()[:3])
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 counters of `finish_rows`, zero between launches
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters for `finish_rows` on `device`, kept per device; each launch leaves them
+    zero. Grown on first need (to at least 4,096): make the first call of each shape before capturing a CUDA
+    graph, as for Triton's compile. Launches on several streams at once must not share them (the engine uses
+    one stream)."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 4096, 2 * cnt.numel() if cnt is not None else 0), dtype=torch.int32, device=device)
+        _COUNTERS[device] = cnt
+    return cnt
 
 
 def launch_split_reduce(

@@ -31,9 +31,11 @@ Two implementations:
     shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
     `num_splits` key-range splits. Each program finds its sequence by binary search over
     `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA), and runs an
-    online softmax over the key range. With `num_splits > 1` (flash-decoding), the programs write partial
-    (max, sum, acc) and a reduce kernel combines them (the split-K pieces are `_split_k`'s, shared with
-    `mla_attention`'s latent kernel). The kernel is correct for every batch under every knob; the knobs
+    online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
+    `num_splits > 1` (flash-decoding), the splits a tile's range reaches write partial (max, sum, acc) and
+    the last of them to finish merges them in split order, in the same launch (splits past the range exit at
+    once; a range within one split is written directly). The split-K pieces are `_split_k`'s, shared with
+    `mla_attention`'s latent kernel. The kernel is correct for every batch under every knob; the knobs
     only pick tile shapes, see `paged_attention_triton`.
 
 The registered op writes the cache as its implementation does, then sends each sequence whose query run is long
@@ -409,14 +411,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_attn_kernel(
-        q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+        q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
-        n_seqs, scale, softcap, sliding_window, block_size, head_d, head_dv,
+        n_tokens, n_seqs, scale, softcap, sliding_window, block_size, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
@@ -425,33 +427,39 @@ if HAS_TRITON:
         s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
             tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
         )
-        if q_off < qlen:
-            # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
-            r = tl.arange(0, BLOCK_R)
-            qi = r // BLOCK_G
-            g = r % BLOCK_G
+        # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
+        r = tl.arange(0, BLOCK_R)
+        qi = r // BLOCK_G
+        g = r % BLOCK_G
+        head = kvh * G + g
+        dv = tl.arange(0, BLOCK_DV)
+        dv_ok = dv < head_dv
+        if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
+            zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
+            unowned = (qi < BLOCK_Q) & (g < G) & (zrow >= tl.load(qsl_ptr + n_seqs)) & (zrow < n_tokens)
+            tl.store(out_ptr + zrow[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_DV], out_ptr.dtype.element_ty), mask=unowned[:, None] & dv_ok[None, :])
+        # key range of the tile: [k_lo, k_hi), then this program's split of it; with the fused merge only the
+        # non-empty splits work (the others exit here), else every split writes its partials for the reduce
+        k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
+        k_lo = k_hi * 0
+        if USE_WINDOW:
+            k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
+        n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, BLOCK_N) if FUSED_MERGE else NUM_SPLITS
+        if (q_off < qlen) & (split < n_used):
+            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
             tok = (q_beg + q_idx).to(tl.int64)
-            head = kvh * G + g
             q_pos = ctx - qlen + q_idx
             d = tl.arange(0, BLOCK_D)
-            dv = tl.arange(0, BLOCK_DV)
             d_ok = d < head_d
-            dv_ok = dv < head_dv
             qv = tl.load(
                 q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
             )  # fmt: skip
             if DOT_FP32:
                 qv = qv.to(tl.float32)
-
-            # key range of the tile: [k_lo, k_hi), then this program's split of it
-            k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
-            k_lo = k_hi * 0
-            if USE_WINDOW:
-                k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
-            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
 
             first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
             qk_scale = scale
@@ -493,10 +501,17 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + pv
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * tl.load(vs_ptr)
-            _split_k.store_rows(
-                out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
-                s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
-            )  # fmt: skip
+            if FUSED_MERGE:
+                _split_k.finish_rows(
+                    out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
+                    l_i, split, n_used, tok, head, dv, row_ok, dv_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah,
+                    NUM_SPLITS,
+                )  # fmt: skip
+            else:
+                _split_k.store_rows(
+                    out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
+                    s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
+                )  # fmt: skip
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -574,6 +589,7 @@ def paged_attention_triton(
     *,
     decode_only: bool | None = None,
     num_splits: int | None = None,
+    fused_merge: bool = True,
 ) -> torch.Tensor:
     """Triton paged attention (writes k/v into the caches first). See the module docstring.
 
@@ -584,9 +600,14 @@ def paged_attention_triton(
         and what the registered op uses) -> True iff T <= S, i.e. at most one token per sequence on
         average: decode steps and CUDA-graph decode buckets. A prefill batch run as decode is slower
         (K/V reloaded per query row), never wrong.
-      * `num_splits`: key-range splits per tile (flash-decoding); > 1 adds a reduce kernel. None
-        (default) -> 1 unless decode_only and (S x Hkv) programs would leave the GPU under-filled, then
-        enough splits to cover it, bounded by the block table's capacity / 256 keys (and 32).
+      * `num_splits`: key-range splits per tile (flash-decoding). None (default) -> 1 unless decode_only
+        and (S x Hkv) programs would leave the GPU under-filled, then enough splits to cover it, bounded by
+        the block table's capacity / 256 keys (and 32). A tile's key range is cut into BLOCK_N-aligned parts
+        of ceil(range / num_splits) keys, so a short context fills only the first few splits.
+      * `fused_merge` (with num_splits > 1): True (default) -> splits past a tile's range exit at once, the
+        last split to finish a tile merges the partials in split order (one launch; a range within one split
+        is written directly); False -> every split writes partials and a reduce kernel merges them (a second
+        launch; what the bench compares against). Same merge arithmetic, same order.
     The first call for a new (dtype, head dims, kind) compiles, and may retry smaller launch shapes if
     one runs out of shared memory: make it before capturing a CUDA graph (warm-up), as usual.
     """
@@ -594,13 +615,15 @@ def paged_attention_triton(
         raise RuntimeError("paged_attention_triton needs triton")
     write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                             softcap, k_scale, v_scale, decode_only=decode_only, num_splits=num_splits)
+                             softcap, k_scale, v_scale, decode_only=decode_only, num_splits=num_splits,
+                             fused_merge=fused_merge)
 
 
 def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
                       sliding_window: int, softcap: float, k_scale, v_scale, *, decode_only: bool | None = None,
-                      num_splits: int | None = None) -> torch.Tensor:
-    """`paged_attention_triton` after its cache write: the unified attention kernel (and split-K reduce)."""
+                      num_splits: int | None = None, fused_merge: bool = True) -> torch.Tensor:
+    """`paged_attention_triton` after its cache write: the unified attention kernel (and, with splits and not
+    `fused_merge`, the split-K reduce kernel)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     dv = v_cache.shape[3]
@@ -624,24 +647,29 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             _split_k.default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
         )
     num_splits = max(1, int(num_splits))
-    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv)
+    fused_merge = fused_merge and num_splits > 1
+    # the kernel zeroes the rows no sequence owns: out needs no memset
+    out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
+                                                                 writes_every_row=True)
 
     kind = "decode" if decode_only else "prefill"
     key = (kind, q.device, q.dtype, k_cache.dtype, block_g, block_d, block_dv)
     for rows, block_n, num_warps, num_stages in _launch_configs(kind, key):
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+        tiles = t // block_q + n_seqs
+        counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
-            _paged_attn_kernel[(t // block_q + n_seqs, hkv, num_splits)](
-                q, k_cache, v_cache, out, ws_m, ws_l, ws_acc,
+            _paged_attn_kernel[(tiles, hkv, num_splits)](
+                q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
                 block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens),
-                n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
+                t, n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
                 G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
-                BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
@@ -654,7 +682,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         break
     else:
         raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _split_k.launch_split_reduce(
             ws_m, ws_l, ws_acc, ws_strides, out, out.stride(0), out.stride(1), query_start_loc, n_seqs, block_dv
         )

@@ -211,8 +211,7 @@ def test_triton_matches_reference(name):
 @pytest.mark.parametrize(
     "name,knobs",
     [
-        ("prefill", dict(decode_only=True)),  # decode tiles on a prefill batch: slower, still exact
-        ("chunked_prefill", dict(decode_only=True, num_splits=2)),
+        ("chunked_prefill", dict(decode_only=True, num_splits=2)),  # decode tiles on a prefill batch: slower, exact
         ("decode_gqa", dict(decode_only=False)),
         ("sliding_window", dict(num_splits=3)),  # split-K over prefill tiles and a window
         ("padding", dict(decode_only=True, num_splits=2)),  # reduce kernel zeroes unowned rows
@@ -224,14 +223,48 @@ def test_triton_knobs_do_not_change_results(name, knobs):
     assert_close(out, paged_attention_reference(*case.args()))
 
 
+@pytest.fixture
+def small_key_tiles(monkeypatch):
+    """16-key tiles (the configured ones are 128): the short contexts of these tests span several splits."""
+    from mini_infer.ops import paged_attention as pa
+
+    for kind in pa._CONFIG:
+        monkeypatch.setitem(pa._CONFIG, kind, {**pa._CONFIG[kind], "block_n": 16})
+    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
+
+
+# contexts 71 / 6 / 33 over 4 splits of 16-key tiles: 3 of 4 splits used (71: 32 + 32 + 7, splits of two tiles), one
+# (6: written directly, no partials), 3 (33: 16 + 16 + 1 key); plus a padding sequence (and a padding row where added)
+SPLIT_SEQS = [(70, 1), (5, 1), (32, 1), (0, 0)]
+
+
 @requires_triton
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
-def test_triton_split_k_decode(hq, hkv):
-    case = make_case([(40, 1), (70, 1), (5, 1), (0, 0)], hq=hq, hkv=hkv, block_size=4, seed=3)
+def test_triton_split_k_decode(small_key_tiles):
+    """The merge in the attention launch (last split merges, empty splits exit) gives the bits of the reduce
+    kernel, which merges every split's partials (empty ones included) in a second launch; a second call on the
+    same buffers (a CUDA graph's replay) gives them again and leaves the counters zero."""
+    from mini_infer.ops import _split_k
+
+    case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
     args = case.args()
     out = paged_attention_triton(*args, decode_only=True, num_splits=4)
     assert_close(out, oracle(case))
     check_cache(case, args[3], args[4])
+    assert torch.equal(out, paged_attention_triton(*case.args(), decode_only=True, num_splits=4, fused_merge=False))
+    assert torch.equal(paged_attention_triton(*args, decode_only=True, num_splits=4), out)
+    assert not _split_k.split_counters(case.q.device, 1).any()
+
+
+@requires_triton
+@pytest.mark.parametrize("seqs,window", [([(30, 9), (60, 1), (0, 4)], 0), ([(50, 1), (21, 3)], 19)])
+def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
+    """The fused merge over prefill tiles (rows whose visible keys end in different splits), and under a window
+    (a key range starting inside a split), twice on the same buffers."""
+    case = make_case(seqs, hq=4, hkv=2, block_size=4, seed=5, sliding_window=window)
+    args = case.args()
+    first = paged_attention_triton(*args, decode_only=False, num_splits=3)
+    assert_close(first, oracle(case))
+    assert torch.equal(paged_attention_triton(*args, decode_only=False, num_splits=3), first)
 
 
 @requires_triton
@@ -303,10 +336,12 @@ def test_opcheck():
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_cuda_graph_capture_and_replay(num_splits):
-    """The launch depends only on shapes: capture once, replay on a batch with other lengths and slots."""
-    shapes = dict(num_blocks=40, max_blocks=8, block_size=4, cache_fill=0.0)
+    """The launch depends only on shapes: capture once, replay on batches with other lengths and slots (contexts
+    up to 4 splits of 128-key tiles: the fused merge's counters must be zero again after each replay)."""
+    shapes = dict(num_blocks=200, max_blocks=64, block_size=16, cache_fill=0.0)
     a = make_case([(7, 1), (12, 1), (0, 1), (20, 1)], seed=1, **shapes)
-    b = make_case([(3, 1), (25, 1), (9, 1), (0, 0)], pad_tokens=1, seed=2, **shapes)  # same T
+    b = make_case([(3, 1), (525, 1), (9, 1), (0, 0)], pad_tokens=1, seed=2, **shapes)  # same T
+    c = make_case([(300, 1), (130, 1), (900, 1), (1, 1)], seed=3, **shapes)
     static = list(a.args())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -316,12 +351,13 @@ def test_cuda_graph_capture_and_replay(num_splits):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_attention_triton(*static, num_splits=num_splits)
-    for dst, src in zip(static, b.args()):
-        if torch.is_tensor(dst):
-            dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_close(out, oracle(b))
+    for case in (b, c, b):
+        for dst, src in zip(static, case.args()):
+            if torch.is_tensor(dst):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, oracle(case))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="launch-size limits are a GPU matter")
@@ -418,11 +454,9 @@ def test_fp8_cache_write(impl):
 @pytest.mark.parametrize(
     "name,knobs",
     [
-        ("prefill", {}),
-        ("chunked_prefill", {}),
+        ("chunked_prefill", {}),  # prefill tiles over a cached prefix and new rows
         ("decode_gqa", {}),
-        ("decode_gqa", dict(decode_only=True, num_splits=4)),  # split-K decode + reduce kernel
-        ("window_softcap_g4", dict(num_splits=2)),
+        ("window_softcap_g4", dict(num_splits=2)),  # (split-K over several splits: test_fp8_triton_split_k_long_decode)
     ],
 )
 def test_fp8_triton_matches_reference(dtype, name, knobs):
@@ -437,10 +471,10 @@ def test_fp8_triton_matches_reference(dtype, name, knobs):
 
 
 @requires_triton
-def test_fp8_triton_split_k_long_decode():
-    """Split-K decode over longer contexts with an fp8 cache, against the fp32 oracle of the dequantized
-    history (the quantization error itself is not what this checks)."""
-    base = make_case([(40, 1), (70, 1), (5, 1), (0, 0)], hq=4, hkv=2, block_size=4, seed=3, dtype=torch.float32)
+def test_fp8_triton_split_k_long_decode(small_key_tiles):
+    """Split-K decode over contexts spanning several splits with an fp8 cache, against the fp32 oracle of the
+    dequantized history (the quantization error itself is not what this checks)."""
+    base = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, dtype=torch.float32)
     case, ks, vs = fp8_case(base)
     args = fp8_args(case, ks, vs)
     out = paged_attention_triton(*args, decode_only=True, num_splits=4)
