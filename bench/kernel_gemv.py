@@ -7,6 +7,7 @@ weight once: this measures how close each weight shape gets to the copy bandwidt
 table, writes JSON and a PNG bar chart to --out.
 
     python bench/kernel_gemv.py                  # qwen2.5-7b's shapes
+    python bench/kernel_gemv.py --model qwen3-30b-a3b --model qwen3-0.6b   # other presets' dense GEMMs
     python bench/kernel_gemv.py --check          # correctness only (also on CPU, under TRITON_INTERPRET=1)
 """
 
@@ -26,9 +27,25 @@ from kernel_norm import copy_bandwidth, git_info, time_calls  # the sibling scri
 from mini_infer.ops._triton_support import triton  # None without triton
 from mini_infer.ops.linear import gemv_triton
 
-# qwen2.5-7b: (name, N, K, count per step)
-SHAPES = [("qkv (merged)", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up (merged)", 37888, 3584, 28),
-          ("down_proj", 3584, 18944, 28), ("lm_head", 152064, 3584, 1)]
+
+def preset_shapes(model: str) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, count per step) of a preset's batch-1 weight GEMMs as the engine runs them (merged q/k/v and
+    gate/up); an MoE layer contributes its router (its experts run in `fused_moe`, not here)."""
+    from mini_infer.models.presets import preset_config
+
+    c = preset_config(model)
+    h, layers = c.hidden_size, c.num_hidden_layers
+    d = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes = [("qkv (merged)", q + 2 * kv, h, layers), ("o_proj", h, q, layers)]
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:
+        shapes.append(("router", experts, h, layers))
+    else:
+        shapes += [("gate_up (merged)", 2 * c.intermediate_size, h, layers),
+                   ("down_proj", h, c.intermediate_size, layers)]
+    return [*shapes, ("lm_head", c.vocab_size, h, 1)]
+
 # (weight rows per program, K per step, warps, pipeline stages)
 CONFIGS = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024) for w in (4, 8) for st in (1, 3, 4)]
 
@@ -55,6 +72,7 @@ def check(device: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--model", action="append", default=None, help="preset(s) whose shapes to time (qwen2.5-7b)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.check:
@@ -67,11 +85,15 @@ def main() -> int:
         return 1
     bw = copy_bandwidth(1.0, 20.0, 5)["gbps"] * 1e9
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rows, step = [], {"cublas": 0.0, "triton": 0.0, "floor": 0.0}
+    rows, steps = [], {}
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | bf16, M = 1, weights cold in L2")
-    print(f"{'gemm':<18}{'N':>7}{'K':>7}{'MB':>8} | {'cuBLAS us':>9}{'TB/s':>6}{'%copy':>6} | "
+    print(f"{'gemm':<30}{'N':>7}{'K':>7}{'MB':>8} | {'cuBLAS us':>9}{'TB/s':>6}{'%copy':>6} | "
           f"{'Triton us':>9}{'TB/s':>6}{'%copy':>6} {'best cfg':>14}")
-    for name, n, k, count in SHAPES:
+    models = args.model or ["qwen2.5-7b"]
+    shapes = [(m, f"{m[:12]} {name}" if len(models) > 1 else name, n, k, c)
+              for m in models for name, n, k, c in preset_shapes(m)]
+    for model, name, n, k, count in shapes:
+        step = steps.setdefault(model, {"cublas": 0.0, "triton": 0.0, "floor": 0.0})
         nbytes = n * k * 2
         copies = max(1, min(16, -(-3 * l2 // nbytes)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
@@ -90,25 +112,26 @@ def main() -> int:
             if best is None or t < best[0]:
                 best = (t, cfg)
         t_tri, cfg = best
-        row = {"gemm": name, "N": n, "K": k, "per_step": count, "bytes": nbytes, "cublas_ms": t_cublas,
+        row = {"model": model, "gemm": name, "N": n, "K": k, "per_step": count, "bytes": nbytes, "cublas_ms": t_cublas,
                "triton_ms": t_tri, "triton_cfg": cfg, "cublas_Bps": nbytes / (t_cublas / 1e3),
                "triton_Bps": nbytes / (t_tri / 1e3)}
         rows.append(row)
         step["cublas"] += count * t_cublas
         step["triton"] += count * t_tri
         step["floor"] += count * nbytes / bw * 1e3
-        print(f"{name:<18}{n:>7}{k:>7}{nbytes / 1e6:>8.1f} | {t_cublas * 1e3:>9.1f}{row['cublas_Bps'] / 1e12:>6.2f}"
+        print(f"{name:<30}{n:>7}{k:>7}{nbytes / 1e6:>8.1f} | {t_cublas * 1e3:>9.1f}{row['cublas_Bps'] / 1e12:>6.2f}"
               f"{100 * row['cublas_Bps'] / bw:>5.0f}% | {t_tri * 1e3:>9.1f}{row['triton_Bps'] / 1e12:>6.2f}"
               f"{100 * row['triton_Bps'] / bw:>5.0f}% {str(cfg):>14}")
         del ws
         torch.cuda.empty_cache()
-    print(f"all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best GEMV tile {step['triton']:.3f} ms, "
-          f"copy-bandwidth floor {step['floor']:.3f} ms")
+    for model, step in steps.items():
+        print(f"{model}: all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best GEMV tile "
+              f"{step['triton']:.3f} ms, copy-bandwidth floor {step['floor']:.3f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             **git_info(), "date": time.strftime("%Y-%m-%d"), "copy_Bps": bw}
-    (out / "kernel_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "step_ms": step}, indent=2))
+    (out / "kernel_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "step_ms": steps}, indent=2))
     try:
         import matplotlib
 
@@ -123,7 +146,7 @@ def main() -> int:
         ax.set_xticks(list(xs), [r["gemm"] for r in rows], fontsize=7)
         ax.set_ylabel("TB/s")
         ax.legend(fontsize=7)
-        ax.set_title(f"batch-1 GEMMs, qwen2.5-7b shapes ({meta['device']})", fontsize=9)
+        ax.set_title(f"batch-1 GEMMs, {', '.join(models)} shapes ({meta['device']})", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "kernel_gemv.png", dpi=120)
     except ImportError:
