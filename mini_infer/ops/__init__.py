@@ -23,6 +23,8 @@ nothing from mini_infer outside this package.
 |                                                       |                     | one Triton kernel (norm in the GEMV) for one row      |
 | fused_add_rms_norm_linear(x, residual, norm_weight,   | (Tensor, Tensor)    | n, s = fused_add_rms_norm(x, residual, ...);          |
 |   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
+| linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
+|   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
 |   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
@@ -48,6 +50,9 @@ nothing from mini_infer outside this package.
 | fp8_linear(x_q, x_scale, w_q, w_scale, bias,          | Tensor [.., N]      | as int8_linear with float8_e4m3fn operands, fp32      |
 |   out_dtype)                                          |                     | accumulation; CUDA needs compute capability >= 8.9    |
 | fp8_w8a8_linear(x, w_q, w_scale, bias)                | Tensor (x's dtype)  | fp8_linear(*quantize_per_token(x, fp8), ...)          |
+| scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
+|   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
+|   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
 
 Layouts for paged_attention are in `mini_infer/ops/paged_attention.py`'s docstring, those for mla_attention
 (and the arrangement of w_uk / w_uv from kv_b_proj) in `mini_infer/ops/mla_attention.py`'s; the routing rules per
@@ -67,6 +72,7 @@ from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
+from mini_infer.ops import linear_add_rms_norm as _linear_add_rms_norm_mod
 from mini_infer.ops import mla_attention as _mla_attention_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
@@ -89,6 +95,8 @@ _MODULE_OF = {
     "linear": _linear_mod,
     "rms_norm_linear": _rms_norm_linear_mod,
     "fused_add_rms_norm_linear": _rms_norm_linear_mod,
+    "linear_add_rms_norm": _linear_add_rms_norm_mod,
+    "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,

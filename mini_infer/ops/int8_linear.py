@@ -52,6 +52,7 @@ __all__ = [
     "int8_linear_reference",
     "int8_linear_triton",
     "int8_matmul_exact",
+    "launch_scaled_gemv",
     "scaled_linear_reference",
     "scaled_mm_config",
     "scaled_gemv_triton",
@@ -273,12 +274,13 @@ if HAS_TRITON:
             return acc
 
     @triton.jit
-    def _scaled_gemv_kernel(
+    def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
+        """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
+        their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
@@ -296,6 +298,8 @@ if HAS_TRITON:
         y = _dequantize(tl.sum(acc, axis=1), tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
                         b_ptr + rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    _scaled_gemv_kernel = scaled_gemv_program
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -467,9 +471,22 @@ def scaled_gemv_triton(
     if x_q.numel() != k or x_scale.numel() != 1:
         raise ValueError(f"scaled_gemv_triton: one row of K = {k} and one scale, got x_q {tuple(x_q.shape)} and "
                          f"x_scale {tuple(x_scale.shape)}")
+    y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
+    launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8)
+    return y
+
+
+def launch_scaled_gemv(
+    kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
+    pack_int8: bool = True, **constexprs,
+) -> None:  # fmt: skip
+    """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
+    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile and the int8 packing
+    as `scaled_gemv_triton` describes."""
+    n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
-    y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     ws = w_scale.contiguous()
     if config is None:
         config = scaled_gemv_config(x_q.dtype, k)
@@ -477,11 +494,10 @@ def scaled_gemv_triton(
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
-    launch_gemv(_scaled_gemv_kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0),
+    launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None)
-    return y
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, **constexprs)
 
 
 def scaled_linear_triton(

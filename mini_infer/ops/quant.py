@@ -33,7 +33,7 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference
-from mini_infer.ops.rms_norm import _rows, rms_norm_reference
+from mini_infer.ops.rms_norm import _rows, norm_tile, rms_norm_reference
 from mini_infer.ops.silu_and_mul import silu_and_mul_reference
 
 __all__ = [
@@ -234,6 +234,16 @@ if HAS_TRITON:
         quantized."""
         y, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
                                             stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+        store_quantized_norm(y, rows, cols, mask, n_rows, q_ptr, scale_ptr, stride_q, NORM_DTYPE, IS_FP8, QMAX)
+
+    @triton.jit
+    def store_quantized_norm(
+        y, rows, cols, mask, n_rows, q_ptr, scale_ptr, stride_q,
+        NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr,
+    ):  # fmt: skip
+        """The end of a quantizing norm: rows of the norm's fp32 output y (`rms_norm_tile` / `rms_norm_rows`,
+        padding columns 0) rounded to NORM_DTYPE as rms_norm stores them, quantized per row; stores x_q and the
+        scales. Shared with linear_add_rms_norm.py's GEMV + norm kernel."""
         y = y.to(NORM_DTYPE).to(tl.float32)  # what rms_norm stores
         row_ok = rows < n_rows
         scale, inv = _scale_and_inverse(tl.max(tl.abs(y), axis=1), QMAX)  # padding columns hold 0
@@ -337,9 +347,7 @@ def _launch_rms_norm_quant(x, residual, weight, eps, dtype):
     q2, r2 = x_q.view(-1, n_cols), _rows(residual, n_cols) if residual is not None else x2
     s2 = s.view(-1, n_cols) if s is not None else q2
     # the tile of rms_norm.py's launcher: the same reduction tree, so the normalized values are the same bits
-    block_n = next_pow2(n_cols)
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = 4 if block_n <= 4096 else 8
+    block_m, block_n, num_warps = norm_tile(n_cols)
     _rms_norm_quant_kernel[(triton.cdiv(n_rows, block_m),)](
         x2, r2, weight.contiguous(), q2, scale, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), q2.stride(0), s2.stride(0), float(eps),

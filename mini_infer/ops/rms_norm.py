@@ -4,9 +4,10 @@ Inserted by the FuseRMSNorm pass in place of the pow/mean/rsqrt/mul chain. Seman
 `h = x.float(); h = h * rsqrt(mean(h**2, -1) + eps); return weight * h.to(x.dtype)` with torch type
 promotion for the last multiply. Imports nothing from mini_infer outside `mini_infer.ops`.
 The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant); its row body
-(`rms_norm_tile`) and the steps it is made of (`norm_input`, `rms_inverse`, `weighted_norm`) are @triton.jit
-helpers that the quantizing norms (quant.py), the norm-in-GEMV prologue (rms_norm_linear.py) and the q/k head norms
-of `qk_rotary` (_rotary.py's `rotate_rows`) call, so all of them round where HF rounds.
+(`rms_norm_tile`, or `rms_norm_rows` for rows that are not the program's) and the steps it is made of (`norm_input`,
+`rms_inverse`, `weighted_norm`) are @triton.jit helpers that the quantizing norms (quant.py), the norm-in-GEMV
+prologue (rms_norm_linear.py), the norm in a GEMV's last program (linear_add_rms_norm.py) and the q/k head norms
+of `qk_rotary` (_rotary.py's `rotate_rows`) call, so all of them round where HF rounds; `norm_tile` is their tile.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
 
-__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_triton"]
+__all__ = ["norm_tile", "rms_norm", "rms_norm_reference", "rms_norm_triton"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,6 +58,16 @@ if HAS_TRITON:
         cast, the sum stored at `s_ptr` (HAS_RESIDUAL); with the rows, columns and mask for the caller's store.
         The row body of `rms_norm`, `fused_add_rms_norm` and their quantizing variants (quant.py)."""
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        return rms_norm_rows(rows, x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
+                             HAS_RESIDUAL, BLOCK_N)
+
+    @triton.jit
+    def rms_norm_rows(
+        rows, x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """`rms_norm_tile` for the given rows (int64 indices, those >= n_rows masked off), whichever program runs
+        it (linear_add_rms_norm.py: the last program of a GEMV normalizes its output row)."""
         cols = tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
         mask = (rows < n_rows)[:, None] & col_ok[None, :]
@@ -89,6 +100,13 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
 
 
+def norm_tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows per program, BLOCK_N >= n_cols, num_warps) of the norm kernels for rows of n_cols: the tile
+    every caller of `rms_norm_tile` / `rms_norm_rows` uses, so they all sum a row in the same order."""
+    block_n = next_pow2(n_cols)
+    return max(1, min(16, 4096 // block_n)), block_n, 4 if block_n <= 4096 else 8
+
+
 def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
     n_cols = x.shape[-1]
     x2 = _rows(x, n_cols)
@@ -99,9 +117,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
     r2 = _rows(residual, n_cols) if residual is not None else x2
     s2 = s.view(-1, n_cols) if s is not None else out2
     w = weight.contiguous()
-    block_n = next_pow2(n_cols)
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = 4 if block_n <= 4096 else 8
+    block_m, block_n, num_warps = norm_tile(n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         x2, r2, w, out2, s2,

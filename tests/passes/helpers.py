@@ -203,6 +203,19 @@ class ToyLM(torch.nn.Module):
         return SimpleNamespace(logits=self.head(self.body(self.emb(input_ids), position_ids)))
 
 
+class ToyRMSNorm(torch.nn.Module):
+    """HF's RMSNorm (eps 1e-6) over n features, for toy bodies of `run_toy`."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n) * 0.1 + 1)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
 def run_toy(body: torch.nn.Module, passes, hidden: int = 16):
     """Capture ToyLM(body), run cleanup then `passes`; return (gm, stats of `passes`, eager model)."""
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ from tests.passes.helpers import (
     FEW,
     NUM_LAYERS,
     VOCAB,
+    ToyRMSNorm,
     assert_logits_close,
     bound_copy,
     check_against_eager,
@@ -143,24 +144,13 @@ def test_opt_in():
 # -- toys: what must stay as it is ------------------------------------------------------------------------------
 
 
-class _Norm(torch.nn.Module):
-    def __init__(self, n=16):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(n) * 0.1 + 1)
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * h.to(x.dtype)
-
-
 class _NormLinear(torch.nn.Module):
     """norm → proj (biased), in one of three shapes: `single` (fuses), `shared` (the normalized row is read again),
     `view` (the row split in two halves between norm and linear)."""
 
     def __init__(self, how):
         super().__init__()
-        self.norm, self.how = _Norm(), how
+        self.norm, self.how = ToyRMSNorm(), how
         self.proj = torch.nn.Linear(8, 8) if how == "view" else torch.nn.Linear(16, 16)
 
     def forward(self, x, pos):
@@ -184,7 +174,7 @@ class _SumReadFirst(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.norm, self.proj = _Norm(), torch.nn.Linear(16, 16, bias=False)
+        self.norm, self.proj = ToyRMSNorm(), torch.nn.Linear(16, 16, bias=False)
 
     def forward(self, x, pos):
         s = x + x * 0.5
