@@ -460,20 +460,23 @@ def fp8_dot_way(monkeypatch, way):
 
 FP8_WAYS = list(_FP8_DOT)  # "q", "fp16", "fp16_vregs"
 FP8_WHOLE = [(torch.bfloat16, w) for w in FP8_WAYS] + [(torch.float32, None)]  # (q dtype, fp8 dot way)
+# under the interpreter way "q" takes fp32 dots as an fp32 q does: the prefill tiles run it in decode_gqa's place
+FP8_FP16_WAYS = [dw for dw in FP8_WHOLE if dw[1] != "q"]
 
 
 @requires_triton
 @pytest.mark.parametrize(
     "name,knobs,dtype,way",
-    [("chunked_prefill", {}, *dw) for dw in FP8_WHOLE]  # prefill tiles over a cached prefix and new rows
+    [("chunked_prefill", {}, *dw) for dw in FP8_FP16_WAYS]  # prefill tiles over a cached prefix and new rows
     + [("decode_gqa", {}, *dw) for dw in FP8_WHOLE]
-    # (split-K over several splits: test_fp8_triton_split_k_long_decode)
-    + [("window_softcap_g4", dict(num_splits=2), dt, None) for dt in (torch.bfloat16, torch.float32)],
+    # (split-K over several splits, fp32 q: test_fp8_triton_split_k_long_decode)
+    + [("window_softcap_g4", dict(num_splits=2), torch.bfloat16, None)],
 )  # fmt: skip
 def test_fp8_triton_matches_reference(monkeypatch, name, knobs, dtype, way):
     """Each way of feeding the fp8 tiles to 16-bit dots (q's dtype; fp16 dots; fp16 with V converted in
-    registers) with a bf16 q, and fp32 dots with an fp32 q. Under the interpreter the bf16 q of way "q" takes
-    fp32 dots (its bf16 dot is wrong), the fp16 ways run their fp16 dots (products and sums in fp32 there)."""
+    registers) with a bf16 q, and fp32 dots with an fp32 q (way None: as configured). Under the interpreter the
+    bf16 q of way "q" takes fp32 dots (its bf16 dot is wrong), the fp16 ways run their fp16 dots (products and sums
+    in fp32 there)."""
     fp8_dot_way(monkeypatch, way)
     case, ks, vs = fp8_case(make_case(**CASES[name], dtype=dtype))
     args_t, args_r = fp8_args(case, ks, vs), fp8_args(case, ks, vs)
@@ -500,11 +503,10 @@ def test_fp8_triton_split_k_long_decode(small_key_tiles):
 
 
 @requires_triton
-@pytest.mark.parametrize("way", ["fp16", "fp16_vregs"])
-def test_fp8_fp16_dots_saturate_q(monkeypatch, way):
+def test_fp8_fp16_dots_saturate_q(monkeypatch):
     """fp16 dots take q saturated to +-65504 (fp16's largest finite value): a bf16 q beyond it gives the attention of
-    the saturated q, not inf / NaN."""
-    fp8_dot_way(monkeypatch, way)
+    the saturated q, not inf / NaN. (Both fp16 ways share the conversion of q.)"""
+    fp8_dot_way(monkeypatch, "fp16")
     case, ks, vs = fp8_case(make_case(**CASES["decode_gqa"], dtype=torch.bfloat16))
     big = case.q.clone()
     big[:, 0, :4] = torch.tensor([1e5, -2e5, 7e4, 3.0], dtype=torch.bfloat16)
