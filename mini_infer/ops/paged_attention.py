@@ -19,8 +19,10 @@ FP8 KV cache: when both caches are float8_e4m3fn, `k_scale` and `v_scale` (fp32,
 required then) scale them: the write stores `k / k_scale` saturated to +-448 and rounded to nearest-even
 e4m3 (the Triton write gives the reference's bytes exactly), and every read dequantizes, `cache * scale`:
 the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
-dequantized values; the Triton kernel converts fp8 to q's dtype (exact) for its dots and folds k_scale into
-the score scale and v_scale into the output. Other caches take no scales (None, the default).
+dequantized values; the Triton kernel converts the fp8 tiles (exactly) to a 16-bit dtype for its dots, fp16 by
+default with q (saturated to fp16's range) and the probabilities in fp16 too (`_FP8_DOT`; an fp32 q keeps fp32
+dots), and folds k_scale into the score scale and v_scale into the output. Other caches take no scales (None,
+the default).
 
 Two implementations:
   * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
@@ -77,8 +79,10 @@ _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
-    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
+    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16_vregs"},
 }
+# The fp8 entries are the bf16 shapes with the fp8 way that compiled (Triton 3.6, sm_90, qwen3-0.6b decode) to the
+# fewest instructions per key tile and registers (no H200 timing yet: --decode-sweep measures them).
 # The 16-bit dots over an fp8 cache (16-bit q; fp32 q keeps fp32 dots): "q": tiles cast to q's dtype (bf16: two
 # cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
 # "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
