@@ -7,7 +7,8 @@
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
 --decode-sweep: the decode launch configs of bf16 and fp8 caches (_CONFIG["decode"], _CONFIG["decode_fp8"] with
-each of _FP8_DOT's ways to feed fp8 tiles to the dots) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
+each of _FP8_DOT's ways to feed fp8 tiles to the dots; the old way "q" only at the bf16 default shape unless
+--wide) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
 8 kv heads, at batch 64 and 256, context 512 and 2048), plus the fp8 ways at the prefill config (4 x 1024 new tokens,
 and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
 (least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
@@ -270,7 +271,11 @@ def fp8_way_diffs(name, base, args):
     for way in pa._FP8_DOT:
         pa._CONFIG[name] = {**base, "fp8_dot": way}
         pa._LAUNCH_OK.clear()
-        diffs[way] = (paged_attention_triton(*args).float() - ref).abs().max().item()
+        try:
+            diffs[way] = (paged_attention_triton(*args).float() - ref).abs().max().item()
+        except Exception as e:  # no launch shape fits, etc.
+            print(f"  {name} {pa._CONFIG[name]} failed: {type(e).__name__}", flush=True)
+            diffs[way] = float("nan")
     return diffs
 
 
@@ -297,8 +302,12 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
             ways = list(pa._FP8_DOT) if kv == "fp8" else [None]
             candidates = [{**dict(zip(grid, v)), **({"fp8_dot": w} if w else {})}
                           for w in ways for v in itertools.product(*grid.values())]
+            if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
+                old_shape = {k: saved["decode"][k] for k in grid}
+                candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
             results = time_configs(name, candidates, cases, timer)
             print_ranking(name, labels, results, saved[name])
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
             best[kv] = results[0]
             if kv == "fp8":
                 for way in ways:
