@@ -1,9 +1,18 @@
 """Timing of paged_attention (not a test): Triton on CUDA vs torch SDPA on contiguous K/V, and the CPU reference.
 
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
-                                            | --decode-latency [--check] [--layers N]]
+                                            | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
+                                            | --decode-sweep [--wide] [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
+
+--decode-sweep: the decode launch configs of bf16 and fp8 caches (_CONFIG["decode"], _CONFIG["decode_fp8"] with
+each of _FP8_DOT's ways to feed fp8 tiles to the dots; the old way "q" only at the bf16 default shape unless
+--wide) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
+8 kv heads, at batch 64 and 256, context 512 and 2048), plus the fp8 ways at the prefill config (4 x 1024 new tokens,
+and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
+(least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
+reference. --wide: a larger grid (minutes).
 
 --decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
 (default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
@@ -12,7 +21,8 @@ context), for qwen3-0.6b-like (16 q / 8 kv heads) and qwen2.5-7b-like (28 / 4) a
 and context 128, 1024, 4096. Prints microseconds per call of the split-K merge in the attention launch
 (`fused`, the default) and of the reduce-kernel merge (`reduce`, fused_merge=False: every split writes partials, a
 second launch merges them), with the split count. --check also compares both outputs with the torch reference
-(bf16 tolerance 2e-2; exit status 1 beyond it) and with each other.
+(bf16 tolerance 2e-2; exit status 1 beyond it) and with each other. --kv-cache-dtype fp8: float8_e4m3fn caches
+(per-layer scales amax / 448) instead of bf16 ones.
 
 --prefill: one sequence's causal prefill, bf16, head dim 128, block size 16, at --lengths new tokens (default
 512,1024,4096,16384,32768) with no cached context, plus a chunked-prefill case (16384 cached + 2048 new), for
@@ -136,14 +146,29 @@ DECODE_CONTEXTS = (128, 1024, 4096)
 DECODE_CAPACITY = 4096  # keys a block-table row addresses (max_model_len)
 
 
-def decode_args(s, ctx, hq, hkv, d, bs=16, capacity=DECODE_CAPACITY):
+def decode_args(s, ctx, hq, hkv, d, bs=16, capacity=DECODE_CAPACITY, kv="bf16", device="cuda"):
     """`build`'s decode step (one new token per sequence at context ctx) with block tables `capacity` keys wide:
-    the entries past ctx point at block 0 (never read)."""
-    args = list(build(s, ctx, 1, hq, hkv, d, bs, torch.bfloat16, "cuda"))
-    bt = torch.zeros((s, capacity // bs), dtype=torch.int32, device="cuda")
+    the entries past ctx point at block 0 (never read). kv="fp8": float8_e4m3fn caches holding `build`'s values
+    over per-layer scales amax / 448, the scales appended to the arguments."""
+    args = list(build(s, ctx, 1, hq, hkv, d, bs, torch.bfloat16, device))
+    bt = torch.zeros((s, capacity // bs), dtype=torch.int32, device=device)
     bt[:, : args[6].shape[1]] = args[6]
     args[6] = bt
+    if kv == "fp8":
+        args += fp8_caches(args)
     return args
+
+
+def fp8_caches(args):
+    """Replace the bf16 caches args[3], args[4] by float8_e4m3fn ones; return their scales (amax / 448)."""
+    from mini_infer.ops.paged_attention import FP8, FP8_MAX, _to_cache
+
+    scales = []
+    for i in (3, 4):
+        scale = (args[i].float().abs().amax() / FP8_MAX).reshape(1)
+        args[i] = _to_cache(args[i], torch.empty(0, dtype=FP8), scale)
+        scales.append(scale)
+    return scales
 
 
 def graph_us(fn, calls, replays=10):
@@ -164,10 +189,11 @@ def graph_us(fn, calls, replays=10):
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def decode_latency(check, layers):
+def decode_latency(check, layers, kv="bf16"):
     from mini_infer.ops import _split_k
 
-    print(f"GPU {torch.cuda.get_device_name()} | decode, bf16, D=128, block 16, block tables {DECODE_CAPACITY} keys, "
+    print(f"GPU {torch.cuda.get_device_name()} | decode, bf16 q, {kv} cache, D=128, block 16, block tables "
+          f"{DECODE_CAPACITY} keys, "
           f"CUDA graph of {layers} calls (write + attention + merge), us per call")
     print(f"{'model':11s} {'batch':>5s} {'ctx':>5s} {'splits':>6s} | {'fused':>7s} {'reduce':>7s} {'ratio':>6s}"
           + (" | max|fused-ref| max|reduce-ref| max|fused-reduce|" if check else ""))
@@ -176,7 +202,7 @@ def decode_latency(check, layers):
     for model, (hq, hkv, d) in PREFILL_MODELS.items():
         for s in DECODE_BATCHES:
             for ctx in DECODE_CONTEXTS:
-                args = decode_args(s, ctx, hq, hkv, d)
+                args = decode_args(s, ctx, hq, hkv, d, kv=kv)
                 splits = _split_k.default_num_splits(args[0], s, hkv, DECODE_CAPACITY)
                 us = {name: graph_us(lambda f=f, a=args: paged_attention_triton(*a, fused_merge=f), layers)
                       for name, f in (("fused", True), ("reduce", False))}
@@ -195,6 +221,125 @@ def decode_latency(check, layers):
                 torch.cuda.empty_cache()
     print(f"{time.perf_counter() - t0:.0f} s" + (f"; {bad} case(s) beyond tolerance" if check else ""))
     return bad
+
+
+SWEEP_SHAPES = ((64, 512), (64, 2048), (256, 512), (256, 2048))  # --decode-sweep's (batch, context)
+SWEEP_PREFILL = ((4, 1024, 1024), (1, 4096, 1024))  # its fp8 prefill cases: (sequences, context, new tokens)
+
+
+def sweep_grid(wide):
+    """--decode-sweep's launch shapes (block_n, num_warps, num_stages), --wide or not."""
+    if wide:
+        return dict(block_n=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[1, 2, 3, 4])
+    return dict(block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3])
+
+
+def time_configs(name, candidates, cases, timer):
+    """[(total, per-case times, config, launched shapes)] of each candidate config of _CONFIG[name] over the argument
+    tuples `cases`, best first. A shape out of shared memory falls back to smaller ones: `launched` says which ran."""
+    from mini_infer.ops import paged_attention as pa
+
+    results = []
+    for cfg in candidates:
+        pa._CONFIG[name] = cfg
+        pa._LAUNCH_OK.clear()
+        try:
+            times = [timer(lambda a=a: paged_attention_triton(*a)) for a in cases]
+        except Exception as e:  # no launch shape fits, etc.
+            print(f"  {name} {cfg} failed: {type(e).__name__}", flush=True)
+            continue
+        results.append((sum(times), times, cfg, sorted(set(pa._LAUNCH_OK.values()))))
+    return sorted(results, key=lambda r: r[0])
+
+
+def print_ranking(name, labels, results, default, top=6):
+    print(f"{name}: us per call at {' '.join(labels)}; best first")
+    for _total, times, cfg, launched in results[:top]:
+        print("  " + " ".join(f"{t:8.2f}" for t in times) + f"  {cfg}  launched {launched}")
+    current = [r for r in results if r[2] == default]
+    if current:
+        print("  " + " ".join(f"{t:8.2f}" for t in current[0][1]) + "  <- current default")
+    print(f"  winner: _CONFIG[{name!r}] = {results[0][2]}", flush=True)
+
+
+def fp8_way_diffs(name, base, args):
+    """Largest |triton - reference| at `args` (fp8 caches) for each of _FP8_DOT's ways at config `base`."""
+    from mini_infer.ops import paged_attention as pa
+
+    ref = paged_attention_reference(*args).float()  # writes the same k/v bytes as the kernel's write
+    diffs = {}
+    for way in pa._FP8_DOT:
+        pa._CONFIG[name] = {**base, "fp8_dot": way}
+        pa._LAUNCH_OK.clear()
+        try:
+            diffs[way] = (paged_attention_triton(*args).float() - ref).abs().max().item()
+        except Exception as e:  # no launch shape fits, etc.
+            print(f"  {name} {pa._CONFIG[name]} failed: {type(e).__name__}", flush=True)
+            diffs[way] = float("nan")
+    return diffs
+
+
+def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, shapes=SWEEP_SHAPES,
+                 prefill_shapes=SWEEP_PREFILL, heads=None):
+    """--decode-sweep (see the module docstring). `timer(fn)` -> us per call (default: `graph_us` over `layers`
+    calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes."""
+    from mini_infer.ops import paged_attention as pa
+    from mini_infer.ops.paged_attention import write_kv_cache_triton
+
+    timer = timer or (lambda fn: graph_us(fn, layers, replays=3))
+    hq, hkv, d = heads or PREFILL_MODELS["qwen3-0.6b"]
+    grid = grid or sweep_grid(wide)
+    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
+    labels = [f"b{s}/ctx{c}" for s, c in shapes]
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"{dev_name} | decode, Hq={hq} Hkv={hkv} D={d} block 16, bf16 q, CUDA graph of {layers} calls "
+          f"(write + attention + merge); grid {grid}", flush=True)
+    t0 = time.perf_counter()
+    best = {}
+    try:
+        for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
+            cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device) for s, ctx in shapes]
+            ways = list(pa._FP8_DOT) if kv == "fp8" else [None]
+            candidates = [{**dict(zip(grid, v)), **({"fp8_dot": w} if w else {})}
+                          for w in ways for v in itertools.product(*grid.values())]
+            if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
+                old_shape = {k: saved["decode"][k] for k in grid}
+                candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
+            results = time_configs(name, candidates, cases, timer)
+            print_ranking(name, labels, results, saved[name])
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            best[kv] = results[0]
+            if kv == "fp8":
+                for way in ways:
+                    mine = [r for r in results if r[2]["fp8_dot"] == way]
+                    print(f"  best with fp8_dot={way!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1]))
+                diffs = fp8_way_diffs(name, best[kv][2], cases[0])
+                print("  max |triton - reference| at " + labels[0] + ": "
+                      + ", ".join(f"{w} {x:.2e}" for w, x in diffs.items()), flush=True)
+            del cases
+        print("fp8 / bf16 cache, best config of each: "
+              + " ".join(f"{lab} {f / b:.2f}" for lab, f, b in zip(labels, best["fp8"][1], best["bf16"][1])))
+
+        cases = []
+        for s, ctx, new in prefill_shapes:
+            args = list(build(s, ctx, new, hq, hkv, d, 16, torch.bfloat16, device))
+            cases.append(args + fp8_caches(args))
+        candidates = [{**saved["prefill_fp8"], "fp8_dot": w} for w in pa._FP8_DOT]
+        print_ranking("prefill_fp8", [f"{s}x{new}/ctx{ctx}" for s, ctx, new in prefill_shapes],
+                      time_configs("prefill_fp8", candidates, cases, timer), saved["prefill_fp8"])
+        del cases
+
+        s, ctx = shapes[-1]
+        for kv in ("bf16", "fp8"):
+            a = decode_args(s, ctx, hq, hkv, d, kv=kv, device=device)
+            us = timer(lambda a=a: write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5], *a[12:]))
+            print(f"cache write alone, batch {s}, {kv} cache: {us:.2f} us per call")
+    finally:
+        pa._CONFIG.clear()
+        pa._CONFIG.update(saved)
+        pa._LAUNCH_OK.clear()
+    print(f"{time.perf_counter() - t0:.0f} s")
+    return best
 
 
 def cpu():
@@ -328,7 +473,10 @@ if __name__ == "__main__":
         prefill([int(x) for x in arg_value("--lengths", "512,1024,4096,16384,32768").split(",")],
                 arg_value("--out", "bench/results"))
     elif "--decode-latency" in sys.argv:
-        sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28"))) else 0)
+        kv = "fp8" if arg_value("--kv-cache-dtype", "bf16").startswith("fp8") else "bf16"
+        sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28")), kv) else 0)
+    elif "--decode-sweep" in sys.argv:
+        decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")))
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:

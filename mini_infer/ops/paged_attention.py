@@ -19,8 +19,10 @@ FP8 KV cache: when both caches are float8_e4m3fn, `k_scale` and `v_scale` (fp32,
 required then) scale them: the write stores `k / k_scale` saturated to +-448 and rounded to nearest-even
 e4m3 (the Triton write gives the reference's bytes exactly), and every read dequantizes, `cache * scale`:
 the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
-dequantized values; the Triton kernel converts fp8 to q's dtype (exact) for its dots and folds k_scale into
-the score scale and v_scale into the output. Other caches take no scales (None, the default).
+dequantized values; the Triton kernel converts the fp8 tiles (exactly) to a 16-bit dtype for its dots, fp16 by
+default with q (saturated to fp16's range) and the probabilities in fp16 too (`_FP8_DOT`; an fp32 q keeps fp32
+dots), and folds k_scale into the score scale and v_scale into the output. Other caches take no scales (None,
+the default).
 
 Two implementations:
   * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
@@ -69,13 +71,23 @@ __all__ = [
 # Longest run of query rows the reference attends in one matmul (bounds its fp32 score buffer).
 _REF_QUERY_CHUNK = 256
 
-# Triton launch shapes. "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step.
+# Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches). "rows": (query row, head)
+# pairs per prefill tile; block_n: keys per inner step; fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT).
 # Tuned on an H200 (bf16, head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep;
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
+    "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
+    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16_vregs"},
 }
+# The fp8 entries are the bf16 shapes with the fp8 way that compiled (Triton 3.6, sm_90, qwen3-0.6b decode) to the
+# fewest instructions per key tile and registers (no H200 timing yet: --decode-sweep measures them).
+# The 16-bit dots over an fp8 cache (16-bit q; fp32 q keeps fp32 dots): "q": tiles cast to q's dtype (bf16: two
+# cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
+# "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
+# the cache's values; fp16 dots saturate q beyond +-65504 (p is in [0, 1]).
+_FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,6 +381,7 @@ def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_star
 if HAS_TRITON:
     from mini_infer.ops.quant import round_to_fp8_e4m3  # the fp8 rounding of the activation quantization
 
+
     @triton.jit
     def _to_cache_values(x, scale_ptr, KV_FP8: tl.constexpr):
         """Values to store in the cache: for an fp8 cache x / scale, saturated and rounded as the reference."""
@@ -405,6 +418,18 @@ if HAS_TRITON:
         tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _dot_tile(x, dtype, IN_REGISTERS: tl.constexpr):
+        """A loaded cache tile x [keys, dims] as `dtype` for tl.dot: a cast (fp8 -> fp16 is one cvt per pair of
+        values on sm_89+, fp8 -> bf16 two per value, through fp16). IN_REGISTERS: cast as the two halves of a split of
+        its last dim, joined again: the same values, but the compiler then converts the tile in registers and hands
+        it to the dot as 16-bit values (shared memory and ldmatrix, as a 16-bit cache) instead of reading the fp8
+        bytes one at a time from shared memory in the dot's layout (what a V tile, keys along the dot's K, takes)."""
+        if IN_REGISTERS:
+            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            x = tl.reshape(tl.join(a.to(dtype), b.to(dtype)), [x.shape[0], x.shape[1]])
+        return x.to(dtype)
+
+    @triton.jit
     def _tanh(x):
         # tanh without libdevice (also runs under the interpreter); saturates cleanly at +-1
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -413,13 +438,14 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
-        n_tokens, n_seqs, scale, softcap, sliding_window, block_size, head_d, head_dv,
+        n_tokens, n_seqs, scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
+        FP8_DOT: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -460,25 +486,29 @@ if HAS_TRITON:
             )  # fmt: skip
             if DOT_FP32:
                 qv = qv.to(tl.float32)
+            elif FP8_DOT > 0:  # fp16 dots: q saturated to fp16's range (exact inside it for bf16)
+                qv = tl.clamp(qv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
             first_q_pos = ctx - qlen + q_off  # position of the tile's first query row (k_hi <= it + BLOCK_Q)
             qk_scale = scale
+            v_scale = 1.0
             if KV_FP8:  # scores of the stored (k / k_scale) keys, times k_scale
                 qk_scale = scale * tl.load(ks_ptr)
+                v_scale = tl.load(vs_ptr)
             m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, block_size, BLOCK_N)
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
                 kt = tl.load(
                     kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0,
                 )  # fmt: skip
                 if DOT_FP32:
-                    sc = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
                 else:
-                    sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))
+                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
                 # scores in log2 units (softmax with exp2)
                 if USE_SOFTCAP:
                     sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
@@ -493,14 +523,14 @@ if HAS_TRITON:
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
                 )  # fmt: skip
                 if DOT_FP32:
-                    pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-                elif KV_FP8:  # fp8 -> q's 16-bit dtype is exact; p in fp8 would lose too much
-                    pv = tl.dot(p.to(qv.dtype), vt.to(qv.dtype))
+                    pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
+                elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
+                    pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
                 else:
                     pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
                 acc = acc * alpha[:, None] + pv
             if KV_FP8:  # the stored values are v / v_scale
-                acc = acc * tl.load(vs_ptr)
+                acc = acc * v_scale
             if FUSED_MERGE:
                 _split_k.finish_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
@@ -548,16 +578,16 @@ def write_kv_cache_triton(
     )  # fmt: skip
 
 
-# (kind, device, q dtype, cache dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
+# (_CONFIG name, device, q dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
 _LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def _launch_configs(kind: str, key: tuple):
-    """_CONFIG[kind], then ever smaller shapes (keys per step, pipeline stages, rows) until one fits."""
+def _launch_configs(name: str, key: tuple):
+    """_CONFIG[name]'s shape, then ever smaller shapes (keys per step, pipeline stages, rows) until one fits."""
     if key in _LAUNCH_OK:
         yield _LAUNCH_OK[key]
         return
-    cfg = _CONFIG[kind]
+    cfg = _CONFIG[name]
     rows, block_n, num_warps, num_stages = cfg.get("rows", 1), cfg["block_n"], cfg["num_warps"], cfg["num_stages"]
     while True:
         yield rows, block_n, num_warps, num_stages
@@ -640,7 +670,10 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     if decode_only is None:
         decode_only = t <= n_seqs
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    dot_fp32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's bf16 dot is wrong
+    name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
+    fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
+    # the interpreter's bf16 dot is wrong (its fp16 dot is right: fp32 products and sums)
+    dot_fp32 = q.dtype == torch.float32 or (not q.is_cuda and fp8_dot == 0)
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
@@ -652,9 +685,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
                                                                  writes_every_row=True)
 
-    kind = "decode" if decode_only else "prefill"
-    key = (kind, q.device, q.dtype, k_cache.dtype, block_g, block_d, block_dv)
-    for rows, block_n, num_warps, num_stages in _launch_configs(kind, key):
+    key = (name, q.device, q.dtype, block_g, block_d, block_dv)
+    for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
@@ -673,7 +705,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
-                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, num_warps=num_warps,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot, num_warps=num_warps,
                 num_stages=num_stages,
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

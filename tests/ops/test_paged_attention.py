@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
-from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
+from mini_infer.ops.paged_attention import _FP8_DOT, paged_attention_reference, paged_attention_triton
 from tests.ops.helpers import DEVICE, assert_close, requires_triton
 
 
@@ -449,17 +449,35 @@ def test_fp8_cache_write(impl):
     assert k_cache.cpu()[~written].float().isnan().all() and v_cache.cpu()[~written].float().isnan().all()
 
 
+def fp8_dot_way(monkeypatch, way):
+    """Make every fp8 config feed fp8 tiles to the dots the `way` of paged_attention._FP8_DOT (None: as configured)."""
+    from mini_infer.ops import paged_attention as pa
+
+    if way is not None:
+        for name in ("prefill_fp8", "decode_fp8"):
+            monkeypatch.setitem(pa._CONFIG, name, {**pa._CONFIG[name], "fp8_dot": way})
+
+
+FP8_WAYS = list(_FP8_DOT)  # "q", "fp16", "fp16_vregs"
+FP8_WHOLE = [(torch.bfloat16, w) for w in FP8_WAYS] + [(torch.float32, None)]  # (q dtype, fp8 dot way)
+# under the interpreter way "q" takes fp32 dots as an fp32 q does: the prefill tiles run it in decode_gqa's place
+FP8_FP16_WAYS = [dw for dw in FP8_WHOLE if dw[1] != "q"]
+
+
 @requires_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "name,knobs",
-    [
-        ("chunked_prefill", {}),  # prefill tiles over a cached prefix and new rows
-        ("decode_gqa", {}),
-        ("window_softcap_g4", dict(num_splits=2)),  # (split-K over several splits: test_fp8_triton_split_k_long_decode)
-    ],
-)
-def test_fp8_triton_matches_reference(dtype, name, knobs):
+    "name,knobs,dtype,way",
+    [("chunked_prefill", {}, *dw) for dw in FP8_FP16_WAYS]  # prefill tiles over a cached prefix and new rows
+    + [("decode_gqa", {}, *dw) for dw in FP8_WHOLE]
+    # (split-K over several splits, fp32 q: test_fp8_triton_split_k_long_decode)
+    + [("window_softcap_g4", dict(num_splits=2), torch.bfloat16, None)],
+)  # fmt: skip
+def test_fp8_triton_matches_reference(monkeypatch, name, knobs, dtype, way):
+    """Each way of feeding the fp8 tiles to 16-bit dots (q's dtype; fp16 dots; fp16 with V converted in
+    registers) with a bf16 q, and fp32 dots with an fp32 q (way None: as configured). Under the interpreter the
+    bf16 q of way "q" takes fp32 dots (its bf16 dot is wrong), the fp16 ways run their fp16 dots (products and sums
+    in fp32 there)."""
+    fp8_dot_way(monkeypatch, way)
     case, ks, vs = fp8_case(make_case(**CASES[name], dtype=dtype))
     args_t, args_r = fp8_args(case, ks, vs), fp8_args(case, ks, vs)
     out = paged_attention_triton(*args_t, **knobs)
@@ -482,6 +500,22 @@ def test_fp8_triton_split_k_long_decode(small_key_tiles):
                   "hist_k": [(h / ks.cpu()).clamp(-448, 448).to(FP8).float() * ks.cpu() for h in case.hist_k],
                   "hist_v": [(h / vs.cpu()).clamp(-448, 448).to(FP8).float() * vs.cpu() for h in case.hist_v]})
     assert_close(out, oracle(deq))
+
+
+@requires_triton
+def test_fp8_fp16_dots_saturate_q(monkeypatch):
+    """fp16 dots take q saturated to +-65504 (fp16's largest finite value): a bf16 q beyond it gives the attention of
+    the saturated q, not inf / NaN. (Both fp16 ways share the conversion of q.)"""
+    fp8_dot_way(monkeypatch, "fp16")
+    case, ks, vs = fp8_case(make_case(**CASES["decode_gqa"], dtype=torch.bfloat16))
+    big = case.q.clone()
+    big[:, 0, :4] = torch.tensor([1e5, -2e5, 7e4, 3.0], dtype=torch.bfloat16)
+    args = list(fp8_args(case, ks, vs))
+    args[0] = big
+    out = paged_attention_triton(*args)
+    args_r = [a.cpu() if torch.is_tensor(a) else a for a in fp8_args(case, ks, vs)]
+    args_r[0] = big.cpu().float().clamp(-65504, 65504)  # in fp32: bf16 has no 65504
+    assert_close(out, paged_attention_reference(*args_r).to(torch.bfloat16))
 
 
 def test_fp8_scale_arguments_are_checked():
