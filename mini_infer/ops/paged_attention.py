@@ -78,11 +78,12 @@ _REF_QUERY_CHUNK = 256
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
-    "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
-    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16_vregs"},
+    "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16_vregs"},
+    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
 }
-# The fp8 entries are the bf16 shapes with the fp8 way that compiled (Triton 3.6, sm_90, qwen3-0.6b decode) to the
-# fewest instructions per key tile and registers (no H200 timing yet: --decode-sweep measures them).
+# The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
+# heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
+# cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs".
 # The 16-bit dots over an fp8 cache (16-bit q; fp32 q keeps fp32 dots): "q": tiles cast to q's dtype (bf16: two
 # cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
 # "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
