@@ -1,0 +1,165 @@
+"""The decode path of `mini_infer::fused_moe`: two grouped GEMV kernels for very few (token, slot) pairs.
+
+At batch 1 the routed experts are a weight stream (qwen3-30b-a3b: 8 experts x 9.4 MB per layer) and the grouped
+GEMMs' glue (align, slot sum) costs as much as a third of it. Here there is no align step and no slot sum:
+  1. gate/up: program (pair p = t * k + j, output tile n) reads the (local) expert e of slot p, exits at once when
+     it has none (id outside [0, E_global), or expert_map -1), and computes gate and up rows n of W13[e] times
+     x[t], silu(gate) * up in fp32 rounded to hidden's dtype -> act [T*k, I] (rows of dropped slots unwritten);
+  2. down: program (token t, output tile n) loops over the k slots in order (deterministic), each slot's
+     W2[e] rows n @ act[p] times its routing weight, rounded to hidden's dtype (as the grouped path's per-slot
+     rows are), summed in fp32 -> out [T, H] directly.
+Each pair reads its expert's weights itself (tokens that share an expert read it again, mostly from L2, as the
+grid puts pairs on the fastest axis), so this pays only while T * k is small: `moe_gemv_config` says when, by
+shapes alone (the grid is a function of the shapes: CUDA-graph safe, no host sync). The K loop is the dense
+GEMV's (`gemv_step` of linear.py): elementwise fp32 products, one row-sum at the end.
+
+Holds `map_expert`, the expert-map lookup that fused_moe.py's align and sum kernels use too. Launchers assume
+fused_moe.py's `_check_args` passed. Must not import anything from mini_infer outside `mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mini_infer.ops._triton_support import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from mini_infer.ops.linear import gemv_step
+
+__all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "moe_gemv_config", "moe_gemv_tiles", "moe_gemv_triton"]
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """Launch shape of one grouped GEMV: weight rows per program (per matrix: gate/up programs read BLOCK_N gate
+    and BLOCK_N up rows), K elements per step, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of one decode-path call (`fused_moe_triton` takes it in place of a `MoeTileConfig`)."""
+
+    gate_up: GemvTile
+    down: GemvTile
+
+
+# The decode path serves calls of at most this many (token, slot) pairs (bench/kernel_moe.py --decode).
+MOE_GEMV_MAX_PAIRS = 16
+
+
+def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
+    """The decode path's tiles for these shapes, or None when the grouped-GEMM path serves them (more than
+    MOE_GEMV_MAX_PAIRS pairs). Depends on shapes only, so a CUDA graph captured for one T keeps its kernels."""
+    return moe_gemv_tiles(hidden, inter) if num_tokens * top_k <= MOE_GEMV_MAX_PAIRS else None
+
+
+def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig:
+    """The decode path's tiles for experts of these sizes, whatever the number of pairs."""
+    return MoeGemvConfig(GemvTile(4, _k_step(hidden), 4, 1), GemvTile(4, _k_step(inter), 4, 1))
+
+
+def _k_step(k_in: int) -> int:
+    """The K step for rows of k_in elements: 512 (the dense GEMV's), or 256 where that wastes less of the last
+    step (qwen3-30b-a3b's I = 768: 3 x 256, not 2 x 512)."""
+    return 256 if -(-k_in // 256) * 256 < -(-k_in // 512) * 512 else 512
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def map_expert(expert, ok, map_ptr, num_global, HAS_MAP: tl.constexpr):
+        """The local expert of router ids `expert` (where `ok`): expert_map[id], -1 for an id outside
+        [0, num_global); the ids themselves without a map."""
+        if HAS_MAP:
+            inside = ok & (expert >= 0) & (expert < num_global)
+            expert = tl.load(map_ptr + expert, mask=inside, other=-1).to(tl.int32)
+        return expert
+
+    @triton.jit
+    def _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP: tl.constexpr):
+        """The local expert of slot `pair` (int64; this rank's when in [0, E_local))."""
+        return map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP).to(tl.int64)
+
+    @triton.jit
+    def _moe_gemv_gate_up_kernel(
+        x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
+        stride_xm, stride_we, stride_wn,
+        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k."""
+        pair = tl.program_id(0)
+        expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+        if (expert < 0) | (expert >= num_experts):
+            return  # another rank's expert, or none: the down kernel skips this slot too
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < inter
+        gate_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
+        up_rows = gate_rows + inter * stride_wn
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < hidden
+            x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc_gate = gemv_step(acc_gate, gate_rows, row_ok, cols, col_ok, x)
+            acc_up = gemv_step(acc_up, up_rows, row_ok, cols, col_ok, x)
+        gate = tl.sum(acc_gate, axis=1)
+        act = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
+        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _moe_gemv_down_kernel(
+        act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
+        stride_om, stride_we, stride_wn,
+        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[t, n-tile] = sum over slots j (in order) of round(weight[p] * W2[e] act[p]), p = t * TOP_K + j,
+        t = program_id(0); fp32 sum, slots without a (local) expert skipped."""
+        t = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < hidden
+        out = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+            if (expert >= 0) & (expert < num_experts):
+                w_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
+                act_row = act_ptr + pair.to(tl.int64) * inter
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                for k0 in range(0, inter, BLOCK_K):
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    col_ok = cols < inter
+                    a = tl.load(act_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+                    acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, a)
+                slot = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+                out += slot.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig) -> torch.Tensor:
+    """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
+    ids flat [T*k] contiguous, w13 [E, 2I, H] and w2 [E, H, I] with unit last stride; `map_ptr` / `num_global`
+    / `has_map` as fused_moe.py's `_map_args` gives them. Returns [T, H] in x's dtype."""
+    t, h = x.shape
+    e, inter = w2.shape[0], w2.shape[2]
+    k = ids.numel() // t
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    gu, dn = config.gate_up, config.down
+    _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
+        x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
+    _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
+        act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
+        TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
+        num_stages=dn.num_stages)
+    return out
