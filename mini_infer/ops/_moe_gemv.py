@@ -88,32 +88,38 @@ if HAS_TRITON:
         return map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP).to(tl.int64)
 
     @triton.jit
+    def _dot_rows(w_rows, row_ok, v_row, n_k, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The ROWS weight rows at pointers `w_rows` [ROWS, 1] (`row_ok`: which exist) dotted with the vector
+        v_row[0 : n_k], in fp32 (the dense GEMV's K loop: elementwise products, one row-sum at the end)."""
+        acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        for k0 in range(0, n_k, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < n_k
+            v = tl.load(v_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, v)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
     def _moe_gemv_gate_up_kernel(
         x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
         stride_xm, stride_we, stride_wn,
         HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k."""
+        """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k: the
+        tile's BLOCK_N gate rows and BLOCK_N up rows (I further down) as one [2 BLOCK_N] stack."""
         pair = tl.program_id(0)
         expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
         if (expert < 0) | (expert >= num_experts):
             return  # another rank's expert, or none: the down kernel skips this slot too
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < inter
-        gate_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-        up_rows = gate_rows + inter * stride_wn
+        stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows
+        row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
+        w_rows = w_ptr + expert * stride_we + (row + stack // BLOCK_N * inter)[:, None].to(tl.int64) * stride_wn
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < hidden
-            x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc_gate = gemv_step(acc_gate, gate_rows, row_ok, cols, col_ok, x)
-            acc_up = gemv_step(acc_up, up_rows, row_ok, cols, col_ok, x)
-        gate = tl.sum(acc_gate, axis=1)
-        act = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
-        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
+        dots = _dot_rows(w_rows, row < inter, x_row, hidden, 2 * BLOCK_N, BLOCK_K)
+        gate, up = tl.split(dots.reshape(2, BLOCK_N).permute(1, 0))
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=rows < inter)
 
     @triton.jit
     def _moe_gemv_down_kernel(
@@ -132,14 +138,8 @@ if HAS_TRITON:
             expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
             if (expert >= 0) & (expert < num_experts):
                 w_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-                act_row = act_ptr + pair.to(tl.int64) * inter
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-                for k0 in range(0, inter, BLOCK_K):
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    col_ok = cols < inter
-                    a = tl.load(act_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-                    acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, a)
-                slot = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+                dots = _dot_rows(w_rows, row_ok, act_ptr + pair.to(tl.int64) * inter, inter, BLOCK_N, BLOCK_K)
+                slot = dots * tl.load(weights_ptr + pair).to(tl.float32)
                 out += slot.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
