@@ -58,9 +58,10 @@ MODELS = {
 TOKENS = (1, 8, 64, 256, 2048, 8192)
 DECODE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite")
 DECODE_TOKENS = (1, 2, 4, 8)
-# --decode --sweep: decode-path tiles tried per GEMV (rows per program, K per step, warps, stages)
-GEMV_SWEEP = [(2, 512, 4, 1), (4, 512, 4, 1), (8, 512, 4, 1), (4, 256, 4, 1), (4, 1024, 4, 1), (8, 256, 4, 1),
-              (2, 1024, 4, 1), (4, 512, 8, 1), (8, 512, 8, 1), (8, 1024, 8, 1), (16, 256, 8, 1), (4, 512, 4, 2)]
+# --decode --sweep: decode-path gate/up tiles tried (rows per program, K per step, warps, stages); the down tiles
+# are built per shape (their K step must divide I: `gemv_sweep_configs`)
+GATE_UP_SWEEP = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 1), (2, 1024, 4, 3), (1, 1024, 4, 3),
+                 (2, 512, 4, 3), (4, 512, 4, 3), (2, 2048, 8, 1), (4, 2048, 8, 1)]
 TINY_MODELS = {  # --tiny: interpreter-sized (and K not a multiple of the tiles' BLOCK_K)
     "tiny-8e": {"hidden": 64, "inter": 40, "experts": 8, "top_k": 2},
     "tiny-16e": {"hidden": 48, "inter": 32, "experts": 16, "top_k": 4},
@@ -152,17 +153,21 @@ def decode_paths(case: Case) -> dict:
             "gemv": moe_gemv_tiles(case.hidden, case.inter)}
 
 
-def gemv_sweep_configs(base):
-    """The decode path's tiles varied one GEMV at a time (the other kept at `base`'s), from GEMV_SWEEP."""
+def gemv_sweep_configs(base, inter: int):
+    """The decode path's tiles varied one GEMV at a time (the other kept at `base`'s): GATE_UP_SWEEP, and down
+    tiles of 2, 4, 8 rows, 1 or 3 stages, with the K steps that divide I (up to 1024, 512, 256)."""
     from dataclasses import replace
 
-    from mini_infer.ops._moe_gemv import GemvTile
+    from mini_infer.ops._moe_gemv import GemvTile, down_k_step
 
-    for shape in GEMV_SWEEP:
-        tile = GemvTile(*shape)
-        for gemv in ("gate_up", "down"):
-            if getattr(base, gemv) != tile:
-                yield gemv, replace(base, **{gemv: tile})
+    for shape in GATE_UP_SWEEP:
+        if GemvTile(*shape) != base.gate_up:
+            yield "gate_up", replace(base, gate_up=GemvTile(*shape))
+    for block_k in sorted({down_k_step(inter, most) for most in (1024, 512, 256)} - {None}):
+        for block_n in (2, 4, 8):
+            for stages in (1, 3):
+                if GemvTile(block_n, block_k, 4, stages) != base.down:
+                    yield "down", replace(base, down=GemvTile(block_n, block_k, 4, stages))
 
 
 def bench_decode(args, dtype) -> dict:
@@ -200,7 +205,7 @@ def bench_decode(args, dtype) -> dict:
             if args.sweep:
                 base = decode_paths(case)["gemv"]
                 timed = [(gemv, alt, time_calls(case.triton_calls(alt), args.target_ms, args.rounds)[0] * 1e3)
-                         for gemv, alt in gemv_sweep_configs(base)]
+                         for gemv, alt in gemv_sweep_configs(base, case.inter)]
                 row["sweep"] = [{"varied": gemv, "config": repr(alt), "us": us} for gemv, alt, us in timed]
                 for gemv in ("gate_up", "down"):
                     _, alt, us = min((t for t in timed if t[0] == gemv), key=lambda t: t[2])

@@ -56,19 +56,27 @@ MOE_GEMV_MAX_PAIRS = 16
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for these shapes, or None when the grouped-GEMM path serves them (more than
-    MOE_GEMV_MAX_PAIRS pairs). Depends on shapes only, so a CUDA graph captured for one T keeps its kernels."""
+    MOE_GEMV_MAX_PAIRS pairs, or an I that no K step of the down GEMV divides). Depends on shapes only, so a CUDA
+    graph captured for one T keeps its kernels."""
     return moe_gemv_tiles(hidden, inter) if num_tokens * top_k <= MOE_GEMV_MAX_PAIRS else None
 
 
-def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig:
-    """The decode path's tiles for experts of these sizes, whatever the number of pairs."""
-    return MoeGemvConfig(GemvTile(4, _k_step(hidden), 4, 1), GemvTile(4, _k_step(inter), 4, 1))
+def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
+    """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
+    divides I)."""
+    down_k = down_k_step(inter)
+    if down_k is None:
+        return None
+    return MoeGemvConfig(GemvTile(2, 1024, 4, 1), GemvTile(2, down_k, 4, 3))
 
 
-def _k_step(k_in: int) -> int:
-    """The K step for rows of k_in elements: 512 (the dense GEMV's), or 256 where that wastes less of the last
-    step (qwen3-30b-a3b's I = 768: 3 x 256, not 2 x 512)."""
-    return 256 if -(-k_in // 256) * 256 < -(-k_in // 512) * 512 else 512
+def down_k_step(inter: int, most: int = 1024) -> int | None:
+    """The down GEMV's K step: the largest power of two up to `most` that divides I (a step must stay within one
+    slot's row), at least 16; None if there is none."""
+    step = most
+    while step >= 16 and inter % step:
+        step //= 2
+    return step if step >= 16 else None
 
 
 if HAS_TRITON:
@@ -127,20 +135,26 @@ if HAS_TRITON:
         stride_om, stride_we, stride_wn,
         TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """out[t, n-tile] = sum over slots j (in order) of round(weight[p] * W2[e] act[p]), p = t * TOP_K + j,
-        t = program_id(0); fp32 sum, slots without a (local) expert skipped."""
+        """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0):
+        one K loop over the TOP_K slots' rows laid end to end (BLOCK_K divides I: a step stays within one slot,
+        whose expert and weight are scalars there), the weight applied to act; slots without a (local) expert
+        load nothing and add zero. Summed in fp32 in a fixed order."""
         t = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < hidden
-        out = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(TOP_K):
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for c0 in range(0, TOP_K * inter, BLOCK_K):
+            j = c0 // inter
             pair = t * TOP_K + j
             expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
-            if (expert >= 0) & (expert < num_experts):
-                w_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-                dots = _dot_rows(w_rows, row_ok, act_ptr + pair.to(tl.int64) * inter, inter, BLOCK_N, BLOCK_K)
-                slot = dots * tl.load(weights_ptr + pair).to(tl.float32)
-                out += slot.to(out_ptr.dtype.element_ty).to(tl.float32)
+            mine = (expert >= 0) & (expert < num_experts)
+            cols = c0 - j * inter + tl.arange(0, BLOCK_K)
+            col_ok = cols < tl.where(mine, inter, 0)  # all or none
+            a = tl.load(act_ptr + pair.to(tl.int64) * inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+            a *= tl.load(weights_ptr + pair).to(tl.float32)
+            acc = gemv_step(acc, w_rows + tl.where(mine, expert, 0) * stride_we, row_ok, cols, col_ok, a)
+        out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -155,6 +169,8 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     gu, dn = config.gate_up, config.down
+    if inter % dn.block_k:
+        raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
     _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
         HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages)

@@ -25,7 +25,7 @@ PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 1
 # the decode path (grouped GEMVs), forced whatever the number of pairs: with the tests' H 32 and I 48, gate/up
 # tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
 # runs one program at a time.
-GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 32, 4, 1))
+GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
