@@ -1,17 +1,22 @@
 """The decode path of `mini_infer::fused_moe`: two grouped GEMV kernels for very few (token, slot) pairs.
 
-At batch 1 the routed experts are a weight stream (qwen3-30b-a3b: 8 experts x 9.4 MB per layer) and the grouped
-GEMMs' glue (align, slot sum) costs as much as a third of it. Here there is no align step and no slot sum:
+No align step and no slot sum:
   1. gate/up: program (pair p = t * k + j, output tile n) reads the (local) expert e of slot p, exits at once when
      it has none (id outside [0, E_global), or expert_map -1), and computes gate and up rows n of W13[e] times
-     x[t], silu(gate) * up in fp32 rounded to hidden's dtype -> act [T*k, I] (rows of dropped slots unwritten);
-  2. down: program (token t, output tile n) loops over the k slots in order (deterministic), each slot's
-     W2[e] rows n @ act[p] times its routing weight, rounded to hidden's dtype (as the grouped path's per-slot
-     rows are), summed in fp32 -> out [T, H] directly.
-Each pair reads its expert's weights itself (tokens that share an expert read it again, mostly from L2, as the
-grid puts pairs on the fastest axis), so this pays only while T * k is small: `moe_gemv_config` says when, by
-shapes alone (the grid is a function of the shapes: CUDA-graph safe, no host sync). The K loop is the dense
-GEMV's (`gemv_step` of linear.py): elementwise fp32 products, one row-sum at the end.
+     x[t] (one stack of rows), silu(gate) * up in fp32 rounded to hidden's dtype -> act [T*k, I] (rows of
+     dropped slots unwritten);
+  2. down: program (token t, output tile n) runs one K loop over the k slots' act rows laid end to end (a K step
+     divides I, so each step lies in one slot, whose expert and routing weight are scalars there), the routing
+     weight applied to act, slots without a (local) expert loading nothing: out [T, H] directly, summed in fp32
+     in a fixed order. Unlike the grouped path, the slots' products are not rounded to hidden's dtype one by one
+     before the sum (the reference does not round them either).
+Each pair reads its expert's weights itself (tokens that share an expert read it again), so this can pay only
+while T * k is tiny. Measured on an H200 (bench/kernel_moe.py --decode, bench/results/kernel_moe_decode*_h200.json)
+it beat the grouped GEMMs only at mixtral-8x7b's batch 1 (2 pairs, I 14336: 183 vs 193 us); at qwen3-30b-a3b's
+(8 pairs, I 768: 35 vs 30 us) and deepseek-v2-lite's (6 pairs, I 1408: 67 vs 36 us) batch 1 it lost, the tile
+sweep finding nothing better. So `moe_gemv_config` picks it up to MOE_GEMV_MAX_PAIRS = 2 pairs only, by shapes
+alone (the grid is a function of the shapes: CUDA-graph safe, no host sync). The K loops are the dense GEMV's
+(`gemv_step` of linear.py): elementwise fp32 products, one row-sum at the end.
 
 Holds `map_expert`, the expert-map lookup that fused_moe.py's align and sum kernels use too. Launchers assume
 fused_moe.py's `_check_args` passed. Must not import anything from mini_infer outside `mini_infer.ops`.
@@ -50,8 +55,9 @@ class MoeGemvConfig:
     down: GemvTile
 
 
-# The decode path serves calls of at most this many (token, slot) pairs (bench/kernel_moe.py --decode).
-MOE_GEMV_MAX_PAIRS = 16
+# The decode path serves calls of at most this many (token, slot) pairs: where it beat the grouped GEMMs on an
+# H200 (mixtral-8x7b at batch 1; module docstring).
+MOE_GEMV_MAX_PAIRS = 2
 
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
@@ -67,7 +73,9 @@ def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     down_k = down_k_step(inter)
     if down_k is None:
         return None
-    return MoeGemvConfig(GemvTile(2, 1024, 4, 1), GemvTile(2, down_k, 4, 3))
+    # the H200 sweep's best of each GEMV (bench/results/kernel_moe_decode_sweep_h200.json): one gate and one up
+    # row per program, 3 stages; the down GEMV 4 rows at K steps of 512+, else 2
+    return MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
 
 
 def down_k_step(inter: int, most: int = 1024) -> int | None:

@@ -20,8 +20,9 @@ pairs are counted and placed, so the GEMMs see only this rank's pairs: its work 
 not all T*k slots. Its entries must be -1 or in [0, E_local) (not checked on the device).
 
 Numerics: matmuls accumulate in fp32; the silu(gate) * up product is rounded to hidden's dtype before the down
-projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton path
-also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1).
+projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton
+grouped-GEMM path also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1);
+its decode path does not.
 
 Two implementations:
   * `fused_moe_reference`: plain torch, the CPU path and the oracle: a loop over the experts that are used
@@ -38,7 +39,9 @@ Two implementations:
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert).
-    Programs whose block lies past the padded end exit at once. Tile sizes (`moe_tile_config`) depend only on
+    Programs whose block lies past the padded end exit at once. For very few (token, slot) pairs
+    (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
+    the slot sum inside the down GEMV. Tile sizes (`moe_tile_config`) depend only on
     (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
     a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).

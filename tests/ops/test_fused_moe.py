@@ -3,8 +3,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops import HAS_TRITON
 from mini_infer.ops import fused_moe as fused_moe_mod
-from mini_infer.ops._moe_gemv import MOE_GEMV_MAX_PAIRS, GemvTile, MoeGemvConfig, moe_gemv_config
+from mini_infer.ops._moe_gemv import (
+    MOE_GEMV_MAX_PAIRS,
+    GemvTile,
+    MoeGemvConfig,
+    moe_gemv_config,
+    moe_gemv_tiles,
+)
 from mini_infer.ops.fused_moe import (
     GemmTile,
     MoeTileConfig,
@@ -142,17 +149,11 @@ def test_triton_routing_patterns(pattern, config):
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
-def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, monkeypatch):
-    """Up to MOE_GEMV_MAX_PAIRS pairs fused_moe_triton takes the decode path by itself, which matches the reference,
-    also with ids outside [0, E) in some slots (HF's "no expert" E, -1, far out of range: they contribute nothing)."""
-    launch, calls = fused_moe_mod.moe_gemv_triton, []
-
-    def spy(*args):  # records the config the launcher ran with, and runs it
-        calls.append(args[-1])
-        return launch(*args)
-
-    monkeypatch.setattr(fused_moe_mod, "moe_gemv_triton", spy)
-    hidden, inter = 24, 8
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k):
+    """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
+    runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
+    expert" E, -1, far out of range: they contribute nothing)."""
+    hidden, inter = 24, 16
     torch.manual_seed(11)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
     w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=11)
@@ -161,19 +162,35 @@ def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, monkeypa
     ids[-1, 0] = -1 if tokens > 1 else ids[-1, 0]
     if tokens > 2:
         ids[1, -1] = 1 << 20
-    expected = fused_moe_reference(x, weights, ids, w13, w2)
-    got = fused_moe_triton(x, weights, ids, w13, w2)
-    assert calls == [moe_gemv_config(tokens, top_k, hidden, inter)]
-    assert_close(got, expected)
+    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
 
 
-def test_gemv_path_is_picked_by_shape():
-    """At most MOE_GEMV_MAX_PAIRS (token, slot) pairs: the decode path, with a K step that wastes least of the
-    rows (qwen3-30b-a3b's I 768: 3 x 256); more: the grouped GEMMs (None)."""
-    assert MOE_GEMV_MAX_PAIRS >= 8  # qwen3-30b-a3b's batch 1 (k 8)
-    assert moe_gemv_config(1, 8, 2048, 768) == MoeGemvConfig(GemvTile(4, 512, 4, 1), GemvTile(4, 256, 4, 1))
-    assert moe_gemv_config(MOE_GEMV_MAX_PAIRS // 2, 2, 4096, 14336) is not None
-    assert moe_gemv_config(MOE_GEMV_MAX_PAIRS // 2 + 1, 2, 4096, 14336) is None
+def test_gemv_path_is_picked_by_shape(monkeypatch):
+    """Up to MOE_GEMV_MAX_PAIRS (token, slot) pairs (mixtral-8x7b's batch 1) fused_moe_triton takes the decode path
+    by itself, with the tiles `moe_gemv_config` gives; more pairs (qwen3-30b-a3b's batch 1), or an I that no K step
+    of 16+ divides: the grouped GEMMs (None)."""
+    assert moe_gemv_config(1, 2, 4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
+    assert moe_gemv_config(1, 8, 2048, 768) is None
+    assert moe_gemv_config(1, 2, 64, 40) is None and moe_gemv_tiles(64, 40) is None  # 40 = 8 x 5
+    if not HAS_TRITON:
+        return
+    launch, calls = fused_moe_mod.moe_gemv_triton, []
+
+    def spy(*args):  # records the config the launcher ran with, and runs it
+        calls.append(args[-1])
+        return launch(*args)
+
+    monkeypatch.setattr(fused_moe_mod, "moe_gemv_triton", spy)
+    torch.manual_seed(12)
+    x = torch.randn(1, 32, device=DEVICE)
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=12)
+    weights, ids = _routing(1, 4, MOE_GEMV_MAX_PAIRS, seed=12)
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2), fused_moe_reference(x, weights, ids, w13, w2))
+    assert calls == [moe_gemv_config(1, MOE_GEMV_MAX_PAIRS, 32, 16)]
+    x, weights, ids = x.expand(3, 32).contiguous(), weights.expand(3, -1), ids.expand(3, -1)  # 3x the pairs
+    fused_moe_triton(x, weights, ids, w13, w2)
+    assert len(calls) == 1
 
 
 def _check_alignment(ids, num_experts, block_m, sorted_pairs, block_expert, num_padded):
@@ -212,10 +229,10 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("config", [None, DECODE], ids=["by_shape", "grouped"])
+@pytest.mark.parametrize("config", [GEMV, DECODE], ids=["gemv", "grouped"])
 def test_triton_never_syncs_with_the_host(config, monkeypatch):
-    """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the path
-    picked by shape, here the decode path, and the grouped GEMMs)."""
+    """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
+    path and the grouped GEMMs)."""
     def refuse(*_args, **_kwargs):
         raise AssertionError("host sync in the Triton path")
 
@@ -339,8 +356,8 @@ def test_reference_with_expert_map_is_the_ranks_share(dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("config", [DECODE, GEMV], ids=["grouped", "gemv"])  # the map acts in align / per slot
+@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV)],
+                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin"])  # map: in align / per slot
 def test_triton_with_expert_map_matches_reference(placement, config):
     x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
     held = list(PLACEMENTS[placement])
