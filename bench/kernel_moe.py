@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/kernel_moe.py [--check] [--models qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,8,64,256,2048,8192]
     PYTHONPATH=. python bench/kernel_moe.py --check --tiny     # no GPU needed: tiny shapes, Triton under TRITON_INTERPRET=1
     PYTHONPATH=. python bench/kernel_moe.py --sweep            # also time alternative tile configs per shape (slow)
+    PYTHONPATH=. python bench/kernel_moe.py --decode --check   # the decode path beside the grouped GEMMs (< 3 min)
 
 For `qwen3-30b-a3b` (H 2048, I 768, E 128, k 8) and `mixtral-8x7b` (H 4096, I 14336, E 8, k 2) experts in bf16,
 at T = 1, 8, 64, 256 (decode batches) and 2048, 8192 (prefill chunks) tokens, routed by softmax top-k of random
@@ -20,6 +21,12 @@ the copy bandwidth measured in the same run (`dst.copy_(src)`), and TFLOP/s (2 x
 calls are bound by the weight bytes (GB/s is the figure of merit), prefill calls by FLOPs (TFLOP/s). Each
 timing cycles through several routings (different experts) so that the touched weights are not L2-resident
 from the previous call.
+
+--decode times, at T = 1, 2, 4, 8 for qwen3-30b-a3b, mixtral-8x7b and deepseek-v2-lite, the decode path
+(`_moe_gemv.py`: two grouped GEMVs, no align, no slot sum) beside the grouped GEMMs (`moe_tile_config`'s tiles),
+each forced whatever `fused_moe_triton` would pick by shape (the "picks" column: "gemv" up to
+MOE_GEMV_MAX_PAIRS pairs), as CUDA-graph replays with % of copy bandwidth over the touched expert bytes; with
+--check both paths are first compared with the reference; with --sweep the decode path's tiles are varied too.
 
 --check first compares the Triton output with the reference on every shape (relative Frobenius error and max
 |err|), and stops with exit status 1 on a mismatch. Prints a table; writes JSON to --out
@@ -46,8 +53,15 @@ from kernel_norm import copy_bandwidth, git_info, int_list, time_calls  # the si
 MODELS = {
     "qwen3-30b-a3b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8},
     "mixtral-8x7b": {"hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2},
+    "deepseek-v2-lite": {"hidden": 2048, "inter": 1408, "experts": 64, "top_k": 6},
 }
 TOKENS = (1, 8, 64, 256, 2048, 8192)
+DECODE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite")
+DECODE_TOKENS = (1, 2, 4, 8)
+# --decode --sweep: decode-path gate/up tiles tried (rows per program, K per step, warps, stages); the down tiles
+# are built per shape (their K step must divide I: `gemv_sweep_configs`)
+GATE_UP_SWEEP = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 1), (2, 1024, 4, 3), (1, 1024, 4, 3),
+                 (2, 512, 4, 3), (4, 512, 4, 3), (2, 2048, 8, 1), (4, 2048, 8, 1)]
 TINY_MODELS = {  # --tiny: interpreter-sized (and K not a multiple of the tiles' BLOCK_K)
     "tiny-8e": {"hidden": 64, "inter": 40, "experts": 8, "top_k": 2},
     "tiny-16e": {"hidden": 48, "inter": 32, "experts": 16, "top_k": 4},
@@ -120,13 +134,87 @@ class Case:
         return calls
 
 
-def check_case(case: Case) -> dict:
-    """Triton vs reference on the first routing: relative Frobenius error, max |err|, pass/fail."""
-    tri, ref = case.triton_calls()[0], case.reference_calls()[0]
+def check_case(case: Case, config=None) -> dict:
+    """Triton (with `config`, None: picked by shape) vs reference on the first routing: relative Frobenius error,
+    max |err|, pass/fail."""
+    tri, ref = case.triton_calls(config)[0], case.reference_calls()[0]
     got, want = tri().float(), ref().float()
     rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     return {"rel_err": rel, "max_abs_err": (got - want).abs().max().item(), "ok": rel <= REL_TOL[case.dtype]
             and got.shape == want.shape}
+
+
+def decode_paths(case: Case) -> dict:
+    """{"grouped": moe_tile_config's tiles, "gemv": the decode path's tiles} for this shape, each forced."""
+    from mini_infer.ops._moe_gemv import moe_gemv_tiles
+    from mini_infer.ops.fused_moe import moe_tile_config
+
+    return {"grouped": moe_tile_config(case.tokens, case.experts, case.top_k, case.hidden, case.inter),
+            "gemv": moe_gemv_tiles(case.hidden, case.inter)}
+
+
+def gemv_sweep_configs(base, inter: int):
+    """The decode path's tiles varied one GEMV at a time (the other kept at `base`'s): GATE_UP_SWEEP, and down
+    tiles of 2, 4, 8 rows, 1 or 3 stages, with the K steps that divide I (up to 1024, 512, 256)."""
+    from dataclasses import replace
+
+    from mini_infer.ops._moe_gemv import GemvTile, down_k_step
+
+    for shape in GATE_UP_SWEEP:
+        if GemvTile(*shape) != base.gate_up:
+            yield "gate_up", replace(base, gate_up=GemvTile(*shape))
+    for block_k in sorted({down_k_step(inter, most) for most in (1024, 512, 256)} - {None}):
+        for block_n in (2, 4, 8):
+            for stages in (1, 3):
+                if GemvTile(block_n, block_k, 4, stages) != base.down:
+                    yield "down", replace(base, down=GemvTile(block_n, block_k, 4, stages))
+
+
+def bench_decode(args, dtype) -> dict:
+    """--decode: the decode path beside the grouped GEMMs at few tokens (module docstring)."""
+    from mini_infer.ops._moe_gemv import moe_gemv_config
+
+    copy = copy_bandwidth(args.copy_gib, args.target_ms, args.rounds)
+    print(f"{torch.cuda.get_device_name()} | {args.dtype} | copy bandwidth {copy['gbps']:.0f} GB/s | CUDA-graph "
+          f"timings over {args.sets} routings, median of {args.rounds}", flush=True)
+    print(f"{'model':<17}{'T':>3}{'pairs':>6}{'used':>5}{'MB':>7} |{'grouped us':>11}{'%copy':>6} |{'gemv us':>8}"
+          f"{'%copy':>6} |{'speedup':>8}  picks")
+    rows = []
+    for model in args.models:
+        shape = MODELS[model]
+        for tokens in args.tokens:
+            case = Case(model, shape, tokens, dtype, "cuda", args.sets)
+            picks = "gemv" if moe_gemv_config(tokens, case.top_k, case.hidden, case.inter) else "grouped"
+            row = {"model": model, "tokens": tokens, **shape, "dtype": args.dtype, "used_experts": case.used,
+                   "touched_bytes": case.touched_bytes(), "picks": picks, "impls": {}, "configs": {}}
+            for name, cfg in decode_paths(case).items():
+                if args.check:
+                    row.setdefault("check", {})[name] = check_case(case, cfg)
+                ms, _ = time_calls(case.triton_calls(cfg), args.target_ms, args.rounds)
+                row["impls"][name] = _metrics(ms, case, copy["gbps"])
+                row["configs"][name] = repr(cfg)
+            g, v = row["impls"]["grouped"], row["impls"]["gemv"]
+            line = (f"{model:<17}{tokens:>3}{tokens * case.top_k:>6}{statistics.mean(case.used):>5.0f}"
+                    f"{case.touched_bytes() / 1e6:>7.1f} |{g['us']:>11.1f}{100 * g['frac_copy']:>5.0f}% |"
+                    f"{v['us']:>8.1f}{100 * v['frac_copy']:>5.0f}% |{g['us'] / v['us']:>7.2f}x  {picks}")
+            if args.check:
+                bad = [n for n, c in row["check"].items() if not c["ok"]]
+                line += "  rel err " + " / ".join(f"{c['rel_err']:.1e}" for c in row["check"].values())
+                line += f"  MISMATCH {bad}" if bad else ""
+            print(line, flush=True)
+            if args.sweep:
+                base = decode_paths(case)["gemv"]
+                timed = [(gemv, alt, time_calls(case.triton_calls(alt), args.target_ms, args.rounds)[0] * 1e3)
+                         for gemv, alt in gemv_sweep_configs(base, case.inter)]
+                row["sweep"] = [{"varied": gemv, "config": repr(alt), "us": us} for gemv, alt, us in timed]
+                for gemv in ("gate_up", "down"):
+                    _, alt, us = min((t for t in timed if t[0] == gemv), key=lambda t: t[2])
+                    print(f"    best {gemv} variation: {us:.1f} us {getattr(alt, gemv)}", flush=True)
+            rows.append(row)
+            del case
+            torch.cuda.empty_cache()
+    failed = [(r["model"], r["tokens"]) for r in rows for c in r.get("check", {}).values() if not c["ok"]]
+    return {"copy": copy, "results": rows, "check_failed": failed}
 
 
 def time_eager(calls: list[Callable], rounds: int) -> float:
@@ -275,6 +363,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "mismatch")
     ap.add_argument("--no-ref", action="store_true", help="do not time the reference")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs per shape")
+    ap.add_argument("--decode", action="store_true", help="the decode path beside the grouped GEMMs at few tokens "
+                    f"(default models {','.join(DECODE_MODELS)}, tokens {DECODE_TOKENS})")
     ap.add_argument("--sets", type=int, default=8, help="routings cycled per timing at decode sizes (cold L2)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="size of the copy-bandwidth tensor (>= 1)")
     ap.add_argument("--target-ms", type=float, default=20.0, help="GPU time per timing round")
@@ -282,10 +372,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     models = TINY_MODELS if args.tiny else MODELS
-    args.models = [m for m in (args.models or ",".join(models)).split(",") if m]
+    default_models = DECODE_MODELS if args.decode else models
+    args.models = [m for m in (args.models or ",".join(default_models)).split(",") if m]
     if not args.models or set(args.models) - set(models):
         ap.error(f"--models: choose from {','.join(models)}")
-    args.tokens = args.tokens or list(TINY_TOKENS if args.tiny else TOKENS)
+    if args.decode and args.tiny:
+        ap.error("--decode times GPU kernels at the models' shapes: not with --tiny")
+    args.tokens = args.tokens or list(TINY_TOKENS if args.tiny else DECODE_TOKENS if args.decode else TOKENS)
     if args.sets < 1 or args.rounds < 1 or args.target_ms <= 0 or args.copy_gib < 1:
         ap.error("--sets, --rounds, --target-ms must be positive and --copy-gib >= 1")
     return args
@@ -307,7 +400,7 @@ def main(argv=None) -> int:
 
     if not HAS_TRITON:
         raise SystemExit("triton is not importable: nothing to run")
-    checks = run_check(args, dtype, "cuda" if on_gpu else "cpu") if args.check else {}
+    checks = run_check(args, dtype, "cuda" if on_gpu else "cpu") if args.check and not args.decode else {}
     if not on_gpu or not all(r["ok"] for r in checks.values()):
         return 0 if all(r["ok"] for r in checks.values()) else 1
     t0 = time.perf_counter()
@@ -319,13 +412,16 @@ def main(argv=None) -> int:
             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "dtype": args.dtype,
             "target_ms": args.target_ms, "rounds": args.rounds,
             "timing": "triton and dense: CUDA graph replay over the routings, median of rounds; ref: eager events"}
-    report = {"meta": meta, **bench(args, dtype, checks)}
+    report = {"meta": meta, **(bench_decode(args, dtype) if args.decode else bench(args, dtype, checks))}
     meta["wall_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernel_moe_{gpu_tag()}{'_tiny' if args.tiny else ''}.json"
+    path = out / f"kernel_moe_{'decode_' if args.decode else ''}{gpu_tag()}{'_tiny' if args.tiny else ''}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"{meta['wall_seconds']:.0f} s; wrote {path}")
+    if report.get("check_failed"):
+        print(f"check FAILED: {report['check_failed']}")
+        return 1
     return 0
 
 

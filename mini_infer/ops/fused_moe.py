@@ -20,8 +20,9 @@ pairs are counted and placed, so the GEMMs see only this rank's pairs: its work 
 not all T*k slots. Its entries must be -1 or in [0, E_local) (not checked on the device).
 
 Numerics: matmuls accumulate in fp32; the silu(gate) * up product is rounded to hidden's dtype before the down
-projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton path
-also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1).
+projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton
+grouped-GEMM path also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1);
+its decode path does not.
 
 Two implementations:
   * `fused_moe_reference`: plain torch, the CPU path and the oracle: a loop over the experts that are used
@@ -38,7 +39,9 @@ Two implementations:
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert).
-    Programs whose block lies past the padded end exit at once. Tile sizes (`moe_tile_config`) depend only on
+    Programs whose block lies past the padded end exit at once. For very few (token, slot) pairs
+    (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
+    the slot sum inside the down GEMV. Tile sizes (`moe_tile_config`) depend only on
     (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
     a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).
@@ -53,7 +56,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
 from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+if HAS_TRITON:
+    from mini_infer.ops._moe_gemv import map_expert
 
 __all__ = [
     "ACTIVATIONS",
@@ -214,22 +221,13 @@ _ALIGN_SINGLE_MAX = 4096  # up to this many pairs, one program aligns them all (
 if HAS_TRITON:
 
     @triton.jit
-    def _map_expert(expert, ok, map_ptr, num_global, HAS_MAP: tl.constexpr):
-        """The local expert of router ids `expert` (where `ok`): expert_map[id], -1 for an id outside
-        [0, num_global); the ids themselves without a map."""
-        if HAS_MAP:
-            inside = ok & (expert >= 0) & (expert < num_global)
-            expert = tl.load(map_ptr + expert, mask=inside, other=-1).to(tl.int32)
-        return expert
-
-    @triton.jit
     def _align_count(ids_ptr, counts_ptr, start, num_pairs, num_experts, map_ptr, num_global,
                      BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
         """counts[e] += pairs of (local) expert e among pairs [start, start + BLOCK)."""
         offs = start + tl.arange(0, BLOCK)
         ok = offs < num_pairs
         expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
-        expert = _map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
+        expert = map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
         ok = ok & (expert >= 0) & (expert < num_experts)
         tl.atomic_add(counts_ptr + expert, 1, mask=ok)
 
@@ -268,7 +266,7 @@ if HAS_TRITON:
         offs = start + tl.arange(0, BLOCK)
         ok = offs < num_pairs
         expert = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
-        expert = _map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
+        expert = map_expert(expert, ok, map_ptr, num_global, HAS_MAP)
         ok = ok & (expert >= 0) & (expert < num_experts)
         row = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
         tl.store(sorted_ptr + row, offs, mask=ok)
@@ -383,7 +381,7 @@ if HAS_TRITON:
         ok = cols < n_cols
         acc = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOP_K):
-            expert = _map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+            expert = map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
             row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
         tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -479,24 +477,31 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
 
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
-                     config: MoeTileConfig | None = None) -> torch.Tensor:
-    """The CUDA path (or CPU under TRITON_INTERPRET=1): align, gate/up GEMM with silu * up, down GEMM with the
-    routing weight, sum over slots (module docstring). No host sync; `config` overrides `moe_tile_config`."""
+                     config: MoeTileConfig | MoeGemvConfig | None = None) -> torch.Tensor:
+    """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
+    the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
+    weights of unit last stride), else `moe_tile_config`."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
-    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
-    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
     if t == 0:
-        return out
+        return hidden.new_empty(0, h)
     num_global = e if expert_map is None else expert_map.shape[0]
-    cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
+    if config is None and w13.stride(2) == 1 and w2.stride(2) == 1:
+        config = moe_gemv_config(t, k, h, inter)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weights = topk_weights.reshape(-1)
     weights = weights if weights.is_contiguous() else weights.contiguous()
-    num_pairs = t * k
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
+    if isinstance(config, MoeGemvConfig):
+        emap, n_global = _map_args(ids, expert_map)
+        w13, w2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13, w2))  # only with a given config
+        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config)
+    cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
+    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
+    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
+    num_pairs = t * k
     sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)

@@ -3,7 +3,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops import HAS_TRITON
 from mini_infer.ops import fused_moe as fused_moe_mod
+from mini_infer.ops._moe_gemv import (
+    MOE_GEMV_MAX_PAIRS,
+    GemvTile,
+    MoeGemvConfig,
+    moe_gemv_config,
+    moe_gemv_tiles,
+)
 from mini_infer.ops.fused_moe import (
     GemmTile,
     MoeTileConfig,
@@ -21,6 +29,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # and its tail (K not a multiple of BLOCK_K) both run
 DECODE = MoeTileConfig("decode", 16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
 PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 16, 4, 4, 2))
+# the decode path (grouped GEMVs), forced whatever the number of pairs: with the tests' H 32 and I 48, gate/up
+# tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
+# runs one program at a time.
+GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -90,7 +102,7 @@ def test_reference_matches_hf_experts(family):
 @requires_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"),
-                         [(1, 4, 1, 32, 32), (3, 8, 2, 32, 64), (17, 8, 2, 64, 40), (17, 4, 1, 48, 32)])
+                         [(9, 8, 2, 32, 64), (17, 8, 2, 64, 40), (17, 4, 1, 48, 32)])
 def test_triton_matches_reference(dtype, tokens, num_experts, top_k, hidden, inter):
     torch.manual_seed(tokens)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -113,8 +125,10 @@ def _patterns(tokens, num_experts):
 
 
 @requires_triton
-@pytest.mark.parametrize("pattern", ["every_expert", "some_unused", "all_to_one", "int64", "dropped_slot"])
-@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize(("pattern", "config"), [
+    *[(p, c) for p in ["every_expert", "some_unused", "all_to_one", "int64", "dropped_slot"] for c in (DECODE, PREFILL)],
+    *[(p, GEMV) for p in ["all_to_one", "int64", "dropped_slot"]],  # no align step: which experts are used is moot
+], ids=lambda v: v if isinstance(v, str) else type(v).__name__ if isinstance(v, MoeGemvConfig) else v.kind)
 def test_triton_routing_patterns(pattern, config):
     tokens, num_experts, hidden, inter = 19, 8, 32, 48
     torch.manual_seed(2)
@@ -127,6 +141,56 @@ def test_triton_routing_patterns(pattern, config):
     if pattern == "all_to_one":  # single slot: the down GEMM writes the output directly
         assert_close(fused_moe_triton(x, weights[:, :1], ids[:, :1], w13, w2, config=config),
                      fused_moe_reference(x, weights[:, :1], ids[:, :1], w13, w2))
+
+
+# -- the decode path: grouped GEMVs for few (token, slot) pairs -------------------------------------------------
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k):
+    """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
+    runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
+    expert" E, -1, far out of range: they contribute nothing)."""
+    hidden, inter = 24, 16
+    torch.manual_seed(11)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=11)
+    weights, ids = _routing(tokens, num_experts, top_k, seed=11)
+    ids[0, -1] = num_experts
+    ids[-1, 0] = -1 if tokens > 1 else ids[-1, 0]
+    if tokens > 2:
+        ids[1, -1] = 1 << 20
+    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
+
+
+def test_gemv_path_is_picked_by_shape(monkeypatch):
+    """Up to MOE_GEMV_MAX_PAIRS (token, slot) pairs (mixtral-8x7b's batch 1) fused_moe_triton takes the decode path
+    by itself, with the tiles `moe_gemv_config` gives; more pairs (qwen3-30b-a3b's batch 1), or an I that no K step
+    of 16+ divides: the grouped GEMMs (None)."""
+    assert moe_gemv_config(1, 2, 4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
+    assert moe_gemv_config(1, 8, 2048, 768) is None
+    assert moe_gemv_config(1, 2, 64, 40) is None and moe_gemv_tiles(64, 40) is None  # 40 = 8 x 5
+    if not HAS_TRITON:
+        return
+    launch, calls = fused_moe_mod.moe_gemv_triton, []
+
+    def spy(*args):  # records the config the launcher ran with, and runs it
+        calls.append(args[-1])
+        return launch(*args)
+
+    monkeypatch.setattr(fused_moe_mod, "moe_gemv_triton", spy)
+    torch.manual_seed(12)
+    x = torch.randn(1, 32, device=DEVICE)
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=12)
+    weights, ids = _routing(1, 4, MOE_GEMV_MAX_PAIRS, seed=12)
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2), fused_moe_reference(x, weights, ids, w13, w2))
+    assert calls == [moe_gemv_config(1, MOE_GEMV_MAX_PAIRS, 32, 16)]
+    x, weights, ids = x.expand(3, 32).contiguous(), weights.expand(3, -1), ids.expand(3, -1)  # 3x the pairs
+    fused_moe_triton(x, weights, ids, w13, w2)
+    assert len(calls) == 1
 
 
 def _check_alignment(ids, num_experts, block_m, sorted_pairs, block_expert, num_padded):
@@ -165,20 +229,22 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-def test_triton_never_syncs_with_the_host(monkeypatch):
-    """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph."""
+@pytest.mark.parametrize("config", [GEMV, DECODE], ids=["gemv", "grouped"])
+def test_triton_never_syncs_with_the_host(config, monkeypatch):
+    """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
+    path and the grouped GEMMs)."""
     def refuse(*_args, **_kwargs):
         raise AssertionError("host sync in the Triton path")
 
     torch.manual_seed(4)
-    x = torch.randn(5, 32, device=DEVICE)
+    x = torch.randn(3, 32, device=DEVICE)
     w13, w2 = _experts(4, 32, 32, torch.float32)
-    weights, ids = _routing(5, 4, 2)
+    weights, ids = _routing(3, 4, 2)
     expected = fused_moe_reference(x, weights, ids, w13, w2)
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
             m.setattr(torch.Tensor, name, refuse)
-        got = fused_moe_triton(x, weights, ids, w13, w2)
+        got = fused_moe_triton(x, weights, ids, w13, w2, config=config)
         with pytest.raises(AssertionError, match="host sync"):  # the patch does catch the reference's .tolist()
             fused_moe_reference(x, weights, ids, w13, w2)
     assert_close(got, expected)
@@ -290,8 +356,8 @@ def test_reference_with_expert_map_is_the_ranks_share(dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV)],
+                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin"])  # map: in align / per slot
 def test_triton_with_expert_map_matches_reference(placement, config):
     x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
     held = list(PLACEMENTS[placement])
