@@ -444,3 +444,73 @@ def test_registered_op_fake_and_opcheck():
     map_args = (x, weights.cpu(), ids8, w13.cpu(), w2.cpu(), "silu", emap)
     assert torch.equal(torch.ops.mini_infer.fused_moe(*map_args), fused_moe_reference(*map_args))
     torch.library.opcheck(torch.ops.mini_infer.fused_moe.default, map_args)
+
+
+# -- pair-per-block mode: no align step at a handful of pairs --------------------------------------------------
+
+
+def test_pair_blocks_are_picked_by_shape():
+    """One token (distinct experts) up to 16 pairs; a few tokens only among many experts (rare repeats)."""
+    assert fused_moe_mod.uses_pair_blocks(1, 8, 128) and fused_moe_mod.uses_pair_blocks(2, 8, 128)  # qwen3-30b-a3b
+    assert not fused_moe_mod.uses_pair_blocks(3, 8, 128)  # 24 pairs
+    assert fused_moe_mod.uses_pair_blocks(1, 6, 64) and not fused_moe_mod.uses_pair_blocks(2, 6, 64)  # dsv2-lite
+    assert fused_moe_mod.uses_pair_blocks(1, 2, 8) and not fused_moe_mod.uses_pair_blocks(2, 2, 8)  # mixtral
+    assert not fused_moe_mod.uses_pair_blocks(1, 32, 256)
+
+
+@requires_triton
+def test_pair_block_rows_are_one_pair_per_block_and_cached():
+    sorted_pairs, num_padded = fused_moe_mod.pair_block_rows(5, 16, torch.device(DEVICE))
+    assert sorted_pairs.dtype == num_padded.dtype == torch.int32
+    assert sorted_pairs.view(5, 16)[:, 0].tolist() == list(range(5))
+    assert torch.equal(sorted_pairs.view(5, 16)[:, 1:], torch.full((5, 15), 5, dtype=torch.int32, device=DEVICE))
+    assert num_padded.tolist() == [5 * 16]
+    again = fused_moe_mod.pair_block_rows(5, 16, torch.device(DEVICE))
+    assert again[0].data_ptr() == sorted_pairs.data_ptr() and again[1].data_ptr() == num_padded.data_ptr()
+
+
+@requires_triton
+@pytest.mark.parametrize(("placement", "top_k"), [(None, 3), (None, 1), ("round robin", 2)])
+def test_pair_blocks_equal_the_align_path_bit_for_bit(placement, top_k):
+    """Same per-pair products as the expert-sorted path, bit for bit, with ids outside [0, E) (HF's E, -1, far
+    out) and, with an expert map, slots on other ranks (-1): both contribute nothing."""
+    num_experts, tokens = 8, 5
+    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=13)
+    ids[1, 0], ids[2, -1], ids[3, 0] = -1, num_experts, 1 << 20
+    emap = None
+    if placement is not None:
+        held = list(PLACEMENTS[placement])
+        emap = _expert_map(num_experts, PLACEMENTS[placement]).to(DEVICE)
+        w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    sorted_out = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=False)
+    paired = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
+    assert torch.equal(paired, sorted_out)
+    assert_close(paired, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
+
+
+@requires_triton
+def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
+    """At one token the launcher takes pair-per-block mode by itself: no align launch, the same cached rows on a
+    repeated call with another routing (still right)."""
+    align, aligned, rows = fused_moe_mod.moe_align_triton, [], []
+    cached = fused_moe_mod.pair_block_rows
+
+    def spy_align(*args, **kwargs):
+        aligned.append(args)
+        return align(*args, **kwargs)
+
+    def spy_rows(*args):
+        rows.append(cached(*args))  # kept alive: a rebuilt buffer could not reuse the first one's memory
+        return rows[-1]
+
+    monkeypatch.setattr(fused_moe_mod, "moe_align_triton", spy_align)
+    monkeypatch.setattr(fused_moe_mod, "pair_block_rows", spy_rows)
+    w13, w2 = _experts(16, 32, 16, torch.float32, seed=14)
+    x = torch.randn(1, 32, device=DEVICE)
+    for seed in (14, 15):
+        weights, ids = _routing(1, 16, 4, seed=seed)
+        assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=DECODE),
+                     fused_moe_reference(x, weights, ids, w13, w2))
+    assert aligned == [] and len(rows) == 2 and rows[0][0].data_ptr() == rows[1][0].data_ptr()
+    fused_moe_triton(x, weights, ids, w13, w2, config=DECODE, pair_blocks=False)
+    assert len(aligned) == 1
