@@ -519,7 +519,7 @@ _PAIR_BLOCKS_REPEAT_DIV = 16
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether the grouped GEMMs run one block per (token, slot) pair, with no align step, for these shapes
-    (`num_experts`: the router's count): always at one token (a token's top-k experts are distinct), and at a
+    (`num_experts`: the router's count): at one token up to 16 slots (a token's top-k experts are distinct), and at a
     few tokens when the experts are many enough that tokens rarely share one."""
     return (num_tokens * top_k <= _PAIR_BLOCKS_MAX_PAIRS
             and (num_tokens - 1) * top_k <= num_experts // _PAIR_BLOCKS_REPEAT_DIV)
