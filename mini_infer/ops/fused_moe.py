@@ -40,7 +40,8 @@ Two implementations:
          shape, `pair_block_rows`), the blocks' experts are the flattened topk_ids themselves, and each GEMM
          block maps its id (expert_map) and exits when it names no local expert. Same per-pair products, bit
          for bit, as the sorted path; tokens that share an expert read its weights once per pair. Not yet
-         timed on a GPU (it saves the 3.6 us align launch per layer that qwen3-30b-a3b's batch 1 pays).
+         run on a GPU, so off by default (PAIR_BLOCKS_BY_DEFAULT; it would save the 3.6 us align launch per
+         layer that qwen3-30b-a3b's batch 1 pays).
       2. one grouped-GEMM launch over all experts for gate and up (two accumulators), silu(gate) * up in its
          epilogue: intermediate [T*k, I];
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
@@ -512,7 +513,10 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
 
 # Pair-per-block mode (module docstring): at most this many (token, slot) pairs, and few expected repeats of an
 # expert across tokens: (T - 1) * k <= E_global / _PAIR_BLOCKS_REPEAT_DIV, i.e. random routing gives about
-# (T - 1) * k / (2 E) <= 1/32 extra expert-weight reads. Not yet timed on a GPU.
+# (T - 1) * k / (2 E) <= 1/32 extra expert-weight reads. Not yet run on a GPU, so not taken by default
+# (PAIR_BLOCKS_BY_DEFAULT): `pair_blocks=True` forces it; turn the default on once bench/kernel_moe.py --check and
+# bench/gpu_check.py pass with it on an H200 and its gain is measured.
+PAIR_BLOCKS_BY_DEFAULT = False
 _PAIR_BLOCKS_MAX_PAIRS = 16
 _PAIR_BLOCKS_REPEAT_DIV = 16
 
@@ -550,7 +554,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
     the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
     weights of unit last stride), else `moe_tile_config`. The grouped GEMMs run in pair-per-block mode (no align
-    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape."""
+    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
@@ -572,7 +576,9 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
     num_pairs = t * k
-    if uses_pair_blocks(t, k, num_global) if pair_blocks is None else pair_blocks:
+    if pair_blocks is None:
+        pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(t, k, num_global)
+    if pair_blocks:
         sorted_pairs, num_padded = pair_block_rows(num_pairs, cfg.block_m, ids.device)
         block_expert, raw_ids = ids, _RawIds(e, *_map_args(ids, expert_map), expert_map is not None)
     else:

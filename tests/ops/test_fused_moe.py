@@ -492,8 +492,9 @@ def test_pair_blocks_equal_the_align_path_bit_for_bit(placement, top_k):
 
 @requires_triton
 def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
-    """At one token the launcher takes pair-per-block mode by itself: no align launch, the same cached rows on a
-    repeated call with another routing (still right)."""
+    """At one token the launcher takes pair-per-block mode by itself (once it is on by default): no align launch,
+    the same cached rows on a repeated call with another routing (still right)."""
+    monkeypatch.setattr(fused_moe_mod, "PAIR_BLOCKS_BY_DEFAULT", True)
     align, aligned, rows = fused_moe_mod.moe_align_triton, [], []
     cached = fused_moe_mod.pair_block_rows
 
