@@ -95,7 +95,11 @@ _CONFIG = {
 # p * 256 (p in [0, 1] after the running max is subtracted; a power of two, so exact) is cast to e4m3, 256 folded
 # into v_scale. Precision: 3 mantissa bits, so q and p each carry a relative rounding error up to 2**-4 (p * 256 is
 # normal for p >= 2**-14; below that an absolute error up to 2**-18); the softmax sum l takes the unrounded p.
-# Needs sm_89+ on CUDA (refused below); the interpreter runs its e4m3 dots exactly.
+# Needs sm_89+ on CUDA (refused below; the interpreter runs its e4m3 dots exactly); Triton's e4m3 dots reduce over
+# 32 or more, so this way pads the head dim's tile to >= 32 and takes >= 32 keys per step. On sm_90 a 64-row (prefill)
+# tile's dots go to wgmma, whose fp8 accumulation inside one tl.dot keeps ~14 mantissa bits (int8_linear.FP8_DOT
+# says more): far below e4m3's own 2**-4. The V tile (keys along the dot's K, not contiguous) is what FA3 transposes
+# in shared memory; Triton does its own relayout here: whether that pays is what the sweep times.
 _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 
 
@@ -709,6 +713,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         fp8_dot = 0
     elif fp8_dot == _FP8_DOT["fp8"]:
         _check_fp8_dots(q)
+        block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
@@ -722,6 +727,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
 
     key = (name, q.device, q.dtype, block_g, block_d, block_dv)
     for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
+        if fp8_dot == _FP8_DOT["fp8"]:
+            block_n = max(32, block_n)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
