@@ -7,8 +7,8 @@
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
 --decode-sweep: the decode launch configs of bf16 and fp8 caches (_CONFIG["decode"], _CONFIG["decode_fp8"] with
-each of _FP8_DOT's ways to feed fp8 tiles to the dots; the old way "q" only at the bf16 default shape unless
---wide) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
+each of _FP8_DOT's ways to feed fp8 tiles to the dots, the e4m3 dots "fp8" among them; the old way "q" only at the
+bf16 default shape unless --wide) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
 8 kv heads, at batch 64 and 256, context 512 and 2048), plus the fp8 ways at the prefill config (4 x 1024 new tokens,
 and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
 (least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
@@ -312,7 +312,8 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
             if kv == "fp8":
                 for way in ways:
                     mine = [r for r in results if r[2]["fp8_dot"] == way]
-                    print(f"  best with fp8_dot={way!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1]))
+                    if mine:  # none where every launch failed ("fp8" before sm_89) or the grid left the way out
+                        print(f"  best with fp8_dot={way!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1]))
                 diffs = fp8_way_diffs(name, best[kv][2], cases[0])
                 print("  max |triton - reference| at " + labels[0] + ": "
                       + ", ".join(f"{w} {x:.2e}" for w, x in diffs.items()), flush=True)

@@ -21,8 +21,9 @@ e4m3 (the Triton write gives the reference's bytes exactly), and every read dequ
 the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
 dequantized values; the Triton kernel converts the fp8 tiles (exactly) to a 16-bit dtype for its dots, fp16 by
 default with q (saturated to fp16's range) and the probabilities in fp16 too (`_FP8_DOT`; an fp32 q keeps fp32
-dots), and folds k_scale into the score scale and v_scale into the output. Other caches take no scales (None,
-the default).
+dots), and folds k_scale into the score scale and v_scale into the output. A fourth way, "fp8" (no default: to
+be timed), runs both dots in e4m3 instead, with q and the probabilities quantized in the kernel (see `_FP8_DOT`):
+a few percent off the reference, not the 16-bit ways' bf16 rounding. Other caches take no scales (None, the default).
 
 Two implementations:
   * `paged_attention_reference`: plain torch, the CPU production path and the test oracle. Decode rows
@@ -88,7 +89,18 @@ _CONFIG = {
 # cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
 # "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
 # the cache's values; fp16 dots saturate q beyond +-65504 (p is in [0, 1]).
-_FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2}
+# "fp8" (FlashAttention-3's fp8 path; never a default yet): the dots in e4m3 with fp32 accumulation, no tile casts.
+# q is quantized per score row ((query row, head) pair) as quant.py quantizes activations (scale = amax / 448,
+# nearest-even e4m3, saturating) and that scale multiplies the scores; K and V tiles enter the dots as stored;
+# p * 256 (p in [0, 1] after the running max is subtracted; a power of two, so exact) is cast to e4m3, 256 folded
+# into v_scale. Precision: 3 mantissa bits, so q and p each carry a relative rounding error up to 2**-4 (p * 256 is
+# normal for p >= 2**-14; below that an absolute error up to 2**-18); the softmax sum l takes the unrounded p.
+# Needs sm_89+ on CUDA (refused below; the interpreter runs its e4m3 dots exactly); Triton's e4m3 dots reduce over
+# 32 or more, so this way pads the head dim's tile to >= 32 and takes >= 32 keys per step. On sm_90 a 64-row (prefill)
+# tile's dots go to wgmma, whose fp8 accumulation inside one tl.dot keeps ~14 mantissa bits (int8_linear.FP8_DOT
+# says more): far below e4m3's own 2**-4. The V tile (keys along the dot's K, not contiguous) is what FA3 transposes
+# in shared memory; Triton does its own relayout here: whether that pays is what the sweep times.
+_FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,7 +392,8 @@ def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_star
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops.quant import round_to_fp8_e4m3  # the fp8 rounding of the activation quantization
+    # the fp8 rounding and the per-row scale of the activation quantization (the KV write; q of the "fp8" dots)
+    from mini_infer.ops.quant import _quantize_values, _scale_and_inverse, round_to_fp8_e4m3
 
 
     @triton.jit
@@ -446,7 +459,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-        FP8_DOT: tl.constexpr,
+        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -487,6 +500,10 @@ if HAS_TRITON:
             )  # fmt: skip
             if DOT_FP32:
                 qv = qv.to(tl.float32)
+            elif FP8_DOT == 3:  # fp8 dots: each score row's q on the e4m3 grid, q ~= q8 * q_scale (quant.py's way)
+                qv = qv.to(tl.float32)
+                q_scale, q_inv = _scale_and_inverse(tl.max(tl.abs(qv), axis=1), 448.0)
+                qv = _quantize_values(qv, q_inv[:, None], True).to(kc_ptr.dtype.element_ty)  # exact: on the grid
             elif FP8_DOT > 0:  # fp16 dots: q saturated to fp16's range (exact inside it for bf16)
                 qv = tl.clamp(qv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
@@ -496,6 +513,9 @@ if HAS_TRITON:
             if KV_FP8:  # scores of the stored (k / k_scale) keys, times k_scale
                 qk_scale = scale * tl.load(ks_ptr)
                 v_scale = tl.load(vs_ptr)
+                if FP8_DOT == 3:  # q8 scores times each row's q scale; the PV dot took p * 256 (below)
+                    qk_scale = qk_scale * q_scale[:, None]
+                    v_scale = v_scale * (1.0 / 256.0)
             m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -508,6 +528,8 @@ if HAS_TRITON:
                 )  # fmt: skip
                 if DOT_FP32:
                     sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
+                elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
+                    sc = tl.dot(qv, tl.trans(kt))
                 else:
                     sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
                 # scores in log2 units (softmax with exp2)
@@ -525,6 +547,11 @@ if HAS_TRITON:
                 )  # fmt: skip
                 if DOT_FP32:
                     pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
+                elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
+                    p8 = p * 256.0
+                    if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
+                        p8 = round_to_fp8_e4m3(p8)
+                    pv = tl.dot(p8.to(vt.dtype), vt)
                 elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
                     pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
                 else:
@@ -543,6 +570,13 @@ if HAS_TRITON:
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
                     s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
                 )  # fmt: skip
+
+
+def _check_fp8_dots(q: torch.Tensor) -> None:
+    """Raise unless q's device runs Triton's e4m3 dots: sm_89 or newer, or CPU (the interpreter runs them exactly)."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"paged_attention: fp8_dot 'fp8' needs e4m3 dots (sm_89 or newer), "
+                         f"{torch.cuda.get_device_name(q.device)} has none")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -675,6 +709,11 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
     # the interpreter's bf16 dot is wrong (its fp16 dot is right: fp32 products and sums)
     dot_fp32 = q.dtype == torch.float32 or (not q.is_cuda and fp8_dot == 0)
+    if dot_fp32:  # fp32 dots whatever the way
+        fp8_dot = 0
+    elif fp8_dot == _FP8_DOT["fp8"]:
+        _check_fp8_dots(q)
+        block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
@@ -688,6 +727,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
 
     key = (name, q.device, q.dtype, block_g, block_d, block_dv)
     for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
+        if fp8_dot == _FP8_DOT["fp8"]:
+            block_n = max(32, block_n)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
@@ -706,8 +747,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
-                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot, num_warps=num_warps,
-                num_stages=num_stages,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
+                ROUND_P_EXACTLY=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape

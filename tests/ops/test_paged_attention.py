@@ -458,7 +458,7 @@ def fp8_dot_way(monkeypatch, way):
             monkeypatch.setitem(pa._CONFIG, name, {**pa._CONFIG[name], "fp8_dot": way})
 
 
-FP8_WAYS = list(_FP8_DOT)  # "q", "fp16", "fp16_vregs"
+FP8_WAYS = [w for w in _FP8_DOT if w != "fp8"]  # "q", "fp16", "fp16_vregs" (16-bit dots); "fp8": test_fp8_dots_*
 FP8_WHOLE = [(torch.bfloat16, w) for w in FP8_WAYS] + [(torch.float32, None)]  # (q dtype, fp8 dot way)
 # under the interpreter way "q" takes fp32 dots as an fp32 q does: the prefill tiles run it in decode_gqa's place
 FP8_FP16_WAYS = [dw for dw in FP8_WHOLE if dw[1] != "q"]
@@ -516,6 +516,78 @@ def test_fp8_fp16_dots_saturate_q(monkeypatch):
     args_r = [a.cpu() if torch.is_tensor(a) else a for a in fp8_args(case, ks, vs)]
     args_r[0] = big.cpu().float().clamp(-65504, 65504)  # in fp32: bf16 has no 65504
     assert_close(out, paged_attention_reference(*args_r).to(torch.bfloat16))
+
+
+def _abs_v_args(args: list) -> list:
+    """fp8 attention arguments with |v| for v: the new rows' |v| and the cache bytes without their sign bit (e4m3's
+    rounding and saturation are symmetric, so these are the bytes of |v|; NaN stays NaN)."""
+    args = list(args)
+    args[2] = args[2].abs()
+    args[4] = (args[4].view(torch.uint8) & 0x7F).view(FP8)
+    return args
+
+
+# (case, knobs, q magnitude): prefill tiles in one split and in several, decode tiles in several (16-key tiles; one of
+# those sequences fits one split, whose rows are written directly), and q far
+# above e4m3's 448 and far below its smallest normal 2**-6 (scale divided by the magnitude: the same scores)
+FP8_DOT_CASES = [
+    ("chunked_prefill", {}, 1e3),
+    ("split_decode", dict(decode_only=True, num_splits=4), 1e-3),
+    ("split_prefill", dict(decode_only=False, num_splits=3), 1.0),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name,knobs,q_mag", FP8_DOT_CASES)
+def test_fp8_dots_within_e4m3_rounding(request, monkeypatch, name, knobs, q_mag):
+    """Way "fp8" (e4m3 dots) against the reference, elementwise within bounds that follow from e4m3's 3 mantissa
+    bits (relative rounding error up to u = 2**-4 of a normal value):
+      * P: the kernel sums p_j * v_j with each p_j rounded (p * 256, normal for p >= 2**-14, else an absolute error
+        up to 2**-18) but divides by the sum of the unrounded p_j, so against the reference run on the q the kernel
+        used (q8 * q_scale, quant.py's per-row fp8 quantization of each (row, head)) an output element is off by at
+        most u * sum_j w_j |v_j| + n_keys * 2**-18 * max|v|, where w are the softmax weights (the attention of |v|).
+      * q: scores move by at most delta = scale * sum_i |q8 q_scale - q|_i * max_j |k_ji| per row, which moves each
+        weight by a factor within e**(+-2 delta): against the reference on q itself the bound is
+        (u + (e**(2 delta) - 1) e**(2 delta)) * sum_j w'_j |v_j| (+ the same subnormal term; w' the weights at
+        q8 * q_scale, within e**(+-2 delta) of w).
+    Plus the output's bf16 rounding (2**-7 relative: the interpreter truncates) and fp32 noise (1e-5). Dropping the
+    q scale from the scores (or quantizing q without one: q beyond 448 saturates, q below 2**-6 loses its bits)
+    breaks the first bound by orders of magnitude."""
+    from mini_infer.ops import paged_attention as pa
+    from mini_infer.ops.quant import quantize_per_token_reference
+
+    fp8_dot_way(monkeypatch, "fp8")
+    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
+    if name.startswith("split"):
+        request.getfixturevalue("small_key_tiles")
+        seqs = SPLIT_SEQS if name == "split_decode" else [(30, 9), (60, 1), (0, 4)]
+        base = make_case(seqs, hq=4, hkv=2, block_size=4, seed=3, dtype=torch.bfloat16)
+    else:
+        base = make_case(**CASES[name], dtype=torch.bfloat16)
+    base = Case(**{**base.__dict__, "q": (base.q.float() * q_mag).to(torch.bfloat16), "scale": base.scale / q_mag})
+    case, ks, vs = fp8_case(base)
+    out = paged_attention_triton(*fp8_args(case, ks, vs), **knobs).float().cpu()
+    assert not out.isnan().any()
+    assert all(shape[1] >= 32 for shape in pa._LAUNCH_OK.values())  # Triton's fp8 dots reduce over >= 32 on CUDA
+
+    args_r = [a.cpu() if torch.is_tensor(a) else a for a in fp8_args(case, ks, vs)]
+    want = paged_attention_reference(*args_r).float()  # also writes the caches the bounds read
+    t, hq, d = case.q.shape
+    q8, q_scale = quantize_per_token_reference(args_r[0].float(), FP8)  # per (row, head) over d
+    q_used = q8.float() * q_scale
+    at_q_used = paged_attention_reference(q_used, *args_r[1:])
+    weighted_abs_v = paged_attention_reference(q_used, *_abs_v_args(args_r)[1:])
+    k_cache, v_cache = args_r[3].float().nan_to_num(0.0), args_r[4].float().nan_to_num(0.0)
+    k_max = k_cache.abs().amax(dim=(0, 1)) * ks  # [Hkv, D]
+    delta = case.scale * ((q_used - args_r[0].float()).abs() * k_max.repeat_interleave(hq // k_max.shape[0], 0)).sum(-1)
+    n_keys = int(case.seq_lens.max())
+    subnormal = n_keys * 2.0**-18 * float(v_cache.abs().max() * vs)
+    u = 2.0**-4
+    p_bound = u * weighted_abs_v + subnormal + 2.0**-7 * at_q_used.abs() + 1e-5
+    assert ((out - at_q_used).abs() <= p_bound).all(), float(((out - at_q_used).abs() / p_bound).max())
+    growth = torch.exp(2 * delta)[..., None]  # sum_j w_j |v_j| at q is at most growth times that at q_used
+    bound = (u + (growth - 1) * growth) * weighted_abs_v + subnormal + 2.0**-7 * want.abs() + 1e-5
+    assert ((out - want).abs() <= bound).all(), float(((out - want).abs() / bound).max())
 
 
 def test_fp8_scale_arguments_are_checked():
