@@ -33,9 +33,9 @@ nothing from mini_infer outside this package.
 |   latent_cache!, slot_mapping, block_tables,          |                     | into the latent cache, then causal attention with     |
 |   seq_lens, query_start_loc, w_uk, w_uv, scale)       |                     | k_h = cat(W_UK_h c, k_pe), v_h = W_UV_h c (absorbed   |
 |                                                       |                     | for decode, expanded for prefill); mutates the cache  |
-| moe_topk(router_logits, top_k, scoring, renormalize,  | (Tensor fp32,       | MoE routing of HF's Mixtral / Qwen-MoE / DeepSeek-V2  |
-|   routed_scaling_factor, n_group, topk_group,         |  Tensor int32)      | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
-|   correction_bias)                                    |  [T, top_k] each    | renormalize, scale; ties: lower expert index          |
+| moe_topk(router_logits, top_k, scoring, renormalize,  | (Tensor fp32 or     | MoE routing of HF's Mixtral / Qwen-MoE / DeepSeek-V2  |
+|   routed_scaling_factor, n_group, topk_group,         |  weights_dtype,     | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
+|   correction_bias, weights_dtype=None)                |  Tensor int32)      | renormalize, scale; ties: lower expert index          |
 | fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
 |   activation, expert_map=None)                        |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
 |                                                       |                     | expert_map: e = map[ids[t,j]], -1 = another rank's    |

@@ -19,9 +19,10 @@ Rules, for router_logits [T, E] of any float dtype (computed in fp32 throughout,
     the bias). Grouped: a group's score is the sum of its two largest s + bias.
   * then, if renormalize: w / (sum of the top_k w + eps), eps = 0 for softmax (Mixtral, Qwen) and 1e-20 for
     sigmoid (DeepSeek-V3); then w * routed_scaling_factor (normalize first, then scale, as HF).
-Outputs: topk_weights [T, top_k] float32 and topk_ids [T, top_k] int32, slots in decreasing order of the choice
-score. HF's Qwen routers cast the weights to the logits' dtype; DeepSeek-V2/V3 return them in any order
-(topk sorted=False): callers that need either do so themselves.
+Outputs: topk_weights [T, top_k] float32 (or rounded to `weights_dtype`: HF's Qwen routers cast the weights to
+the logits' dtype, and the kernel's store does that cast instead of a kernel of its own) and topk_ids [T, top_k]
+int32, slots in decreasing order of the choice score. DeepSeek-V2/V3 return them in any order (topk
+sorted=False): callers that need that do so themselves.
 
 Ties: the larger choice score wins, and among exactly equal scores the LOWER expert index (likewise for groups;
 -0.0 equals 0.0). torch.topk itself gives no such rule on CPU (std::partial_sort / nth_element: topk of
@@ -112,6 +113,16 @@ def _check_logits(router_logits: torch.Tensor) -> None:
 # Reference (plain torch): the CPU path and the oracle.
 
 
+def _weights_dtype(weights_dtype: torch.dtype | None) -> torch.dtype:
+    """The routing weights' output dtype: fp32 unless a float dtype is asked for (Qwen's routers round the weights
+    to the logits' dtype; the rounding of fp32 is the kernel's store and the reference's `.to`, both to nearest)."""
+    if weights_dtype is None:
+        return torch.float32
+    if weights_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_topk: weights_dtype must be float32, bfloat16 or float16, got {weights_dtype}")
+    return weights_dtype
+
+
 def portable_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """sigmoid(x) of an fp32 tensor from IEEE-rounded +, *, / and floor only: bit-identical on every device and
     in the Triton kernel (`_portable_sigmoid`). exp(-x) = 2^n * p(r), n = floor(-x log2 e + 1/2),
@@ -138,8 +149,10 @@ def _topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def moe_topk_reference(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
                        routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                       correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch routing (the rules and tie-breaking in the module docstring): (weights fp32, ids int32)."""
+                       correction_bias: torch.Tensor | None = None,
+                       weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch routing (the rules and tie-breaking in the module docstring): (weights fp32, or rounded to
+    `weights_dtype`, ids int32)."""
     _check_logits(router_logits)
     t, e = router_logits.shape
     check_moe_topk_args(e, top_k, scoring, n_group, topk_group, correction_bias)
@@ -165,7 +178,7 @@ def moe_topk_reference(router_logits: torch.Tensor, top_k: int, scoring: str, re
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS[scoring])
     weights = weights * routed_scaling_factor
-    return weights, ids.to(torch.int32)
+    return weights.to(_weights_dtype(weights_dtype)), ids.to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,21 +263,24 @@ if HAS_TRITON:
             slot_w = slot_w / (tl.sum(slot_w) + eps)
         slot_w = slot_w * scale
         tl.store(ids_ptr + row * TOP_K + slot, slot_id, mask=slot < TOP_K)
-        tl.store(w_ptr + row * TOP_K + slot, slot_w, mask=slot < TOP_K)
+        # weights_dtype: rounded to nearest on a GPU, as torch casts (the CPU interpreter truncates fp32 -> bf16)
+        tl.store(w_ptr + row * TOP_K + slot, slot_w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
 
 
 def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
                     routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA path (or CPU under TRITON_INTERPRET=1): the routing kernel, one program per token; more than
-    KERNEL_MAX_EXPERTS experts or KERNEL_MAX_TOP_K slots go to the reference (also graph-safe: no host sync)."""
+                    correction_bias: torch.Tensor | None = None,
+                    weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA path (or CPU under TRITON_INTERPRET=1): the routing kernel, one program per token (the weights
+    stored in `weights_dtype`); more than KERNEL_MAX_EXPERTS experts or KERNEL_MAX_TOP_K slots go to the
+    reference (also graph-safe: no host sync)."""
     _check_logits(router_logits)
     t, e = router_logits.shape
     check_moe_topk_args(e, top_k, scoring, n_group, topk_group, correction_bias)
     if not HAS_TRITON or e > KERNEL_MAX_EXPERTS or top_k > KERNEL_MAX_TOP_K:
         return moe_topk_reference(router_logits, top_k, scoring, renormalize, routed_scaling_factor, n_group,
-                                  topk_group, correction_bias)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+                                  topk_group, correction_bias, weights_dtype)
+    weights = torch.empty(t, top_k, dtype=_weights_dtype(weights_dtype), device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t == 0:
         return weights, ids
@@ -289,23 +305,25 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
 @torch.library.custom_op("mini_infer::moe_topk", mutates_args=())
 def moe_topk(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
              routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
-             correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoE routing (module docstring): (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32). Triton on
-    CUDA when available, else the torch reference."""
+             correction_bias: torch.Tensor | None = None,
+             weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing (module docstring): (topk_weights [T, top_k] fp32, or rounded to `weights_dtype`, topk_ids
+    [T, top_k] int32). Triton on CUDA when available, else the torch reference."""
     if use_triton(router_logits):
         return moe_topk_triton(router_logits, top_k, scoring, renormalize, routed_scaling_factor, n_group,
-                               topk_group, correction_bias)
+                               topk_group, correction_bias, weights_dtype)
     return moe_topk_reference(router_logits, top_k, scoring, renormalize, routed_scaling_factor, n_group,
-                              topk_group, correction_bias)
+                              topk_group, correction_bias, weights_dtype)
 
 
 @moe_topk.register_fake
 def _(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, routed_scaling_factor: float = 1.0,
       n_group: int = 1, topk_group: int = 1,
-      correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+      correction_bias: torch.Tensor | None = None,
+      weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_logits(router_logits)
     t, e = router_logits.shape
     if isinstance(e, int):  # the expert count is static in any real graph; T may be symbolic
         check_moe_topk_args(e, top_k, scoring, n_group, topk_group, correction_bias)
-    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+    return (router_logits.new_empty((t, top_k), dtype=_weights_dtype(weights_dtype)),
             router_logits.new_empty((t, top_k), dtype=torch.int32))

@@ -33,7 +33,8 @@ Per block, found by `node.meta["nn_module_stack"]` (the block, its router and it
 | DeepseekV2Moe (DeepseekV2TopkRouter)         | softmax | no (as HF)     | group_limited_greedy| -    | yes     |
 | DeepseekV3MoE (DeepseekV3TopkRouter)         | sigmoid | norm_topk_prob | n_group / topk_group| yes  | yes     |
 
-Qwen's routers round the routing weights to the logits' dtype (bf16 in a bf16 model): so does the rewrite.
+Qwen's routers round the routing weights to the logits' dtype (bf16 in a bf16 model): so does the rewrite, through
+moe_topk's `weights_dtype` (the kernel stores them rounded: no cast kernel of its own).
 
 Refused with a ValueError naming the field or module (never a wrong answer): a MoE-like module this pass does not
 know (a class named *Moe / *MoE / *MoeBlock / *Experts / *Router, or a top-k / grouped-mm op outside a known
@@ -394,15 +395,14 @@ class RouteMoe(GraphPass):
     def _rewrite(gm: fx.GraphModule, block: _Block, expert_map: fx.Node | None) -> None:
         graph, r = gm.graph, block.routing
         with graph.inserting_before(block.output):
+            logits_dtype = dtype(block.logits)
+            rounded = block.family.weights_in_logits_dtype and logits_dtype != torch.float32
             topk = graph.call_function(ops.moe_topk.default, (
-                block.logits, r.top_k, r.scoring, r.renormalize, r.scale, r.n_group, r.topk_group, block.bias))
+                block.logits, r.top_k, r.scoring, r.renormalize, r.scale, r.n_group, r.topk_group, block.bias,
+                logits_dtype if rounded else None))  # Qwen: the weights rounded as HF does, by the kernel's store
             weights = graph.call_function(operator.getitem, (topk, 0))
             ids = graph.call_function(operator.getitem, (topk, 1))
             new = [topk, weights, ids]
-            logits_dtype = dtype(block.logits)
-            if block.family.weights_in_logits_dtype and logits_dtype != torch.float32:
-                weights = graph.call_function(aten.to.dtype, (weights, logits_dtype))
-                new.append(weights)
             args = (block.hidden, weights, ids, block.w13, block.w2)
             out = graph.call_function(ops.fused_moe.default, args if expert_map is None else (*args, "silu",
                                                                                                expert_map))

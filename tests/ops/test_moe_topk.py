@@ -268,3 +268,31 @@ def test_registered_op_fake_and_opcheck():
     assert fw.shape == (7, 6) and fw.dtype == torch.float32 and fids.shape == (7, 6) and fids.dtype == torch.int32
     torch.library.opcheck(torch.ops.mini_infer.moe_topk.default, args)
     torch.library.opcheck(torch.ops.mini_infer.moe_topk.default, (logits.bfloat16(), 2, "softmax", True))
+    torch.library.opcheck(torch.ops.mini_infer.moe_topk.default,
+                          (logits.bfloat16(), 2, "softmax", True, 1.0, 1, 1, None, torch.bfloat16))
+    with FakeTensorMode():
+        fw, _ = torch.ops.mini_infer.moe_topk(torch.empty(7, 64), 6, "softmax", False, weights_dtype=torch.float16)
+    assert fw.dtype == torch.float16
+    with pytest.raises(ValueError, match="weights_dtype"):
+        moe_topk_reference(logits, 2, "softmax", True, weights_dtype=torch.int8)
+
+
+@requires_triton
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float16])
+def test_weights_rounded_by_the_kernel_as_the_reference_casts(weights_dtype):
+    """Qwen's routers round the weights to the logits' dtype: the reference gives the bits of the fp32 weights cast
+    by torch (round to nearest), the kernel's store too on a GPU; the CPU interpreter truncates fp32 -> bf16, so
+    there the kernel is held to one ulp below (and fp16, which it rounds, to the bits)."""
+    torch.manual_seed(6)
+    logits = torch.randn(9, 64).bfloat16()
+    w32, ids32 = moe_topk_reference(logits, 4, "softmax", True)
+    w_ref, ids_ref = moe_topk_reference(logits, 4, "softmax", True, weights_dtype=weights_dtype)
+    w, ids = moe_topk_triton(logits.to(DEVICE), 4, "softmax", True, weights_dtype=weights_dtype)
+    assert w.dtype == weights_dtype and torch.equal(ids.cpu(), ids_ref) and torch.equal(ids_ref, ids32)
+    assert torch.equal(w_ref, w32.to(weights_dtype))
+    w = w.cpu()
+    if DEVICE == "cuda" or weights_dtype == torch.float16:
+        assert torch.equal(w, w_ref)
+    else:  # truncated: the same bf16 value or the next one toward zero (all weights here are positive)
+        below = torch.nextafter(w_ref, torch.zeros_like(w_ref))
+        assert bool(((w == w_ref) | (w == below)).all())

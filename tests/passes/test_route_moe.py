@@ -191,8 +191,10 @@ def test_bf16_grouped_mm_capture(name):
     cm = compile_model(model, passes=["cleanup", "route_moe"], device=CPU)
     fused = [n for n in cm.graph_module.graph.nodes if n.meta.get("op") is mi.fused_moe.default]
     assert len(fused) == MOE[name][0]
-    cast = [n.args[1].target is aten.to.dtype and n.args[1].args[1] == torch.bfloat16 for n in fused]
-    assert cast == [name == "tiny-qwen2-moe"] * len(fused)
+    topks = [n.args[1].args[0] for n in fused]  # getitem(moe_topk(...), 0): the weights straight from the op
+    assert all(t.meta.get("op") is mi.moe_topk.default for t in topks)
+    rounded = [len(t.args) > 8 and t.args[8] == torch.bfloat16 for t in topks]
+    assert rounded == [name == "tiny-qwen2-moe"] * len(fused)
     ids, pos = random_ids(21, 2), positions(30, 21)
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
