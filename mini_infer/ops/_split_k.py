@@ -179,6 +179,17 @@ if HAS_TRITON:
                             s_wms, s_wmt, s_was, s_wat, s_wah)
 
     @triton.jit
+    def arrives_last(cnt_ptr, n_arrivals):
+        """After this program's stores: count it at cnt_ptr (a counter from `split_counters`, zero between
+        launches) and return whether it is the last of the n_arrivals programs counted there; that one has zeroed
+        the counter again (a CUDA graph's replay) and sees every other counted program's stores."""
+        tl.debug_barrier()  # every thread's stores are issued before the (acq_rel, gpu) count is released
+        last = tl.atomic_add(cnt_ptr, 1) == n_arrivals - 1
+        if last:
+            tl.store(cnt_ptr, 0)
+        return last
+
+    @triton.jit
     def finish_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
         col_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
@@ -192,9 +203,7 @@ if HAS_TRITON:
         else:
             _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                             s_wms, s_wmt, s_was, s_wat, s_wah)
-            tl.debug_barrier()  # every thread's partials are stored before the (acq_rel, gpu) count is released
-            if tl.atomic_add(cnt_ptr, 1) == n_used - 1:
-                tl.store(cnt_ptr, 0)  # zero again for the next launch (a CUDA graph's replay)
+            if arrives_last(cnt_ptr, n_used):
                 mask = row_ok[:, None] & col_ok[None, :]
                 a_off = tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
                 acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok * s_wmt + head, a_off, row_ok, mask,

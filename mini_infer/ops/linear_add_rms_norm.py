@@ -12,9 +12,9 @@ o_proj / down_proj output feeds only the residual add + norm. Functional: never 
 Why: at batch-1 decode the norm is a one-program kernel whose cost is almost all launch. On CUDA, for one row that
 the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one launch does both: every program
 runs the GEMV's body (`gemv_program` / int8_linear.py's `scaled_gemv_program`) and stores its slice of the linear's
-output row, then counts itself in a counter (`_split_k.split_counters`: a `tl.debug_barrier()` first, then one
-acq_rel atomic per program, the pattern of _split_k.py's `finish_rows`); the program that arrives last zeroes the
-counter again (CUDA-graph replays) and runs the norm's row body over the whole row (rms_norm.py's `rms_norm_rows`,
+output row, then counts itself in a counter (`_split_k.split_counters` and `arrives_last`: a
+`tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the program that
+arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole row (rms_norm.py's `rms_norm_rows`,
 with quant.py's `store_quantized_norm` for the quantizing variant) on the tile of the unfused norm kernel
 (`norm_tile`). So the linear's output is the GEMV kernel's, and the norm reads the same stored values with the same
 tile: under the Triton interpreter the outputs equal the unfused pair's bit for bit. On a GPU the fused kernel
@@ -96,20 +96,11 @@ def scaled_linear_add_rms_norm_quant_reference(
 
 
 if HAS_TRITON:
+    from mini_infer.ops._split_k import arrives_last
     from mini_infer.ops.int8_linear import scaled_gemv_program
     from mini_infer.ops.linear import gemv_program
     from mini_infer.ops.quant import store_quantized_norm
     from mini_infer.ops.rms_norm import rms_norm_rows
-
-    @triton.jit
-    def _arrives_last(cnt_ptr):
-        """After this program's stores: whether it is the last program of the launch to get here (then it has
-        zeroed the counter for the next launch and sees every other program's stores)."""
-        tl.debug_barrier()  # every thread's stores are issued before the (acq_rel, gpu) count is released
-        last = tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1
-        if last:
-            tl.store(cnt_ptr, 0)  # zero again for the next launch (a CUDA graph's replay)
-        return last
 
     @triton.jit
     def _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M: tl.constexpr, NORM_BLOCK_N: tl.constexpr):
@@ -125,7 +116,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K)
-        if _arrives_last(cnt_ptr):
+        if arrives_last(cnt_ptr, tl.num_programs(0)):
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -139,7 +130,7 @@ if HAS_TRITON:
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
                             PACKED, ASM, BLOCK_N, BLOCK_K)
-        if _arrives_last(cnt_ptr):
+        if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
             store_quantized_norm(out, rows, cols, mask, 1, q_ptr, q_scale_ptr, N, NORM_DTYPE, IS_FP8, QMAX)
