@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
-from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.pattern import is_op, only_user
 
 ops = torch.ops.mini_infer
@@ -79,10 +79,7 @@ class FuseGemvNorm(GraphPass):
             lin, residual = found
             if len(lin.args) != n_args:
                 continue
-            with graph.inserting_before(norm):
-                fused = graph.call_function(target, (*lin.args[:n_args], residual, *norm.args[2:]))
-            fused.meta["val"] = norm.meta.get("val")
-            norm.replace_all_uses_with(fused)
+            replace_with_call(gm, norm, target, (*lin.args[:n_args], residual, *norm.args[2:]))
             graph.erase_node(norm)
             graph.erase_node(lin)
             counts["linear" if target is ops.linear_add_rms_norm.default else "scaled linear"] += 1
