@@ -578,6 +578,7 @@ def test_fp8_dots_within_e4m3_rounding(request, monkeypatch, name, knobs, q_mag)
     at_q_used = paged_attention_reference(q_used, *args_r[1:])
     weighted_abs_v = paged_attention_reference(q_used, *_abs_v_args(args_r)[1:])
     k_cache, v_cache = args_r[3].float().nan_to_num(0.0), args_r[4].float().nan_to_num(0.0)
+    ks, vs = ks.cpu(), vs.cpu()
     k_max = k_cache.abs().amax(dim=(0, 1)) * ks  # [Hkv, D]
     delta = case.scale * ((q_used - args_r[0].float()).abs() * k_max.repeat_interleave(hq // k_max.shape[0], 0)).sum(-1)
     n_keys = int(case.seq_lens.max())
