@@ -20,13 +20,16 @@ import torch.nn.functional as F
 
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 
-__all__ = ["GEMV_MAX_K", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
+__all__ = ["GEMV_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
            "unit_stride_row"]
 
 GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/kernel_gemv.py)
-# (weight rows per program, K elements per step, warps, pipeline stages): the best tile for every qwen2.5-7b
-# shape the GEMV serves on an H200 (bench/kernel_gemv.py sweep)
-_GEMV_CONFIG = (4, 512, 4, 1)
+# (weight rows per program, K elements per step, warps, pipeline stages), by K (`gemv_config`). H200, weights cold in
+# L2, 2026-11-24 (bench/RESULTS.md): 2 rows x 1024 beat 4 x 512 by 27-37% on the short-N shapes of qwen3-0.6b and
+# qwen3-30b-a3b (o_proj 3.3 vs 4.5 us, down_proj 4.0 vs 6.3, 30b o_proj 6.4 vs 8.4), and were within 3% either way
+# on qwen2.5-7b's (gate_up 63.7 vs 65.5, o_proj 9.6 vs 9.3). Rows shorter than 1024 keep the 512 step.
+GEMV_CONFIG_LONG_K = (2, 1024, 4, 1)
+GEMV_CONFIG_SHORT_K = (4, 512, 4, 1)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -89,17 +92,22 @@ def takes_gemv(num_elements: int, dtype: torch.dtype, weight: torch.Tensor) -> b
     return HAS_TRITON and num_elements == k and k <= GEMV_MAX_K and dtype == weight.dtype
 
 
-def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] = _GEMV_CONFIG,
+def gemv_config(k: int) -> tuple[int, int, int, int]:
+    """The GEMV's default tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for rows of K elements."""
+    return GEMV_CONFIG_LONG_K if k >= 1024 else GEMV_CONFIG_SHORT_K
+
+
+def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
                 **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
-    rows: one program per BLOCK_N rows, the tile of `config`."""
-    bn, bk, warps, stages = config
+    rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K)."""
+    bn, bk, warps, stages = config or gemv_config(weight.shape[1])
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                                 num_stages=stages)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: tuple[int, int, int, int] = _GEMV_CONFIG) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """One row times `weight`.T (+ bias) with the GEMV kernel; `x` holds exactly K elements (any leading dims
     of size 1). fp32 accumulation, output in x's dtype."""
     if not HAS_TRITON:

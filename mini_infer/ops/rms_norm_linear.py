@@ -23,7 +23,14 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
-from mini_infer.ops.linear import launch_gemv, linear_reference, linear_triton, takes_gemv, unit_stride_row
+from mini_infer.ops.linear import (
+    GEMV_CONFIG_SHORT_K,
+    launch_gemv,
+    linear_reference,
+    linear_triton,
+    takes_gemv,
+    unit_stride_row,
+)
 from mini_infer.ops.rms_norm import rms_norm_reference, rms_norm_triton
 
 __all__ = [
@@ -109,7 +116,7 @@ def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[
         _rms_norm_gemv_kernel, w,
         xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
         norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K,
     )  # fmt: skip
     return y, s
 
