@@ -267,6 +267,11 @@ if HAS_TRITON:
         tl.store(w_ptr + row * TOP_K + slot, slot_w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
 
 
+def topk_num_warps(num_experts: int) -> int:
+    """Warps of `_moe_topk_kernel`'s one program per token, by expert count."""
+    return 4 if num_experts <= 256 else 8
+
+
 def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
                     routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
                     correction_bias: torch.Tensor | None = None,
@@ -292,7 +297,7 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
         float(routed_scaling_factor), _RENORM_EPS[scoring],
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
         BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k),
-        num_warps=4 if e <= 256 else 8,
+        num_warps=topk_num_warps(e),
         enable_fp_fusion=False,  # no FMA: portable_sigmoid must round exactly as the reference does
     )  # fmt: skip
     return weights, ids
