@@ -513,9 +513,10 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
 
 # Pair-per-block mode (module docstring): at most this many (token, slot) pairs, and few expected repeats of an
 # expert across tokens: (T - 1) * k <= E_global / _PAIR_BLOCKS_REPEAT_DIV, i.e. random routing gives about
-# (T - 1) * k / (2 E) <= 1/32 extra expert-weight reads. Measured on an H200 (2026-11-24, .dev pair timing: bit-equal
-# outputs, 2-4 us less per call at the shapes it picks; mixtral T=2/T=4, which it does not pick, are slower with it);
-# PAIR_BLOCKS_BY_DEFAULT = False (or pair_blocks=False) goes back to the sorted path.
+# (T - 1) * k / (2 E) <= 1/32 extra expert-weight reads. Measured on an H200 (2026-11-24,
+# bench/results/s8_pairs_h200.txt): bit-equal outputs, 2-4 us less per call at the shapes it picks; mixtral T=2 and
+# T=4, which it does not pick, are slower with it. PAIR_BLOCKS_BY_DEFAULT = False (or pair_blocks=False) goes back to
+# the sorted path.
 PAIR_BLOCKS_BY_DEFAULT = True
 _PAIR_BLOCKS_MAX_PAIRS = 16
 _PAIR_BLOCKS_REPEAT_DIV = 16
