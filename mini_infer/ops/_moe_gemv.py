@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton
 
 if HAS_TRITON:
     from mini_infer.ops.linear import gemv_step
@@ -119,10 +119,11 @@ if HAS_TRITON:
     def _moe_gemv_gate_up_kernel(
         x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
         stride_xm, stride_we, stride_wn,
-        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k: the
         tile's BLOCK_N gate rows and BLOCK_N up rows (I further down) as one [2 BLOCK_N] stack."""
+        await_producers(USE_GDC)
         pair = tl.program_id(0)
         expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
         if (expert < 0) | (expert >= num_experts):
@@ -141,12 +142,13 @@ if HAS_TRITON:
     def _moe_gemv_down_kernel(
         act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
         stride_om, stride_we, stride_wn,
-        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0):
         one K loop over the TOP_K slots' rows laid end to end (BLOCK_K divides I: a step stays within one slot,
         whose expert and weight are scalars there), the weight applied to act; slots without a (local) expert
         load nothing and add zero. Summed in fp32 in a fixed order."""
+        await_producers(USE_GDC)
         t = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < hidden
@@ -181,9 +183,9 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
     _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x))
     _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
         TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages)
+        num_stages=dn.num_stages, **pdl_args(act))
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, next_pow2, pdl_args, tl, triton
 
 __all__ = ["launch_rotary", "rotary_blocks"]
 
@@ -80,8 +80,9 @@ if HAS_TRITON:
         x_ptr, cos_ptr, sin_ptr, out_ptr,
         n_rows, N1, N2, HALF,
         sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         rotate_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_ptr, tl.program_id(0), n_rows, N1, N2, HALF, 0.0,
                     sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2,
                     BLOCK_R, BLOCK_H, INTERLEAVED, False)
@@ -116,5 +117,5 @@ def launch_rotary(
     _rotary_kernel[(triton.cdiv(n_rows, block_r),)](
         x4, c4, s4, o4, n_rows, n1, n2, half,
         *x4.stride(), *c4.stride(), *s4.stride(), *o4.stride()[:3],
-        BLOCK_R=block_r, BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4,
+        BLOCK_R=block_r, BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, **pdl_args(x4),
     )  # fmt: skip

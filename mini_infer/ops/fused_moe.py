@@ -66,7 +66,15 @@ import torch
 import torch.nn.functional as F
 
 from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
 if HAS_TRITON:
     from mini_infer.ops._moe_gemv import map_expert
@@ -284,27 +292,31 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, map_ptr, num_global, BLOCK: tl.constexpr,
-                            HAS_MAP: tl.constexpr):  # fmt: skip
+                            HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+        await_producers(USE_GDC)
         _align_count(ids_ptr, counts_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, map_ptr, num_global,
                      BLOCK, HAS_MAP)
 
     @triton.jit
     def _align_scan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
-                           num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+                           num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+        await_producers(USE_GDC)
         _align_scan(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
                     BLOCK_M, BLOCK_E)
 
     @triton.jit
     def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, map_ptr, num_global,
-                              BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+                              BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+        await_producers(USE_GDC)
         _align_scatter(ids_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, map_ptr,
                        num_global, BLOCK, HAS_MAP)
 
     @triton.jit
     def _align_single_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                              num_pairs, num_experts, map_ptr, num_global, BLOCK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+                             BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
         """All three align steps in one program (barriers between them): one launch for small batches."""
+        await_producers(USE_GDC)
         e = tl.arange(0, BLOCK_E)
         tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < num_experts)
         tl.debug_barrier()
@@ -326,7 +338,7 @@ if HAS_TRITON:
         num_experts, map_ptr, num_global,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
+        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -335,6 +347,7 @@ if HAS_TRITON:
         PAIR_BLOCKS (no align step): block_expert holds the router ids (one pair per block); the block maps its
         id (expert_map when HAS_MAP) and exits when it names no expert in [0, num_experts). Otherwise those
         three arguments are unused."""
+        await_producers(USE_GDC)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -394,9 +407,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
         """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
         expert (their rows were never written)."""
+        await_producers(USE_GDC)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -433,16 +447,16 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_pairs <= _ALIGN_SINGLE_MAX:
         _align_single_kernel[(1,)](ids, counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs,
                                    num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK, BLOCK_M=block_m,
-                                   BLOCK_E=block_e, HAS_MAP=has_map, num_warps=8)
+                                   BLOCK_E=block_e, HAS_MAP=has_map, num_warps=8, **pdl_args(ids))
     else:
         counts.zero_()
         grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
         _align_count_kernel[grid](ids, counts, num_pairs, num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK,
-                                  HAS_MAP=has_map, num_warps=4)
+                                  HAS_MAP=has_map, num_warps=4, **pdl_args(ids))
         _align_scan_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
-                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8)
+                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8, **pdl_args(counts))
         _align_scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, num_experts, emap, num_global,
-                                    BLOCK=_ALIGN_BLOCK, HAS_MAP=has_map, num_warps=4)
+                                    BLOCK=_ALIGN_BLOCK, HAS_MAP=has_map, num_warps=4, **pdl_args(ids))
     return sorted_pairs, block_expert, num_padded
 
 
@@ -502,7 +516,7 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                num_warps=t.num_warps, num_stages=t.num_stages,
+                num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -596,7 +610,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
         _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block,
-                                                    HAS_MAP=expert_map is not None, num_warps=4)
+                                                    HAS_MAP=expert_map is not None, num_warps=4, **pdl_args(per_slot))
     return out
 
 

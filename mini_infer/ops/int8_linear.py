@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
 from mini_infer.ops.linear import launch_gemv, unit_stride_row
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
@@ -277,7 +277,7 @@ if HAS_TRITON:
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
@@ -285,6 +285,7 @@ if HAS_TRITON:
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
         and BLOCK_K count words), multiplied by `_dot4`."""
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -306,7 +307,7 @@ if HAS_TRITON:
         a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr, M, N, K, s_am, s_wn, s_cm,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SPLIT_K: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr, UPCAST_FP16: tl.constexpr,
+        SPLIT_K: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr, UPCAST_FP16: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """C = A @ W.T with a per-row / per-column scaled epilogue. A [M, K] and W [N, K] are K-contiguous (W's
         tile is loaded K-major, the layout tensor cores want for B). Tiles are ordered in groups of GROUP_M
@@ -315,6 +316,7 @@ if HAS_TRITON:
         `ws` [M, N]; the last split to arrive at a tile (counted in `cnt`) takes the sum out of the workspace,
         zeroing it and the count for the next call, and runs the epilogue. Integer adds in any order give the
         same sum, so the result is that of SPLIT_K = 1."""
+        await_producers(USE_GDC)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -429,7 +431,7 @@ def scaled_mm_triton(
                 HAS_BIAS=bias is not None, ACC_DTYPE=tl.int32 if is_int else tl.float32, ZERO=0 if is_int else 0.0,
                 EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, SPLIT_K=split_k,
                 MAX_IMPRECISE_ACC=0 if is_int or upcast else fp8_dot, UPCAST_FP16=upcast,
-                num_warps=warps, num_stages=stages,
+                num_warps=warps, num_stages=stages, **pdl_args(a),
             )  # fmt: skip
     return out.reshape(*x_q.shape[:-1], n)
 
@@ -497,7 +499,7 @@ def launch_scaled_gemv(
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, **pdl_args(x_q), **constexprs)
 
 
 def scaled_linear_triton(

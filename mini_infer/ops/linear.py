@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
 
 __all__ = ["GEMV_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
            "unit_stride_row"]
@@ -70,10 +70,12 @@ if HAS_TRITON:
     @triton.jit
     def gemv_program(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """The GEMV kernel (launched as `_gemv_kernel`; kernels that do more after it call it as their first part:
-        linear_add_rms_norm.py): y at this program's BLOCK_N rows = x . w[row] (+ bias), fp32 sums."""
+        linear_add_rms_norm.py): y at this program's BLOCK_N rows = x . w[row] (+ bias), fp32 sums. USE_GDC: a
+        programmatic dependent launch (`await_producers`)."""
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -119,7 +121,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, HAS_BIAS=bias is not None)
+                config=config, HAS_BIAS=bias is not None, **pdl_args(x))
     return y
 
 

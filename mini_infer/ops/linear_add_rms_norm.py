@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops._split_k import split_counters
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, pdl_args, tl, triton, use_triton
 from mini_infer.ops.fp8_linear import fp8_linear_reference, fp8_linear_triton, fp8_supported
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.int8_linear import (
@@ -113,9 +113,9 @@ if HAS_TRITON:
     def _gemv_add_rms_norm_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, r_ptr, nw_ptr, out_ptr, s_ptr, cnt_ptr, eps,
         HAS_BIAS: tl.constexpr, NORM_BLOCK_M: tl.constexpr, NORM_BLOCK_N: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
-        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K)
+        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -126,10 +126,10 @@ if HAS_TRITON:
         r_ptr, nw_ptr, q_ptr, q_scale_ptr, s_ptr, cnt_ptr, eps,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
-        NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, BLOCK_N, BLOCK_K)
+                            PACKED, ASM, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
@@ -164,7 +164,7 @@ def linear_add_rms_norm_triton(
         _gemv_add_rms_norm_kernel, w,
         xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
         unit_stride_row(residual), norm_weight.contiguous(), out, s, split_counters(x.device, 1), float(eps),
-        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, **pdl_args(x),
     )  # fmt: skip
     return out, s
 

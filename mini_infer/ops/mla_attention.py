@@ -62,7 +62,15 @@ import torch
 
 from mini_infer.ops import _split_k
 from mini_infer.ops import paged_attention as _paged
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
 
 __all__ = [
@@ -315,8 +323,9 @@ if HAS_TRITON:
     def _write_latent_kernel(
         c_ptr, pe_ptr, cache_ptr, slot_ptr, s_ct, s_pt, s_cb, s_co,
         D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
@@ -342,8 +351,9 @@ if HAS_TRITON:
         D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_GROUPS: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-        DOT_FP32: tl.constexpr,
+        DOT_FP32: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         # program = (query tile, head group) flattened (head groups of one tile adjacent: they read the same
         # latent tiles at about the same time, from L2), x kv split
         hg = tl.program_id(0) % HEAD_GROUPS
@@ -420,8 +430,9 @@ if HAS_TRITON:
     def _latent_reduce_kernel(
         ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, qsl_ptr, n_seqs, d_c,
         s_wms, s_wmt, s_was, s_wat, s_wah, s_ot, s_oh,
-        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         # program = (token, head, chunk of Dc); partials of all splits at once: [SPLITS_P2, BLOCK_D]
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -459,7 +470,7 @@ def write_latent_cache_triton(
         c_kv, k_pe, latent_cache, slot_mapping, c_kv.stride(0), k_pe.stride(0),
         latent_cache.stride(0), latent_cache.stride(1),
         D_C=dc, D_R=dr, BLOCK_SIZE=latent_cache.shape[1], BLOCK_C=next_pow2(dc), BLOCK_R=next_pow2(dr),
-        num_warps=4,
+        num_warps=4, **pdl_args(c_kv),
     )  # fmt: skip
 
 
@@ -581,7 +592,7 @@ def latent_attention_triton(
                 BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
                 # rounded up to a multiple of 4: few specializations as the batch size changes
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, DOT_FP32=dot_fp32,
-                num_warps=num_warps, num_stages=num_stages,
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(q_lat),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32): try the next smaller shape
@@ -603,7 +614,7 @@ def _launch_latent_reduce(ws_m, ws_l, ws_acc, ws_strides, out, query_start_loc, 
     block_d = max(16, min(next_pow2(dc), 4096 // splits_p2))  # <= 16 KB of fp32 partials per program
     _latent_reduce_kernel[(t, h, triton.cdiv(dc, block_d))](
         ws_m, ws_l, ws_acc, out, query_start_loc, n_seqs, dc, *ws_strides, out.stride(1), out.stride(0),
-        NUM_SPLITS=num_splits, SPLITS_P2=splits_p2, BLOCK_D=block_d, num_warps=4,
+        NUM_SPLITS=num_splits, SPLITS_P2=splits_p2, BLOCK_D=block_d, num_warps=4, **pdl_args(ws_m),
     )  # fmt: skip
 
 

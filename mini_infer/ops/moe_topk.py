@@ -44,7 +44,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = [
     "KERNEL_MAX_EXPERTS",
@@ -212,8 +220,9 @@ if HAS_TRITON:
     def _moe_topk_kernel(
         logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, n_group, group_size, topk_group, scale, eps,
         TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         # Scores as a [group, expert-in-group] tile; expert index = g * group_size + s.
         row = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]
@@ -300,7 +309,7 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
         float(routed_scaling_factor), _RENORM_EPS[scoring],
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
         BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k),
-        num_warps=topk_num_warps(e),
+        num_warps=topk_num_warps(e), **pdl_args(logits),
         enable_fp_fusion=False,  # no FMA: portable_sigmoid must round exactly as the reference does
     )  # fmt: skip
     return weights, ids

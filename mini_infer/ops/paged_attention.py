@@ -58,7 +58,15 @@ import torch
 
 from mini_infer.ops import _prefill_sdpa, _split_k
 from mini_infer.ops._prefill_sdpa import route_min_query_rows
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = [
     "route_min_query_rows",
@@ -408,7 +416,9 @@ if HAS_TRITON:
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, block_size, n_heads, head_d, head_dv,
         s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
         KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
@@ -459,8 +469,9 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr,
+        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -610,6 +621,7 @@ def write_kv_cache_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         KV_FP8=kv_fp8, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_warps=4,
+        **pdl_args(k),
     )  # fmt: skip
 
 
@@ -748,7 +760,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+                ROUND_P_EXACTLY=not q.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape

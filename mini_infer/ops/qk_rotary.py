@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops._rotary import rotary_blocks
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
 from mini_infer.ops.apply_rotary import apply_rotary_reference
 from mini_infer.ops.rms_norm import rms_norm_reference
 
@@ -49,8 +49,9 @@ if HAS_TRITON:
         q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr,
         q_blocks, n_q_rows, n_k_rows, HQ, HK, T, HALF, eps,
         sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sc0, sc2, sc3, ss0, ss2, ss3, sqo0, sqo1, sqo2, sko0, sko1, sko2,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         # programs [0, q_blocks) take q's rows (b, h, t), the rest k's; cos/sin have no head stride
         pid = tl.program_id(0)
         if pid < q_blocks:
@@ -101,7 +102,7 @@ def qk_rotary_triton(
         *q.stride(), *k.stride(), c4.stride(0), c4.stride(2), c4.stride(3), s4.stride(0), s4.stride(2), s4.stride(3),
         *q_out.stride()[:3], *k_out.stride()[:3],
         BLOCK_R=block_r, BLOCK_H=block_h, HAS_Q_NORM=q_weight is not None, HAS_K_NORM=k_weight is not None,
-        num_warps=4,
+        num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return q_out, k_out
 

@@ -31,7 +31,15 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference
 from mini_infer.ops.rms_norm import _rows, norm_tile, rms_norm_reference
 from mini_infer.ops.silu_and_mul import silu_and_mul_reference
@@ -171,10 +179,11 @@ if HAS_TRITON:
     @triton.jit
     def _quant_rows_kernel(
         x_ptr, u_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x, stride_u, stride_q,
-        GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+        GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """BLOCK_M rows per program, in column chunks: pass 1 finds each row's amax, pass 2 re-reads (L2),
         quantizes, stores."""
+        await_producers(USE_GDC)
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < n_rows
         x_rows = x_ptr + rows[:, None] * stride_x
@@ -195,9 +204,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _chunk_amax_kernel(
-        x_ptr, u_ptr, part_ptr, n_cols, n_chunks, stride_x, stride_u, GATED: tl.constexpr, CHUNK: tl.constexpr,
+        x_ptr, u_ptr, part_ptr, n_cols, n_chunks, stride_x, stride_u, GATED: tl.constexpr, CHUNK: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """Split rows, pass 1: program (row, c) writes the amax of the row's chunk c."""
+        await_producers(USE_GDC)
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         mask = cols < n_cols
@@ -207,10 +217,11 @@ if HAS_TRITON:
     @triton.jit
     def _chunk_quant_kernel(
         x_ptr, u_ptr, part_ptr, q_ptr, scale_ptr, n_cols, n_chunks, stride_x, stride_u, stride_q,
-        GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+        GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """Split rows, pass 2: program (row, c) takes the row's amax from the chunks' (max is exact: the scale
         is the one-program kernel's), quantizes chunk c; chunk 0 stores the scale."""
+        await_producers(USE_GDC)
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         parts = tl.arange(0, PARTS)
         amax = tl.max(tl.load(part_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0), axis=0)
@@ -228,10 +239,11 @@ if HAS_TRITON:
         x_ptr, r_ptr, w_ptr, q_ptr, scale_ptr, s_ptr,
         n_rows, n_cols, stride_x, stride_r, stride_q, stride_s, eps,
         HAS_RESIDUAL: tl.constexpr, NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """rms_norm.py's row body (`rms_norm_tile`, its output rounded to NORM_DTYPE as rms_norm stores it), then
         quantized."""
+        await_producers(USE_GDC)
         y, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
                                             stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
         store_quantized_norm(y, rows, cols, mask, n_rows, q_ptr, scale_ptr, stride_q, NORM_DTYPE, IS_FP8, QMAX)
@@ -280,10 +292,10 @@ def _launch_split_rows(x2, u2, q2, scale, n_rows: int, n_cols: int, gated: bool,
     parts = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=x2.device)
     grid = (n_rows, n_chunks)
     _chunk_amax_kernel[grid](x2, u2, parts, n_cols, n_chunks, x2.stride(0), u2.stride(0), GATED=gated,
-                             CHUNK=SPLIT_CHUNK, num_warps=4)
+                             CHUNK=SPLIT_CHUNK, num_warps=4, **pdl_args(x2))
     _chunk_quant_kernel[grid](x2, u2, parts, q2, scale, n_cols, n_chunks, x2.stride(0), u2.stride(0), q2.stride(0),
                               GATED=gated, IS_FP8=dtype == torch.float8_e4m3fn, QMAX=QMAX[dtype], CHUNK=SPLIT_CHUNK,
-                              PARTS=next_pow2(n_chunks), num_warps=4)
+                              PARTS=next_pow2(n_chunks), num_warps=4, **pdl_args(x2))
 
 
 def _launch_quant_rows(x: torch.Tensor, up: torch.Tensor | None, dtype: torch.dtype):
@@ -308,7 +320,7 @@ def _launch_quant_rows(x: torch.Tensor, up: torch.Tensor | None, dtype: torch.dt
     _quant_rows_kernel[(triton.cdiv(n_rows, block_m),)](
         x2, u2, q2, scale, n_rows, n_cols, x2.stride(0), u2.stride(0), q2.stride(0),
         GATED=up is not None, IS_FP8=dtype == torch.float8_e4m3fn, QMAX=QMAX[dtype], BLOCK_M=block_m, BLOCK=block,
-        num_warps=4 if block_m * block <= 1024 else 8,
+        num_warps=4 if block_m * block <= 1024 else 8, **pdl_args(x2),
     )  # fmt: skip
     return x_q, scale
 
@@ -352,7 +364,7 @@ def _launch_rms_norm_quant(x, residual, weight, eps, dtype):
         x2, r2, weight.contiguous(), q2, scale, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), q2.stride(0), s2.stride(0), float(eps),
         HAS_RESIDUAL=residual is not None, NORM_DTYPE=_tl_dtype(norm_dtype), IS_FP8=dtype == torch.float8_e4m3fn,
-        QMAX=QMAX[dtype], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        QMAX=QMAX[dtype], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(x2),
     )  # fmt: skip
     return x_q, scale, s
 

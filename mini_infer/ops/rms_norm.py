@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = ["norm_tile", "rms_norm", "rms_norm_reference", "rms_norm_triton"]
 
@@ -87,8 +95,9 @@ if HAS_TRITON:
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, s_ptr,
         n_rows, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         out, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
                                               stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -122,7 +131,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
     _rms_norm_kernel[grid](
         x2, r2, w, out2, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(x2),
     )  # fmt: skip
 
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference", "silu_and_mul_triton"]
 
@@ -23,8 +31,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_and_mul_kernel(
-        g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+        g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -52,7 +61,7 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2, o2 = _rows(gate, n_cols), _rows(up, n_cols), out.view(-1, n_cols)
     block = min(1024, next_pow2(n_cols))
     grid = (g2.shape[0], triton.cdiv(n_cols, block))
-    _silu_and_mul_kernel[grid](g2, u2, o2, n_cols, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](g2, u2, o2, n_cols, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4, **pdl_args(g2))
     return out
 
 
