@@ -19,8 +19,11 @@ nothing from mini_infer outside this package.
 |                                                       |  (contiguous)       | one launch; a None weight skips that norm (Qwen3)     |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
+| linear_add(x, weight, bias, residual)                 | Tensor              | linear(x, weight, bias) + residual; the add in the    |
+|                                                       |                     | GEMV's epilogue for one row                           |
 | rms_norm_linear(x, norm_weight, eps, weight, bias)    | Tensor              | linear(rms_norm(x, norm_weight, eps), weight, bias);  |
-|                                                       |                     | one Triton kernel (norm in the GEMV) for one row      |
+|                                                       |                     | one Triton kernel (norm in the GEMV) for one row; the |
+|                                                       |                     | normalized row kept in fp32 there (not bit-equal)     |
 | fused_add_rms_norm_linear(x, residual, norm_weight,   | (Tensor, Tensor)    | n, s = fused_add_rms_norm(x, residual, ...);          |
 |   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
@@ -72,6 +75,7 @@ from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
+from mini_infer.ops import linear_add as _linear_add_mod
 from mini_infer.ops import linear_add_rms_norm as _linear_add_rms_norm_mod
 from mini_infer.ops import mla_attention as _mla_attention_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
@@ -93,6 +97,7 @@ _MODULE_OF = {
     "silu_and_mul": _silu_and_mul_mod,
     "paged_attention": _paged_attention_mod,
     "linear": _linear_mod,
+    "linear_add": _linear_add_mod,
     "rms_norm_linear": _rms_norm_linear_mod,
     "fused_add_rms_norm_linear": _rms_norm_linear_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,

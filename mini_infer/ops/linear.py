@@ -6,10 +6,11 @@ on some shapes (bench/kernel_gemv.py: 57-90% of copy bandwidth for o_proj and th
 65-98% with this kernel). So: one row and K <= `GEMV_MAX_K` -> the GEMV kernel; anything else (prefill,
 batches, very long rows such as down_proj's, where cuBLAS's split-K is as fast) -> `F.linear`. The choice
 depends only on shapes, so a CUDA graph captured for one batch size keeps its kernel. The tiling is a set of
-@triton.jit pieces (`gemv_rows`, `gemv_load` / `gemv_step`, `gemv_store`; `gemv_program`, the kernel itself) and a
-launcher (`launch_gemv`) that other single-row kernels build on (rms_norm_linear.py: the norm as the GEMV's
-prologue; linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or
-fp8 weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
+@triton.jit pieces (`gemv_rows`, `gemv_load` / `gemv_step`, `gemv_accumulate` (the K loop), `gemv_store`;
+`gemv_program`, the kernel itself) and a launcher (`launch_gemv`) that other single-row kernels build on
+(rms_norm_linear.py: the norm as the GEMV's prologue; linear_add.py: the residual add in its epilogue;
+linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
+weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
@@ -68,6 +69,18 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
+    def gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The GEMV's K loop over this program's rows: (rows, which exist, the fp32 accumulator [BLOCK_N, BLOCK_K]
+        of x . w[row], to be summed along K), for kernels that finish the rows otherwise (linear_add.py)."""
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+        return rows, row_ok, acc
+
+    @triton.jit
     def gemv_program(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
@@ -76,12 +89,7 @@ if HAS_TRITON:
         linear_add_rms_norm.py): y at this program's BLOCK_N rows = x . w[row] (+ bias), fp32 sums. USE_GDC: a
         programmatic dependent launch (`await_producers`)."""
         await_producers(USE_GDC)
-        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+        rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
         gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
     _gemv_kernel = gemv_program

@@ -5,9 +5,10 @@ Inserted by the FuseRMSNorm pass in place of the pow/mean/rsqrt/mul chain. Seman
 promotion for the last multiply. Imports nothing from mini_infer outside `mini_infer.ops`.
 The Triton kernel here is shared with `fused_add_rms_norm` (the `HAS_RESIDUAL` variant); its row body
 (`rms_norm_tile`, or `rms_norm_rows` for rows that are not the program's) and the steps it is made of (`norm_input`,
-`rms_inverse`, `weighted_norm`) are @triton.jit helpers that the quantizing norms (quant.py), the norm-in-GEMV
-prologue (rms_norm_linear.py), the norm in a GEMV's last program (linear_add_rms_norm.py) and the q/k head norms
-of `qk_rotary` (_rotary.py's `rotate_rows`) call, so all of them round where HF rounds; `norm_tile` is their tile.
+`rms_inverse`, `weighted_norm`) are @triton.jit helpers that the quantizing norms (quant.py), the norm in a GEMV's
+last program (linear_add_rms_norm.py) and the q/k head norms of `qk_rotary` (_rotary.py's `rotate_rows`) call, so
+all of them round where HF rounds; `norm_tile` is their tile. The one-pass norm-in-GEMV prologue
+(rms_norm_linear.py) calls `norm_input` and `rms_inverse` only: it keeps the normalized row in fp32 (see there).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_norm_gemv import FuseNormGemv
 from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
+from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
@@ -26,7 +27,7 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
-                        PagedAttention, GemvLinear, FuseGemvNorm, FuseNormGemv)
+                        PagedAttention, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseNormGemv)
 }
 
 

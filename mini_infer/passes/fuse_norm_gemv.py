@@ -6,15 +6,18 @@
 
 At batch-1 decode every decoder layer otherwise runs the norm and then a GEMV on the normalized row (the merged
 q/k/v after the input norm, the merged gate/up after the post-attention norm): two launches, and the normalized
-row written and read back. The fused op computes the same values (see ops/rms_norm_linear.py) and runs the unfused
-kernels for more than one row, so prefill is unchanged. Runs in the lowering stage after gemv_linear (whose
+row written and read back. The fused op computes the same values up to the rounding of the normalized row, which
+its one-row kernel keeps in fp32 (see ops/rms_norm_linear.py), and runs the unfused kernels for more than one row,
+so prefill is unchanged. fuse_residual_gemvs (on by default on CUDA) already folds the norms between two dense GEMVs
+into the same op. Runs in the lowering stage after gemv_linear (whose
 `mini_infer.linear` nodes it matches) and fuse_rmsnorm (whose norms it matches). It leaves alone: a norm whose
 output has any other reader (e.g. an MoE router and the experts, or the final norm's row selection before
 lm_head), a norm reaching its linear through anything else (a collective, a view, a gather), and quantized
 linears (int8 / fp8 ops are not `mini_infer.linear`).
 
 Opt-in: the recommended pipeline leaves it out, because it measured slower than the two kernels it replaces
-(qwen3-0.6b batch-1 decode on an H200, same run: 689.9 tok/s with it, 699.6 without; bench/RESULTS.md). Name it
+(qwen3-0.6b batch-1 decode on an H200, same run: 689.9 tok/s with it, 699.6 without; bench/RESULTS.md; that was
+the two-pass prologue kernel, before the one-pass one). Name it
 in `passes=[...]` / `--passes` to run it.
 """
 
