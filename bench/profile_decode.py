@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--quantization", default=None, help="w8a8 or fp8 (default: none)")
+    ap.add_argument("--without", default=None, help="comma list of passes left out of the recommended pipeline")
     args = ap.parse_args()
     if args.prefill:
         profile_prefill(args.model, args.prefill)
@@ -30,8 +31,17 @@ def main() -> None:
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams
 
+    passes = None
+    if args.without:  # the recommended pipeline's pass names (from a first engine), less these
+        from mini_infer.passes import PASSES
+
+        off = set(args.without.split(","))
+        first = LLM(args.model, max_num_seqs=1, max_model_len=256, quantization=args.quantization)
+        passes = [r.name for r in first.engine.compiled.stats if r.name in PASSES and r.name not in off]
+        del first
+        torch.cuda.empty_cache()
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
-              quantization=args.quantization)
+              quantization=args.quantization, passes=passes)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(args.batch):
