@@ -15,10 +15,12 @@ output has any other reader (e.g. an MoE router and the experts, or the final no
 lm_head), a norm reaching its linear through anything else (a collective, a view, a gather), and quantized
 linears (int8 / fp8 ops are not `mini_infer.linear`).
 
-Opt-in: the recommended pipeline leaves it out, because it measured slower than the two kernels it replaces
-(qwen3-0.6b batch-1 decode on an H200, same run: 689.9 tok/s with it, 699.6 without; bench/RESULTS.md; that was
-the two-pass prologue kernel, before the one-pass one). Name it
-in `passes=[...]` / `--passes` to run it.
+On by default on CUDA targets without quantization, last in the lowering stage: after fuse_residual_gemvs (which
+takes the dense layers' norms together with the GEMV before them) and fuse_gemv_norm, what is left for it is the
+norm after an MoE block feeding the next layer's q/k/v (and layer 0's input norm where fuse_residual_gemvs did not
+run). History: with the earlier two-pass prologue kernel it measured slower than the two kernels it replaces
+(qwen3-0.6b on an H200, 689.9 tok/s with it, 699.6 without); the one-pass kernel costs about what the plain GEMV
+does (bench/RESULTS.md, eighth session).
 """
 
 from __future__ import annotations
@@ -67,10 +69,8 @@ class FuseNormGemv(GraphPass):
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        # opt-in: on an H200 (2026-11-23) qwen3-0.6b batch-1 decode ran 689.9 tok/s with it and 699.6 without, in
-        # the same run (bench/latency.py --without fuse_norm_gemv): each program re-reading and re-normalizing
-        # the row costs more than the launch it saves. Named in `passes=[...]` it runs (not with quantization).
-        return None
+        # CUDA only (elsewhere the op runs the unfused references); quantized linears are not its pattern
+        return cls() if ctx.device.type == "cuda" and ctx.quantization is None else None
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
