@@ -15,12 +15,11 @@ output has any other reader (e.g. an MoE router and the experts, or the final no
 lm_head), a norm reaching its linear through anything else (a collective, a view, a gather), and quantized
 linears (int8 / fp8 ops are not `mini_infer.linear`).
 
-On by default on CUDA targets without quantization, last in the lowering stage: after fuse_residual_gemvs (which
-takes the dense layers' norms together with the GEMV before them) and fuse_gemv_norm, what is left for it is the
-norm after an MoE block feeding the next layer's q/k/v (and layer 0's input norm where fuse_residual_gemvs did not
-run). History: with the earlier two-pass prologue kernel it measured slower than the two kernels it replaces
-(qwen3-0.6b on an H200, 689.9 tok/s with it, 699.6 without); the one-pass kernel costs about what the plain GEMV
-does (bench/RESULTS.md, eighth session).
+Opt-in: the recommended pipeline leaves it out, because it measured slower than the two kernels it replaces
+(qwen3-0.6b batch-1 decode on an H200, same run: 689.9 tok/s with it, 699.6 without; bench/RESULTS.md; that was
+the two-pass prologue kernel, before the one-pass one), and with the one-pass kernel it still lost on
+qwen3-30b-a3b (323.7 vs 332.2 tok/s, the eighth session). Name it
+in `passes=[...]` / `--passes` to run it.
 """
 
 from __future__ import annotations
