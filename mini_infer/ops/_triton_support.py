@@ -49,7 +49,8 @@ def num_sms(device_index: int) -> int:
 
 @functools.cache
 def _pdl_capable(device_index: int) -> bool:
-    """sm_90+ NVIDIA GPU and a Triton with the griddepcontrol intrinsics (added with `launch_pdl`, Triton 3.3)."""
+    """sm_90+ NVIDIA GPU and a Triton with the griddepcontrol intrinsics (`tl.extra.cuda.gdc_wait`: older releases
+    have neither it nor the `launch_pdl` launch option)."""
     cuda_extra = getattr(getattr(tl, "extra", None), "cuda", None)
     return (torch.version.hip is None and hasattr(cuda_extra, "gdc_wait")
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
