@@ -32,14 +32,16 @@ def main() -> None:
     from mini_infer.sampling_params import SamplingParams
 
     passes = None
-    if args.without:  # the recommended pipeline's pass names (from a first engine), less these
-        from mini_infer.passes import PASSES
+    if args.without:  # the recommended pipeline's pass names for this model and options, less these
+        from mini_infer.models.loader import resolve_dtype
+        from mini_infer.models.model_info import inspect_model
+        from mini_infer.passes import PassContext, recommended_passes
 
         off = set(args.without.split(","))
-        first = LLM(args.model, max_num_seqs=1, max_model_len=256, quantization=args.quantization)
-        passes = [r.name for r in first.engine.compiled.stats if r.name in PASSES and r.name not in off]
-        del first
-        torch.cuda.empty_cache()
+        config, device = inspect_model(args.model, count_weights=False).config, torch.device("cuda")
+        ctx = PassContext(config=config, device=device, dtype=resolve_dtype("auto", config, device),
+                          quantization=args.quantization)
+        passes = [p.name for p in recommended_passes(ctx) if p.name not in off]
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
               quantization=args.quantization, passes=passes)
     eng = llm.engine
