@@ -61,11 +61,16 @@ if HAS_TRITON:
         return acc + gemv_load(w_rows, row_ok, cols, col_ok).to(acc.dtype) * x[None, :]
 
     @triton.jit
-    def gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
-        """y[rows] = the accumulated dot products (+ bias), cast to y's dtype."""
-        y = tl.sum(acc, axis=1)
+    def add_bias(y, b_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
+        """This program's fp32 outputs y [BLOCK_N] plus bias[rows] (HAS_BIAS), in fp32."""
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
+        """y[rows] = the accumulated dot products (+ bias), cast to y's dtype."""
+        y = add_bias(tl.sum(acc, axis=1), b_ptr, rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit

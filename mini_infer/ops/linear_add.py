@@ -33,7 +33,7 @@ def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import gemv_accumulate
+    from mini_infer.ops.linear import add_bias, gemv_accumulate
 
     @triton.jit
     def _gemv_add_kernel(
@@ -42,9 +42,7 @@ if HAS_TRITON:
     ):  # fmt: skip
         await_producers(USE_GDC)
         rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y = add_bias(tl.sum(acc, axis=1), b_ptr, rows, row_ok, HAS_BIAS)
         # the linear's output as `linear` stores it (x's dtype), then the add as torch stores it (the sum's dtype)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         r = tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)

@@ -69,7 +69,7 @@ def fused_add_rms_norm_linear_reference(
 
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import gemv_rows, gemv_step
+    from mini_infer.ops.linear import add_bias, gemv_rows, gemv_step
     from mini_infer.ops.rms_norm import norm_input, rms_inverse
 
     @triton.jit
@@ -93,9 +93,7 @@ if HAS_TRITON:
             nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             sq += x * x
             acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x * nw)
-        y = tl.sum(acc, axis=1) * rms_inverse(tl.sum(sq, axis=0), K, eps)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y = add_bias(tl.sum(acc, axis=1) * rms_inverse(tl.sum(sq, axis=0), K, eps), b_ptr, rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
