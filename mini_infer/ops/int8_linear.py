@@ -499,7 +499,7 @@ def launch_scaled_gemv(
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, **pdl_args(x_q), **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, **constexprs)
 
 
 def scaled_linear_triton(

@@ -115,10 +115,12 @@ def gemv_config(k: int) -> tuple[int, int, int, int]:
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
                 **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
-    rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K)."""
+    rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
+    programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and starts with
+    `await_producers`)."""
     bn, bk, warps, stages = config or gemv_config(weight.shape[1])
-    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                num_stages=stages)
+    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
+                                                num_warps=warps, num_stages=stages)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -134,7 +136,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, HAS_BIAS=bias is not None, **pdl_args(x))
+                config=config, HAS_BIAS=bias is not None)
     return y
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.linear import launch_gemv, linear_reference, linear_triton, takes_gemv, unit_stride_row
 
 __all__ = ["linear_add", "linear_add_reference", "linear_add_triton"]
@@ -66,7 +66,7 @@ def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     s = torch.empty(y_shape, dtype=_sum_dtype(x, residual), device=x.device)
     launch_gemv(_gemv_add_kernel, w, xr, w, bias if bias is not None else w, unit_stride_row(residual), s.view(n),
-                n, k, w.stride(0), HAS_BIAS=bias is not None, **pdl_args(x))
+                n, k, w.stride(0), HAS_BIAS=bias is not None)
     return s
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops._split_k import split_counters
-from mini_infer.ops._triton_support import HAS_TRITON, pdl_args, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 from mini_infer.ops.fp8_linear import fp8_linear_reference, fp8_linear_triton, fp8_supported
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.int8_linear import (
@@ -164,7 +164,7 @@ def linear_add_rms_norm_triton(
         _gemv_add_rms_norm_kernel, w,
         xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
         unit_stride_row(residual), norm_weight.contiguous(), out, s, split_counters(x.device, 1), float(eps),
-        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, **pdl_args(x),
+        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
     )  # fmt: skip
     return out, s
 

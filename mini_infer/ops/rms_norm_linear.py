@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.linear import (
     GEMV_CONFIG_SHORT_K,
@@ -119,7 +119,7 @@ def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[
         _rms_norm_gemv_kernel, w,
         xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
         norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K, **pdl_args(x),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K,
     )  # fmt: skip
     return y, s
 

@@ -57,8 +57,8 @@ def test_every_kernel_with_use_gdc_waits_first():
 
 
 def test_every_pdl_launch_targets_a_waiting_kernel():
-    """Launch sites `kernel[grid](..., **pdl_args(x))` and `launch_gemv(kernel, ..., **pdl_args(x))`, and every
-    `launch_scaled_gemv(kernel, ...)` (which adds pdl_args itself): the kernel (through aliases such as
+    """Launch sites `kernel[grid](..., **pdl_args(x))`, and every `launch_gemv(kernel, ...)` /
+    `launch_scaled_gemv(kernel, ...)` (launch_gemv adds pdl_args itself): the kernel (through aliases such as
     `_gemv_kernel = gemv_program`) takes USE_GDC. A kernel passed in a variable is checked where it is named."""
     jit = _jit_functions()
     takes_flag = {n for n, f in jit.items() if any(a.arg == "USE_GDC" for a in f.args.args)}
@@ -73,12 +73,12 @@ def test_every_pdl_launch_targets_a_waiting_kernel():
             launcher = getattr(call.func, "id", "")
             if isinstance(call.func, ast.Subscript) and pdl:  # kernel[grid](...)
                 kernel = call.func.value.id
-            elif (launcher == "launch_scaled_gemv" or (launcher == "launch_gemv" and pdl)) and call.args:
+            elif launcher in ("launch_gemv", "launch_scaled_gemv") and call.args:
                 kernel = call.args[0].id
-                if kernel not in jit and kernel not in aliases:
-                    continue  # a launcher's kernel parameter
             else:
                 continue
+            if kernel not in jit and kernel not in aliases:
+                continue  # a launcher's kernel parameter
             launches += 1
             assert aliases.get(kernel, kernel) in takes_flag, f"{name}: {kernel} launched with PDL"
     assert launches >= 20
