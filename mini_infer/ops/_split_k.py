@@ -53,21 +53,21 @@ if HAS_TRITON:
         return s, q_beg, qlen, ctx, q_off
 
     @triton.jit
-    def split_key_range(k_lo, k_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Program `split`'s part of the key range [k_lo, k_hi): equal BLOCK_N-aligned parts, the last ones
-        possibly short or empty. NUM_SPLITS == 1: the whole range."""
+    def split_key_range(k_lo, k_hi, split, NUM_SPLITS: tl.constexpr, granule):
+        """Program `split`'s part of the key range [k_lo, k_hi): equal parts, multiples of `granule` keys (the
+        kernel's keys per step), the last ones possibly short or empty. NUM_SPLITS == 1: the whole range."""
         if NUM_SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), granule) * granule
             k_lo = k_lo + split * per
             k_hi = tl.minimum(k_lo + per, k_hi)
         return k_lo, k_hi
 
     @triton.jit
-    def used_splits(k_lo, k_hi, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """How many of `split_key_range`'s splits of [k_lo, k_hi) are non-empty (they come first); at least 1,
-        so that an empty range still has one program writing its (zero) rows."""
+    def used_splits(k_lo, k_hi, NUM_SPLITS: tl.constexpr, granule):
+        """How many of `split_key_range`'s splits of [k_lo, k_hi) (with the same `granule`) are non-empty (they
+        come first); at least 1, so that an empty range still has one program writing its (zero) rows."""
         n = k_hi - k_lo
-        per = tl.maximum(tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+        per = tl.maximum(tl.cdiv(tl.cdiv(n, NUM_SPLITS), granule) * granule, granule)
         return tl.maximum(tl.cdiv(n, per), 1)
 
     @triton.jit
@@ -192,23 +192,25 @@ if HAS_TRITON:
     @triton.jit
     def finish_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
-        col_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
+        col_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
     ):  # fmt: skip
         """The end of split `split` (< n_used, the non-empty splits of its rows' key range) with the merge in
         the same launch: n_used == 1, the normalized rows at once; else its partials, then a count at cnt_ptr
         (one counter per set of rows, zero between launches); the split that arrives last resets it and
-        merges the n_used partials in split order (deterministic, whatever the arrival order)."""
+        merges the n_used partials in split order (deterministic, whatever the arrival order). The merge runs
+        over rows (tok_m, head_m, row_ok_m): the real ones among (tok, head, row_ok), or all of them; fewer rows
+        keep fewer partials in registers (a decode tile pads its few real rows to the dots' 16)."""
         if n_used == 1:
             _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh)
         else:
             _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                             s_wms, s_wmt, s_was, s_wat, s_wah)
             if arrives_last(cnt_ptr, n_used):
-                mask = row_ok[:, None] & col_ok[None, :]
-                a_off = tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
-                acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok * s_wmt + head, a_off, row_ok, mask,
-                                            n_used, s_wms, s_was, NUM_SPLITS)
-                _store_normalized(out_ptr, acc, l_sum, tok, head, col, row_ok, col_ok, s_ot, s_oh)
+                mask = row_ok_m[:, None] & col_ok[None, :]
+                a_off = tok_m[:, None] * s_wat + head_m[:, None] * s_wah + col[None, :]
+                acc_m, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok_m * s_wmt + head_m, a_off, row_ok_m,
+                                              mask, n_used, s_wms, s_was, NUM_SPLITS)
+                _store_normalized(out_ptr, acc_m, l_sum, tok_m, head_m, col, row_ok_m, col_ok, s_ot, s_oh)
 
     @triton.jit
     def _split_reduce_kernel(

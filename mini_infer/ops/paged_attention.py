@@ -459,15 +459,67 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _attend_keys(
+        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale, softcap,
+        sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
+        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr,
+    ):  # fmt: skip
+        """(acc, m, l) of the score rows qv over keys [k_lo, k_hi) of one sequence (block-table row bt_row) and kv
+        head kvh, BLOCK_N keys a step: the online softmax's unnormalized output, running max and sum."""
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+        for start in range(k_lo, k_hi, BLOCK_N):
+            kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
+            kt = tl.load(
+                kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # fmt: skip
+            if DOT_FP32:
+                sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
+            elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
+                sc = tl.dot(qv, tl.trans(kt))
+            else:
+                sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
+            # scores in log2 units (softmax with exp2)
+            if USE_SOFTCAP:
+                sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
+            else:
+                sc = sc * (qk_scale * _split_k.LOG2E)
+            sc = _split_k.hide_invisible(
+                sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
+            )
+            p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
+            vt = tl.load(
+                vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
+            )  # fmt: skip
+            if DOT_FP32:
+                pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
+            elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
+                p8 = p * 256.0
+                if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
+                    p8 = round_to_fp8_e4m3(p8)
+                pv = tl.dot(p8.to(vt.dtype), vt)
+            elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
+                pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
+            else:
+                pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
+            acc = acc * alpha[:, None] + pv
+        return acc, m_i, l_i
+
+    @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
-        n_tokens, n_seqs, scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
+        n_tokens, n_seqs, scale, softcap, sliding_window, short_keys, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        SHORT_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
@@ -496,12 +548,17 @@ if HAS_TRITON:
         k_lo = k_hi * 0
         if USE_WINDOW:
             k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
-        n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, BLOCK_N) if FUSED_MERGE else NUM_SPLITS
+        # a range of at most short_keys keys (-1: none) is cut into SHORT_N-aligned splits and walked SHORT_N keys a
+        # step (more programs, shorter chains: small batches at short contexts); longer ones BLOCK_N keys a step
+        short = (k_hi - k_lo) <= short_keys
+        step = tl.where(short, SHORT_N, BLOCK_N)
+        n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, step) if FUSED_MERGE else NUM_SPLITS
         if (q_off < qlen) & (split < n_used):
-            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
+            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, step)
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
-            tok = (q_beg + q_idx).to(tl.int64)
+            tok0 = (q_beg + q_off).to(tl.int64)  # the tile's first query row
+            tok = tok0 + qi
             q_pos = ctx - qlen + q_idx
             d = tl.arange(0, BLOCK_D)
             d_ok = d < head_d
@@ -527,54 +584,40 @@ if HAS_TRITON:
                 if FP8_DOT == 3:  # q8 scores times each row's q scale; the PV dot took p * 256 (below)
                     qk_scale = qk_scale * q_scale[:, None]
                     v_scale = v_scale * (1.0 / 256.0)
-            m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_R], tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            for start in range(k_lo, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
-                kt = tl.load(
-                    kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+            if SHORT_N < BLOCK_N:
+                if short:  # a short range: smaller key steps, in more splits
+                    acc, m_i, l_i = _attend_keys(
+                        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
+                        softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, SHORT_N,
+                        BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
+                    )  # fmt: skip
+                else:
+                    acc, m_i, l_i = _attend_keys(
+                        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
+                        softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
+                        BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
+                    )  # fmt: skip
+            else:
+                acc, m_i, l_i = _attend_keys(
+                    qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
+                    softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
+                    BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
                 )  # fmt: skip
-                if DOT_FP32:
-                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
-                elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
-                    sc = tl.dot(qv, tl.trans(kt))
-                else:
-                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
-                # scores in log2 units (softmax with exp2)
-                if USE_SOFTCAP:
-                    sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
-                else:
-                    sc = sc * (qk_scale * _split_k.LOG2E)
-                sc = _split_k.hide_invisible(
-                    sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
-                )
-                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
-                vt = tl.load(
-                    vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
-                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
-                )  # fmt: skip
-                if DOT_FP32:
-                    pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
-                elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
-                    p8 = p * 256.0
-                    if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
-                        p8 = round_to_fp8_e4m3(p8)
-                    pv = tl.dot(p8.to(vt.dtype), vt)
-                elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
-                    pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
-                else:
-                    pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
-                acc = acc * alpha[:, None] + pv
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
+                if BLOCK_Q == 1:  # a decode tile's real rows are its first G (one query row): merge only those
+                    gm = tl.arange(0, BLOCK_G)
+                    tok_m = tok0 + gm * 0
+                    head_m = kvh * G + gm
+                    row_ok_m = (gm < G) & ((gm * 0 + q_off) < qlen)
+                else:
+                    tok_m, head_m, row_ok_m = tok, head, row_ok
                 _split_k.finish_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
-                    l_i, split, n_used, tok, head, dv, row_ok, dv_ok, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah,
-                    NUM_SPLITS,
+                    l_i, split, n_used, tok, head, dv, row_ok, dv_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms,
+                    s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
                 )  # fmt: skip
             else:
                 _split_k.store_rows(
@@ -627,6 +670,19 @@ def write_kv_cache_triton(
 
 # (_CONFIG name, device, q dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
 _LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _short_steps(name: str, block_n: int, fp8_dots: bool, num_splits: int) -> tuple[int, int]:
+    """(SHORT_N, short_keys) of a launch with `block_n` keys a step and `num_splits` splits: _CONFIG[name]'s
+    "short_n" keys a step for key ranges up to its "short_keys" keys, or (block_n, -1) (no short path) where the
+    config has none or there is one split (without more splits to spread them over, shorter steps only lengthen
+    the one program's chain)."""
+    cfg = _CONFIG[name]
+    short_n, short_keys = cfg.get("short_n", 0), cfg.get("short_keys", -1)
+    if not short_n or short_keys < 0 or num_splits == 1:
+        return block_n, -1
+    short_n = min(max(short_n, 32 if fp8_dots else 16), block_n)
+    return short_n, (short_keys if short_n < block_n else -1)
 
 
 def _launch_configs(name: str, key: tuple):
@@ -741,6 +797,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
         if fp8_dot == _FP8_DOT["fp8"]:
             block_n = max(32, block_n)
+        short_n, short_keys = _short_steps(name, block_n, fp8_dot == _FP8_DOT["fp8"], num_splits)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
@@ -749,12 +806,12 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
                 block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens),
-                t, n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
+                t, n_seqs, float(scale), float(softcap), int(sliding_window), short_keys, block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n, SHORT_N=short_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel

@@ -256,6 +256,37 @@ def test_triton_split_k_decode(small_key_tiles):
 
 
 @requires_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_short_key_ranges_take_short_steps(monkeypatch, num_splits):
+    """Decode with the short path: ranges of at most short_keys keys (6, 33) go 16 keys a step in 16-key-aligned
+    splits, the long one (71) 32 keys a step, in one launch; each equals the oracle, and the fused merge gives the
+    reduce kernel's bits. With short_keys below every range the outputs are the long path's."""
+    from mini_infer.ops import _split_k
+    from mini_infer.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
+    for kind in pa._CONFIG:
+        monkeypatch.setitem(pa._CONFIG, kind, {**pa._CONFIG[kind], "block_n": 32, "short_n": 16, "short_keys": 40})
+    assert pa._short_steps("decode", 32, False, 4) == (16, 40)
+    assert pa._short_steps("decode", 32, False, 1) == (32, -1)  # one split: no short path
+    case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
+    args = case.args()
+    out = paged_attention_triton(*args, decode_only=True, num_splits=num_splits)
+    assert_close(out, oracle(case))
+    check_cache(case, args[3], args[4])
+    if num_splits > 1:
+        assert torch.equal(out, paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits,
+                                                       fused_merge=False))
+        assert not _split_k.split_counters(case.q.device, 1).any()
+    monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "short_keys": 2})
+    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
+    long_only = paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits)
+    assert_close(long_only, oracle(case))
+    monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "short_n": 0})
+    assert torch.equal(paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits), long_only)
+
+
+@requires_triton
 @pytest.mark.parametrize("seqs,window", [([(30, 9), (60, 1), (0, 4)], 0), ([(50, 1), (21, 3)], 19)])
 def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
     """The fused merge over prefill tiles (rows whose visible keys end in different splits), and under a window
