@@ -19,10 +19,9 @@ from mini_infer.passes.manager import propagate_fake, write_graph
 from mini_infer.sampling_params import SamplingParams
 from tests import _model_cache as mc
 from tests.passes.helpers import (
-    CPU,
     NUM_LAYERS,
-    aten,
     assert_logits_close,
+    aten,
     bound_copy,
     check_against_eager,
     copy_gm,
