@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from mini_infer.llm import LLM
-from mini_infer.passes import PassContext, recommended_passes
+from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
-from mini_infer.passes.manager import propagate_fake, write_graph
+from mini_infer.passes.manager import PassManager, propagate_fake, write_graph
 from mini_infer.sampling_params import SamplingParams
 from tests import _model_cache as mc
 from tests.passes.helpers import (
+    CPU,
     NUM_LAYERS,
+    _cleaned,
     assert_logits_close,
     aten,
     bound_copy,
@@ -145,3 +147,22 @@ def test_generate_with_prefix_cache_and_chunked_prefill(monkeypatch):
     assert llm.engine.block_manager.prefix_cache_hits - hits >= 4 * 2
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_ref(name, tuple(p), 12) for p in prompts]
     assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_cache_logits_bitwise_as_unfused(backend):
+    """An fp8 KV cache (the scales reach the write as they reached the attention): the graph with the pass gives
+    the logits of the graph without it bit for bit, on the references and on the Triton kernels (interpreter)."""
+    name = "tiny-qwen3"
+    ids, pos = random_ids(10, 7), positions(3, 10)
+    logits = []
+    for passes in (PREREQUISITES, [*PREREQUISITES, "fuse_kv_write"]):
+        gm = copy_gm(_cleaned(name))
+        ctx = PassContext(config=loaded(name).config, device=CPU, dtype=torch.float32, applied=["cleanup"],
+                          kv_cache_dtype=torch.float8_e4m3fn)
+        stats = PassManager(resolve_passes(passes)).run(gm, ctx)
+        bound, _ = bound_copy(gm, backend)
+        logits.append(graph_logits(bound, ctx, ids, pos))
+    assert stats[-1].num_matches == L and "k_scale_0" in {a.name for a in gm.graph.find_nodes(
+        op="call_function", target=mi.qk_rotary_kv_write.default)[0].all_input_nodes}
+    assert torch.equal(logits[0], logits[1])
