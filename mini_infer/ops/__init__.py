@@ -17,6 +17,9 @@ nothing from mini_infer outside this package.
 |                                                       |                     | cos/sin [..., D/2]; fp32 math, x's dtype (DeepSeek)   |
 | qk_rotary(q, k, cos, sin, q_weight, k_weight, eps)    | (Tensor, Tensor)    | (apply_rotary(rms_norm(q, q_weight, eps)), same for k)|
 |                                                       |  (contiguous)       | one launch; a None weight skips that norm (Qwen3)     |
+| qk_rotary_kv_write(q, k, v, cos, sin, q_weight,       | Tensor (q_out)      | q_out, k_out = qk_rotary(...); k_out and v written at |
+|   k_weight, eps, k_cache!, v_cache!, slot_mapping,    |                     | slot_mapping as paged_attention writes them (negative:|
+|   k_scale=None, v_scale=None)                         |                     | skip; fp8 scaled); one launch; mutates the caches     |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
 | linear_add(x, weight, bias, residual)                 | Tensor              | linear(x, weight, bias) + residual; the add in the    |
@@ -32,6 +35,9 @@ nothing from mini_infer outside this package.
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
 |   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
 |   k_scale=None, v_scale=None)                         |                     | fp8 caches store k / k_scale, reads multiply it back  |
+| paged_attention_cached(q, k_cache, v_cache,           | Tensor [T, Hq, Dv]  | paged_attention's attention without its write, over   |
+|   block_tables, seq_lens, query_start_loc, scale,     |                     | caches already holding the step's keys (written by    |
+|   sliding_window, softcap, k_scale=None, v_scale=None)|                     | qk_rotary_kv_write); mutates nothing                  |
 | mla_attention(q_nope, q_pe, c_kv, k_pe,               | Tensor [T, H, Dv]   | DeepSeek MLA: write cat(c_kv, k_pe) at slot_mapping   |
 |   latent_cache!, slot_mapping, block_tables,          |                     | into the latent cache, then causal attention with     |
 |   seq_lens, query_start_loc, w_uk, w_uv, scale)       |                     | k_h = cat(W_UK_h c, k_pe), v_h = W_UV_h c (absorbed   |
@@ -81,6 +87,7 @@ from mini_infer.ops import mla_attention as _mla_attention_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
 from mini_infer.ops import qk_rotary as _qk_rotary_mod
+from mini_infer.ops import qk_rotary_kv_write as _qk_rotary_kv_write_mod
 from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
@@ -94,8 +101,10 @@ _MODULE_OF = {
     "apply_rotary": _apply_rotary_mod,
     "apply_rotary_interleaved": _apply_rotary_interleaved_mod,
     "qk_rotary": _qk_rotary_mod,
+    "qk_rotary_kv_write": _qk_rotary_kv_write_mod,
     "silu_and_mul": _silu_and_mul_mod,
     "paged_attention": _paged_attention_mod,
+    "paged_attention_cached": _paged_attention_mod,
     "linear": _linear_mod,
     "linear_add": _linear_add_mod,
     "rms_norm_linear": _rms_norm_linear_mod,

@@ -50,6 +50,10 @@ the engine, bench/RESULTS.md), off while a CUDA graph is captured (the route rea
 once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
 `paged_attention_reference` called directly never take it; compiled graphs call `paged_attention_<backend>_entry`,
 the op's body.
+
+`mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
+over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
+FuseKVWrite pass), the long-run route then reads a run's new keys from the cache with its context.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ from mini_infer.ops._triton_support import (
 __all__ = [
     "route_min_query_rows",
     "paged_attention",
+    "paged_attention_cached",
+    "paged_attention_cached_reference",
+    "paged_attention_cached_triton",
     "paged_attention_reference",
     "paged_attention_triton",
     "write_kv_cache_reference",
@@ -867,16 +874,18 @@ def _paged_attention_routed(
     q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale: float,
     sliding_window: int, softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """The registered op's body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
+    """The registered ops' body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
     reference), then each sequence with a long query run (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through
     `_prefill_sdpa.attend_run` over its gathered context plus its new k/v, and every other sequence through the
     implementation's attention, given a batch of those sequences only (no work twice). The route is decided
     by `_prefill_sdpa.route_wanted` (shapes and arguments; never during CUDA-graph capture); only a step it
-    accepts reads its lengths on the host."""
+    accepts reads its lengths on the host. k, v and slot_mapping None (`paged_attention_cached`): no write, the
+    caches already hold the step's keys, and a long run's new k/v are read from them with its context."""
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
     attend = _triton_attention if use_triton_kernel else _reference_attention
-    write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if k is not None:
+        write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     opts = (scale, sliding_window, softcap, k_scale, v_scale)
     meta = (block_tables, seq_lens, query_start_loc)
     if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8):
@@ -889,9 +898,14 @@ def _paged_attention_routed(
         run = None
         cached = lens[s] - qlen
         if qlen >= _prefill_sdpa.MIN_QUERY_ROWS and cached >= 0:
-            k_ctx, v_ctx = (_gather_context(c, block_tables[s], cached) for c in (k_cache, v_cache))
             rows = slice(q0, q0 + qlen)
-            run = _prefill_sdpa.attend_run(q[rows], k[rows], v[rows], k_ctx, v_ctx, scale)
+            if k is None:  # the run's keys are cached after its context (the cache holds q's dtype: route_wanted)
+                k_all, v_all = (_gather_context(c, block_tables[s], lens[s]) for c in (k_cache, v_cache))
+                k_new, v_new, k_ctx, v_ctx = k_all[cached:], v_all[cached:], k_all[:cached], v_all[:cached]
+            else:
+                k_ctx, v_ctx = (_gather_context(c, block_tables[s], cached) for c in (k_cache, v_cache))
+                k_new, v_new = k[rows], v[rows]
+            run = _prefill_sdpa.attend_run(q[rows], k_new, v_new, k_ctx, v_ctx, scale)
         if run is None:
             rest.append(s)
         elif qlen == t:  # the step is this one run: its output as it is
@@ -917,6 +931,47 @@ def paged_attention_triton_entry(*args, **kwargs) -> torch.Tensor:
 def paged_attention_reference_entry(*args, **kwargs) -> torch.Tensor:
     """The registered op's body on the torch-reference path (ops.kernel_impls)."""
     return _paged_attention_routed(*args, **kwargs, use_triton_kernel=False)
+
+
+def paged_attention_cached_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0,
+    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`paged_attention_reference` without its write: attention over caches that already hold the step's keys."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    return _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                softcap, k_scale, v_scale)
+
+
+def paged_attention_cached_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0,
+    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, **knobs,
+) -> torch.Tensor:  # fmt: skip
+    """`paged_attention_triton` without its write (same knobs): the attention kernel over the caches as they are."""
+    if not HAS_TRITON:
+        raise RuntimeError("paged_attention_cached_triton needs triton")
+    return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                             softcap, k_scale, v_scale, **knobs)
+
+
+def _cached_routed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float, sliding_window: int,
+                   softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool) -> torch.Tensor:
+    """`paged_attention_cached`'s body: `_paged_attention_routed` with nothing to write."""
+    return _paged_attention_routed(q, None, None, k_cache, v_cache, None, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window, softcap, k_scale, v_scale,
+                                   use_triton_kernel=use_triton_kernel)
+
+
+def paged_attention_cached_triton_entry(*args, **kwargs) -> torch.Tensor:
+    """`paged_attention_cached`'s body on the Triton path (ops.kernel_impls)."""
+    return _cached_routed(*args, **kwargs, use_triton_kernel=True)
+
+
+def paged_attention_cached_reference_entry(*args, **kwargs) -> torch.Tensor:
+    """`paged_attention_cached`'s body on the torch-reference path (ops.kernel_impls)."""
+    return _cached_routed(*args, **kwargs, use_triton_kernel=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -951,5 +1006,33 @@ def paged_attention(
 @paged_attention.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
       k_scale=None, v_scale=None):
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
+
+
+@torch.library.custom_op("mini_infer::paged_attention_cached", mutates_args=())
+def paged_attention_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention` over caches already holding this step's keys (written by `qk_rotary_kv_write`): the same
+    attention and long-run route, no write; it mutates nothing."""
+    entry = paged_attention_cached_triton_entry if use_triton(q) else paged_attention_cached_reference_entry
+    return entry(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+                 k_scale, v_scale)
+
+
+@paged_attention_cached.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, k_scale=None,
+      v_scale=None):
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))

@@ -1,0 +1,110 @@
+"""FuseKVWrite: a layer's `qk_rotary` whose k output only feeds its `paged_attention`'s k, and that attention →
+`qk_rotary_kv_write` (the rotary's programs of k rows store the rotated k and the matching v rows into the paged
+caches) + `paged_attention_cached` (the attention without its cache write): one launch per layer fewer.
+
+    q_rot, k_rot = qk_rotary(q, k, cos, sin, qw, kw, eps)
+    paged_attention(pack(q_rot), pack(k_rot), pack(v), k_cache, v_cache, slot_mapping, meta..., scale, window,
+                    softcap[, k_scale, v_scale])
+  → q_rot = qk_rotary_kv_write(q, k, v, cos, sin, qw, kw, eps, k_cache, v_cache, slot_mapping[, k_scale, v_scale])
+    paged_attention_cached(pack(q_rot), k_cache, v_cache, meta..., scale, window, softcap[, k_scale, v_scale])
+
+`pack(x)` is `transpose(select(x, 0, 0), 0, 1)`, the [1, H, T, D] -> [T, H, D] views the paged_attention pass puts
+before the op; k_rot must reach the attention's k argument through exactly those two views, each read by nothing
+else, and v must be such a view of a 4-D node (the op reads v [1, Hk, T, Dv] as the rotary reads k). The write
+node goes right after the later of the rotary and v (before every reader of q_rot), so it precedes the attention
+in the graph, which is the order the caches need: the attention reads what the write stored. Same values: the op
+writes the cache bytes the attention's own write wrote, and the attention code is the same (ops/paged_attention.py).
+Left alone: MLA (mla_latent_cache's `mla_attention`), attentions whose k is no qk_rotary output (apply_rotary
+alone, interleaved rotary, no rotary), a k_rot or its views with another reader, any other layout. Runs after
+paged_attention (whose nodes it matches) and, to find anything, fuse_qk_rotary. The graph dump shows
+`qk_rotary_kv_write(...)` and `paged_attention_cached(...)`. The runtime sees no difference: the caches,
+slot_mapping and scales are the inputs paged_attention declared.
+
+Default: on for CUDA targets, where it removes the KV-write launch before each attention (~2 us per layer at
+batch-1 decode); off for other devices, where the op runs qk_rotary's and the write's references one after the
+other and saves nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.pattern import aten, is_op, only_user
+
+ops = torch.ops.mini_infer
+
+
+def _unpacked(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(src, the select) when `x` is `transpose(select(src, 0, 0), 0, 1)` (the paged_attention pass's packing of a
+    [1, H, T, D] tensor), else None."""
+    if not is_op(x, aten.transpose.int) or sorted(x.args[1:3]) != [0, 1]:
+        return None
+    sel = x.args[0]
+    if not is_op(sel, aten.select.int) or tuple(sel.args[1:3]) != (0, 0):
+        return None
+    return sel.args[0], sel
+
+
+def _rotary_of_k(attn: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the qk_rotary node, its q output's getitem) when the attention's k is the rotary's k output, packed, and
+    neither it nor its views have another reader; else None."""
+    k_packed = attn.args[1]
+    found = _unpacked(k_packed)
+    if found is None or attn.args[0] is k_packed or attn.args[2] is k_packed or not only_user(k_packed, attn):
+        return None
+    k_rot, sel = found
+    if not (only_user(sel, k_packed) and only_user(k_rot, sel) and is_op(k_rot, operator.getitem)
+            and k_rot.args[1] == 1 and is_op(k_rot.args[0], ops.qk_rotary.default)):
+        return None
+    rot = k_rot.args[0]
+    q_rot = [u for u in rot.users if u is not k_rot]
+    if len(q_rot) != 1 or not is_op(q_rot[0], operator.getitem) or q_rot[0].args[1] != 0:
+        return None
+    return rot, q_rot[0]
+
+
+class FuseKVWrite(GraphPass):
+    """qk_rotary + paged_attention (its k) → qk_rotary_kv_write + paged_attention_cached."""
+
+    name = "fuse_kv_write"
+    stage = "lowering"
+    requires = ("paged_attention",)
+
+    @classmethod
+    def default_for(cls, ctx: PassContext) -> GraphPass | None:
+        return cls() if ctx.device.type == "cuda" else None
+
+    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        fused = 0
+        for attn in [n for n in graph.nodes if is_op(n, ops.paged_attention.default)]:
+            pair = _rotary_of_k(attn)
+            v = _unpacked(attn.args[2])
+            if pair is None or v is None or attn.kwargs:
+                continue
+            (rot, q_rot), v = pair, v[0]
+            anchor = max(rot, v, key=order.__getitem__)
+            if any(order[u] <= order[anchor] for u in q_rot.users):  # q_rot is read before v exists
+                continue
+            q, k, cos, sin, q_w, k_w, eps = rot.args
+            k_cache, v_cache, slot_mapping, block_tables, seq_lens, qsl, scale, window, softcap = attn.args[3:12]
+            scales = tuple(attn.args[12:14])
+            with graph.inserting_after(anchor):
+                write = graph.call_function(ops.qk_rotary_kv_write.default, (
+                    q, k, v, cos, sin, q_w, k_w, eps, k_cache, v_cache, slot_mapping, *scales))
+            write.meta["val"] = q_rot.meta.get("val")
+            q_rot.replace_all_uses_with(write)
+            with graph.inserting_before(attn):
+                cached = graph.call_function(ops.paged_attention_cached.default, (
+                    attn.args[0], k_cache, v_cache, block_tables, seq_lens, qsl, scale, window, softcap, *scales))
+            cached.meta["val"] = attn.meta.get("val")
+            attn.replace_all_uses_with(cached)
+            graph.erase_node(attn)  # it mutates the caches: dead-code elimination would keep it
+            fused += 1
+        return PassResult(fused, f"{fused} layers" if fused else "")
