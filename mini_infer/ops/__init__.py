@@ -29,6 +29,9 @@ nothing from mini_infer outside this package.
 |                                                       |                     | normalized row kept in fp32 there (not bit-equal)     |
 | fused_add_rms_norm_linear(x, residual, norm_weight,   | (Tensor, Tensor)    | n, s = fused_add_rms_norm(x, residual, ...);          |
 |   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
+| silu_mul_linear(gate, up, weight, bias, residual)     | Tensor              | linear(silu_and_mul(gate, up), weight, bias) (+       |
+|                                                       |                     | residual, as linear_add); the activation in the       |
+|                                                       |                     | GEMV's prologue for one row; bit-equal to the pair    |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
 |   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
@@ -92,6 +95,7 @@ from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
+from mini_infer.ops import silu_mul_linear as _silu_mul_linear_mod
 from mini_infer.ops._triton_support import HAS_TRITON
 
 # op name -> the module defining `<name>_reference` and `<name>_triton`
@@ -109,6 +113,7 @@ _MODULE_OF = {
     "linear_add": _linear_add_mod,
     "rms_norm_linear": _rms_norm_linear_mod,
     "fused_add_rms_norm_linear": _rms_norm_linear_mod,
+    "silu_mul_linear": _silu_mul_linear_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
     "mla_attention": _mla_attention_mod,

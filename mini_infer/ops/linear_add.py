@@ -36,6 +36,14 @@ if HAS_TRITON:
     from mini_infer.ops.linear import add_bias, gemv_accumulate
 
     @triton.jit
+    def store_linear_plus_residual(y, x_ptr, r_ptr, s_ptr, rows, row_ok):
+        """s[rows] = the linear's fp32 outputs y (bias added) rounded as `linear` stores them (x's dtype), plus
+        residual[rows], rounded as torch's add stores the sum (s's dtype). Also silu_mul_linear.py's epilogue."""
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(s_ptr + rows, (y + r).to(s_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
     def _gemv_add_kernel(
         x_ptr, w_ptr, b_ptr, r_ptr, s_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
@@ -43,10 +51,7 @@ if HAS_TRITON:
         await_producers(USE_GDC)
         rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
         y = add_bias(tl.sum(acc, axis=1), b_ptr, rows, row_ok, HAS_BIAS)
-        # the linear's output as `linear` stores it (x's dtype), then the add as torch stores it (the sum's dtype)
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        r = tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(s_ptr + rows, (y + r).to(s_ptr.dtype.element_ty), mask=row_ok)
+        store_linear_plus_residual(y, x_ptr, r_ptr, s_ptr, rows, row_ok)
 
 
 def _sum_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:

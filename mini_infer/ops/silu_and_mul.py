@@ -30,6 +30,14 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
 if HAS_TRITON:
 
     @triton.jit
+    def silu_mul_load(g_ptrs, u_ptrs, mask):
+        """silu(gate) * up at the given pointers, in fp32 (zero where `mask` is off), before the rounding to the
+        output dtype; also the activation prologue of silu_mul_linear.py's GEMV, so both round the same value."""
+        g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
+        return g * tl.sigmoid(g) * u
+
+    @triton.jit
     def _silu_and_mul_kernel(
         g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
@@ -37,9 +45,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        out = g * tl.sigmoid(g) * u
+        out = silu_mul_load(g_ptr + row * stride_g + cols, u_ptr + row * stride_u + cols, mask)
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
