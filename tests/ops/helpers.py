@@ -24,3 +24,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+def record_gemv_launches(monkeypatch: pytest.MonkeyPatch, module) -> list:
+    """The kernels `module` launches through its `launch_gemv` from now on (each still runs), in order."""
+    calls = []
+    real = module.launch_gemv
+    monkeypatch.setattr(module, "launch_gemv",
+                        lambda kernel, *a, **kw: calls.append(kernel) or real(kernel, *a, **kw))
+    return calls

@@ -10,7 +10,7 @@ import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import linear_add as mod
 from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton
 from mini_infer.ops.linear_add import linear_add_reference, linear_add_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
 
 mi = torch.ops.mini_infer
 # (N, K): no N a multiple of the GEMV's rows per program, no K a multiple of its K step; K >= 1024 takes the long tile
@@ -31,10 +31,7 @@ def _inputs(rows, n, k, dtype, bias, residual_dtype=None, seed=0):
 @pytest.fixture
 def launches(monkeypatch):
     """The kernels the op launches through `launch_gemv`, recorded."""
-    calls = []
-    real = mod.launch_gemv
-    monkeypatch.setattr(mod, "launch_gemv", lambda kernel, *a, **kw: calls.append(kernel) or real(kernel, *a, **kw))
-    return calls
+    return record_gemv_launches(monkeypatch, mod)
 
 
 def _assert_same_sum(s: torch.Tensor, s_ref: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton
 from mini_infer.ops.linear_add import linear_add_triton
 from mini_infer.ops.silu_and_mul import silu_and_mul_triton
 from mini_infer.ops.silu_mul_linear import silu_mul_linear_reference, silu_mul_linear_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
 
 mi = torch.ops.mini_infer
 # (N, K): no N a multiple of the rows per program, no K a multiple of the K step; K >= 1024 takes the long tile
@@ -41,10 +41,7 @@ def _unfused(gate, up, w, b, r):
 @pytest.fixture
 def launches(monkeypatch):
     """The kernels the op launches through `launch_gemv`, recorded."""
-    calls = []
-    real = mod.launch_gemv
-    monkeypatch.setattr(mod, "launch_gemv", lambda kernel, *a, **kw: calls.append(kernel) or real(kernel, *a, **kw))
-    return calls
+    return record_gemv_launches(monkeypatch, mod)
 
 
 @requires_triton
