@@ -29,7 +29,7 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
-                        PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseNormGemv, FuseSiluGemv)
+                        PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseSiluGemv, FuseNormGemv)
 }
 
 
