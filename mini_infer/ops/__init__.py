@@ -31,7 +31,7 @@ nothing from mini_infer outside this package.
 |   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
 | silu_mul_linear(gate, up, weight, bias, residual)     | Tensor              | linear(silu_and_mul(gate, up), weight, bias) (+       |
 |                                                       |                     | residual, as linear_add); the activation in the       |
-|                                                       |                     | GEMV's prologue for one row; bit-equal to the pair    |
+|                                                       |                     | GEMV's prologue for one row; the pair's roundings    |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
 |   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |

@@ -4,9 +4,12 @@ projection's GEMV (and, with a residual, the add in its epilogue).
     silu_mul_linear(g, u, W, b, None)     = linear(silu_and_mul(g, u), W, b)
     silu_mul_linear(g, u, W, b, residual) = linear_add(silu_and_mul(g, u), W, b, residual)
 
-bit for bit on the one-row kernel: the activation is computed per K chunk exactly as silu_and_mul's kernel computes
-it (`silu_mul_load`: fp32 math) and rounded to the activation's dtype before the dot products, as the unfused
-activation row is stored then read back; the epilogue is linear_add's (`store_linear_plus_residual`). Inserted by
+with the unfused pair's roundings on the one-row kernel: the activation is computed per K chunk exactly as
+silu_and_mul's kernel computes it (`silu_mul_load`: fp32 math) and rounded to the activation's dtype before the dot
+products, as the unfused activation row is stored then read back; the epilogue is linear_add's
+(`store_linear_plus_residual`). So the result equals the pair bit for bit under the Triton interpreter (tested); on
+a GPU the dot products' summation order follows the tile's register layout, so expect the pair's values to fp32
+rounding of the sums (then the output dtype's rounding), as between two GEMV tiles. Inserted by
 the FuseSiluGemv pass where a `silu_and_mul` output feeds only a down projection (`linear_add` as its x, or a
 `mini_infer.linear`). gate and up may be views of the merged gate_up output (row stride 2 * width). Functional:
 never writes into its inputs.
@@ -81,8 +84,8 @@ def silu_mul_gemv_config(k: int) -> tuple[int, int, int, int]:
     plain GEMV's (`gemv_config`) with twice the weight rows per program. Every program reads the whole activation
     row, here gate AND up (twice the plain GEMV's input bytes, from L2); twice the rows per program keeps those
     reads per weight byte, and the sigmoids recomputed per program, where the plain GEMV has them. BLOCK_K stays
-    the plain GEMV's, so each dot product is summed in the same order as the unfused `linear`'s (bit-equal).
-    Not measured yet: sweep with bench/kernel_silu_gemv.py."""
+    the plain GEMV's, so each dot product adds the same K chunks as the unfused `linear`'s (bit-equal under the
+    interpreter). Not measured yet: sweep with bench/kernel_silu_gemv.py."""
     bn, bk, warps, stages = gemv_config(k)
     return 2 * bn, bk, warps, stages
 

@@ -5,9 +5,9 @@
 
 In a dense decoder the first is every down_proj but the last (fuse_residual_gemvs made them `linear_add`); the
 second is a down_proj that pass leaves a plain linear (tensor parallel's, whose all-reduce stands before the add;
-an MoE model's shared expert or dense layer). At batch-1 decode silu_and_mul is a launch of its own (1.3-2.3 us on
+an MoE model's shared experts, whose output is added to the routed experts'). At batch-1 decode silu_and_mul is a launch of its own (1.3-2.3 us on
 an H200) for a row the down GEMV then reads whole in every program; the fused op reads gate and up there instead
-(ops/silu_mul_linear.py), bit-equal to the pair. Several rows run the unfused kernels, and the CPU references are
+(ops/silu_mul_linear.py), with the pair's roundings. Several rows run the unfused kernels, and the CPU references are
 the unfused ones.
 
 Runs in the lowering stage after gemv_linear (whose `mini_infer.linear` nodes it matches) and, in the recommended

@@ -4,8 +4,8 @@ On every dense tiny preset: with its prerequisites alone, every down_proj is a p
 recommended pipeline as CUDA runs it (fuse_residual_gemvs and fuse_gemv_norm before it), every down_proj but the
 last is a linear_add and fuses with its residual, the last (fuse_gemv_norm's linear_add_rms_norm) keeps its
 silu_and_mul (counts hard-coded). Logits equal eager HF (references), and with the Triton kernels under the
-interpreter a one-row step gives the pipeline's logits without the pass bit for bit. W8A8 (quantizing silu, int8
-down_proj): nothing fuses. Toys: the shapes that must stay as they are. On CUDA the pass is on by default, last.
+interpreter a one-row step gives the pipeline's logits without the pass bit for bit. MoE presets: the shared
+experts' down_projs fuse (and DeepSeek's dense layer's). W8A8 (quantizing silu, int8 down_proj): nothing fuses. Toys: the shapes that must stay as they are. On CUDA the pass is on by default, last.
 """
 
 import pytest
@@ -67,6 +67,24 @@ def test_fuses_each_down_projection(name, pipeline):
         assert b is None and (residual is not None) == (with_residual > 0)
     check_against_eager(name, gm, ctx, 9, 5, seed=1)
     check_against_eager(name, gm, ctx, 1, 30, seed=2)  # one row: a decode step
+
+
+# MoE presets in the CUDA pipeline -> (with a residual, without): the shared experts' down_projs are plain linears
+# (their sum with the routed experts' comes first), DeepSeek's dense first layer's a linear_add; routed experts'
+# activations live inside fused_moe
+MOE = {"tiny-qwen2-moe": (0, L), "tiny-deepseek-v2": (1, L - 1), "tiny-mixtral": (0, 0)}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_shared_experts(name):
+    gm, ctx, stats = run_passes(name, [*recommended_passes(new_context(name))[1:], *CUDA_TAIL, "fuse_silu_gemv"])
+    with_residual, plain = MOE[name]
+    counts = op_counts(gm)
+    assert stats[-1].num_matches == counts[mi.silu_mul_linear.default] == with_residual + plain
+    assert sum(n.args[4] is not None for n in gm.graph.nodes if n.target is mi.silu_mul_linear.default) == with_residual
+    assert counts[mi.silu_and_mul.default] == 0
+    check_against_eager(name, gm, ctx, 9, 5, seed=1)
+    check_against_eager(name, gm, ctx, 1, 30, seed=2)
 
 
 @pytest.mark.parametrize("pipeline", list(EXPECTED))
