@@ -59,10 +59,10 @@ def _sum_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, residual.dtype)
 
 
-def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      residual: torch.Tensor) -> torch.Tensor:
-    """The CUDA path: one GEMV kernel with the add in its epilogue for a single row the GEMV takes, else `linear`
-    (its kernel) then torch's add."""
+def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The CUDA path: one GEMV kernel with the add in its epilogue for a single row the GEMV takes (tile `config`;
+    None: the GEMV's default), else `linear` (its kernel) then torch's add."""
     n, k = weight.shape
     y_shape = (*x.shape[:-1], n)
     if not (takes_gemv(x.numel(), x.dtype, weight) and tuple(residual.shape) == y_shape):
@@ -71,7 +71,7 @@ def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     s = torch.empty(y_shape, dtype=_sum_dtype(x, residual), device=x.device)
     launch_gemv(_gemv_add_kernel, w, xr, w, bias if bias is not None else w, unit_stride_row(residual), s.view(n),
-                n, k, w.stride(0), HAS_BIAS=bias is not None)
+                n, k, w.stride(0), config=config, HAS_BIAS=bias is not None)
     return s
 
 
