@@ -89,27 +89,31 @@ def assign(dst: HostView, region: tuple[slice, ...], value) -> None:
         dst[region] = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
 
 
-def host_buffer(nbytes: int, device: torch.device, zeroed: bool = True) -> torch.Tensor:
-    """A flat uint8 host buffer, pinned when it feeds a CUDA device."""
-    make = torch.zeros if zeroed else torch.empty
-    return make(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed flat uint8 host buffer, pinned when it feeds a CUDA device."""
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
-def to_device_many(values: Mapping[str, tuple[Sequence | np.ndarray | torch.Tensor, torch.dtype]],
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """Every (value, dtype) as a tensor on `device`, packed into one host buffer and moved by one copy
-    (pinned, non-blocking on CUDA); the results view one device allocation."""
+Values = Mapping[str, tuple[Sequence | np.ndarray | torch.Tensor, torch.dtype]]
+
+
+def pack(values: Values, pinned: bool) -> tuple[torch.Tensor, list[Field]]:
+    """Every (value, dtype) written into one flat host byte buffer (pinned if asked), and where each is."""
     shaped = {name: (v if isinstance(v, (np.ndarray, torch.Tensor)) else np.asarray(v), dtype)
               for name, (v, dtype) in values.items()}
     fields, total = pack_layout([(name, dtype, tuple(v.shape)) for name, (v, dtype) in shaped.items()])
-    host = host_buffer(total, device, zeroed=False)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     for name, view in host_views(host, fields).items():
-        if view.ndim:
-            assign(view, (slice(None),) * view.ndim, shaped[name][0])
-        else:
-            view[...] = shaped[name][0]
-    if device.type == "cpu":
-        return typed_views(host, fields)
+        assign(view, (slice(None),) * view.ndim if view.ndim else (), shaped[name][0])
+    return host, fields
+
+
+def to_device_many(values: Values, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every (value, dtype) as a tensor on `device`. On CUDA they are packed into one pinned buffer and moved
+    by ONE non-blocking copy (the results view one device allocation); elsewhere no copy is needed."""
+    if device.type != "cuda":
+        return {name: to_device(v, dtype, device) for name, (v, dtype) in values.items()}
+    host, fields = pack(values, pinned=True)
     return typed_views(host.to(device, non_blocking=True), fields)
 
 

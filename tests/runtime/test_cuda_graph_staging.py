@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mini_infer.contract import PADDED_DIMS
-from mini_infer.runtime.transfer import StagedBuffer
+from mini_infer.runtime.transfer import ALIGN, StagedBuffer, pack, typed_views
 from tests.runtime.test_engine import PROMPTS, assert_no_leak, hf_ref, make_engine, run
 
 
@@ -125,3 +125,16 @@ def test_staged_upload_copies_only_the_bytes_asked():
     staged.begin()["a"][:] = [1, 2, 3, 4]
     staged.upload(16)  # the first two elements
     assert staged.views["a"].tolist() == [1, 2, 0, 0]
+
+
+def test_pack_puts_every_value_in_one_aligned_buffer():
+    # what an uncaptured step and a sampling batch send to a GPU in one copy
+    values = {"ids": (np.arange(5), torch.int64), "table": (np.arange(6).reshape(2, 3), torch.int32),
+              "w": ([[0.5, -2.0]], torch.bfloat16), "mask": ([True, False, True], torch.bool),
+              "n": (np.int64(7), torch.int32)}
+    host, fields = pack(values, pinned=False)
+    assert all(f.offset % ALIGN == 0 for f in fields) and host.numel() == fields[-1].offset + fields[-1].nbytes
+    views = typed_views(host, fields)
+    for name, (value, dtype) in values.items():
+        expected = torch.as_tensor(np.asarray(value)).to(dtype)
+        assert views[name].dtype == dtype and torch.equal(views[name], expected), name
