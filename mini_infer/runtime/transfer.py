@@ -137,9 +137,11 @@ class StagedBuffer:
         self.views = typed_views(self.device_buffer, self.fields)
         self._host = [host_buffer(self.nbytes, device) for _ in range(copies)]
         self._host_views = [host_views(h, self.fields) for h in self._host]
-        # fence(): an object with record() and synchronize(); copies on a CPU device are synchronous
-        self._fence = fence or (torch.cuda.Event if device.type == "cuda" else None)
-        self._pending: list[object | None] = [None] * copies  # per host buffer: recorded after its last copy
+        # per host buffer, a fence (an object with record() and synchronize(), by default a CUDA event) recorded
+        # after each copy from it; none on a CPU device, where copies are synchronous
+        fence = fence or (torch.cuda.Event if device.type == "cuda" else None)
+        self._fences = [fence() for _ in range(copies)] if fence is not None else None
+        self._pending = [False] * copies  # whether a copy from the buffer was queued since the host last waited
         self._current = copies - 1
 
     @property
@@ -149,20 +151,18 @@ class StagedBuffer:
     def begin(self) -> dict[str, HostView]:
         """The next host buffer's views, once no queued copy still reads it."""
         self._current = (self._current + 1) % len(self._host)
-        pending = self._pending[self._current]
-        if pending is not None:
-            pending.synchronize()
-            self._pending[self._current] = None
+        if self._pending[self._current]:
+            self._fences[self._current].synchronize()
+            self._pending[self._current] = False
         return self._host_views[self._current]
 
     def upload(self, nbytes: int | None = None) -> None:
         """Queue one copy of the current host buffer's first `nbytes` (all by default) to the device buffer."""
         n = self.nbytes if nbytes is None else nbytes
         self.device_buffer[:n].copy_(self._host[self._current][:n], non_blocking=True)
-        if self._fence is not None:
-            event = self._fence()
-            event.record()
-            self._pending[self._current] = event
+        if self._fences is not None:
+            self._fences[self._current].record()
+            self._pending[self._current] = True
 
 
 class HostCopy:
