@@ -7,29 +7,48 @@ A step's shape is (T tokens, S sequences, L logits rows). Two families of padded
   * mixed buckets: T in token buckets above max_num_seqs up to max_num_batched_tokens, with S = L =
     max_num_seqs (any mix of prefill chunks and decodes, at most one logits row per sequence).
 A step runs in the smallest bucket that holds it. Every graph input the passes declared (`InputSpec`) gets a
-static buffer at its largest size; a step's values fill the leading part of each buffer and the rest of every
-padded dimension (tokens, sequences, logits rows) holds the spec's `pad` value: for the attention metadata,
-token rows get slot -1 (nothing written) and belong to no sequence (query offsets repeat the last one), so
-attention yields zeros for them; sequence rows get length 0; logits rows index 0, ignored. The graph is
-replayed and the first L rows of its logits are the answer. Steps that fit no bucket (prompt logprobs, more
-tokens than the token budget) run uncaptured. A shape whose capture fails (out of memory, or an op that cannot
-be captured) is logged and its steps run uncaptured.
+static buffer per bucket, at that bucket's size: all of a bucket's static inputs are typed views of one device
+byte buffer (`StagedBuffer`), and the graph is captured on those views. A step's values fill the leading part
+of each input and the rest of every padded dimension (tokens, sequences, logits rows) holds the spec's `pad`
+value: for the attention metadata, token rows get slot -1 (nothing written) and belong to no sequence (query
+offsets repeat the last one), so attention yields zeros for them; sequence rows get length 0; logits rows
+index 0, ignored. Those values and that padding are written on the host into a pinned buffer laid out exactly
+like the bucket's device buffer, and ONE non-blocking copy moves them (no device tensor in between, no
+device-to-device copy, no device-side fill); inputs whose padding is never read (`pad` None) come last, so
+the copy stops after the step's last real element of them (a block table's unused rows are not copied). Input
+ids still on the device (async scheduling: the previous step's sampled ids) are then written into the static
+input ids by one device op (`StepInputs.feed`). The graph is replayed and the first L rows of its logits are
+the answer. Steps that fit no bucket (prompt logprobs, more tokens than the token budget) run uncaptured. A
+shape whose capture fails (out of memory, or an op that cannot be captured) is logged and its steps run
+uncaptured. Inputs that are already on the device (a tensor-parallel rank's, received from rank 0) are
+written into the same views with device copies instead.
 
-On a CPU device nothing is captured: the padded shape runs eagerly through the same static buffers, which
-is how the padding rules are tested without a GPU. This module captures and replays; it does not build
-step inputs (model_runner.py) or choose what to run (the engine).
+Memory: one device buffer per bucket plus two pinned host twins. For max_num_seqs=256,
+max_num_batched_tokens=8192, max_model_len 4096 (block size 16: 256-entry block tables) and the standard
+inputs, the 50 buckets take 9.2 MiB on the device and 18.4 MiB pinned on the host (one static set at the
+largest size took 0.44 MiB); a batch-1 decode step copies under 1.4 KB.
+
+On a CPU device nothing is captured: the padded shape runs eagerly through the same static buffers, after
+the same staged copy, which is how the padding and the layout are tested without a GPU. This module captures
+and replays; it does not build step inputs (model_runner.py) or choose what to run (the engine).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from mini_infer.compiler import CompiledModel
 from mini_infer.contract import PADDED_DIMS, InputSpec
 from mini_infer.runtime.kv_cache import KVCache
+from mini_infer.runtime.transfer import HostView, StagedBuffer, assign
+
+if TYPE_CHECKING:
+    from mini_infer.runtime.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +72,8 @@ def token_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captured graphs keyed by padded shape (T, S), sharing one memory pool and one set of static inputs."""
+    """Captured graphs keyed by padded shape (T, S), sharing one memory pool; each has its own staged static
+    inputs."""
 
     def __init__(self, compiled: CompiledModel, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device, max_num_batched_tokens: int = 0) -> None:
@@ -64,15 +84,12 @@ class CUDAGraphRunner:
         self.max_blocks = max_blocks_per_seq
         self.decode_sizes = decode_buckets(max_num_seqs)
         self.token_sizes = token_buckets(max_num_seqs, max_num_batched_tokens) if max_num_batched_tokens else []
-        t_max = max([max_num_seqs, *self.token_sizes])
         self.specs: list[InputSpec] = compiled.input_specs
-        self.static = {
-            spec.name: torch.zeros(self._sizes(spec, (t_max, max_num_seqs)), dtype=spec.dtype, device=device)
-            for spec in self.specs
-        }
-        for spec in self.specs:  # an all-padding step until the first real one
-            if spec.pad is not None and spec.pad != "last":
-                self.static[spec.name].fill_(spec.pad)
+        # per bucket: its static inputs (views of one device byte buffer) and their pinned host twins, and
+        # each input's spec with its place in that buffer
+        self._layout: dict[tuple[int, int], list] = {}
+        self.staged: dict[tuple[int, int], StagedBuffer] = {shape: self._staged_buffer(shape)
+                                                            for shape in self.shapes()}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Every graph copies its logits into this one buffer (rows [0, L)), so that no graph keeps an output of
         # its own alive: a [L, vocab] output per captured shape was ~1.9 GB for a 7B model's ~40 shapes.
@@ -86,6 +103,27 @@ class CUDAGraphRunner:
         """The buffer's shape in bucket (T, S): logits rows are at most one per sequence, tables full width."""
         t, s = shape
         return spec.sizes(tokens=t, seqs=s, logits=s, blocks=self.max_blocks)
+
+    def _staged_buffer(self, shape: tuple[int, int]) -> StagedBuffer:
+        """Bucket `shape`'s static inputs in one staged buffer: inputs with read padding first (copied whole
+        every step), then those whose padding is never read, smallest first (a step's copy stops after its
+        last real element of them). They hold an all-padding step until the first real one."""
+        def key(spec: InputSpec) -> tuple[bool, int]:
+            if spec.pad is not None:
+                return False, 0
+            return True, int(np.prod(self._sizes(spec, shape))) * spec.dtype.itemsize
+
+        order = sorted(self.specs, key=key)
+        staged = StagedBuffer([(s.name, s.dtype, self._sizes(s, shape)) for s in order], self.device)
+        self._layout[shape] = list(zip(order, staged.fields))
+        for spec in self.specs:
+            if spec.pad is not None and spec.pad != "last":
+                staged.views[spec.name].fill_(spec.pad)
+        return staged
+
+    def staged_bytes(self) -> tuple[int, int]:
+        """(device, pinned host) bytes the staged inputs of every bucket take."""
+        return (sum(b.nbytes for b in self.staged.values()), sum(b.host_nbytes for b in self.staged.values()))
 
     # ------------------------------------------------------------------ shapes
     def shapes(self) -> list[tuple[int, int]]:
@@ -106,12 +144,8 @@ class CUDAGraphRunner:
         return None
 
     def _inputs(self, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-        views = {}
-        for spec in self.specs:
-            sizes = self._sizes(spec, shape)
-            views[spec.name] = self.static[spec.name][tuple(slice(0, n) for n in sizes)]
-        views.update(self.kv_cache.tensors)
-        return views
+        """Bucket `shape`'s graph inputs: its static views and the caches."""
+        return {**self.staged[shape].views, **self.kv_cache.tensors}
 
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
@@ -150,38 +184,74 @@ class CUDAGraphRunner:
             self.graphs[shape] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
+        self.staged = {shape: staged for shape, staged in self.staged.items() if shape in self.graphs}
         self.decode_sizes = [b for b in self.decode_sizes if (b, b) in self.graphs]
         self.token_sizes = [t for t in self.token_sizes if (t, self.max_num_seqs) in self.graphs]
 
     # ------------------------------------------------------------------ replay
-    def _fill(self, spec: InputSpec, value: torch.Tensor, real: tuple[int, ...], padded: tuple[int, ...]) -> None:
-        """Copy `value` into the leading part of the spec's buffer and pad the rest of each padded dimension."""
-        buf = self.static[spec.name]
-        buf[tuple(slice(0, n) for n in real)].copy_(value)
-        if spec.pad is None:
-            return
-        for dim, name in enumerate(spec.shape):
-            if name not in PADDED_DIMS or real[dim] >= padded[dim]:
-                continue
-            region = tuple(slice(0, padded[i]) if i != dim else slice(real[dim], padded[dim])
-                           for i in range(len(real)))
-            if spec.pad == "last":  # repeat the last real element along this dimension (a device copy)
-                last = tuple(slice(0, padded[i]) if i != dim else slice(real[dim] - 1, real[dim])
-                             for i in range(len(real)))
-                buf[region].copy_(buf[last].expand_as(buf[region]))
-            else:
-                buf[region].fill_(spec.pad)
+    def _padded(self, spec: InputSpec, real: tuple[int, ...], shape: tuple[int, int]) -> tuple[int, ...]:
+        """The extent of `spec`'s input that a step of extent `real` fills in bucket `shape`: the bucket's size
+        along padded dimensions, the step's own along the others (a block table's columns)."""
+        return tuple(p if name in PADDED_DIMS else r for p, r, name in zip(self._sizes(spec, shape), real, spec.shape))
 
-    def run(self, inputs: dict[str, torch.Tensor], plan, shape: tuple[int, int]) -> torch.Tensor:
-        """Run a step (inputs as the eager graph takes them; `plan` gives its sizes) in padded shape `shape`;
-        returns its logits rows."""
+    def run(self, inputs: StepInputs, plan, shape: tuple[int, int]) -> torch.Tensor:
+        """Run a step (its inputs on the host; `plan` gives its sizes) in padded shape `shape`: its values and
+        padding written into the bucket's host staging buffer, one copy to the static inputs, the pending ids
+        fed on the device, then the replay; returns its logits rows."""
+        staged = self.staged[shape]
+        host = staged.begin()
+        end = 0
+        for spec, field in self._layout[shape]:
+            value = inputs.host[spec.name]
+            real = _shape(value)
+            write_padded(host[spec.name], spec, value, real, self._padded(spec, real, shape))
+            end = max(end, field.offset + (field.nbytes if spec.pad is not None else
+                                           _prefix_elements(real, field.shape) * spec.dtype.itemsize))
+        staged.upload(end)
+        inputs.feed(staged.views)
+        return self._replay(plan, shape)
+
+    def run_device(self, inputs: dict[str, torch.Tensor], plan, shape: tuple[int, int]) -> torch.Tensor:
+        """`run` for inputs already on the device (a tensor-parallel rank's): device copies into the views."""
+        views = self.staged[shape].views
         for spec in self.specs:
             value = inputs[spec.name]
             real = tuple(value.shape)
-            padded = self._sizes(spec, shape)
-            padded = tuple(p if name in PADDED_DIMS else r for p, r, name in zip(padded, real, spec.shape))
-            self._fill(spec, value, real, padded)
+            write_padded(views[spec.name], spec, value, real, self._padded(spec, real, shape))
+        return self._replay(plan, shape)
+
+    def _replay(self, plan, shape: tuple[int, int]) -> torch.Tensor:
         if self.use_graphs:
             self.graphs[shape].replay()
             return self.logits[:plan.num_logits]
         return self.compiled(**self._inputs(shape))[0][:plan.num_logits]
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, (np.ndarray, torch.Tensor)) else np.shape(value)
+
+
+def _prefix_elements(real: tuple[int, ...], full: tuple[int, ...]) -> int:
+    """Elements of a C-contiguous `full`-shaped array up to and including the last one of its leading `real`
+    region (0 when that region is empty)."""
+    if not all(real):
+        return 0
+    strides = np.cumprod((1,) + tuple(full[:0:-1]))[::-1]
+    return int(sum((r - 1) * st for r, st in zip(real, strides))) + 1
+
+
+def write_padded(dst: HostView, spec: InputSpec, value, real: tuple[int, ...], padded: tuple[int, ...]) -> None:
+    """Write `value` into the leading `real` part of `dst` (host or device) and pad the rest of each padded
+    dimension up to `padded` with the spec's `pad` (None: left as it was)."""
+    assign(dst, tuple(slice(0, n) for n in real), value)
+    if spec.pad is None:
+        return
+    for dim, name in enumerate(spec.shape):
+        if name not in PADDED_DIMS or real[dim] >= padded[dim]:
+            continue
+        region = tuple(slice(0, padded[i]) if i != dim else slice(real[dim], padded[dim]) for i in range(len(real)))
+        if spec.pad == "last":  # repeat the last real element along this dimension
+            dst[region] = dst[tuple(slice(0, padded[i]) if i != dim else slice(real[dim] - 1, real[dim])
+                                    for i in range(len(real)))]
+        else:
+            dst[region] = spec.pad

@@ -205,8 +205,9 @@ class BroadcastingRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
-    def execute(self, inputs: dict[str, torch.Tensor], plan, decode: bool = False,
-                padded: bool = True) -> torch.Tensor:
+    def execute(self, inputs, plan, decode: bool = False, padded: bool = True) -> torch.Tensor:
+        if not isinstance(inputs, dict):  # host values from prepare(): the other ranks receive device tensors
+            inputs = self._runner.device_inputs(inputs)
         self._state.send_step(inputs, self._runner.input_specs, plan, decode, padded)
         return self._runner.execute(inputs, plan, decode=decode, padded=padded)
 

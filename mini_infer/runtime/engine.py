@@ -36,7 +36,7 @@ from mini_infer.runtime.block_manager import BlockManager
 from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, num_blocks_for_budget
 from mini_infer.runtime.limits import fit_max_model_len, long_prefill_threshold
 from mini_infer.runtime.memory import MemoryReport, gpu_cache_budget, profile_activations, release_host_memory
-from mini_infer.runtime.model_runner import ModelRunner
+from mini_infer.runtime.model_runner import ModelRunner, PendingIds, StepInputs
 from mini_infer.runtime.output_processor import OutputProcessor, RequestState
 from mini_infer.runtime.preflight import check_before_load
 from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
@@ -524,8 +524,9 @@ class LLMEngine:
             if so is not None else None
         return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed", so_host)
 
-    def _feed_pending(self, inputs: dict[str, torch.Tensor], out, prev: _Launched) -> None:
-        """Copy the in-flight step's sampled ids into this step's input rows holding their placeholders."""
+    def _feed_pending(self, inputs: StepInputs, out, prev: _Launched) -> None:
+        """Mark this step's input rows holding placeholders to take the in-flight step's sampled ids (on the
+        device, once the step's inputs are there)."""
         pending = prev.pending_rows
         dst, src = [], []
         row0 = 0
@@ -538,9 +539,7 @@ class LLMEngine:
                     src.append(hit[0])
             row0 += n
         if dst:
-            dev = prev.so.token_ids.device
-            ids = inputs["input_ids"]
-            ids[0, to_device(dst, torch.int64, dev)] = prev.so.token_ids[to_device(src, torch.int64, dev)].to(ids.dtype)
+            inputs.pending = PendingIds(dst, src, prev.so.token_ids)
 
     def _complete_safely(self, launched: _Launched) -> None:
         try:

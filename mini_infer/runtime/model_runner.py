@@ -2,9 +2,12 @@
 
 For every scheduled (sequence, n) it packs the n tokens after the sequence's computed ones into a `StepBatch`
 (positions, cache slots, block tables, context lengths, query offsets, and the rows whose logits the engine
-needs: each sampling sequence's last row, plus prompt rows for prompt logprobs), then fills every graph input
-the passes declared through its `InputSpec` builder, and the caches by name. It knows no pass's inputs; it
-never inspects the graph or samples.
+needs: each sampling sequence's last row, plus prompt rows for prompt logprobs), then builds every graph input
+the passes declared through its `InputSpec` builder, on the host (`StepInputs`). Where they go depends on how the
+step runs: a captured shape's staging buffer (cuda_graphs.py: one copy, already padded), or one packed copy for
+an uncaptured step; the caches are added by name. Input ids that are still on the device (async scheduling:
+the previous step's sampled ids) are written into the step's device input ids after the copy. It knows no
+pass's inputs; it never inspects the graph or samples.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import torch
 
 from mini_infer.compiler import CompiledModel
 from mini_infer.contract import StepBatch
-from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
+from mini_infer.contract.inputs import INPUT_IDS, UNCAPTURED_QUERY_ROWS
 from mini_infer.runtime.kv_cache import KVCache
 from mini_infer.runtime.sequence import Sequence
-from mini_infer.runtime.transfer import to_device
+from mini_infer.runtime.transfer import to_device, to_device_many
 
 
 @dataclass
@@ -33,6 +36,37 @@ class StepPlan:
     num_seqs: int = 0
     num_logits: int = 0
     max_query_len: int = 0  # the longest query run of the step
+
+
+@dataclass
+class PendingIds:
+    """Input ids still on the device: row `src[i]` of `source` is the step's token `dst[i]`."""
+
+    dst: list[int]
+    src: list[int]
+    source: torch.Tensor  # [rows] on the device (the previous step's sampled ids)
+
+
+@dataclass
+class StepInputs:
+    """One step's declared graph inputs as host values (not yet on the device), and its pending ids."""
+
+    host: dict[str, np.ndarray]
+    pending: PendingIds | None = None
+
+    def feed(self, device_inputs: dict[str, torch.Tensor]) -> None:
+        """Write the pending ids into the step's device input ids: one device copy when both row sets are
+        contiguous ranges (every decode step of an unchanged batch), else one index copy and a scatter."""
+        p = self.pending
+        if p is None:
+            return
+        ids = device_inputs[INPUT_IDS.name][0]
+        n = len(p.dst)
+        if p.dst == list(range(p.dst[0], p.dst[0] + n)) and p.src == list(range(p.src[0], p.src[0] + n)):
+            ids[p.dst[0]: p.dst[0] + n].copy_(p.source[p.src[0]: p.src[0] + n])
+            return
+        index = to_device(np.array([p.dst, p.src], dtype=np.int64), torch.int64, p.source.device)
+        ids[index[0]] = p.source[index[1]].to(ids.dtype)
 
 
 class ModelRunner:
@@ -106,8 +140,8 @@ class ModelRunner:
         return prompt[start:] + seq.output_token_ids[: end - p]
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], sample: list[bool],
-                prompt_logprob_seqs: set[int] | None = None) -> tuple[dict[str, torch.Tensor], StepPlan]:
-        """Graph inputs for one step and where each needed logits row will be."""
+                prompt_logprob_seqs: set[int] | None = None) -> tuple[StepInputs, StepPlan]:
+        """Graph inputs for one step (on the host) and where each needed logits row will be."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -150,13 +184,16 @@ class ModelRunner:
             logits_indices=np.asarray(logits_idx or [len(ids) - 1], dtype=np.int64), block_size=bs)
         plan.num_tokens, plan.num_seqs, plan.num_logits = step.num_tokens, step.num_seqs, step.num_logits
         plan.max_query_len = max(n for _, n in scheduled)
-        return self.inputs_for(step), plan
+        return StepInputs({spec.name: spec.build(step) for spec in self.input_specs}), plan
 
-    def inputs_for(self, step: StepBatch) -> dict[str, torch.Tensor]:
-        """Every graph input for `step`: each declared input from its builder, then the caches."""
-        inputs = {spec.name: to_device(spec.build(step), spec.dtype, self.device) for spec in self.input_specs}
-        inputs.update(self.kv_cache.tensors)
-        return inputs
+    def device_inputs(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """Every graph input of an uncaptured step on the device: the declared ones in one packed copy (the
+        pending ids fed after it), then the caches."""
+        values = {spec.name: (inputs.host[spec.name], spec.dtype) for spec in self.input_specs}
+        on_device = to_device_many(values, self.device)
+        inputs.feed(on_device)
+        on_device.update(self.kv_cache.tensors)
+        return on_device
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0,
                            force: bool = False) -> float:
@@ -179,14 +216,17 @@ class ModelRunner:
         rows = self.compiled.context.info.get(UNCAPTURED_QUERY_ROWS)
         return rows is not None and plan.max_query_len >= rows
 
-    def execute(self, inputs: dict[str, torch.Tensor], plan: StepPlan, decode: bool = False,
+    def execute(self, inputs: StepInputs | dict[str, torch.Tensor], plan: StepPlan, decode: bool = False,
                 padded: bool = True) -> torch.Tensor:
-        """Run the graph; returns logits [rows, vocab]. `decode` marks a pure decode step (one token per
-        sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape replays
-        it; otherwise (prompt logprobs, oversized steps, a query run `_has_uncapturable_run`) the graph runs as is."""
+        """Run the graph; returns logits [rows, vocab]. `inputs` come from `prepare` (host values), or are every
+        graph input already on the device (a tensor-parallel rank's). `decode` marks a pure decode step (one
+        token per sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape
+        replays it; otherwise (prompt logprobs, oversized steps, a query run `_has_uncapturable_run`) the graph
+        runs as is."""
         graphs = self.cuda_graphs
+        on_host = isinstance(inputs, StepInputs)
         if graphs is not None and padded and not self._has_uncapturable_run(plan):
             shape = graphs.bucket_for(plan.num_tokens, plan.num_seqs, plan.num_logits, decode)
             if shape is not None:
-                return graphs.run(inputs, plan, shape)
-        return self.compiled(**inputs)[0]
+                return graphs.run(inputs, plan, shape) if on_host else graphs.run_device(inputs, plan, shape)
+        return self.compiled(**(self.device_inputs(inputs) if on_host else inputs))[0]

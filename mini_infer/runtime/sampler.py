@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mini_infer.runtime.transfer import to_device
+from mini_infer.runtime.transfer import to_device, to_device_many
 from mini_infer.sampling_params import SamplingParams
 
 _TINY = 1e-20  # floor for the exponential noise, so that p / E never divides by zero
@@ -89,13 +89,14 @@ class SamplingBatch:
     """Per-row sampling state as device tensors. Optional tensors are None when no row needs them.
 
     Build it with `SamplingBatch.build`; the flags (`all_greedy`, `needs_penalties`, ...) are plain Python
-    values decided on the host, so the sampler picks its path without touching the device.
+    values decided on the host, so the sampler picks its path without touching the device. All its per-row
+    tensors reach the device in one copy; an all-greedy batch needs none (`greedy`, `temperature` None).
     """
 
     num_rows: int
     vocab_size: int
-    greedy: torch.Tensor  # [R] bool
-    temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows
+    greedy: torch.Tensor | None  # [R] bool; None when all rows are greedy
+    temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when all rows are greedy
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [R] int64 in [1, V]; V where disabled
@@ -156,29 +157,25 @@ class SamplingBatch:
             raise ValueError(f"generators has {len(generators)} entries for {rows} rows")
         eos = _per_row_eos(eos_token_ids, rows)
 
-        def dev(values, dtype):
-            return to_device(values, dtype, device)
-
         greedy = [is_greedy(p) for p in params]
-        batch = cls(
-            num_rows=rows,
-            vocab_size=vocab_size,
-            greedy=dev(greedy, torch.bool),
-            temperature=dev([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-        )
+        batch = cls(num_rows=rows, vocab_size=vocab_size, greedy=None, temperature=None, all_greedy=all(greedy),
+                    all_random=not any(greedy))
+        host: dict[str, tuple[list, torch.dtype]] = {}  # field -> per-row values: one copy to the device, below
         random_rows = [p for p, g in zip(params, greedy) if not g]
+        if random_rows:
+            host["temperature"] = ([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
+            if not batch.all_random:
+                host["greedy"] = (greedy, torch.bool)
         if any(p.top_k not in (-1, 0) and p.top_k < vocab_size for p in random_rows):
             ks = [
                 vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)
             ]
-            batch.top_k = dev(ks, torch.int64)
+            host["top_k"] = (ks, torch.int64)
             batch.top_k_max = max(k for k, g in zip(ks, greedy) if not g)
         if any(p.top_p < 1.0 for p in random_rows):
-            batch.top_p = dev([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32)
+            host["top_p"] = ([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32)
         if any(p.min_p > 0.0 for p in random_rows):
-            batch.min_p = dev([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+            host["min_p"] = ([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
 
         rep = [p.repetition_penalty != 1.0 for p in params]
         pen = [p.has_penalties for p in params]
@@ -187,11 +184,11 @@ class SamplingBatch:
                 [h[1] if w else () for h, w in zip(token_histories, pen)], vocab_size, device
             )
             if any(p.frequency_penalty != 0.0 for p in params):
-                batch.frequency_penalty = dev([p.frequency_penalty for p in params], torch.float32)
+                host["frequency_penalty"] = ([p.frequency_penalty for p in params], torch.float32)
             if any(p.presence_penalty != 0.0 for p in params):
-                batch.presence_penalty = dev([p.presence_penalty for p in params], torch.float32)
+                host["presence_penalty"] = ([p.presence_penalty for p in params], torch.float32)
             if any(rep):
-                batch.repetition_penalty = dev([p.repetition_penalty for p in params], torch.float32)
+                host["repetition_penalty"] = ([p.repetition_penalty for p in params], torch.float32)
                 batch.prompt_mask = (
                     _token_counts(
                         [h[0] if r else () for h, r in zip(token_histories, rep)], vocab_size, device
@@ -210,8 +207,11 @@ class SamplingBatch:
                 ban_rows += [i] * len(ids)
                 ban_ids += ids
         if ban_ids:
-            batch.banned_rows = dev(ban_rows, torch.int64)
-            batch.banned_ids = dev(ban_ids, torch.int64)
+            host["banned_rows"] = (ban_rows, torch.int64)
+            host["banned_ids"] = (ban_ids, torch.int64)
+        if host:
+            for name, tensor in to_device_many(host, device).items():
+                setattr(batch, name, tensor)
 
         batch.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
         batch.num_logprobs = [p.logprobs for p in params]
@@ -322,8 +322,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
-        logits = logits.float()  # everything below is out of place: the caller's tensor is never modified
         want_lp = batch.max_num_logprobs is not None
+        if want_lp or batch.needs_penalties or batch.banned_ids is not None or not batch.all_greedy:
+            logits = logits.float()  # everything below is out of place: the caller's tensor is never modified
+        # (else one argmax is all: it picks the same row maxima in the logits' own dtype, without a cast)
         raw_logprobs = logits.log_softmax(dim=-1) if want_lp and self.logprobs_mode == "raw" else None
 
         logits = apply_penalties(logits, batch)

@@ -60,10 +60,10 @@ def test_block_table_mirror_matches_plain_tables():
             continue
         rng.shuffle(scheduled)
         inputs, _ = runner.prepare(scheduled, [True] * len(scheduled))
-        width = inputs["block_tables"].shape[1]
+        width = inputs.host["block_tables"].shape[1]
         for row, (s, n) in enumerate(scheduled):
             need = -(-(s.num_computed_tokens + n) // 4)
-            assert inputs["block_tables"][row, :need].tolist() == s.block_table[:need], f"step {step}, row {row}"
+            assert inputs.host["block_tables"][row, :need].tolist() == s.block_table[:need], f"step {step}, row {row}"
         assert width == max(-(-(s.num_computed_tokens + n) // 4) for s, n in scheduled)
         for s, n in scheduled:
             s.num_computed_tokens += n

@@ -1,0 +1,141 @@
+"""The staged inputs of CUDA-graph steps, on the CPU (where the padded shapes run eagerly through the same
+static views, after the same staged copy).
+
+Oracles: every input of every padded step, read back from the bucket's static views after the copy, against
+the step's own host values (with the rows fed from the device) extended along each padded dimension by
+concatenation with the spec's pad value (or its last real slice), not by the region writes under test; for
+`pad` None inputs only the real part is compared (their padding is never read). And the order of the
+staging buffer's own operations: a host buffer is handed out again only after waiting for the copy that last
+read it, and never for the copy just queued.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mini_infer.contract import PADDED_DIMS
+from mini_infer.runtime.transfer import ALIGN, StagedBuffer, pack, typed_views
+from tests.runtime.test_engine import PROMPTS, assert_no_leak, hf_ref, make_engine, run
+
+
+def _expected(spec, value: torch.Tensor, padded: tuple[int, ...]) -> torch.Tensor:
+    """`value` grown to `padded` one dimension at a time by concatenation (pad value or last slice)."""
+    out = value
+    for dim, name in enumerate(spec.shape):
+        missing = padded[dim] - out.shape[dim]
+        if name not in PADDED_DIMS or missing <= 0:
+            continue
+        if spec.pad == "last":
+            fill = out.narrow(dim, out.shape[dim] - 1, 1).repeat_interleave(missing, dim=dim)
+        else:
+            shape = list(out.shape)
+            shape[dim] = missing
+            fill = torch.full(shape, spec.pad, dtype=out.dtype)
+        out = torch.cat([out, fill], dim=dim)
+    return out
+
+
+def test_staged_inputs_hold_each_step_padded_to_its_bucket():
+    # async scheduling: decode rows take the previous step's ids on the device (fed after the copy); 5 prompts
+    # finishing at different lengths: steps of a bucket shrink after larger ones (stale rows must be padded)
+    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=40,
+                         async_scheduling=True)
+    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 24, force=True)
+    graphs = engine.runner.cuda_graphs
+    real_run = graphs.run
+    checked, wrong, fed, last_seqs, shrunk = [], [], 0, {}, 0
+
+    def check(inputs, plan, shape):
+        logits = real_run(inputs, plan, shape)
+        nonlocal fed, shrunk
+        views = graphs.staged[shape].views
+        for spec in graphs.specs:
+            value = torch.as_tensor(np.asarray(inputs.host[spec.name])).to(spec.dtype)
+            if spec.name == "input_ids" and inputs.pending is not None:
+                p = inputs.pending
+                value[0, p.dst] = p.source[p.src].to(value.dtype)
+                fed += len(p.dst)
+            if spec.pad is None:
+                real = tuple(slice(0, n) for n in value.shape)
+                if not torch.equal(views[spec.name][real], value):
+                    wrong.append((spec.name, shape, plan.num_seqs))
+                continue
+            padded = graphs._padded(spec, tuple(value.shape), shape)
+            got = views[spec.name][tuple(slice(0, n) for n in padded)]
+            if not torch.equal(got, _expected(spec, value, padded)):
+                wrong.append((spec.name, shape, plan.num_seqs))
+        if plan.num_seqs < last_seqs.get(shape, 0):
+            shrunk += 1
+        last_seqs[shape] = plan.num_seqs
+        checked.append(shape)
+        return logits
+
+    graphs.run = check
+    outs = run(engine, PROMPTS)
+    assert not wrong, wrong[:5]  # (input, bucket, sequences in the step)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == hf_ref("tiny-llama", tuple(p)), f"prompt of {len(p)} tokens"
+    assert any(t == s for t, s in checked) and (24, 8) in checked  # decode and mixed buckets
+    assert fed and shrunk, (fed, shrunk)
+    assert_no_leak(engine)
+
+
+class _RecordedFence:
+    """Stands in for the CUDA event a staging buffer records after each copy (this machine has no CUDA
+    device, and CPU copies are synchronous): it logs when it is recorded and when it is waited on."""
+
+    log: list[tuple[str, int]] = []
+    made = 0
+
+    def __init__(self) -> None:
+        _RecordedFence.made += 1
+        self.id = _RecordedFence.made
+
+    def record(self) -> None:
+        self.log.append(("record", self.id))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.id))
+
+
+def test_staging_buffer_is_reused_only_after_its_copy_ran():
+    _RecordedFence.log, _RecordedFence.made = [], 0
+    staged = StagedBuffer([("a", torch.int64, (3,)), ("b", torch.int32, (2, 5))], torch.device("cpu"),
+                          fence=_RecordedFence)
+    assert staged.fields[1].offset % 64 == 0 and staged.nbytes == staged.fields[1].offset + 40
+    handed = []
+    for step in range(4):
+        host = staged.begin()
+        handed.append(host["a"])
+        host["a"][:] = [step, step + 1, step + 2]
+        host["b"][:] = step
+        staged.upload()
+        assert staged.views["a"].tolist() == [step, step + 1, step + 2]
+        assert staged.views["b"].eq(step).all()
+    # two host buffers in turn: the step being prepared never writes the buffer of the copy just queued
+    assert not np.shares_memory(handed[0], handed[1]) and np.shares_memory(handed[0], handed[2])
+    # one fence per host buffer: each buffer's reuse waits for the copy that last read it, recorded after
+    # that copy (buffer 0's fence 1 before step 2, buffer 1's fence 2 before step 3)
+    assert _RecordedFence.log == [("record", 1), ("record", 2), ("wait", 1), ("record", 1), ("wait", 2),
+                                  ("record", 2)]
+
+
+def test_staged_upload_copies_only_the_bytes_asked():
+    staged = StagedBuffer([("a", torch.int64, (4,))], torch.device("cpu"))
+    staged.begin()["a"][:] = [1, 2, 3, 4]
+    staged.upload(16)  # the first two elements
+    assert staged.views["a"].tolist() == [1, 2, 0, 0]
+
+
+def test_pack_puts_every_value_in_one_aligned_buffer():
+    # what an uncaptured step and a sampling batch send to a GPU in one copy
+    values = {"ids": (np.arange(5), torch.int64), "table": (np.arange(6).reshape(2, 3), torch.int32),
+              "w": ([[0.5, -2.0]], torch.bfloat16), "mask": ([True, False, True], torch.bool),
+              "n": (np.int64(7), torch.int32)}
+    host, fields = pack(values, pinned=False)
+    assert all(f.offset % ALIGN == 0 for f in fields) and host.numel() == fields[-1].offset + fields[-1].nbytes
+    views = typed_views(host, fields)
+    for name, (value, dtype) in values.items():
+        expected = torch.as_tensor(np.asarray(value)).to(dtype)
+        assert views[name].dtype == dtype and torch.equal(views[name], expected), name
