@@ -53,21 +53,21 @@ if HAS_TRITON:
         return s, q_beg, qlen, ctx, q_off
 
     @triton.jit
-    def split_key_range(k_lo, k_hi, split, NUM_SPLITS: tl.constexpr, granule):
-        """Program `split`'s part of the key range [k_lo, k_hi): equal parts, multiples of `granule` keys (the
-        kernel's keys per step), the last ones possibly short or empty. NUM_SPLITS == 1: the whole range."""
+    def split_key_range(k_lo, k_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program `split`'s part of the key range [k_lo, k_hi): equal BLOCK_N-aligned parts, the last ones
+        possibly short or empty. NUM_SPLITS == 1: the whole range."""
         if NUM_SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), granule) * granule
+            per = tl.cdiv(tl.cdiv(k_hi - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
             k_lo = k_lo + split * per
             k_hi = tl.minimum(k_lo + per, k_hi)
         return k_lo, k_hi
 
     @triton.jit
-    def used_splits(k_lo, k_hi, NUM_SPLITS: tl.constexpr, granule):
-        """How many of `split_key_range`'s splits of [k_lo, k_hi) (with the same `granule`) are non-empty (they
-        come first); at least 1, so that an empty range still has one program writing its (zero) rows."""
+    def used_splits(k_lo, k_hi, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """How many of `split_key_range`'s splits of [k_lo, k_hi) are non-empty (they come first); at least 1,
+        so that an empty range still has one program writing its (zero) rows."""
         n = k_hi - k_lo
-        per = tl.maximum(tl.cdiv(tl.cdiv(n, NUM_SPLITS), granule) * granule, granule)
+        per = tl.maximum(tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
         return tl.maximum(tl.cdiv(n, per), 1)
 
     @triton.jit
@@ -286,14 +286,19 @@ def launch_split_reduce(
 
 
 def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_context: int) -> int:
-    """Split-K only pays when (sequence x programs_per_seq) programs are too few to fill the GPU and contexts
-    are long: then enough splits to cover the SMs twice, bounded by max_context / 256 keys and 32, as a power
-    of two. 1 off CUDA."""
+    """Split-K only pays when (sequence x programs_per_seq) programs are too few to fill the GPU: then enough
+    splits to cover the SMs twice, at most 8 where a block-table row holds at most 1,024 keys (max_context) and 16
+    beyond, as a power of two. 1 off CPU.
+
+    The launch cannot see the step's context, only the table's capacity. H200, batch-1 decode, 16/8 and 32/4 heads
+    (us per call, write + attention): 8 splits are best up to ~1,000 keys (6.6-6.8 against 16 splits' 6.9-7.1),
+    16 at 2,000-4,000 (8.0 / 10.8 against 8 splits' 9.1 / 13.6); the old bound of capacity / 256 keys gave 2 splits
+    to a 400-key table, 8.6 us at 300 keys."""
     if not q.is_cuda:
         return 1
     programs = max(1, n_seqs * programs_per_seq)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
-    splits = min(math.ceil(2 * sms / programs), math.ceil(max_context / 256), 32)
+    splits = min(math.ceil(2 * sms / programs), 8 if max_context <= 1024 else 16)
     return next_pow2(splits) if splits > 1 else 1

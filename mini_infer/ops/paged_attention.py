@@ -521,12 +521,12 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
-        n_tokens, n_seqs, scale, softcap, sliding_window, short_keys, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
+        n_tokens, n_seqs, scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        SHORT_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
@@ -555,13 +555,9 @@ if HAS_TRITON:
         k_lo = k_hi * 0
         if USE_WINDOW:
             k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
-        # a range of at most short_keys keys (-1: none) is cut into SHORT_N-aligned splits and walked SHORT_N keys a
-        # step (more programs, shorter chains: small batches at short contexts); longer ones BLOCK_N keys a step
-        short = (k_hi - k_lo) <= short_keys
-        step = tl.where(short, SHORT_N, BLOCK_N)
-        n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, step) if FUSED_MERGE else NUM_SPLITS
+        n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, BLOCK_N) if FUSED_MERGE else NUM_SPLITS
         if (q_off < qlen) & (split < n_used):
-            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, step)
+            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
             tok0 = (q_beg + q_off).to(tl.int64)  # the tile's first query row
@@ -592,25 +588,11 @@ if HAS_TRITON:
                     qk_scale = qk_scale * q_scale[:, None]
                     v_scale = v_scale * (1.0 / 256.0)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            if SHORT_N < BLOCK_N:
-                if short:  # a short range: smaller key steps, in more splits
-                    acc, m_i, l_i = _attend_keys(
-                        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
-                        softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, SHORT_N,
-                        BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
-                    )  # fmt: skip
-                else:
-                    acc, m_i, l_i = _attend_keys(
-                        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
-                        softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
-                        BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
-                    )  # fmt: skip
-            else:
-                acc, m_i, l_i = _attend_keys(
-                    qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
-                    softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
-                    BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
-                )  # fmt: skip
+            acc, m_i, l_i = _attend_keys(
+                qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
+                softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
+                BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
+            )  # fmt: skip
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
@@ -679,19 +661,6 @@ def write_kv_cache_triton(
 _LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def _short_steps(name: str, block_n: int, fp8_dots: bool, num_splits: int) -> tuple[int, int]:
-    """(SHORT_N, short_keys) of a launch with `block_n` keys a step and `num_splits` splits: _CONFIG[name]'s
-    "short_n" keys a step for key ranges up to its "short_keys" keys, or (block_n, -1) (no short path) where the
-    config has none or there is one split (without more splits to spread them over, shorter steps only lengthen
-    the one program's chain)."""
-    cfg = _CONFIG[name]
-    short_n, short_keys = cfg.get("short_n", 0), cfg.get("short_keys", -1)
-    if not short_n or short_keys < 0 or num_splits == 1:
-        return block_n, -1
-    short_n = min(max(short_n, 32 if fp8_dots else 16), block_n)
-    return short_n, (short_keys if short_n < block_n else -1)
-
-
 def _launch_configs(name: str, key: tuple):
     """_CONFIG[name]'s shape, then ever smaller shapes (keys per step, pipeline stages, rows) until one fits."""
     if key in _LAUNCH_OK:
@@ -741,8 +710,9 @@ def paged_attention_triton(
         average: decode steps and CUDA-graph decode buckets. A prefill batch run as decode is slower
         (K/V reloaded per query row), never wrong.
       * `num_splits`: key-range splits per tile (flash-decoding). None (default) -> 1 unless decode_only
-        and (S x Hkv) programs would leave the GPU under-filled, then enough splits to cover it, bounded by
-        the block table's capacity / 256 keys (and 32). A tile's key range is cut into BLOCK_N-aligned parts
+        and (S x Hkv) programs would leave the GPU under-filled, then enough splits to cover it, at most 8
+        for block tables of up to 1,024 keys and 16 beyond (`_split_k.default_num_splits`); split launches
+        pipeline 2 key steps ahead (3 otherwise). A tile's key range is cut into BLOCK_N-aligned parts
         of ceil(range / num_splits) keys, so a short context fills only the first few splits.
       * `fused_merge` (with num_splits > 1): True (default) -> splits past a tile's range exit at once, the
         last split to finish a tile merges the partials in split order (one launch; a range within one split
@@ -804,7 +774,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
         if fp8_dot == _FP8_DOT["fp8"]:
             block_n = max(32, block_n)
-        short_n, short_keys = _short_steps(name, block_n, fp8_dot == _FP8_DOT["fp8"], num_splits)
+        if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200)
+            num_stages = min(num_stages, 2)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
@@ -813,12 +784,12 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
                 block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens),
-                t, n_seqs, float(scale), float(softcap), int(sliding_window), short_keys, block_size, d, dv,
+                t, n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n, SHORT_N=short_n,
+                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel

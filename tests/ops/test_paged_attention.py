@@ -256,37 +256,6 @@ def test_triton_split_k_decode(small_key_tiles):
 
 
 @requires_triton
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_triton_short_key_ranges_take_short_steps(monkeypatch, num_splits):
-    """Decode with the short path: ranges of at most short_keys keys (6, 33) go 16 keys a step in 16-key-aligned
-    splits, the long one (71) 32 keys a step, in one launch; each equals the oracle, and the fused merge gives the
-    reduce kernel's bits. With short_keys below every range the outputs are the long path's."""
-    from mini_infer.ops import _split_k
-    from mini_infer.ops import paged_attention as pa
-
-    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
-    for kind in pa._CONFIG:
-        monkeypatch.setitem(pa._CONFIG, kind, {**pa._CONFIG[kind], "block_n": 32, "short_n": 16, "short_keys": 40})
-    assert pa._short_steps("decode", 32, False, 4) == (16, 40)
-    assert pa._short_steps("decode", 32, False, 1) == (32, -1)  # one split: no short path
-    case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
-    args = case.args()
-    out = paged_attention_triton(*args, decode_only=True, num_splits=num_splits)
-    assert_close(out, oracle(case))
-    check_cache(case, args[3], args[4])
-    if num_splits > 1:
-        assert torch.equal(out, paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits,
-                                                       fused_merge=False))
-        assert not _split_k.split_counters(case.q.device, 1).any()
-    monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "short_keys": 2})
-    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
-    long_only = paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits)
-    assert_close(long_only, oracle(case))
-    monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "short_n": 0})
-    assert torch.equal(paged_attention_triton(*case.args(), decode_only=True, num_splits=num_splits), long_only)
-
-
-@requires_triton
 @pytest.mark.parametrize("seqs,window", [([(30, 9), (60, 1), (0, 4)], 0), ([(50, 1), (21, 3)], 19)])
 def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
     """The fused merge over prefill tiles (rows whose visible keys end in different splits), and under a window
@@ -659,3 +628,20 @@ def test_fp8_opcheck():
     # test_schema is left out: its checker multiplies the inputs, which CPU torch lacks for float8_e4m3fn
     torch.library.opcheck(torch.ops.mini_infer.paged_attention.default, fp8_args(case, ks, vs),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("n_seqs,heads,capacity,expected", [
+    (1, 8, 400, 8),      # batch 1, a short table: 8 splits (was 2 under the capacity / 256 bound)
+    (1, 8, 4096, 16),    # a long table: 16
+    (1, 4, 40960, 16),   # at most 16
+    (8, 8, 4096, 8),     # 64 programs: 2 x 132 / 64 -> 5 -> 8
+    (32, 8, 4096, 1),    # programs fill the GPU: no split
+])
+def test_default_num_splits_policy(monkeypatch, n_seqs, heads, capacity, expected):
+    from types import SimpleNamespace
+
+    from mini_infer.ops import _split_k
+
+    monkeypatch.setattr(_split_k, "num_sms", lambda index: 132)
+    q = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    assert _split_k.default_num_splits(q, n_seqs, heads, capacity) == expected
