@@ -17,8 +17,12 @@ linears that pass fuses with the residual add) and fuse_gemv_norm (the last laye
 its input row, any other consumer (`linear_add_rms_norm`, MoE experts), and the quantized paths (fuse_act_quant's
 `silu_and_mul_quant`; int8 / fp8 linears are not `mini_infer.linear`).
 
-Default: on for CUDA targets (measure it with `bench/latency.py --without fuse_silu_gemv`); off elsewhere, where
-the op runs the unfused references and saves nothing.
+Default: off (opt-in by name in `passes=[...]`). Measured on an H200 (2026-11-24, bf16, batch 1): the fused
+kernel is slower than the pair it replaces, 7.38 us at its default tile and 5.03 at the best of 24 tiles against
+4.55 for silu_and_mul + the GEMV (qwen3-0.6b down_proj, `bench/kernel_silu_gemv.py`); in the engine qwen3-0.6b ran
+1,071 tok/s with it and 1,163 without (same process), qwen2.5-7b 244.1 and 244.2. With programmatic dependent
+launch the silu kernel's launch is already hidden, and the prologue's extra reads and exp sit on every program's
+critical path.
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ class FuseSiluGemv(GraphPass):
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        # on CUDA only, where the op's one-row kernel replaces silu_and_mul's launch; elsewhere it runs the references
-        return cls() if ctx.device.type == "cuda" else None
+        # opt-in: slower than the unfused pair on an H200 (module docstring)
+        return None
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         counts = {name: 0 for name, _ in _CONSUMERS.values()}
