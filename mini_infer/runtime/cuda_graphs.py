@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,7 +116,11 @@ class CUDAGraphRunner:
 
         order = sorted(self.specs, key=key)
         staged = StagedBuffer([(s.name, s.dtype, self._sizes(s, shape)) for s in order], self.device)
-        self._layout[shape] = list(zip(order, staged.fields))
+        # how each is written on the host: an input without padding that is not the last one is copied whole
+        # (the copy runs past it), so its padding must hold valid values, not what the host buffer kept from an
+        # older step (the -1 placeholders of pending ids, which the embedding would read): zeros
+        written = [replace(s, pad=0) if s.pad is None and i < len(order) - 1 else s for i, s in enumerate(order)]
+        self._layout[shape] = list(zip(order, staged.fields, written))
         for spec in self.specs:
             if spec.pad is not None and spec.pad != "last":
                 staged.views[spec.name].fill_(spec.pad)
@@ -201,11 +206,11 @@ class CUDAGraphRunner:
         staged = self.staged[shape]
         host = staged.begin()
         end = 0
-        for spec, field in self._layout[shape]:
+        for spec, field, written in self._layout[shape]:
             value = inputs.host[spec.name]
             real = _shape(value)
-            write_padded(host[spec.name], spec, value, real, self._padded(spec, real, shape))
-            end = max(end, field.offset + (field.nbytes if spec.pad is not None else
+            write_padded(host[spec.name], written, value, real, self._padded(spec, real, shape))
+            end = max(end, field.offset + (field.nbytes if written.pad is not None else
                                            _prefix_elements(real, field.shape) * spec.dtype.itemsize))
         staged.upload(end)
         inputs.feed(staged.views)

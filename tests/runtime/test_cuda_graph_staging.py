@@ -12,6 +12,7 @@ read it, and never for the copy just queued.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mini_infer.contract import PADDED_DIMS
@@ -36,12 +37,15 @@ def _expected(spec, value: torch.Tensor, padded: tuple[int, ...]) -> torch.Tenso
     return out
 
 
-def test_staged_inputs_hold_each_step_padded_to_its_bucket():
+@pytest.mark.parametrize("step_tokens", [24, 16])
+def test_staged_inputs_hold_each_step_padded_to_its_bucket(step_tokens):
     # async scheduling: decode rows take the previous step's ids on the device (fed after the copy); 5 prompts
-    # finishing at different lengths: steps of a bucket shrink after larger ones (stale rows must be padded)
-    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=40,
+    # finishing at different lengths: steps of a bucket shrink after larger ones (stale rows must be padded).
+    # Every id the graph embeds, padding rows included, must be a token id: 16-token steps once uploaded a host
+    # buffer's stale -1 placeholders into input_ids' padding (an index error in the embedding on a GPU)
+    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=step_tokens, num_kv_blocks=40,
                          async_scheduling=True)
-    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 24, force=True)
+    engine.runner.enable_cuda_graphs(8, engine.max_model_len, step_tokens, force=True)
     graphs = engine.runner.cuda_graphs
     real_run = graphs.run
     checked, wrong, fed, last_seqs, shrunk = [], [], 0, {}, 0
@@ -50,6 +54,9 @@ def test_staged_inputs_hold_each_step_padded_to_its_bucket():
         logits = real_run(inputs, plan, shape)
         nonlocal fed, shrunk
         views = graphs.staged[shape].views
+        ids = views["input_ids"]
+        if not bool(((ids >= 0) & (ids < engine.vocab_size)).all()):
+            wrong.append(("input_ids not token ids", shape, plan.num_seqs))
         for spec in graphs.specs:
             value = torch.as_tensor(np.asarray(inputs.host[spec.name])).to(spec.dtype)
             if spec.name == "input_ids" and inputs.pending is not None:
@@ -76,7 +83,7 @@ def test_staged_inputs_hold_each_step_padded_to_its_bucket():
     assert not wrong, wrong[:5]  # (input, bucket, sequences in the step)
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == hf_ref("tiny-llama", tuple(p)), f"prompt of {len(p)} tokens"
-    assert any(t == s for t, s in checked) and (24, 8) in checked  # decode and mixed buckets
+    assert any(t == s for t, s in checked) and (step_tokens, 8) in checked  # decode and mixed buckets
     assert fed and shrunk, (fed, shrunk)
     assert_no_leak(engine)
 
