@@ -29,8 +29,14 @@ GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/ker
 # L2, 2026-11-24 (bench/RESULTS.md): 2 rows x 1024 beat 4 x 512 by 27-37% on the short-N shapes of qwen3-0.6b and
 # qwen3-30b-a3b (o_proj 3.3 vs 4.5 us, down_proj 4.0 vs 6.3, 30b o_proj 6.4 vs 8.4), and were within 3% either way
 # on qwen2.5-7b's (gate_up 63.7 vs 65.5, o_proj 9.6 vs 9.3). Rows shorter than 1024 keep the 512 step.
+# Wide products of 1024-2047-element rows (an lm_head over a 1024 hidden size) take 4 rows x 512 in two pipelined
+# steps: H200 2026-11-24 (bench/RESULTS.md, ninth session), qwen3-0.6b's lm_head 151936 x 1024 73.6 us (4.23 TB/s)
+# against 92.1 with 2 x 1024 (one step, nothing to pipeline); at K >= 2048 the 2 x 1024 tile stays ahead (30b
+# lm_head 137.4 vs 141.3, qwen2.5-7b 240.7 vs 244.9, llama-3.1-8b 235.0 vs 251.5).
 GEMV_CONFIG_LONG_K = (2, 1024, 4, 1)
 GEMV_CONFIG_SHORT_K = (4, 512, 4, 1)
+GEMV_CONFIG_WIDE_1K = (4, 512, 4, 2)
+WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,9 +113,11 @@ def takes_gemv(num_elements: int, dtype: torch.dtype, weight: torch.Tensor) -> b
     return HAS_TRITON and num_elements == k and k <= GEMV_MAX_K and dtype == weight.dtype
 
 
-def gemv_config(k: int) -> tuple[int, int, int, int]:
-    """The GEMV's default tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for rows of K elements."""
-    return GEMV_CONFIG_LONG_K if k >= 1024 else GEMV_CONFIG_SHORT_K
+def gemv_config(k: int, n: int = 0) -> tuple[int, int, int, int]:
+    """The GEMV's default tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for N rows (0: not known) of K elements."""
+    if k < 1024:
+        return GEMV_CONFIG_SHORT_K
+    return GEMV_CONFIG_WIDE_1K if k < 2048 and n >= WIDE_N else GEMV_CONFIG_LONG_K
 
 
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
@@ -118,7 +126,7 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
     programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and starts with
     `await_producers`)."""
-    bn, bk, warps, stages = config or gemv_config(weight.shape[1])
+    bn, bk, warps, stages = config or gemv_config(weight.shape[1], weight.shape[0])
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 

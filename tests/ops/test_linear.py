@@ -34,6 +34,26 @@ def test_gemv_strided_input_and_tile_configs():
         assert_close(gemv_triton(x, w, None, cfg), F.linear(x, w))
 
 
+def test_default_tile_by_shape():
+    """Rows under 1024 elements: 4 x 512; 1024-2047 elements over a vocabulary-wide N: 4 x 512 in two pipelined
+    steps (the lm_head of a 1024 hidden size); otherwise 2 x 1024 (H200 measurements in linear.py)."""
+    assert linear_mod.gemv_config(576, 49152) == linear_mod.GEMV_CONFIG_SHORT_K
+    assert linear_mod.gemv_config(1024, 151936) == linear_mod.GEMV_CONFIG_WIDE_1K
+    assert linear_mod.gemv_config(1024, 4096) == linear_mod.GEMV_CONFIG_LONG_K
+    assert linear_mod.gemv_config(2048, 151936) == linear_mod.GEMV_CONFIG_LONG_K
+    assert linear_mod.gemv_config(1024) == linear_mod.GEMV_CONFIG_LONG_K  # N unknown
+
+
+@requires_triton
+def test_gemv_wide_tile_matches_reference():
+    """The wide tile (two K steps of 512) on a 1024-element row: the reference's values."""
+    torch.manual_seed(0)
+    w = torch.randn(70, 1024, device=DEVICE)
+    x = torch.randn(1, 1024, device=DEVICE)
+    out = gemv_triton(x, w, None, config=linear_mod.GEMV_CONFIG_WIDE_1K)
+    assert_close(out, F.linear(x, w))
+
+
 @requires_triton
 def test_dispatch_by_shape(monkeypatch):
     """One row with K <= GEMV_MAX_K takes the GEMV; more rows, longer rows or mixed dtypes take F.linear."""
