@@ -122,8 +122,9 @@ def _array(field: str) -> InputBuilder:
     return lambda step: getattr(step, field)
 
 
-# The graph's own inputs (capture) and the attention metadata every paged attention op reads.
-INPUT_IDS = InputSpec("input_ids", torch.int64, (1, "tokens"), lambda s: s.token_ids[None], pad=None)
+# The graph's own inputs (capture) and the attention metadata every paged attention op reads. Padding token rows
+# of input_ids are embedded like real ones (their outputs discarded), so they must hold a token id: 0.
+INPUT_IDS = InputSpec("input_ids", torch.int64, (1, "tokens"), lambda s: s.token_ids[None], pad=0)
 POSITION_IDS = InputSpec("position_ids", torch.int64, (1, "tokens"), lambda s: s.positions[None], pad=None)
 SLOT_MAPPING = InputSpec("slot_mapping", torch.int64, ("tokens",), _array("slot_mapping"), pad=-1)
 BLOCK_TABLES = InputSpec("block_tables", torch.int32, ("seqs", "blocks"), _array("block_tables"), pad=None)

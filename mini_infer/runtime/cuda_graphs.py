@@ -10,7 +10,8 @@ A step runs in the smallest bucket that holds it. Every graph input the passes d
 static buffer per bucket, at that bucket's size: all of a bucket's static inputs are typed views of one device
 byte buffer (`StagedBuffer`), and the graph is captured on those views. A step's values fill the leading part
 of each input and the rest of every padded dimension (tokens, sequences, logits rows) holds the spec's `pad`
-value: for the attention metadata, token rows get slot -1 (nothing written) and belong to no sequence (query
+value: token rows get input id 0 (the embedding reads them) and, for the attention metadata, slot -1 (nothing
+written) and belong to no sequence (query
 offsets repeat the last one), so attention yields zeros for them; sequence rows get length 0; logits rows
 index 0, ignored. Those values and that padding are written on the host into a pinned buffer laid out exactly
 like the bucket's device buffer, and ONE non-blocking copy moves them (no device tensor in between, no
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,11 +116,7 @@ class CUDAGraphRunner:
 
         order = sorted(self.specs, key=key)
         staged = StagedBuffer([(s.name, s.dtype, self._sizes(s, shape)) for s in order], self.device)
-        # how each is written on the host: an input without padding that is not the last one is copied whole
-        # (the copy runs past it), so its padding must hold valid values, not what the host buffer kept from an
-        # older step (the -1 placeholders of pending ids, which the embedding would read): zeros
-        written = [replace(s, pad=0) if s.pad is None and i < len(order) - 1 else s for i, s in enumerate(order)]
-        self._layout[shape] = list(zip(order, staged.fields, written))
+        self._layout[shape] = list(zip(order, staged.fields))
         for spec in self.specs:
             if spec.pad is not None and spec.pad != "last":
                 staged.views[spec.name].fill_(spec.pad)
@@ -206,11 +202,11 @@ class CUDAGraphRunner:
         staged = self.staged[shape]
         host = staged.begin()
         end = 0
-        for spec, field, written in self._layout[shape]:
+        for spec, field in self._layout[shape]:
             value = inputs.host[spec.name]
             real = _shape(value)
-            write_padded(host[spec.name], written, value, real, self._padded(spec, real, shape))
-            end = max(end, field.offset + (field.nbytes if written.pad is not None else
+            write_padded(host[spec.name], spec, value, real, self._padded(spec, real, shape))
+            end = max(end, field.offset + (field.nbytes if spec.pad is not None else
                                            _prefix_elements(real, field.shape) * spec.dtype.itemsize))
         staged.upload(end)
         inputs.feed(staged.views)
