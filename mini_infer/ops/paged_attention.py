@@ -466,58 +466,6 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _attend_keys(
-        qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale, softcap,
-        sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
-        BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr,
-    ):  # fmt: skip
-        """(acc, m, l) of the score rows qv over keys [k_lo, k_hi) of one sequence (block-table row bt_row) and kv
-        head kvh, BLOCK_N keys a step: the online softmax's unnormalized output, running max and sum."""
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_N):
-            kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
-            kt = tl.load(
-                kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
-                mask=k_ok[:, None] & d_ok[None, :], other=0.0,
-            )  # fmt: skip
-            if DOT_FP32:
-                sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
-            elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
-                sc = tl.dot(qv, tl.trans(kt))
-            else:
-                sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
-            # scores in log2 units (softmax with exp2)
-            if USE_SOFTCAP:
-                sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
-            else:
-                sc = sc * (qk_scale * _split_k.LOG2E)
-            sc = _split_k.hide_invisible(
-                sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
-            )
-            p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
-            vt = tl.load(
-                vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
-                mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
-            )  # fmt: skip
-            if DOT_FP32:
-                pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
-            elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
-                p8 = p * 256.0
-                if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
-                    p8 = round_to_fp8_e4m3(p8)
-                pv = tl.dot(p8.to(vt.dtype), vt)
-            elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
-                pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
-            else:
-                pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
-            acc = acc * alpha[:, None] + pv
-        return acc, m_i, l_i
-
-    @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
@@ -587,12 +535,47 @@ if HAS_TRITON:
                 if FP8_DOT == 3:  # q8 scores times each row's q scale; the PV dot took p * 256 (below)
                     qk_scale = qk_scale * q_scale[:, None]
                     v_scale = v_scale * (1.0 / 256.0)
+            m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_R], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            acc, m_i, l_i = _attend_keys(
-                qv, kc_ptr, vc_ptr, bt_row, k_lo, k_hi, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
-                softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, BLOCK_SIZE, BLOCK_R, BLOCK_N,
-                BLOCK_DV, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
-            )  # fmt: skip
+            for start in range(k_lo, k_hi, BLOCK_N):
+                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
+                kt = tl.load(
+                    kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
+                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
+                elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
+                    sc = tl.dot(qv, tl.trans(kt))
+                else:
+                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
+                # scores in log2 units (softmax with exp2)
+                if USE_SOFTCAP:
+                    sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
+                else:
+                    sc = sc * (qk_scale * _split_k.LOG2E)
+                sc = _split_k.hide_invisible(
+                    sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
+                )
+                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
+                vt = tl.load(
+                    vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
+                    pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
+                elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
+                    p8 = p * 256.0
+                    if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
+                        p8 = round_to_fp8_e4m3(p8)
+                    pv = tl.dot(p8.to(vt.dtype), vt)
+                elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
+                    pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
+                else:
+                    pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
+                acc = acc * alpha[:, None] + pv
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
