@@ -14,6 +14,8 @@ of rms_norm.py's row helpers). Imports nothing from mini_infer outside `mini_inf
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mini_infer.ops._rotary import rotary_blocks
@@ -75,6 +77,35 @@ def _check(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_we
             raise ValueError(f"qk_rotary: {name} {tuple(w.shape)} does not match head dim {d}")
 
 
+class RotaryLaunch(NamedTuple):
+    """What a kernel over q's then k's rows (qk_rotary's grid) is launched with."""
+
+    n_q_rows: int
+    n_k_rows: int
+    cos: torch.Tensor  # cos / sin broadcast to [B, 1, T, D] (stride 0 where they were broadcast; never copied)
+    sin: torch.Tensor
+    q_weight: torch.Tensor  # the norm weights, contiguous (q / k themselves, unread, without a norm)
+    k_weight: torch.Tensor
+    block_r: int
+    block_h: int
+    q_blocks: int  # programs [0, q_blocks) take q's rows, the rest k's
+    grid: tuple[int]
+
+
+def rotary_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None) -> RotaryLaunch:
+    """The launch of a kernel over q's rows then k's ([B, H, T, D] each), one `_rotary.rotate_rows` tile a program."""
+    b, hq, t, d = q.shape
+    n_q_rows, n_k_rows = b * hq * t, b * k.shape[1] * t
+    block_r, block_h = rotary_blocks(d // 2)
+    q_blocks = triton.cdiv(n_q_rows, block_r)
+    return RotaryLaunch(
+        n_q_rows, n_k_rows, cos.expand(b, 1, t, d), sin.expand(b, 1, t, d),
+        q_weight.contiguous() if q_weight is not None else q, k_weight.contiguous() if k_weight is not None else k,
+        block_r, block_h, q_blocks, (q_blocks + triton.cdiv(n_k_rows, block_r),),
+    )  # fmt: skip
+
+
 def qk_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -85,23 +116,17 @@ def qk_rotary_triton(
     _check(q, k, q_weight, k_weight)
     q_out = torch.empty(q.shape, dtype=_out_dtype(q, q_weight, cos, sin), device=q.device)
     k_out = torch.empty(k.shape, dtype=_out_dtype(k, k_weight, cos, sin), device=k.device)
-    b, hq, t, d = q.shape
-    hk = k.shape[1]
-    n_q_rows, n_k_rows = b * hq * t, b * hk * t
-    if n_q_rows + n_k_rows == 0 or d == 0:
+    _, hq, t, d = q.shape
+    if q.numel() + k.numel() == 0:
         return q_out, k_out
-    c4, s4 = cos.expand(b, 1, t, d), sin.expand(b, 1, t, d)
-    qw = q_weight.contiguous() if q_weight is not None else q  # unread without the norm
-    kw = k_weight.contiguous() if k_weight is not None else k
-    block_r, block_h = rotary_blocks(d // 2)
-    q_blocks = triton.cdiv(n_q_rows, block_r)
-    grid = (q_blocks + triton.cdiv(n_k_rows, block_r),)
-    _qk_rotary_kernel[grid](
-        q, k, c4, s4, q_out, k_out, qw, kw,
-        q_blocks, n_q_rows, n_k_rows, hq, hk, t, d // 2, float(eps),
+    ln = rotary_launch(q, k, cos, sin, q_weight, k_weight)
+    c4, s4 = ln.cos, ln.sin
+    _qk_rotary_kernel[ln.grid](
+        q, k, c4, s4, q_out, k_out, ln.q_weight, ln.k_weight,
+        ln.q_blocks, ln.n_q_rows, ln.n_k_rows, hq, k.shape[1], t, d // 2, float(eps),
         *q.stride(), *k.stride(), c4.stride(0), c4.stride(2), c4.stride(3), s4.stride(0), s4.stride(2), s4.stride(3),
         *q_out.stride()[:3], *k_out.stride()[:3],
-        BLOCK_R=block_r, BLOCK_H=block_h, HAS_Q_NORM=q_weight is not None, HAS_K_NORM=k_weight is not None,
+        BLOCK_R=ln.block_r, BLOCK_H=ln.block_h, HAS_Q_NORM=q_weight is not None, HAS_K_NORM=k_weight is not None,
         num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return q_out, k_out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._rotary import rotary_blocks
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     await_producers,
@@ -30,7 +29,7 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 from mini_infer.ops.paged_attention import check_kv_scales, write_kv_cache_reference
-from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference
+from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference, rotary_launch
 
 __all__ = ["qk_rotary_kv_write", "qk_rotary_kv_write_reference", "qk_rotary_kv_write_triton"]
 
@@ -125,25 +124,20 @@ def qk_rotary_kv_write_triton(
     _check_kv(k, v, k_cache, v_cache, slot_mapping)
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     q_out = torch.empty(q.shape, dtype=_out_dtype(q, q_weight, cos, sin), device=q.device)
-    b, hq, t, d = q.shape
-    hk, dv = k.shape[1], v.shape[3]
-    n_q_rows, n_k_rows = b * hq * t, b * hk * t
-    if n_q_rows + n_k_rows == 0 or d == 0:
+    _, hq, t, d = q.shape
+    dv = v.shape[3]
+    if q.numel() + k.numel() == 0:
         return q_out
-    c4, s4 = cos.expand(b, 1, t, d), sin.expand(b, 1, t, d)
-    qw = q_weight.contiguous() if q_weight is not None else q  # unread without the norm
-    kw = k_weight.contiguous() if k_weight is not None else k
+    ln = rotary_launch(q, k, cos, sin, q_weight, k_weight)
+    c4, s4 = ln.cos, ln.sin
     ks, vs = (s if s is not None else slot_mapping for s in (k_scale, v_scale))  # unread without an fp8 cache
-    block_r, block_h = rotary_blocks(d // 2)
-    q_blocks = triton.cdiv(n_q_rows, block_r)
-    grid = (q_blocks + triton.cdiv(n_k_rows, block_r),)
-    _qk_rotary_kv_write_kernel[grid](
-        q, k, v, c4, s4, q_out, qw, kw, k_cache, v_cache, slot_mapping, ks, vs,
-        q_blocks, n_q_rows, n_k_rows, hq, hk, t, d // 2, dv, float(eps), k_cache.shape[1],
+    _qk_rotary_kv_write_kernel[ln.grid](
+        q, k, v, c4, s4, q_out, ln.q_weight, ln.k_weight, k_cache, v_cache, slot_mapping, ks, vs,
+        ln.q_blocks, ln.n_q_rows, ln.n_k_rows, hq, k.shape[1], t, d // 2, dv, float(eps), k_cache.shape[1],
         *q.stride(), *k.stride(), *v.stride(),
         c4.stride(0), c4.stride(2), c4.stride(3), s4.stride(0), s4.stride(2), s4.stride(3), *q_out.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        K_DTYPE=_tl_dtype(_out_dtype(k, k_weight, cos, sin)), KV_FP8=kv_fp8, BLOCK_R=block_r, BLOCK_H=block_h,
+        K_DTYPE=_tl_dtype(_out_dtype(k, k_weight, cos, sin)), KV_FP8=kv_fp8, BLOCK_R=ln.block_r, BLOCK_H=ln.block_h,
         BLOCK_DV=next_pow2(dv), HAS_Q_NORM=q_weight is not None, HAS_K_NORM=k_weight is not None,
         num_warps=4, **pdl_args(q),
     )  # fmt: skip
