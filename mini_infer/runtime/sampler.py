@@ -95,7 +95,7 @@ class SamplingBatch:
 
     num_rows: int
     vocab_size: int
-    greedy: torch.Tensor | None  # [R] bool; None when all rows are greedy
+    greedy: torch.Tensor | None  # [R] bool; None when all rows are greedy or none is (only a mix reads it)
     temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when all rows are greedy
     all_greedy: bool
     all_random: bool
