@@ -119,26 +119,32 @@ class ParallelState:
             raise self._fail(f"broadcasting a step to the other ranks failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self, abort: bool = False) -> None:
-        """Stop the group (rank 0: tell the other ranks to exit and wait for the processes it started)."""
+        """Stop the group (rank 0: tell the other ranks to exit and wait for the processes it started).
+
+        A clean stop destroys the process group on every rank at once: rank 0 right after the stop message, the
+        other ranks when they receive it (`serve`). NCCL's teardown waits for its peers, so rank 0 must not wait
+        for the processes to exit first (they would be waiting in their own teardown for rank 0's): it joins them
+        after its own. A failed or aborted group (its peers may be gone) is ended without waiting for them."""
         if self._closed:
             return
         self._closed = True
+        stopped = False
         if self.rank == 0 and not abort and self.failure is None:
             try:
                 header = torch.zeros(_HEADER, dtype=torch.int64)
                 header[0] = CMD_STOP
                 dist.broadcast(header, src=0, group=self.control)
+                stopped = True
             except Exception:  # noqa: BLE001 - already broken: the processes are stopped below
                 pass
+        if stopped:
+            _end_group(wait_for_peers=True)
         deadline = time.monotonic() + (10.0 if not abort else 0.0)
         for p in self.workers:
             p.join(max(0.0, deadline - time.monotonic()))
         _stop_processes([p for p in self.workers if p.is_alive()])
-        if dist.is_initialized() and (not abort or self.failure is None):
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        if not stopped:
+            _end_group(wait_for_peers=False)
 
     def _fail(self, why: str) -> WorkerDiedError:
         if self.failure is None:
@@ -188,10 +194,7 @@ class ParallelState:
                                             max_query_len=max_query_len),
                            decode=bool(decode), padded=bool(padded))
         self._closed = True
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        _end_group(wait_for_peers=True)  # paired with rank 0's (close)
         raise SystemExit(0)
 
 
@@ -317,6 +320,20 @@ def _start_workers(config, device_type: str) -> list:
         _stop_processes(workers)
         raise
     return workers
+
+
+def _end_group(wait_for_peers: bool) -> None:
+    """Leave the process group: destroyed (NCCL pairs the teardown with the peers', so all must be doing it), or,
+    when the peers may be gone, aborted on CUDA (NCCL's abort waits for nobody; gloo's destroy never waits)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if wait_for_peers or dist.get_backend() != "nccl":
+            dist.destroy_process_group()
+        else:
+            dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 - best effort: the process is leaving the group either way
+        pass
 
 
 def _stop_processes(procs: list, grace: float = 3.0) -> None:
