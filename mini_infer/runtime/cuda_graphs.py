@@ -100,6 +100,16 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.use_graphs = device.type == "cuda"
 
+    def release(self) -> None:
+        """Free every captured graph; later steps run uncaptured. A tensor-parallel group calls it before its
+        NCCL communicators are destroyed: their teardown waits while a graph holding their kernels lives
+        (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.decode_sizes, self.token_sizes, self.use_graphs = [], [], False
+
     def _sizes(self, spec: InputSpec, shape: tuple[int, int]) -> tuple[int, ...]:
         """The buffer's shape in bucket (T, S): logits rows are at most one per sequence, tables full width."""
         t, s = shape

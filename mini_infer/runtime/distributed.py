@@ -74,6 +74,7 @@ class ParallelState:
     failure: WorkerDiedError | None = None
     _closed: bool = False
     _monitor: threading.Thread | None = None
+    _graphs: object = None  # the runner's CUDAGraphRunner (attach): freed before the group is destroyed
 
     # ------------------------------------------------------------------ agreements (every rank calls them)
     def agree_min(self, value: int) -> int:
@@ -86,6 +87,7 @@ class ParallelState:
         """After the runner's CUDA graphs are captured: keep only the shapes every rank captured, and on rank 0
         return a runner that broadcasts each step before running it (ranks > 0 keep their own)."""
         graphs = getattr(runner, "cuda_graphs", None)
+        self._graphs = graphs
         if graphs is not None and graphs.use_graphs:  # a shape one rank failed to capture: all run eagerly
             shapes = sorted(graphs.graphs)
             mine = torch.tensor([len(shapes), sum(t * 7919 + s for t, s in shapes)], dtype=torch.int64)
@@ -138,6 +140,7 @@ class ParallelState:
             except Exception:  # noqa: BLE001 - already broken: the processes are stopped below
                 pass
         if stopped:
+            self._release_graphs()
             _end_group(wait_for_peers=True)
         deadline = time.monotonic() + (10.0 if not abort else 0.0)
         for p in self.workers:
@@ -145,6 +148,11 @@ class ParallelState:
         _stop_processes([p for p in self.workers if p.is_alive()])
         if not stopped:
             _end_group(wait_for_peers=False)
+
+    def _release_graphs(self) -> None:
+        """Free the CUDA graphs that captured this group's collectives (NCCL's teardown waits for them)."""
+        if self._graphs is not None and self._graphs.graphs:
+            self._graphs.release()
 
     def _fail(self, why: str) -> WorkerDiedError:
         if self.failure is None:
@@ -194,6 +202,7 @@ class ParallelState:
                                             max_query_len=max_query_len),
                            decode=bool(decode), padded=bool(padded))
         self._closed = True
+        self._release_graphs()
         _end_group(wait_for_peers=True)  # paired with rank 0's (close)
         raise SystemExit(0)
 
