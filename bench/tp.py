@@ -7,7 +7,8 @@ and the all-reduce time of one decode step measured on its own.
    bug, and exits 1 at the end. `--check-only` stops there.
 2. Speed: `--model` (default the `qwen2.5-7b` preset: bf16, random weights), prompt 128, 256 new tokens, batch 1,
    TP=1 on GPU 0, then TP=N on GPUs 0..N-1 (the N-1 other ranks are started by the engine). Prints decode tok/s,
-   ms/token, the speed-up and the weight-bandwidth floor of each (weights per rank / copy bandwidth). The greedy
+   ms/token, the speed-up and the weight-bandwidth floor of each (the weight bytes a token reads per rank, MoE: the
+   top-k experts only, bench/active_bytes.py; + KV; over the copy bandwidth). The greedy
    tokens of the two runs are compared: bf16 sums in another order (the all-reduce) can flip a near-tie of random
    weights, so a divergence is reported with its position rather than failing the run.
 3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces of [1, hidden] bf16 that one
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from active_bytes import token_bytes  # noqa: E402  (the weight bytes a token reads)
 from latency import copy_bandwidth  # noqa: E402
 
 MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
@@ -111,7 +113,6 @@ def _report_check(failures: list[str], tp: int, expert_parallel: bool = False) -
 
 def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False) -> dict:
     """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine."""
-    from mini_infer.compiler import tensor_bytes
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams
 
@@ -128,13 +129,14 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel
     torch.cuda.synchronize()
     total = time.perf_counter() - start
     first = out.metrics.first_token_time - out.metrics.arrival_time
-    gm = eng.compiled.graph_module
-    weights = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()] if "embed_tokens" not in n])
+    # the weight bytes one token reads on this rank (bench/active_bytes.py): all but the embedding, and for MoE
+    # layers only the top-k experts' share (under expert parallelism: as if this rank held all k, the worst case)
+    weights = token_bytes(eng.compiled.graph_module).active
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     hidden = eng.model_config.get_text_config().hidden_size
     layers = eng.model_config.get_text_config().num_hidden_layers
     result = dict(tp=tp, label=f"{tp}{' EP' if expert_parallel else ''}", expert_parallel=expert_parallel, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
-                  weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
+                  active_weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
                   tokens=list(out.outputs[0].token_ids), hidden=hidden, layers=layers,
                   graphs=len(eng.runner.cuda_graphs.graphs) if eng.runner.cuda_graphs else 0)
     _release(llm)
@@ -175,6 +177,7 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
     if rank == 0:
         queue.put(times[len(times) // 2])
     dist.barrier()
+    graph.reset()  # NCCL's teardown waits while a graph holding its kernels lives (pytorch#115388)
     dist.destroy_process_group()
 
 
@@ -196,6 +199,8 @@ def allreduce_us_per_step(tp: int, hidden: int, layers: int) -> float:
     us = queue.get(timeout=300)
     for p in procs:
         p.join(60)
+        if p.is_alive():  # a rank stuck in its teardown must not keep the script from exiting
+            p.kill()
     return us
 
 
@@ -235,7 +240,7 @@ def main() -> int:
     print(f"{'TP':<6}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
           f"{'startup s':>11}{'graphs':>8}")
     for r in runs:
-        floor = bw / (r["weight_bytes_per_rank"] + r["kv_bytes_per_token_per_rank"] * mean_ctx)
+        floor = bw / (r["active_weight_bytes_per_rank"] + r["kv_bytes_per_token_per_rank"] * mean_ctx)
         r["floor_tok_s"] = floor
         print(f"{r['label']:<6}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
               f"{r['tok_s'] / runs[0]['tok_s']:>10.2f}{r['startup_s']:>11.1f}{r['graphs']:>8}")
