@@ -278,7 +278,8 @@ if HAS_TRITON:
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per

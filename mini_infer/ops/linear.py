@@ -10,7 +10,9 @@ depends only on shapes, so a CUDA graph captured for one batch size keeps its ke
 `gemv_program`, the kernel itself) and a launcher (`launch_gemv`) that other single-row kernels build on
 (rms_norm_linear.py: the norm as the GEMV's prologue; linear_add.py: the residual add in its epilogue;
 linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
-weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
+weights into an int32 or fp32 accumulator). Every kernel `launch_gemv` launches starts with
+`_l2_prefetch.prefetch_then_await`: the PDL wait, and before it an L2 prefetch of the weight's first bytes when
+MINI_INFER_GEMV_PREFETCH asks (off by default: not measured yet). Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
