@@ -236,6 +236,7 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
     @triton.jit
@@ -278,14 +279,16 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`."""
-        await_producers(USE_GDC)
+        and BLOCK_K count words), multiplied by `_dot4`. The weight prefetch before the wait: linear.py's
+        `gemv_program`."""
+        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
