@@ -396,13 +396,13 @@ def sm90_resources(name, cfg, kv, batch=64, ctx=512, heads=None, capability=90):
     on this machine (no GPU: Triton's own ptxas), launched under _CONFIG[name] = cfg over --decode-sweep's caches
     (kv "bf16" or "fp8") at (batch, ctx), as on an H200: the CUDA dot rule of `_dot_kind`, PDL on. The launch
     arguments are those `_triton_attention` passes (captured on CPU tensors, with their alignments). Returns the
-    cubin's resource usage {"regs", "stack", "local", "shared", "spill_stores", "spill_loads"} from Triton's cuobjdump
-    and ptxas (bytes; spills as ptxas -v reports them). Needs TRITON_INTERPRET unset before triton is imported."""
+    kernel's {"regs", "shared", "stack", "spill_stores", "spill_loads"} (bytes but regs) as ptxas -v reports them
+    with Triton's flags, and Triton's shared memory. Needs TRITON_INTERPRET unset before triton is imported."""
     import subprocess
     import tempfile
 
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
@@ -421,11 +421,11 @@ def sm90_resources(name, cfg, kv, batch=64, ctx=512, heads=None, capability=90):
     try:
         pa._LAUNCH_OK.clear()
         pa.paged_attention_cached_triton(args[0], *args[3:5], *args[6:12], *args[12:])
-        fma, fp8_dot, dot_fp32 = pa._dot_kind(name, kv == "fp8", args[0].dtype, interpreted=False)
+        a, kw = launches[0]
+        fma, fp8_dot, dot_fp32 = pa._dot_kind(name, kv == "fp8", args[0].dtype, kw["BLOCK_G"], interpreted=False)
     finally:
         pa._CONFIG[name], pa._paged_attn_kernel = saved, kernel
         pa._LAUNCH_OK.clear()
-    a, kw = launches[0]
     kw = {**kw, "FMA_DOTS": fma, "FP8_DOT": fp8_dot, "DOT_FP32": dot_fp32, "ROUND_P_EXACTLY": False,
           "USE_GDC": True, "launch_pdl": True}
     target = GPUTarget("cuda", capability, 32)
@@ -433,21 +433,17 @@ def sm90_resources(name, cfg, kv, batch=64, ctx=512, heads=None, capability=90):
     bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*a, **kw)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, options)
     compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
-        cubin.write_bytes(compiled.asm["cubin"])
+    with tempfile.TemporaryDirectory() as tmp:  # ptxas -v again on Triton's PTX, with the flags Triton gave it
+        ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        cuobjdump = Path(get_ptxas(target.arch).path).with_name("cuobjdump")
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True,
-                               text=True, check=True).stdout
-        ptxas_log = subprocess.run([get_ptxas(target.arch).path, "-v", f"--gpu-name=sm_{capability}a",
-                                    str(ptx), "-o", str(Path(tmp) / "v.cubin")],
-                                   capture_output=True, text=True, check=True).stderr
-    res = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
-    res["shared"] = max(res.get("shared", 0), compiled.metadata.shared)  # Triton's dynamic shared memory
-    res["spill_stores"], res["spill_loads"] = (int(spills[1]), int(spills[2])) if spills else (-1, -1)
-    return {"regs": res.pop("reg"), **res}
+        fmad = [] if options.enable_fp_fusion else ["--fmad=false"]
+        log = subprocess.run([get_ptxas(capability).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(capability)}", str(ptx), "-o", str(ptx) + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"regs": int(used[1]), "shared": compiled.metadata.shared, "stack": int(frame[1]),
+            "spill_stores": int(frame[2]), "spill_loads": int(frame[3])}
 
 
 def triton_compile(src, target, options):

@@ -21,7 +21,8 @@ e4m3 (the Triton write gives the reference's bytes exactly), and every read dequ
 the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
 dequantized values; the Triton kernel converts the fp8 tiles (exactly) to a 16-bit dtype for its dots, fp16 by
 default with q (saturated to fp16's range) and the probabilities in fp16 too (`_FP8_DOT`; an fp32 q keeps fp32
-dots), and folds k_scale into the score scale and v_scale into the output. A fourth way, "fp8" (no default: to
+dots), or, for decode tiles under the "fma" dots (`_CONFIG`'s "dots", not a default yet), to fp32 with every product
+and sum in fp32, and folds k_scale into the score scale and v_scale into the output. A fourth way, "fp8" (no default: to
 be timed), runs both dots in e4m3 instead, with q and the probabilities quantized in the kernel (see `_FP8_DOT`):
 a few percent off the reference, not the 16-bit ways' bf16 rounding. Other caches take no scales (None, the default).
 
@@ -101,8 +102,12 @@ _CONFIG = {
 # padded to 16 (fp8 tiles fed as `fp8_dot` says); "fma" -> no padding and no tl.dot (CUDA cores, as vLLM's CUDA
 # paged-attention kernels and FlashInfer's decode do for small groups): q as [BLOCK_G, D] fp32, the key tile
 # converted to fp32 (fp8 through fp16, exact), scores = sum over D of q[:, None, :] * k[None, :, :], the PV
-# product likewise summed over the keys; `fp8_dot` is then unused and every product and sum is fp32.
+# product likewise summed over the keys; `fp8_dot` is then unused and every product and sum is fp32. Its registers grow
+# with the group: "fma" applies to groups of at most _FMA_MAX_GROUP query heads (BLOCK_G), larger ones take "mma"
+# (sm_90 build, bench/kernel_paged_attention.py --compile-check: G = 2 at 64 keys a step 168 registers over fp8, no
+# spills; G = 7 at 32 keys 255 registers and 1.4 KB of spills).
 _DOTS = ("mma", "fma")
+_FMA_MAX_GROUP = 4
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs".
@@ -681,12 +686,15 @@ def _dots_way(name: str) -> str:
     return way
 
 
-def _dot_kind(name: str, kv_fp8: bool, q_dtype: torch.dtype, interpreted: bool) -> tuple[bool, int, bool]:
-    """The kernel's (FMA_DOTS, FP8_DOT, DOT_FP32) for a launch under _CONFIG[name] with q of q_dtype, on CUDA or
-    (`interpreted`) under Triton's interpreter, whose bf16 dot is wrong (its fp16 dot is right: fp32 products and
-    sums), so there a bf16 q takes fp32 dots unless an fp16 or fp8 way is configured. An fp32 q takes fp32 dots
-    whatever the way; the "fma" dots take no fp8 way."""
-    fma_dots = _dots_way(name) == "fma"
+def _dot_kind(
+    name: str, kv_fp8: bool, q_dtype: torch.dtype, block_g: int, interpreted: bool
+) -> tuple[bool, int, bool]:  # fmt: skip
+    """The kernel's (FMA_DOTS, FP8_DOT, DOT_FP32) for a launch under _CONFIG[name] with q of q_dtype and block_g
+    (query heads per kv head, padded to a power of two), on CUDA or (`interpreted`) under Triton's interpreter, whose
+    bf16 dot is wrong (its fp16 dot is right: fp32 products and sums), so there a bf16 q takes fp32 dots unless an
+    fp16 or fp8 way is configured. An fp32 q takes fp32 dots whatever the way; the "fma" dots (groups of at most
+    _FMA_MAX_GROUP heads, else "mma") take no fp8 way."""
+    fma_dots = _dots_way(name) == "fma" and block_g <= _FMA_MAX_GROUP
     fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 and not fma_dots else 0
     dot_fp32 = not fma_dots and (q_dtype == torch.float32 or (interpreted and fp8_dot == 0))
     return fma_dots, 0 if dot_fp32 else fp8_dot, dot_fp32
@@ -782,7 +790,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         decode_only = t <= n_seqs
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
-    fma_dots, fp8_dot, dot_fp32 = _dot_kind(name, kv_fp8, q.dtype, interpreted=not q.is_cuda)
+    fma_dots, fp8_dot, dot_fp32 = _dot_kind(name, kv_fp8, q.dtype, block_g, interpreted=not q.is_cuda)
     if fp8_dot == _FP8_DOT["fp8"]:
         _check_fp8_dots(q)
         block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)

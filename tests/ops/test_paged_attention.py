@@ -213,11 +213,13 @@ def test_triton_matches_reference(name):
 
 
 def use_dots(monkeypatch, dots):
-    """Make the decode configs run their tiles' dots the way `dots` of paged_attention._DOTS ("mma", "fma")."""
+    """Make the decode configs run their tiles' dots the way `dots` of paged_attention._DOTS ("mma", "fma"), "fma"
+    for groups of up to 8 query heads (these tests' largest, 7; the engine's bound is smaller, _FMA_MAX_GROUP)."""
     from mini_infer.ops import paged_attention as pa
 
     for name in ("decode", "decode_fp8"):
         monkeypatch.setitem(pa._CONFIG, name, {**pa._CONFIG[name], "dots": dots})
+    monkeypatch.setattr(pa, "_FMA_MAX_GROUP", 8)
     monkeypatch.setattr(pa, "_LAUNCH_OK", {})
 
 
@@ -266,23 +268,32 @@ def _ptxas() -> str | None:
 @pytest.mark.skipif(_ptxas() is None, reason="needs Triton's NVIDIA backend with ptxas")
 def test_fma_decode_kernel_compiles_for_sm90_without_spills():
     """The "fma" decode kernel built for sm_90 (an H200) on this machine, no GPU: at the sweep's shapes (qwen3-0.6b
-    heads, 64 keys a step, 4 warps) over bf16 and fp8 caches it fits the registers (no spills). Compiled in a child
-    process: the interpreter, set for this one, replaces Triton's compiler."""
-    code = ("import json; from bench.kernel_paged_attention import sm90_resources; cfg = {'block_n': 64, "
-            "'num_warps': 4, 'num_stages': 2, 'dots': 'fma'}; print(json.dumps([sm90_resources(name, cfg, kv) "
-            "for name, kv in (('decode', 'bf16'), ('decode_fp8', 'fp8'))]))")
+    heads, 4 warps) it fits the registers (no spills) with 32 keys a step over a bf16 cache and 64 over an fp8 one
+    (the same bytes a step; bf16 at 64 keys spills a few bytes). Compiled in a child process: the interpreter, set
+    for this one, replaces Triton's compiler."""
+    code = ("import json; from bench.kernel_paged_attention import sm90_resources; cfg = {'num_warps': 4, "
+            "'num_stages': 2, 'dots': 'fma'}; print(json.dumps([sm90_resources(name, {**cfg, 'block_n': n}, kv) "
+            "for name, kv, n in (('decode', 'bf16', 32), ('decode_fp8', 'fp8', 64))]))")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for res in json.loads(run.stdout.splitlines()[-1]):
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["local"] == 0, res
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
         assert 0 < res["regs"] <= 255, res
 
 
-def test_dots_way_is_checked(monkeypatch):
+def test_dots_way_rules(monkeypatch):
+    """"fma" takes groups of up to _FMA_MAX_GROUP query heads (fp32 products, no fp8 way), larger ones "mma"; an
+    unknown way, or "fma" in a prefill config, is refused."""
     from mini_infer.ops import paged_attention as pa
+
+    monkeypatch.setitem(pa._CONFIG, "decode_fp8", {**pa._CONFIG["decode_fp8"], "dots": "fma"})
+    small, large = pa._FMA_MAX_GROUP, 2 * pa._FMA_MAX_GROUP
+    assert pa._dot_kind("decode_fp8", True, torch.bfloat16, small, interpreted=False) == (True, 0, False)
+    fp16 = _FP8_DOT[pa._CONFIG["decode_fp8"]["fp8_dot"]]
+    assert pa._dot_kind("decode_fp8", True, torch.bfloat16, large, interpreted=False) == (False, fp16, False)
 
     monkeypatch.setitem(pa._CONFIG, "prefill", {**pa._CONFIG["prefill"], "dots": "fma"})
     monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "dots": "wmma"})
