@@ -58,7 +58,7 @@ from mini_infer.ops.silu_and_mul import silu_and_mul_reference, silu_and_mul_tri
 __all__ = ["MlpTile", "barrier_timeouts", "launch_mlp_persistent", "mlp_persistent", "mlp_persistent_reference",
            "mlp_persistent_triton", "mlp_takes_persistent"]
 
-MAX_SPINS = 1 << 22  # polls of the generation word before a program gives up waiting (seconds on a GPU)
+MAX_SPINS = 1 << 20  # polls of the generation word before a program gives up waiting (~0.1-1 s on a GPU)
 INTERPRETER_PROGRAMS = 3  # the interpreter's grid: few programs, so each loops over several tiles (as on a GPU)
 
 

@@ -1,4 +1,4 @@
-"""FuseMlpPersistent: rms_norm_linear → split → silu_and_mul → linear_add ⇒ mlp_persistent (one op per MLP block).
+"""FuseMlpPersistent: rms_norm_linear → split → silu_and_mul → linear_add ⇒ mlp_persistent, one op per block.
 
 On every dense tiny preset: with its prerequisites alone (no select_logits, no fuse_gemv_norm) every layer's MLP fuses,
 the last one's down_proj too (fuse_residual_gemvs made it a linear_add before the final norm's lm_head); in the
