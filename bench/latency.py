@@ -21,6 +21,7 @@ remove the prefill from the rate.
     python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
+    python bench/latency.py --model qwen3-0.6b --peers none --with fuse_mlp_persistent  # an opt-in pass's
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--without", default=None,
                     help="comma list of passes: one more engine, the first one's pipeline without them (their gain)")
+    ap.add_argument("--with", dest="with_", default=None,
+                    help="comma list of opt-in passes: one more engine, the first one's pipeline plus them, appended")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
@@ -140,6 +143,12 @@ def main() -> None:
         engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
                                       [p for p in first["passes"] if p not in off]))
         engines[-1]["tag"] = f",without={'+'.join(off)}"
+    if args.with_:
+        on = args.with_.split(",")
+        first = engines[0]
+        engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
+                                      [*first["passes"], *on]))
+        engines[-1]["tag"] = f",with={'+'.join(on)}"
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:
