@@ -13,7 +13,7 @@ and the cyclic collector stops scanning it. Without this every full collection w
 (~1 s each late in the suite), and `LLMEngine` runs one per engine built (`release_host_memory`): two thirds of
 tests/runtime/test_engine.py's time was spent there. Objects a test creates stay young and collectable, so
 anything a test checks about collection or memory is unchanged; only garbage cycles among objects alive at a
-module boundary (a module's fixtures are torn down before it) are never freed.
+module boundary (a module's fixtures and its last test's arguments are released before it) are never freed.
 """
 
 import gc
@@ -34,9 +34,13 @@ def _one_thread():  # session scope: module- and session-scoped fixtures (model 
     torch.set_num_threads(before)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    yield  # the module's fixtures are torn down in here when nextitem is in another module
-    if nextitem is not None and nextitem.path != item.path:
+_last_module: list = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a module's first test (the previous module's fixtures and last test's arguments are released)."""
+    if _last_module[0] is not None and item.path != _last_module[0]:
         gc.collect()
         gc.freeze()
+    _last_module[0] = item.path
