@@ -44,3 +44,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         gc.collect()
         gc.freeze()
     _last_module[0] = item.path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()  # the interpreter's shutdown collects as usual (nanobind reports frozen Triton objects as leaked)
