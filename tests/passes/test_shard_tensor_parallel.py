@@ -296,37 +296,51 @@ VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_laye
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
-def _errors(rank: int, world_size: int, labels: list[str] | None = None, expert_parallel: bool = False) -> dict:
-    """On each rank: max |logits - eager| of the pass alone and of the full pipeline, and |TP=N - TP=1|
-    (one capture per model, each pipeline on a copy of it), for VARIANTS (or those of `labels`)."""
-    out = {}
+EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0"]
+
+
+def _errors(rank: int, world_size: int) -> dict:
+    """On each rank, for VARIANTS ("tp") and, with expert parallelism, EP_VARIANTS ("ep"): max |logits - eager| of
+    the pass alone and of the full pipeline, and |TP=N - TP=1| (one capture per model, each pipeline on a copy of
+    it). One launch of the ranks serves both tests: spawning them and capturing each model are most of the time."""
+    out: dict = {"tp": {}, "ep": {}}
     for label, (preset, fields) in VARIANTS.items():
-        if labels is not None and label not in labels:
-            continue
         model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
         captured = capture(model)
-        num, start = 11, 5
-        ids = random_ids(num, seed=1) % model.config.vocab_size
-        pos = positions(start, num)
-        with torch.no_grad():
-            ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        row = {"tol": 1e-4 * max(1.0, ref.abs().max().item())}
-        logits = {}
-        for kind, size in (("alone", world_size), ("full", world_size), ("tp1", 1)):
-            ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank % size,
-                              world_size=size, expert_parallel=expert_parallel)
-            passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
-            gm = copy_gm(captured)
-            PassManager(passes).run(gm, ctx)
-            inputs = ctx.example_inputs(ids, pos)
-            inputs["logits_indices"] = torch.arange(num)
-            logits[kind] = run_graph(gm, inputs)
-            row[f"{kind}_all_reduces"] = op_counts(gm)[c10d.all_reduce.default]
-        row["alone"] = (logits["alone"] - ref).abs().max().item()
-        row["full"] = (logits["full"] - ref).abs().max().item()
-        row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
-        out[label] = row
+        for key, expert_parallel in (("tp", False), ("ep", True)):
+            if expert_parallel and label not in EP_VARIANTS:
+                continue
+            out[key][label] = _variant_errors(model, captured, rank, world_size, expert_parallel)
     return out
+
+
+def _variant_errors(model, captured, rank: int, world_size: int, expert_parallel: bool) -> dict:
+    num, start = 11, 5
+    ids = random_ids(num, seed=1) % model.config.vocab_size
+    pos = positions(start, num)
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    row = {"tol": 1e-4 * max(1.0, ref.abs().max().item())}
+    logits = {}
+    for kind, size in (("alone", world_size), ("full", world_size), ("tp1", 1)):
+        ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank % size,
+                          world_size=size, expert_parallel=expert_parallel)
+        passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
+        gm = copy_gm(captured)
+        PassManager(passes).run(gm, ctx)
+        inputs = ctx.example_inputs(ids, pos)
+        inputs["logits_indices"] = torch.arange(num)
+        logits[kind] = run_graph(gm, inputs)
+        row[f"{kind}_all_reduces"] = op_counts(gm)[c10d.all_reduce.default]
+    row["alone"] = (logits["alone"] - ref).abs().max().item()
+    row["full"] = (logits["full"] - ref).abs().max().item()
+    row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
+    return row
+
+
+@pytest.fixture(scope="module")
+def two_rank_errors() -> list[dict]:
+    return run_ranks(_errors, 2)
 
 
 def _check_errors(results: list[dict]) -> None:
@@ -340,16 +354,15 @@ def _check_errors(results: list[dict]) -> None:
             assert row["tp1_all_reduces"] == 0, where
 
 
-def test_two_ranks_match_eager_and_tp1():
-    _check_errors(run_ranks(_errors, 2))
+def test_two_ranks_match_eager_and_tp1(two_rank_errors):
+    results = [r["tp"] for r in two_rank_errors]
+    assert all(set(rows) == set(VARIANTS) for rows in results)
+    _check_errors(results)
 
 
-EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0"]
-
-
-def test_two_ranks_expert_parallel_match_eager_and_tp1():
+def test_two_ranks_expert_parallel_match_eager_and_tp1(two_rank_errors):
     """Expert parallelism: each rank runs its half of the experts whole (the pass alone routes them, since HF's
     experts code cannot run on half of them); both ranks give eager HF's logits and TP=1's."""
-    results = run_ranks(_errors, 2, EP_VARIANTS, True)
+    results = [r["ep"] for r in two_rank_errors]
     assert all(set(rows) == set(EP_VARIANTS) for rows in results)
     _check_errors(results)
