@@ -4,7 +4,8 @@ need (found or not), cuobjdump's resource line (registers, shared memory, LOCAL 
 
 Run in a process of its own without TRITON_INTERPRET (under the interpreter `triton.jit` builds interpreted
 functions, which do not compile): `python -m tests.ops.compile_sm90 [gate_rows down_rows num_warps num_stages I]`.
-Exits 3 when Triton has no CUDA backend or ptxas (the caller skips). Used by tests/ops/test_mlp_persistent.py.
+Exits NO_CUDA_BACKEND (tests/ops/helpers.py) when Triton has no CUDA backend or ptxas (the caller,
+`run_uninterpreted`, skips). Used by tests/ops/test_mlp_persistent.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.ops.helpers import NO_CUDA_BACKEND
+
 # the barrier's atomics (arrival acq_rel, generation bump release, the poll's volatile loads and acquire) and PDL's
 PTX_NEEDLES = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "atom.global.gpu.acq_rel.add",
                "red.global.gpu.release.add", "ld.volatile.global", "ld.global.gpu.acquire")
 POINTERS = ("x_ptr", "nw_ptr", "wgu_ptr", "bgu_ptr", "wd_ptr", "bd_ptr", "r_ptr", "act_ptr", "s_ptr")
-NO_BACKEND = 3
 
 
 def compile_sm90(gate_rows: int, down_rows: int, num_warps: int, num_stages: int, i: int):
@@ -66,7 +68,7 @@ def main(argv: list[str]) -> int:
         kernel = compile_sm90(gate_rows, down_rows, num_warps, num_stages, i)
     except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as exc:
         print(f"no CUDA backend / ptxas: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return NO_BACKEND
+        return NO_CUDA_BACKEND
     ptx = kernel.asm["ptx"]
     print(json.dumps({"tile": [gate_rows, down_rows, num_warps, num_stages], "I": i,
                       "ptx": {n: n in ptx for n in PTX_NEEDLES}, "usage": resource_usage(kernel.asm["cubin"])}))

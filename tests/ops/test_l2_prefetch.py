@@ -11,20 +11,14 @@ when the CUDA backend or ptxas is unavailable. Also the host policy's off cases 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from mini_infer.ops._l2_prefetch import PREFETCH_OFF, gemv_prefetch_args, prefetch_cap
-from tests.ops.helpers import requires_triton
-
-ROOT = Path(__file__).resolve().parents[2]
-SKIP = 77  # the subprocess's exit status when it cannot compile for CUDA here
+from tests.ops.helpers import NO_CUDA_BACKEND, requires_triton, run_uninterpreted
 
 # (module, kernel) of every kernel launched through `launch_gemv`
 GEMV_KERNELS = [
@@ -91,20 +85,14 @@ def _main() -> int:
         triton.compile(src, target=GPUTarget("cuda", 90, 32))
     except Exception as e:  # no CUDA backend or no ptxas here: nothing to check
         print(f"cannot compile for CUDA here: {type(e).__name__}: {e}")
-        return SKIP
+        return NO_CUDA_BACKEND
     print(json.dumps(_compile_cases()))
     return 0
 
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    run = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if run.returncode == SKIP:
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_uninterpreted([__file__], timeout=900)
 
 
 def _instructions(text: str) -> list[str]:

@@ -3,12 +3,6 @@ phase launches), bit for bit the unfused kernels it replaces (rms_norm_linear, s
 kernels for rows it does not take; the reference on CPU; and the GPU build (PHASES=3: the grid barrier) compiled
 for sm_90 without a GPU, where Triton's CUDA backend and ptxas are installed."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -20,12 +14,10 @@ from mini_infer.ops.linear_add import linear_add_triton
 from mini_infer.ops.mlp_persistent import MlpTile, mlp_persistent_reference, mlp_persistent_triton
 from mini_infer.ops.rms_norm_linear import rms_norm_linear_triton
 from mini_infer.ops.silu_and_mul import silu_and_mul_triton
-from tests.ops.compile_sm90 import NO_BACKEND
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
 
 mi = torch.ops.mini_infer
 EPS = 1e-6
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(rows, h, i, dtype, bias=False, residual_dtype=None, seed=0):
@@ -138,14 +130,7 @@ def test_fake_impl_and_opcheck():
 def test_gpu_build_compiles_for_sm90_with_the_barrier(tile):
     """In a process without the interpreter (tests/ops/compile_sm90.py): the barrier's atomics and PDL's
     griddepcontrol are in the PTX, and nothing spills (cuobjdump's LOCAL:0)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "tests.ops.compile_sm90", *map(str, tile), "3072"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode == NO_BACKEND:
-        pytest.skip(proc.stderr.strip())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_uninterpreted(["-m", "tests.ops.compile_sm90", *map(str, tile), "3072"])
     print(f"sm_90 bf16 tile {tile}: {report['usage']}")  # pytest -s shows it
     assert all(report["ptx"].values()), report["ptx"]
     assert not report["usage"] or "LOCAL:0 " in report["usage"]

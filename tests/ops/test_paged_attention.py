@@ -6,13 +6,9 @@ the op), fills every other cache slot with NaN and unused block-table entries wi
 block-table entry the op must not read turns the output into NaN or crashes.
 """
 
-import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
 from mini_infer.ops.paged_attention import _FP8_DOT, paged_attention_reference, paged_attention_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
 
 
 @dataclass
@@ -274,12 +270,8 @@ def test_fma_decode_kernel_compiles_for_sm90_without_spills():
     code = ("import json; from bench.kernel_paged_attention import sm90_resources; cfg = {'num_warps': 4, "
             "'num_stages': 2, 'dots': 'fma'}; print(json.dumps([sm90_resources(name, {**cfg, 'block_n': n}, kv) "
             "for name, kv, n in (('decode', 'bf16', 32), ('decode_fp8', 'fp8', 64))]))")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for res in json.loads(run.stdout.splitlines()[-1]):
+    resources = run_uninterpreted(["-c", code])
+    for res in resources:
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
         assert 0 < res["regs"] <= 255, res
 
