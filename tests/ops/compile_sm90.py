@@ -22,25 +22,29 @@ from tests.ops.helpers import NO_CUDA_BACKEND
 # the barrier's atomics (arrival acq_rel, generation bump release, the poll's volatile loads and acquire) and PDL's
 PTX_NEEDLES = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "atom.global.gpu.acq_rel.add",
                "red.global.gpu.release.add", "ld.volatile.global", "ld.global.gpu.acquire")
-POINTERS = ("x_ptr", "nw_ptr", "wgu_ptr", "bgu_ptr", "wd_ptr", "bd_ptr", "r_ptr", "act_ptr", "s_ptr")
+
+
+def build_sm90(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4, num_stages: int = 1):
+    """`kernel` (a `triton.jit` function) compiled for sm_90, as a launch builds it: its constexpr parameters from
+    `constexprs`, pointers (`*_ptr`) bf16 unless `pointers` names another type, `eps` fp32, other scalars i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    pointers = pointers or {}
+    sig = {arg: "constexpr" if param.is_constexpr else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
+           else "fp32" if arg == "eps" else "i32" for arg, param in zip(kernel.arg_names, kernel.params)}
+    return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def compile_sm90(gate_rows: int, down_rows: int, num_warps: int, num_stages: int, i: int):
     """The CompiledKernel (sm_90, bf16 tensors, no biases), K steps as the op picks them for I = i."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from mini_infer.ops import mlp_persistent as mod
 
-    fn = mod._mlp_persistent_kernel
-    ints = ("n_hidden", "n_inter", "n_out", "stride_gu", "stride_d")
-    sig = {a: "*bf16" if a in POINTERS else "*i32" if a == "words_ptr" else "fp32" if a == "eps"
-           else "i32" if a in ints else "constexpr" for a in fn.arg_names}
     constexprs = dict(HAS_GU_BIAS=False, HAS_D_BIAS=False, BLOCK_N_A=gate_rows, BLOCK_K_A=mod.GEMV_CONFIG_SHORT_K[1],
                       BLOCK_N_B=down_rows, BLOCK_K_B=mod.gemv_config(i)[1], PHASES=3, MAX_SPINS=mod.MAX_SPINS,
                       USE_GDC=True)
-    return triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return build_sm90(mod._mlp_persistent_kernel, constexprs, {"words_ptr": "*i32"}, num_warps, num_stages)
 
 
 def resource_usage(cubin: bytes) -> str:

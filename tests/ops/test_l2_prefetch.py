@@ -44,9 +44,9 @@ def _compile_cases() -> dict[str, str]:
     scaled GEMVs' packed int8 (int32 words) and fp32 scales, the other constexprs set to a real launch's."""
     import importlib
 
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
+
+    from tests.ops.compile_sm90 import build_sm90
 
     pointer = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32",
                "q_ptr": "*i8"}
@@ -56,19 +56,10 @@ def _compile_cases() -> dict[str, str]:
     out = {}
     for module, name, prefetch, label in CASES:
         kernel = getattr(importlib.import_module(f"mini_infer.ops.{module}"), name)
-        scaled = "scaled" in name
-        sig, constexprs = {}, {}
-        for arg, param in zip(kernel.arg_names, kernel.params):
-            if param.is_constexpr:
-                sig[arg] = "constexpr"
-                constexprs[arg] = prefetch[arg] if arg in prefetch else common[arg]
-            elif arg.endswith("_ptr"):
-                sig[arg] = pointer.get(arg, "*i32" if scaled and arg in ("x_ptr", "w_ptr") else "*bf16")
-            else:
-                sig[arg] = "fp32" if arg == "eps" else "i32"
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-        out[f"{module}.{name}/{label}"] = compiled.asm["ptx"]
+        packed = {"x_ptr": "*i32", "w_ptr": "*i32"} if "scaled" in name else {}  # int8 as int32 words
+        constexprs = {arg: prefetch[arg] if arg in prefetch else common[arg]
+                      for arg, param in zip(kernel.arg_names, kernel.params) if param.is_constexpr}
+        out[f"{module}.{name}/{label}"] = build_sm90(kernel, constexprs, {**pointer, **packed}).asm["ptx"]
     return out
 
 
