@@ -135,6 +135,8 @@ def main() -> int:
             if barrier_timeouts(dev) != before:
                 print(f"  {tuple(tile)}: barrier timed out while timing: dropped")
                 del times[tile]
+            else:
+                print(f"  {tuple(tile)}: {times[tile]:.2f} us", flush=True)
         best = min(times, key=times.get)
         for tile in sorted(times, key=times.get)[:8]:
             print(f"  {str(tuple(tile)):<40}{times[tile]:>8.2f} us  ({t_unfused / times[tile]:.2f}x)  "

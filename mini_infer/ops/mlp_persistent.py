@@ -58,7 +58,7 @@ from mini_infer.ops.silu_and_mul import silu_and_mul_reference, silu_and_mul_tri
 __all__ = ["MlpTile", "barrier_timeouts", "launch_mlp_persistent", "mlp_persistent", "mlp_persistent_reference",
            "mlp_persistent_triton", "mlp_takes_persistent"]
 
-MAX_SPINS = 1 << 20  # polls of the generation word before a program gives up waiting (~0.1-1 s on a GPU)
+MAX_SPINS = 1 << 16  # polls of the generation word before a program gives up waiting (~50 ms on an H200)
 INTERPRETER_PROGRAMS = 3  # the interpreter's grid: few programs, so each loops over several tiles (as on a GPU)
 
 
@@ -190,18 +190,31 @@ if HAS_TRITON:
                             BLOCK_K_B)
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """`device` with its index: "cuda" alone means the current CUDA device (one barrier buffer per GPU, whichever
+    way the caller names it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @functools.cache
-def _barrier_words(device: torch.device) -> torch.Tensor:
+def _words_on(device: torch.device) -> torch.Tensor:
+    return torch.zeros(3, dtype=torch.int32, device=device)
+
+
+def _barrier_words(device: torch.device | str) -> torch.Tensor:
     """The grid barrier's int32 words [arrivals, generation, timeouts] on `device`, zeroed once and kept for the
     process (shared by every launch there: launches on one stream run one after another, and each leaves the
     arrival counter at 0)."""
-    return torch.zeros(3, dtype=torch.int32, device=device)
+    return _words_on(_resolved(device))
 
 
 def barrier_timeouts(device: torch.device | str) -> int:
     """How many program waits at the grid barrier on `device` gave up (MAX_SPINS polls) so far: anything but 0 means
     the grid was not all resident at once and those results are wrong. Syncs the device."""
-    return int(_barrier_words(torch.device(device))[2].item())
+    return int(_barrier_words(device)[2].item())
 
 
 def _out_dtypes(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:

@@ -134,3 +134,13 @@ def test_gpu_build_compiles_for_sm90_with_the_barrier(tile):
     print(f"sm_90 bf16 tile {tile}: {report['usage']}")  # pytest -s shows it
     assert all(report["ptx"].values()), report["ptx"]
     assert not report["usage"] or "LOCAL:0 " in report["usage"]
+
+
+def test_barrier_words_are_one_buffer_per_device_however_it_is_named(monkeypatch):
+    """"cuda" and "cuda:<current>" name the same barrier words: the timeout counter the benchmark reads (with
+    "cuda") is the one the launches (on x.device, "cuda:0") count into. Checked on the key the cache uses."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert mod._resolved("cuda") == mod._resolved(torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert mod._resolved("cuda:1") == torch.device("cuda", 1)
+    assert mod._resolved("cpu") == torch.device("cpu")
+    assert mod._barrier_words("cpu") is mod._barrier_words(torch.device("cpu"))
