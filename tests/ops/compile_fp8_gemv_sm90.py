@@ -2,14 +2,15 @@
 shapes builds it, no GPU needed, and count what its K loop executes per weight byte; print one JSON line.
 
 Cases: fp8 "dot" (tensor cores, `_padded_row_dot`) and fp8 "cuda-cores" (fp8 -> fp32 conversions and FMAs) at
-their default tiles for short and long rows, and the int8 GEMV (int32 words, dp4a) beside them. For each: whether
+their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, and "dot" inside
+linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel. For each: whether
 the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and the conversion
 instructions (`cvt.*e4m3*`), cuobjdump's resource line (LOCAL: spill bytes) and, from the SASS, the K loop (the
 longest backward branch's body) by instruction class, as warp instructions per weight byte (body count x warps /
 (BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fp8_gemv_sm90
-[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores or int8; no arguments: the
+[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8 or fp8-dot-fused; no arguments: the
 default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
 tests/ops/test_fp8_linear.py; the numbers go into the report of an experiment, not into the kernels.
 """
@@ -71,18 +72,26 @@ def classify(body: Counter) -> dict[str, int]:
 
 
 def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    """Mode int8, fp8-cuda-cores, fp8-dot: `_scaled_gemv_kernel`; fp8-dot-fused: linear_add_rms_norm.py's kernel
+    that runs the same GEMV body before the add + norm + fp8 quantization."""
     import triton.language as tl
 
     from mini_infer.ops import int8_linear as il
+    from mini_infer.ops import linear_add_rms_norm as lar
 
     int8 = mode == "int8"
     constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=int8, ASM=int8,
-                      DOT=mode == "fp8-dot", BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k, USE_GDC=True,
-                      PREFETCH_PROGRAMS=0, PREFETCH_BYTES=0, PREFETCH_BULK=False)
+                      DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k,
+                      USE_GDC=True, PREFETCH_PROGRAMS=0, PREFETCH_BYTES=0, PREFETCH_BULK=False)
     operand = "*i32" if int8 else "*fp8e4nv"  # int8: int32 words of four, as launch_scaled_gemv packs them
-    pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32"}
+    pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32",
+                "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
     divisible = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "b_ptr", "y_ptr", "K", "stride_wn")
-    return build_sm90(il._scaled_gemv_kernel, constexprs, pointers, num_warps, num_stages, divisible)
+    kernel = il._scaled_gemv_kernel
+    if mode == "fp8-dot-fused":
+        kernel = lar._scaled_gemv_add_rms_norm_quant_kernel
+        constexprs.update(NORM_DTYPE=tl.bfloat16, IS_FP8=True, QMAX=448.0, NORM_BLOCK_M=1, NORM_BLOCK_N=4096)
+    return build_sm90(kernel, constexprs, pointers, num_warps, num_stages, divisible)
 
 
 def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
@@ -103,7 +112,8 @@ def default_cases() -> list[tuple]:
     from mini_infer.ops import int8_linear as il
 
     return [("fp8-dot", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8),
-            ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8_LONG_K), ("int8", *il.SCALED_GEMV_CONFIG)]
+            ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8_LONG_K), ("int8", *il.SCALED_GEMV_CONFIG),
+            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT)]
 
 
 def main(argv: list[str]) -> int:
