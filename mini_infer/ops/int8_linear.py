@@ -12,7 +12,8 @@ Why: a batch-1 decode step reads every weight once; int8 weights halve those byt
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
 (and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
 safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
-streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU), M <= SMALL_M (16) -> a
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores,
+or with MINI_INFER_FP8_GEMV=dot multiplied on tensor cores, the row padded to a tensor-core tile: FP8_GEMV), M <= SMALL_M (16) -> a
 skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
 accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
 every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
@@ -96,17 +97,22 @@ SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
 FP8_GEMV_LONG_K = 8192
 # How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
-# "cuda-cores": fp8 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores, so the
-# GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step on
-# an H200 against 1.99 ms for int8's dp4a); "dot": tensor cores, the row padded to DOT_ROWS rows
-# (`_padded_row_dot`, mma.sync e4m3 on sm_89+), with its own tile SCALED_GEMV_CONFIG_FP8_DOT (BLOCK_N: weight
-# rows per program, at least 8 per warp: one mma n-tile each). "cuda-cores" stays the default until
-# `bench/kernel_quant.py` (fp8-dot) and bench/latency.py measure "dot" on a GPU.
+# "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
+# so the GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step
+# on an H200 against 1.99 ms for int8's dp4a); "dot": tensor cores (`_padded_row_dot`), the weight tile fed to
+# tl.dot as loaded. What Triton (3.6 and 3.9) emits for it on sm_90: wgmma ...e4m3.e4m3 (QGMMA) only when the dot
+# has 64 rows per warpgroup (4 warps) and both operands K-major; a 16-row dot goes to mma v2, and for mma v2 Triton
+# converts fp8 to fp16 on Hopper (native fp8 mma.sync only on sm_89), as it does for a B tile of 8 columns. Hence
+# DOT_ROWS = 64 and DOT_COLS = 16. The dot's fp32 accumulator takes the wgmma partial after each BLOCK_K step
+# (max_num_imprecise_acc = BLOCK_K: see FP8_DOT). Its own tile SCALED_GEMV_CONFIG_FP8_DOT (BLOCK_N, BLOCK_K,
+# warps, cp.async stages; a guess from the sm_90 compile, tests/ops/compile_fp8_gemv_sm90.py: 0.03 instructions
+# a weight byte in the K loop, like int8's dp4a GEMV, against 0.11-0.17 for "cuda-cores"). "cuda-cores" stays the
+# default until `bench/kernel_quant.py --sweep-gemv fp8-dot` and bench/latency.py measure "dot" on a GPU.
 FP8_GEMV_MODES = ("cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "cuda-cores")
 if FP8_GEMV not in FP8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
-DOT_ROWS = 64  # the padded A tile's rows: a warpgroup's wgmma M
+DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 3)
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
