@@ -1,6 +1,8 @@
 """fp8_linear / fp8_w8a8_linear: the dequantizing reference, the Triton kernels (the one-row GEMV and the tile;
 interpreter here, and on GPUs with FP8), torch._scaled_mm on GPUs, the capability check, fakes and opcheck."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import fp8_linear as fl
 from mini_infer.ops.quant import quantize_per_token_reference
-from tests.ops.helpers import DEVICE, TOL, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, ROOT, TOL, requires_triton, run_uninterpreted
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -164,6 +166,20 @@ def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
         il.scaled_gemv_triton(*args, torch.float32, fp8_gemv="tensor")
     with pytest.raises(ValueError, match="BLOCK_K"):
         il.scaled_gemv_triton(*args, torch.float32, (64, 16, 4, 1), fp8_gemv="dot")
+
+
+def test_fp8_gemv_env_is_read_at_import():
+    """MINI_INFER_FP8_GEMV sets int8_linear.FP8_GEMV when the module is imported; an unknown mode stops the import."""
+    import subprocess
+    import sys
+
+    code = "import mini_infer.ops.int8_linear as il; print(il.FP8_GEMV)"
+    for mode, ok in (("dot", True), ("cuda-cores", True), ("tensor", False)):
+        env = {**os.environ, "MINI_INFER_FP8_GEMV": mode,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert (run.returncode == 0) == ok, run.stderr[-2000:]
+        assert run.stdout.strip() == mode if ok else "MINI_INFER_FP8_GEMV" in run.stderr
 
 
 @requires_triton
