@@ -3,6 +3,8 @@
     python bench/kernel_quant.py --check         # correctness at the benchmark shapes, then the timings
     python bench/kernel_quant.py --sweep         # also sweep the skinny (M <= 16) tile of scaled_mm_triton
     python bench/kernel_quant.py --check --ms 1 --no-attention --sweep-gemv   # the decode (M = 1) GEMVs + tiles
+    python bench/kernel_quant.py --check --ms 1 --no-attention --shapes qkv,o_proj,gate_up,down_proj \
+        --sweep-gemv fp8-dot                     # the fp8 GEMV both ways (cuda cores, tensor cores) + the dot tiles
     python bench/kernel_quant.py --tiny          # CPU: Triton under TRITON_INTERPRET=1, tiny shapes, every path
 
 For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888, down 18944->3584, lm_head
@@ -16,7 +18,10 @@ For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888
   int8-tile    scaled_mm_triton's skinny tile (M = 1 only: what int8_linear ran at M = 1 before the GEMV)
   int8-byte    scaled_gemv_triton reading the int8 weights byte by byte (pack_int8=False; M = 1 only)
   int8+q       w8a8_linear_triton (quantize_per_token + int8_linear)
-  fp8-gemv     scaled_gemv_triton with fp8 operands (M = 1 only: fp8_linear's M = 1 path)
+  fp8-gemv     scaled_gemv_triton with fp8 operands, products on CUDA cores (fp8_gemv="cuda-cores", M = 1 only:
+               fp8_linear's M = 1 path by default)
+  fp8-dot      scaled_gemv_triton with fp8 operands, products on tensor cores (fp8_gemv="dot", M = 1 only:
+               fp8_linear's M = 1 path with MINI_INFER_FP8_GEMV=dot)
   fp8-tri      scaled_mm_triton with fp8 operands (the Triton tile fp8_linear uses for 1 < M <= FP8_TRITON_MAX_M)
   fp8-smm      torch._scaled_mm, rowwise scales (what fp8_linear uses above that)
   fp8+q        fp8_w8a8_linear_triton (quantize + whatever fp8_linear picks for M)
@@ -25,7 +30,8 @@ Weights are cycled cold through L2 (copies up to 3x L2, as bench/kernel_gemv.py)
 M <= 64 the weight bandwidth (weight bytes / time) as % of the copy bandwidth measured in the same run
 (`copy_bandwidth` of bench/kernel_norm.py), best of bf16 / int8 / fp8, and at M = 1 every impl's TB/s and % of
 copy on a line of its own; at M >= 256 TFLOP/s; and the sum over one decode step's GEMMs at M = 1 (28 layers +
-lm_head). --sweep-gemv times scaled_gemv_triton's tiles (GEMV_SWEEP) at M = 1, int8 and fp8. Then paged decode
+lm_head). --sweep-gemv times scaled_gemv_triton's tiles at M = 1: GEMV_SWEEP for int8 and fp8 (CUDA cores),
+DOT_GEMV_SWEEP for fp8-dot (or only the kinds named: --sweep-gemv fp8-dot). Then paged decode
 attention, 4k context, batch 64 and 256, bf16 vs fp8 cache.
 
 --check first compares every timed path with the plain-torch references at the benchmark shapes (int8: same
@@ -39,6 +45,7 @@ nothing) and writes bench/out/kernel_quant_cpu.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -59,11 +66,17 @@ SHAPES = [("qkv", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up", 37888
 MS = (1, 8, 64, 256, 8192)
 TINY_SHAPES = [("qkv", 96, 64, 1), ("down_proj", 40, 200, 1)]  # 200: a K tail, 40: an N tail
 TINY_MS = (1, 8, 20)
-IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-tri", "fp8-smm", "fp8+q")
-ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv")  # timed at M = 1 only
+IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm",
+         "fp8+q")
+ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv", "fp8-dot")  # timed at M = 1 only
 # scaled_gemv_triton's tiles for --sweep-gemv: (BLOCK_N, BLOCK_K in elements, num_warps, num_stages)
 GEMV_SWEEP = [(bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
               if bn * bk <= 16384]
+# the tensor-core fp8 GEMV's tiles: BLOCK_N < 64 pads x to a 64-row A tile (weights as B), BLOCK_N >= 64 makes the
+# weights A (x a 16-column B); num_stages: the cp.async pipeline's depth (a tile over shared memory fails: skipped)
+DOT_GEMV_SWEEP = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for st in (2, 3, 4)
+                  if bk * st <= 1024] + [(128, 128, 8, 4), (128, 256, 8, 3)]
+GEMV_SWEEP_KINDS = ("int8", "fp8", "fp8-dot")
 # paged decode attention: qwen2.5-7b's heads, 4k context
 ATTN = dict(hq=28, hkv=4, d=128, block=16, ctx=4096, batches=(64, 256))
 TINY_ATTN = dict(hq=4, hkv=2, d=16, block=4, ctx=40, batches=(3,))
@@ -134,8 +147,10 @@ def impl_calls(ops: Ops, name: str, x: torch.Tensor, weights: dict, l2: int, dev
     if device == "cuda" and not fp8.fp8_supported(device):
         return None
     xq, xs = ops.quant.quantize_per_token_triton(x, FP8)
-    if name == "fp8-gemv":
-        return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, sf, None, x.dtype) for w in weight_copies(wf, l2, device)]
+    if name in ("fp8-gemv", "fp8-dot"):
+        mode = "dot" if name == "fp8-dot" else "cuda-cores"
+        return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, sf, None, x.dtype, fp8_gemv=mode)
+                for w in weight_copies(wf, l2, device)]
     if name == "fp8-tri":
         return [lambda w=w: int8.scaled_mm_triton(xq, xs, w, sf, None, x.dtype) for w in weight_copies(wf, l2, device)]
     if name == "fp8-smm":
@@ -196,9 +211,9 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
             if device == "cpu" or ops.fp8.fp8_supported(device):
                 want = ops.fp8.fp8_linear_reference(fq, fs, wf, sf, None, torch.float32)
                 res["fp8_triton_rel_err"] = rel_err(ops.int8.scaled_mm_triton(fq, fs, wf, sf, None, torch.bfloat16), want)
-                if m == 1:
-                    res["fp8_gemv_rel_err"] = rel_err(ops.int8.scaled_gemv_triton(fq, fs, wf, sf, None, torch.bfloat16),
-                                                      want)
+                for mode in ("cuda-cores", "dot") if m == 1 else ():
+                    res[f"fp8_gemv_{mode}_rel_err"] = rel_err(
+                        ops.int8.scaled_gemv_triton(fq, fs, wf, sf, None, torch.bfloat16, fp8_gemv=mode), want)
                 if device == "cuda" and ops.fp8._scaled_mm_takes(m, k, n, torch.bfloat16):
                     res["fp8_scaled_mm_rel_err"] = rel_err(ops.fp8.scaled_mm_fp8(fq, fs, wf, sf, None, torch.bfloat16),
                                                            want)
@@ -327,7 +342,7 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
                 del calls
             us = row["us"]
             best = {"bf16": min(us.get("bf16", math.inf), us.get("gemv", math.inf)), "int8": us.get("int8", math.inf),
-                    "fp8": min(us.get("fp8-tri", math.inf), us.get("fp8-smm", math.inf))}
+                    "fp8": min(us.get(i, math.inf) for i in ("fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm"))}
             line = f"{name:<10}{m:>6} |" + "".join(f"{us[i]:>10.1f}" if i in us else f"{'-':>10}" for i in IMPLS) + " |"
             if device == "cuda" and m <= 64:
                 wbytes = {"bf16": 2 * n * k, "int8": n * k, "fp8": n * k}
@@ -405,19 +420,24 @@ def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> l
 
 
 def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> list[dict]:
-    """Time scaled_gemv_triton (M = 1) over GEMV_SWEEP, int8 (int32 words, dp4a) and fp8 operands."""
+    """Time scaled_gemv_triton (M = 1) over its tiles for each kind of args.sweep_gemv: int8 (int32 words, dp4a)
+    and fp8 (CUDA cores) over GEMV_SWEEP, fp8-dot (tensor cores) over DOT_GEMV_SWEEP."""
     out = []
     for name, n, k, _ in shapes:
         weights = make_weights(ops, n, k, device)
         x = torch.randn(1, k, device=device).to(torch.bfloat16)
-        for qname, (w, s) in (("int8", weights["int8"]), ("fp8", weights["fp8"])):
-            if qname == "fp8" and device == "cuda" and not ops.fp8.fp8_supported(device):
+        for qname in args.sweep_gemv.split(","):
+            w, s = weights["int8" if qname == "int8" else "fp8"]
+            if qname != "int8" and device == "cuda" and not ops.fp8.fp8_supported(device):
                 continue
             copies = weight_copies(w, l2, device)
             xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
-            res = time_configs(ops.int8.scaled_gemv_triton, GEMV_SWEEP if device == "cuda" else GEMV_SWEEP[:2],
-                               (xq, xs, s), copies, device, args, f"sweep-gemv {name} {qname}")
-            cfg = ops.int8.scaled_gemv_config(xq.dtype, k)
+            mode = "dot" if qname == "fp8-dot" else "cuda-cores"
+            grid = DOT_GEMV_SWEEP if mode == "dot" else GEMV_SWEEP
+            res = time_configs(functools.partial(ops.int8.scaled_gemv_triton, fp8_gemv=mode),
+                               grid if device == "cuda" else grid[:2], (xq, xs, s), copies, device, args,
+                               f"sweep-gemv {name} {qname}")
+            cfg = ops.int8.scaled_gemv_config(xq.dtype, k, mode)
             default = next((t for t, c in res if c == cfg), math.nan)
             tbps = n * k / (res[0][0] * 1e-6) / 1e12
             print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "
@@ -451,7 +471,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="correctness at the benchmark shapes first (exit 1 on failure)")
     ap.add_argument("--check-only", action="store_true", help="only the correctness checks")
     ap.add_argument("--sweep", action="store_true", help="also sweep scaled_mm_triton's tiles (M <= 256)")
-    ap.add_argument("--sweep-gemv", action="store_true", help="also sweep scaled_gemv_triton's tiles (M = 1)")
+    ap.add_argument("--sweep-gemv", nargs="?", const=",".join(GEMV_SWEEP_KINDS), default=None,
+                    help="also sweep scaled_gemv_triton's tiles (M = 1): all kinds, or a comma list of "
+                         f"{', '.join(GEMV_SWEEP_KINDS)}")
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: exercises every path")
     ap.add_argument("--ms", default=None, help="comma list of M (default 1,8,64,256,8192)")
     ap.add_argument("--shapes", default=None, help="comma list of gemm names (default all)")

@@ -12,7 +12,8 @@ Why: a batch-1 decode step reads every weight once; int8 weights halve those byt
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
 (and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
 safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
-streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU), M <= SMALL_M (16) -> a
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores,
+or with MINI_INFER_FP8_GEMV=dot multiplied on tensor cores, the row padded to a tensor-core tile: FP8_GEMV), M <= SMALL_M (16) -> a
 skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
 accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
 every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
@@ -29,6 +30,7 @@ Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -38,10 +40,15 @@ from mini_infer.ops.linear import launch_gemv, unit_stride_row
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
 __all__ = [
+    "DOT_ROWS",
     "FP8_DOT",
+    "FP8_GEMV",
+    "FP8_GEMV_MODES",
+    "fp8_gemv_dot",
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
+    "SCALED_GEMV_CONFIG_FP8_DOT",
     "SCALED_GEMV_CONFIG_FP8_LONG_K",
     "scaled_gemv_config",
     "SMALL_M",
@@ -89,6 +96,25 @@ SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
 FP8_GEMV_LONG_K = 8192
+# How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
+# "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
+# so the GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step
+# on an H200 against 1.99 ms for int8's dp4a); "dot": tensor cores (`_padded_row_dot`), the weight tile fed to
+# tl.dot as loaded. What Triton (3.6 and 3.9) emits for it on sm_90: wgmma ...e4m3.e4m3 (QGMMA) only when the dot
+# has 64 rows per warpgroup (4 warps) and both operands K-major; a 16-row dot goes to mma v2, and for mma v2 Triton
+# converts fp8 to fp16 on Hopper (native fp8 mma.sync only on sm_89), as it does for a B tile of 8 columns. Hence
+# DOT_ROWS = 64 and DOT_COLS = 16. The dot's fp32 accumulator takes the wgmma partial after each BLOCK_K step
+# (max_num_imprecise_acc = BLOCK_K: see FP8_DOT). Its own tile SCALED_GEMV_CONFIG_FP8_DOT (BLOCK_N, BLOCK_K,
+# warps, cp.async stages; a guess from the sm_90 compile, tests/ops/compile_fp8_gemv_sm90.py: 0.03 instructions
+# a weight byte in the K loop, like int8's dp4a GEMV, against 0.11-0.17 for "cuda-cores"). "cuda-cores" stays the
+# default until `bench/kernel_quant.py --sweep-gemv fp8-dot` and bench/latency.py measure "dot" on a GPU.
+FP8_GEMV_MODES = ("cuda-cores", "dot")
+FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "cuda-cores")
+if FP8_GEMV not in FP8_GEMV_MODES:
+    raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
+DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
+DOT_COLS = 16  # the padded B tile's columns (x as B)
+SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 3)
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -239,6 +265,9 @@ if HAS_TRITON:
     from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
+    _DOT_ROWS = tl.constexpr(DOT_ROWS)
+    _DOT_COLS = tl.constexpr(DOT_COLS)
+
     @triton.jit
     def _dequantize(acc, a_scale, w_scale, bias_ptrs, bias_ok, HAS_BIAS: tl.constexpr):
         """((acc * a_scale) * w_scale + bias) in fp32: the one epilogue arithmetic of the GEMM tile and the GEMV
@@ -275,9 +304,37 @@ if HAS_TRITON:
             return acc
 
     @triton.jit
+    def _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [K] . w[row] for the BLOCK_N weight rows, fp32, on tensor cores (fp8 operands: `FP8_GEMV` "dot"): the
+        weight tile goes to `tl.dot` as it was loaded (no conversion; fp32 accumulation) and the one row x is
+        padded with rows masked to zero (never read from memory). Which operand is which, by BLOCK_N: below
+        DOT_ROWS, x is row 0 of a DOT_ROWS-row A tile and the weights are B (x . w.T: any BLOCK_N, the GEMV's
+        split of N; the zero rows cost the tensor cores and shared memory DOT_ROWS / BLOCK_N times the weight
+        bytes); from DOT_ROWS on, the weights are A and x column 0 of a DOT_COLS-column B (w . x.T: little
+        padding, but BLOCK_N rows a program). Either way the weights stream BLOCK_K columns a step, as
+        `gemv_step` streams them."""
+        if BLOCK_N < _DOT_ROWS:
+            pad = tl.arange(0, _DOT_ROWS)[:, None] == 0
+            acc = tl.zeros([_DOT_ROWS, BLOCK_N], tl.float32)
+        else:
+            pad = tl.arange(0, _DOT_COLS)[:, None] == 0
+            acc = tl.zeros([BLOCK_N, _DOT_COLS], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols[None, :], mask=pad & col_ok[None, :], other=0.0)
+            w = gemv_load(w_rows, row_ok, cols, col_ok)
+            if BLOCK_N < _DOT_ROWS:
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+        # the padding's rows / columns are zero: the sum is x's row / column
+        return tl.sum(acc, axis=0) if BLOCK_N < _DOT_ROWS else tl.sum(acc, axis=1)
+
+    @triton.jit
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
-        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
         PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
@@ -286,20 +343,24 @@ if HAS_TRITON:
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`. The weight prefetch before the wait: linear.py's
-        `gemv_program`."""
+        and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
+        (`_padded_row_dot`). The weight prefetch before the wait: linear.py's `gemv_program`."""
         prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
-            if PACKED:
-                w = gemv_load(w_rows, row_ok, cols, col_ok)
-                acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
-            else:
-                acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
-        y = _dequantize(tl.sum(acc, axis=1), tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
+        if DOT:
+            dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_ok = cols < K
+                x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
+                if PACKED:
+                    w = gemv_load(w_rows, row_ok, cols, col_ok)
+                    acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
+                else:
+                    acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+            dots = tl.sum(acc, axis=1)
+        y = _dequantize(dots, tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
                         b_ptr + rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
@@ -452,24 +513,36 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 4 == 0)
 
 
-def scaled_gemv_config(dtype: torch.dtype, k: int) -> tuple[int, int, int, int]:
-    """The one-row GEMV's default tile for quantized activations of `dtype` and rows of K elements."""
+def fp8_gemv_dot(dtype: torch.dtype, fp8_gemv: str | None = None) -> bool:
+    """Whether the one-row GEMV of `dtype` operands runs its products on tensor cores: fp8 operands and the fp8
+    GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot"; int8 never."""
+    mode = FP8_GEMV if fp8_gemv is None else fp8_gemv
+    if mode not in FP8_GEMV_MODES:
+        raise ValueError(f"fp8_gemv must be one of {FP8_GEMV_MODES}, got {mode!r}")
+    return dtype != torch.int8 and mode == "dot"
+
+
+def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> tuple[int, int, int, int]:
+    """The one-row GEMV's default tile for quantized activations of `dtype`, rows of K elements and the fp8 GEMV
+    mode `fp8_gemv` (`fp8_gemv_dot`)."""
     if dtype == torch.int8:
         return SCALED_GEMV_CONFIG
+    if fp8_gemv_dot(dtype, fp8_gemv):
+        return SCALED_GEMV_CONFIG_FP8_DOT
     return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
 
 
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
-    *, pack_int8: bool = True,
+    *, pack_int8: bool = True, fp8_gemv: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
-    `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order. `config`
-    (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides SCALED_GEMV_CONFIG / SCALED_GEMV_CONFIG_FP8(_LONG_K)
-    (benchmark sweeps)."""
+    `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order, on CUDA cores or
+    tensor cores as `fp8_gemv` says (None: FP8_GEMV). `config` (BLOCK_N, BLOCK_K in elements, num_warps,
+    num_stages) overrides `scaled_gemv_config`'s tile (benchmark sweeps)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_gemv_triton needs triton")
     n, k = w_q.shape
@@ -477,32 +550,37 @@ def scaled_gemv_triton(
         raise ValueError(f"scaled_gemv_triton: one row of K = {k} and one scale, got x_q {tuple(x_q.shape)} and "
                          f"x_scale {tuple(x_scale.shape)}")
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
-    launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8)
+    launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8,
+                       fp8_gemv=fp8_gemv)
     return y
 
 
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-    pack_int8: bool = True, **constexprs,
+    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
-    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile and the int8 packing
-    as `scaled_gemv_triton` describes."""
+    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing and
+    the fp8 products' units as `scaled_gemv_triton` describes."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
+    dot = fp8_gemv_dot(x_q.dtype, fp8_gemv)
     if config is None:
-        config = scaled_gemv_config(x_q.dtype, k)
+        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
     bn, bk, warps, stages = config
+    if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
+        raise ValueError(f"the fp8 dot GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power of "
+                         f"two, got {config}")
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, **constexprs)
 
 
 def scaled_linear_triton(

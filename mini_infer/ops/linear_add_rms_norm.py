@@ -126,13 +126,13 @@ if HAS_TRITON:
     def _scaled_gemv_add_rms_norm_quant_kernel(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         r_ptr, nw_ptr, q_ptr, q_scale_ptr, s_ptr, cnt_ptr, eps,
-        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
         PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, BLOCK_N, BLOCK_K, USE_GDC,
+                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC,
                             PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not

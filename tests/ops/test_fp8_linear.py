@@ -1,6 +1,8 @@
 """fp8_linear / fp8_w8a8_linear: the dequantizing reference, the Triton kernels (the one-row GEMV and the tile;
 interpreter here, and on GPUs with FP8), torch._scaled_mm on GPUs, the capability check, fakes and opcheck."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import fp8_linear as fl
 from mini_infer.ops.quant import quantize_per_token_reference
-from tests.ops.helpers import DEVICE, TOL, requires_triton
+from tests.ops.helpers import DEVICE, ROOT, TOL, requires_triton, run_uninterpreted
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -107,6 +109,95 @@ def test_gemv_matches_reference(n, k, bias):
     for out_dtype in (torch.float32, torch.bfloat16):
         want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, out_dtype)
         assert_fp32_acc_close(scaled_gemv_triton(*on(DEVICE, x_q, x_scale, w_q, w_scale, b), out_dtype), want)
+
+
+@requires_triton
+@pytest.mark.parametrize(("n", "k"), [(33, 200), (7, 203), (130, 1500)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dot_gemv_matches_reference(n, k, bias):
+    """The tensor-core GEMV (fp8_gemv="dot"): within the fp32 accumulation tolerance of the reference, at its
+    default tile (weights as the dot's A, x padded to a B tile), a tile with fewer rows than DOT_ROWS (x padded to
+    an A tile, weights as B), and one whose K step is one mma's K; N odd or not a multiple of the tile, K not a
+    multiple of the K step, x of shape [1, K] and [K]."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops import int8_linear as il
+
+    w_q, w_scale, b = make_weights(n, k, seed=n, bias_dtype=torch.bfloat16 if bias else None)
+    _, x_q, x_scale = quantized_x(1, k, torch.float32, seed=k)
+    args = on(DEVICE, x_q, x_scale, w_q, w_scale, b)
+    assert il.SCALED_GEMV_CONFIG_FP8_DOT[0] >= il.DOT_ROWS  # the default tile is the weights-as-A layout
+    for config in (None, (16, 64, 4, 2), (64, 32, 4, 1)):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, out_dtype)
+            got = il.scaled_gemv_triton(*args, out_dtype, config, fp8_gemv="dot")
+            assert_fp32_acc_close(got, want)
+    got = il.scaled_gemv_triton(args[0][0], *args[1:], torch.float32, fp8_gemv="dot")
+    assert_fp32_acc_close(got, fl.fp8_linear_reference(x_q[0], x_scale[0], w_q, w_scale, b, torch.float32))
+
+
+@requires_triton
+def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
+    """fp8_linear's one-row GEMV runs its products on tensor cores (the kernel's DOT) exactly when FP8_GEMV is "dot"
+    (the MINI_INFER_FP8_GEMV default "cuda-cores" otherwise), on the dot tile; int8 never; unknown modes are
+    refused by name."""
+    if DEVICE == "cuda" and not HAS_FP8_GPU:
+        pytest.skip("this GPU has no FP8")
+    from mini_infer.ops import int8_linear as il
+
+    launches = []
+    real = il.launch_gemv
+    monkeypatch.setattr(il, "launch_gemv", lambda *a, **kw: launches.append((kw["DOT"], kw["config"])) or real(*a, **kw))
+    w_q, w_scale, b = make_weights(24, 64, bias_dtype=torch.float32)
+    _, x_q, x_scale = quantized_x(1, 64, torch.float32)
+    args = on(DEVICE, x_q, x_scale, w_q, w_scale, b)
+    want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, torch.float32)
+    assert il.FP8_GEMV == "cuda-cores"  # the default until measured
+    for mode in ("cuda-cores", "dot"):
+        monkeypatch.setattr(il, "FP8_GEMV", mode)
+        assert_fp32_acc_close(fl.fp8_linear_triton(*args, torch.float32), want)
+    x8 = torch.ones(1, 64, dtype=torch.int8, device=DEVICE)
+    il.int8_linear_triton(x8, args[1], x8.expand(24, 64).contiguous(), args[3], None, torch.float32)
+    dot_tile = il.SCALED_GEMV_CONFIG_FP8_DOT
+    assert launches == [(False, il.SCALED_GEMV_CONFIG_FP8), (True, dot_tile), (False, il.SCALED_GEMV_CONFIG[:1] +
+                                                                               (il.SCALED_GEMV_CONFIG[1] // 4,) +
+                                                                               il.SCALED_GEMV_CONFIG[2:])]
+    with pytest.raises(ValueError, match="fp8_gemv"):
+        il.scaled_gemv_triton(*args, torch.float32, fp8_gemv="tensor")
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        il.scaled_gemv_triton(*args, torch.float32, (64, 16, 4, 1), fp8_gemv="dot")
+
+
+def test_fp8_gemv_env_is_read_at_import():
+    """MINI_INFER_FP8_GEMV sets int8_linear.FP8_GEMV when the module is imported; an unknown mode stops the import."""
+    import subprocess
+    import sys
+
+    code = "import mini_infer.ops.int8_linear as il; print(il.FP8_GEMV)"
+    for mode, ok in (("dot", True), ("cuda-cores", True), ("tensor", False)):
+        env = {**os.environ, "MINI_INFER_FP8_GEMV": mode,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert (run.returncode == 0) == ok, run.stderr[-2000:]
+        assert run.stdout.strip() == mode if ok else "MINI_INFER_FP8_GEMV" in run.stderr
+
+
+@requires_triton
+def test_dot_gemv_compiles_to_e4m3_tensor_cores_sm90():
+    """Compiled for sm_90 (no GPU needed; tests/ops/compile_fp8_gemv_sm90.py): the "dot" GEMV's PTX (alone and in
+    linear_add_rms_norm's fused kernel) has an e4m3 tensor-core instruction, alone no e4m3 conversion, no register spills, and its K loop runs tensor-core
+    instructions and fewer instructions per weight byte than the CUDA-core fp8 GEMV, which converts."""
+    report = run_uninterpreted(["-m", "tests.ops.compile_fp8_gemv_sm90"])
+    dot, cuda_cores, long_k, _, fused = report["cases"]
+    assert dot["mode"] == "fp8-dot" and cuda_cores["mode"] == long_k["mode"] == "fp8-cuda-cores"
+    for case in (dot, fused):  # the GEMV, and its body inside linear_add_rms_norm's fused kernel
+        assert any(".e4m3.e4m3" in i for i in case["ptx_e4m3_tensor_core"]), case["ptx_e4m3_tensor_core"]
+    assert dot["ptx_cvt_e4m3"] == 0 and dot["k_loop"]["convert"] == 0 and dot["k_loop"]["tensor"] > 0
+    assert not cuda_cores["ptx_e4m3_tensor_core"] and cuda_cores["k_loop"]["convert"] > 0
+    for case in report["cases"]:
+        assert "LOCAL:0 " in case["usage"], case
+    assert dot["per_weight_byte"]["total"] < min(cuda_cores["per_weight_byte"]["total"],
+                                                 long_k["per_weight_byte"]["total"]) / 2
 
 
 @requires_triton

@@ -51,7 +51,7 @@ def _compile_cases() -> dict[str, str]:
     pointer = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32",
                "q_ptr": "*i8"}
     common = {"HAS_BIAS": False, "HAS_RESIDUAL": True, "BLOCK_N": 4, "BLOCK_K": 512, "ACC_DTYPE": tl.int32,
-              "PACKED": True, "ASM": True, "NORM_DTYPE": tl.bfloat16, "IS_FP8": False, "QMAX": 127.0,
+              "PACKED": True, "ASM": True, "DOT": False, "NORM_DTYPE": tl.bfloat16, "IS_FP8": False, "QMAX": 127.0,
               "NORM_BLOCK_M": 1, "NORM_BLOCK_N": 1024}
     out = {}
     for module, name, prefetch, label in CASES:

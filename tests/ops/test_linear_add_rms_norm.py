@@ -142,6 +142,29 @@ def test_quantized_one_row_equals_the_unfused_kernels(fused_launches, operand, q
 
 
 @requires_triton
+def test_fp8_dot_gemv_one_row_equals_the_unfused_kernels(fused_launches, monkeypatch):
+    """With the fp8 GEMV on tensor cores (int8_linear.FP8_GEMV "dot"), the fused kernel is launched on the DOT path
+    as fp8_linear's GEMV is: one launch, the same bits as fp8_linear then fused_add_rms_norm_quant. (That the fused
+    kernel's body then uses tensor cores is test_fp8_linear's sm_90 compile check: the interpreter's sums may give
+    the same bits either way.)"""
+    from mini_infer.ops import int8_linear as il
+
+    monkeypatch.setattr(il, "FP8_GEMV", "dot")
+    dots = []
+    real = il.launch_gemv
+    monkeypatch.setattr(il, "launch_gemv", lambda *a, **kw: dots.append(kw["DOT"]) or real(*a, **kw))
+    n, k = SHAPES[1]
+    x_q, x_scale, w_q, w_scale, b, r, nw = _quantized(1, n, k, FP8, bias=True, seed=n)
+    q, scale, s = scaled_linear_add_rms_norm_quant_triton(x_q, x_scale, w_q, w_scale, b, torch.bfloat16, r, nw, EPS, FP8)
+    assert fused_launches == [mod._scaled_gemv_add_rms_norm_quant_kernel]
+    q_ref, scale_ref, s_ref = fused_add_rms_norm_quant_triton(fp8_linear_triton(x_q, x_scale, w_q, w_scale, b,
+                                                                                torch.bfloat16), r, nw, EPS, FP8)
+    assert dots == [True, True]
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.cpu().view(torch.uint8))
+    assert torch.equal(scale, scale_ref) and torch.equal(s, s_ref)
+
+
+@requires_triton
 def test_quantized_rows_run_the_unfused_kernels(fused_launches):
     x_q, x_scale, w_q, w_scale, b, r, nw = _quantized(3, 20, 64, torch.int8, bias=False)
     got = scaled_linear_add_rms_norm_quant_triton(x_q, x_scale, w_q, w_scale, b, torch.bfloat16, r, nw, EPS, torch.int8)

@@ -1,0 +1,137 @@
+"""Compile the W8A8 one-row GEMV (int8_linear.py's `_scaled_gemv_kernel`) for sm_90 as a launch at qwen2.5-7b's
+shapes builds it, no GPU needed, and count what its K loop executes per weight byte; print one JSON line.
+
+Cases: fp8 "dot" (tensor cores, `_padded_row_dot`) and fp8 "cuda-cores" (fp8 -> fp32 conversions and FMAs) at
+their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, and "dot" inside
+linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel. For each: whether
+the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and the conversion
+instructions (`cvt.*e4m3*`), cuobjdump's resource line (LOCAL: spill bytes) and, from the SASS, the K loop (the
+longest backward branch's body) by instruction class, as warp instructions per weight byte (body count x warps /
+(BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
+
+Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fp8_gemv_sm90
+[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8 or fp8-dot-fused; no arguments: the
+default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
+tests/ops/test_fp8_linear.py; the numbers go into the report of an experiment, not into the kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from tests.ops.compile_sm90 import build_sm90, resource_usage
+from tests.ops.helpers import NO_CUDA_BACKEND
+
+# SASS opcode (the part before the first dot) -> class; anything else counts as "other"
+SASS_CLASSES = {
+    "tensor": ("HGMMA", "QGMMA", "IGMMA", "HMMA", "QMMA", "IMMA", "WARPGROUP"),
+    "convert": ("F2FP", "F2F", "I2F", "HADD2", "PRMT"),  # HADD2.F32 / PRMT: how fp8 -> fp16 / fp32 unpacks
+    "fma": ("FFMA", "FADD", "FMUL", "HFMA2", "IDP", "IMAD", "IADD3"),
+    "global_load": ("LDG", "LDGSTS", "UBLKCP", "UTMALDG"),
+    "shared": ("LDS", "STS", "LDSM"),
+}
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def sass_of(cubin: bytes) -> str:
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def k_loop(sass: str) -> Counter:
+    """Opcodes of the longest loop in the SASS: the instructions from a backward branch's target to the branch."""
+    code = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in SASS_LINE.finditer(sass)]
+    best: list = []
+    for addr, op, operands in code:
+        target = re.match(r"\s*(0x[0-9a-f]+)", operands)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return Counter(best)
+
+
+def classify(body: Counter) -> dict[str, int]:
+    out = {c: 0 for c in (*SASS_CLASSES, "other")}
+    for op, n in body.items():
+        base = op.split(".")[0]
+        out[next((c for c, ops in SASS_CLASSES.items() if base in ops), "other")] += n
+    out["total"] = sum(body.values())
+    return out
+
+
+def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    """Mode int8, fp8-cuda-cores, fp8-dot: `_scaled_gemv_kernel`; fp8-dot-fused: linear_add_rms_norm.py's kernel
+    that runs the same GEMV body before the add + norm + fp8 quantization."""
+    import triton.language as tl
+
+    from mini_infer.ops import int8_linear as il
+    from mini_infer.ops import linear_add_rms_norm as lar
+
+    int8 = mode == "int8"
+    constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=int8, ASM=int8,
+                      DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k,
+                      USE_GDC=True, PREFETCH_PROGRAMS=0, PREFETCH_BYTES=0, PREFETCH_BULK=False)
+    operand = "*i32" if int8 else "*fp8e4nv"  # int8: int32 words of four, as launch_scaled_gemv packs them
+    pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32",
+                "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
+    divisible = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "b_ptr", "y_ptr", "K", "stride_wn")
+    kernel = il._scaled_gemv_kernel
+    if mode == "fp8-dot-fused":
+        kernel = lar._scaled_gemv_add_rms_norm_quant_kernel
+        constexprs.update(NORM_DTYPE=tl.bfloat16, IS_FP8=True, QMAX=448.0, NORM_BLOCK_M=1, NORM_BLOCK_N=4096)
+    return build_sm90(kernel, constexprs, pointers, num_warps, num_stages, divisible)
+
+
+def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
+    kernel = build(mode, block_n, block_k, num_warps, num_stages)
+    ptx = kernel.asm["ptx"]
+    body = k_loop(sass_of(kernel.asm["cubin"]))
+    classes = classify(body)
+    weight_bytes = block_n * block_k  # one byte a weight (int8 and fp8)
+    return {"mode": mode, "tile": [block_n, block_k, num_warps, num_stages],
+            "ptx_e4m3_tensor_core": sorted({m for m in re.findall(r"\b((?:wg)?mma\.[\w.]*e4m3[\w.]*)", ptx)}),
+            "ptx_cvt_e4m3": len(re.findall(r"\bcvt\.[\w.]*e4m3", ptx)),
+            "usage": resource_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
+            "k_loop": classes, "k_loop_ops": dict(body.most_common()),
+            "per_weight_byte": {c: round(n * num_warps / weight_bytes, 4) for c, n in classes.items()}}
+
+
+def default_cases() -> list[tuple]:
+    from mini_infer.ops import int8_linear as il
+
+    return [("fp8-dot", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8),
+            ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8_LONG_K), ("int8", *il.SCALED_GEMV_CONFIG),
+            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT)]
+
+
+def main(argv: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: interpreted functions do not compile", file=sys.stderr)
+        return 2
+    cases = [(argv[i], *map(int, argv[i + 1 : i + 5])) for i in range(0, len(argv), 5)] if argv else default_cases()
+    try:
+        import triton
+        import triton.backends.nvidia  # noqa: F401
+
+        out = {"triton": triton.__version__, "cases": [report(*case) for case in cases]}
+    except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as exc:
+        print(f"no CUDA backend / ptxas: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return NO_CUDA_BACKEND
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
