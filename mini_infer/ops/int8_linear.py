@@ -13,7 +13,8 @@ kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, 
 (and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
 safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
 streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores,
-or with MINI_INFER_FP8_GEMV=dot multiplied on tensor cores, the row padded to a tensor-core tile: FP8_GEMV), M <= SMALL_M (16) -> a
+or multiplied on tensor cores, the row padded to a
+tensor-core tile, for rows shorter than FP8_GEMV_LONG_K: FP8_GEMV), M <= SMALL_M (16) -> a
 skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
 accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
 every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
@@ -106,15 +107,18 @@ FP8_GEMV_LONG_K = 8192
 # DOT_ROWS = 64 and DOT_COLS = 16. The dot's fp32 accumulator takes the wgmma partial after each BLOCK_K step
 # (max_num_imprecise_acc = BLOCK_K: see FP8_DOT). Its own tile SCALED_GEMV_CONFIG_FP8_DOT (BLOCK_N, BLOCK_K,
 # warps, cp.async stages; a guess from the sm_90 compile, tests/ops/compile_fp8_gemv_sm90.py: 0.03 instructions
-# a weight byte in the K loop, like int8's dp4a GEMV, against 0.11-0.17 for "cuda-cores"). "cuda-cores" stays the
-# default until `bench/kernel_quant.py --sweep-gemv fp8-dot` and bench/latency.py measure "dot" on a GPU.
-FP8_GEMV_MODES = ("cuda-cores", "dot")
-FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "cuda-cores")
+# a weight byte in the K loop, like int8's dp4a GEMV, against 0.11-0.17 for "cuda-cores"); "auto" (the default):
+# "dot" for rows shorter than FP8_GEMV_LONG_K, "cuda-cores" (its long-K tile) for longer ones. Measured on an H200
+# (`bench/kernel_quant.py --sweep-gemv fp8-dot`, qwen2.5-7b at M = 1, cold L2, us per call, "cuda-cores" / "dot" at
+# its best tile): qkv 7.6 / 7.1, o_proj 7.3 / 6.6, gate_up 40.7 / 34.2 (96% of copy bandwidth), but down_proj
+# (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0.
+FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
+FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
-SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 3)
+SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -513,13 +517,14 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.data_ptr() % 4 == 0)
 
 
-def fp8_gemv_dot(dtype: torch.dtype, fp8_gemv: str | None = None) -> bool:
-    """Whether the one-row GEMV of `dtype` operands runs its products on tensor cores: fp8 operands and the fp8
-    GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot"; int8 never."""
+def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
+    """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores: fp8
+    operands and the fp8 GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot", or
+    "auto" with k < FP8_GEMV_LONG_K; int8 never."""
     mode = FP8_GEMV if fp8_gemv is None else fp8_gemv
     if mode not in FP8_GEMV_MODES:
         raise ValueError(f"fp8_gemv must be one of {FP8_GEMV_MODES}, got {mode!r}")
-    return dtype != torch.int8 and mode == "dot"
+    return dtype != torch.int8 and (mode == "dot" or (mode == "auto" and k < FP8_GEMV_LONG_K))
 
 
 def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> tuple[int, int, int, int]:
@@ -527,7 +532,7 @@ def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) 
     mode `fp8_gemv` (`fp8_gemv_dot`)."""
     if dtype == torch.int8:
         return SCALED_GEMV_CONFIG
-    if fp8_gemv_dot(dtype, fp8_gemv):
+    if fp8_gemv_dot(dtype, k, fp8_gemv):
         return SCALED_GEMV_CONFIG_FP8_DOT
     return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
 
@@ -567,7 +572,7 @@ def launch_scaled_gemv(
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
-    dot = fp8_gemv_dot(x_q.dtype, fp8_gemv)
+    dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
     if config is None:
         config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
     bn, bk, warps, stages = config

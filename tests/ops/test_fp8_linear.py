@@ -138,9 +138,9 @@ def test_dot_gemv_matches_reference(n, k, bias):
 
 @requires_triton
 def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
-    """fp8_linear's one-row GEMV runs its products on tensor cores (the kernel's DOT) exactly when FP8_GEMV is "dot"
-    (the MINI_INFER_FP8_GEMV default "cuda-cores" otherwise), on the dot tile; int8 never; unknown modes are
-    refused by name."""
+    """fp8_linear's one-row GEMV runs its products on tensor cores (the kernel's DOT), on the dot tile, when FP8_GEMV
+    is "dot", or "auto" (the MINI_INFER_FP8_GEMV default) and the row is shorter than FP8_GEMV_LONG_K; on CUDA
+    cores for "cuda-cores" and for "auto" with long rows; int8 never; unknown modes are refused by name."""
     if DEVICE == "cuda" and not HAS_FP8_GPU:
         pytest.skip("this GPU has no FP8")
     from mini_infer.ops import int8_linear as il
@@ -152,16 +152,18 @@ def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
     _, x_q, x_scale = quantized_x(1, 64, torch.float32)
     args = on(DEVICE, x_q, x_scale, w_q, w_scale, b)
     want = fl.fp8_linear_reference(x_q, x_scale, w_q, w_scale, b, torch.float32)
-    assert il.FP8_GEMV == "cuda-cores"  # the default until measured
-    for mode in ("cuda-cores", "dot"):
+    assert il.FP8_GEMV == "auto"  # the default
+    for mode in ("cuda-cores", "dot", "auto"):
         monkeypatch.setattr(il, "FP8_GEMV", mode)
         assert_fp32_acc_close(fl.fp8_linear_triton(*args, torch.float32), want)
+    monkeypatch.setattr(il, "FP8_GEMV_LONG_K", 64)  # "auto" with rows of 64 now long: CUDA cores, the long-K tile
+    assert_fp32_acc_close(fl.fp8_linear_triton(*args, torch.float32), want)
     x8 = torch.ones(1, 64, dtype=torch.int8, device=DEVICE)
     il.int8_linear_triton(x8, args[1], x8.expand(24, 64).contiguous(), args[3], None, torch.float32)
     dot_tile = il.SCALED_GEMV_CONFIG_FP8_DOT
-    assert launches == [(False, il.SCALED_GEMV_CONFIG_FP8), (True, dot_tile), (False, il.SCALED_GEMV_CONFIG[:1] +
-                                                                               (il.SCALED_GEMV_CONFIG[1] // 4,) +
-                                                                               il.SCALED_GEMV_CONFIG[2:])]
+    int8_tile = il.SCALED_GEMV_CONFIG[:1] + (il.SCALED_GEMV_CONFIG[1] // 4,) + il.SCALED_GEMV_CONFIG[2:]
+    assert launches == [(False, il.SCALED_GEMV_CONFIG_FP8), (True, dot_tile), (True, dot_tile),
+                        (False, il.SCALED_GEMV_CONFIG_FP8_LONG_K), (False, int8_tile)]
     with pytest.raises(ValueError, match="fp8_gemv"):
         il.scaled_gemv_triton(*args, torch.float32, fp8_gemv="tensor")
     with pytest.raises(ValueError, match="BLOCK_K"):
@@ -174,7 +176,7 @@ def test_fp8_gemv_env_is_read_at_import():
     import sys
 
     code = "import mini_infer.ops.int8_linear as il; print(il.FP8_GEMV)"
-    for mode, ok in (("dot", True), ("cuda-cores", True), ("tensor", False)):
+    for mode, ok in (("dot", True), ("cuda-cores", True), ("auto", True), ("tensor", False)):
         env = {**os.environ, "MINI_INFER_FP8_GEMV": mode,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
