@@ -14,6 +14,9 @@ one byte buffer: tensors only, never pickle); ranks > 0 (`serve`) receive them a
 their own runner and CUDA graphs, discarding the logits. On ranks > 0 `LLMEngine(...)` never returns: it serves
 rank 0's steps until rank 0 stops the group, then exits the process.
 
+Teardown frees, in order, the CUDA graphs, the all-reduce's symmetric buffers (`mini_infer.ops.all_reduce`) and
+then the process group.
+
 Failures: rank 0 watches the processes it started; when one dies it says which, stops the others, aborts the
 NCCL communicators (so a step waiting on the dead rank returns) and marks the group failed, after which every
 step raises `WorkerDiedError` (fatal for the engine: the server answers 503). A started rank whose parent
@@ -34,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from mini_infer.ops.all_reduce import release_symmetric_buffers
 
 logger = logging.getLogger("mini_infer")
 
@@ -336,6 +341,7 @@ def _end_group(wait_for_peers: bool) -> None:
     when the peers may be gone, aborted on CUDA (NCCL's abort waits for nobody; gloo's destroy never waits)."""
     if not dist.is_initialized():
         return
+    release_symmetric_buffers(wait=wait_for_peers)  # the all-reduce's peer memory is this group's (graphs freed)
     try:
         if wait_for_peers or dist.get_backend() != "nccl":
             dist.destroy_process_group()
