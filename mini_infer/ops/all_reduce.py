@@ -145,6 +145,12 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
     return buf
 
 
+def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
+    """The symmetric buffers set up so far, (group, dtype, device index) -> bytes: empty until a one-shot
+    all-reduce ran (and after `release_symmetric_buffers`)."""
+    return {key: buf.nbytes for key, buf in _buffers.items()}
+
+
 def release_symmetric_buffers(wait: bool = True) -> None:
     """Forget every symmetric buffer (after the graphs that captured them; before their process group goes), so a
     later group of the same name sets up its own. `wait`: finish this device's work, then free them; otherwise
@@ -210,5 +216,5 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 __all__ = ["ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl",
-           "all_reduce_sum_one_shot", "one_shot_max_bytes", "release_symmetric_buffers", "symmetric_memory_missing",
+           "all_reduce_sum_one_shot", "one_shot_buffers", "one_shot_max_bytes", "release_symmetric_buffers", "symmetric_memory_missing",
            "use_one_shot"]
