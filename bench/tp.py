@@ -11,9 +11,15 @@ and the all-reduce time of one decode step measured on its own.
    top-k experts only, bench/active_bytes.py; + KV; over the copy bandwidth). The greedy
    tokens of the two runs are compared: bf16 sums in another order (the all-reduce) can flip a near-tie of random
    weights, so a divergence is reported with its position rather than failing the run.
-3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces of [1, hidden] bf16 that one
-   batch-1 decode step runs (the same `_c10d_functional.all_reduce` + `wait_tensor` ops as the compiled graph),
-   and time its replay.
+   The TP=N engines use `mini_infer.all_reduce_sum` as compiled (one-shot over symmetric memory for small CUDA
+   messages: mini_infer/ops/all_reduce.py); the table's label says which path ran. `--compare-nccl` adds a TP=N
+   run with MINI_INFER_ONE_SHOT_ALLREDUCE=0 (every all-reduce through NCCL, as before the op).
+3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces that one decode step runs, of
+   [rows, hidden] bf16 for rows 1, 8 and 64, once through NCCL (`_c10d_functional.all_reduce` + `wait_tensor`)
+   and once through the op's one-shot path, and time the replays: µs per call (the scale after each, timed
+   alone, taken off), whether the one-shot path ran, and its largest difference from NCCL's sum (0 expected at
+   N=2). `--allreduce-probe` runs this part alone (no engine; exit 1 if the one-shot path did not run or
+   differed).
 
 `--enable-expert-parallel` (MoE models): the check runs the MoE tiny presets with expert parallelism (each rank
 E/N whole experts, fused_moe over them with an expert map) instead of every preset with the experts split
@@ -23,6 +29,8 @@ run (one all-reduce per MoE block either way: docs/distributed.md, "when to choo
     python bench/tp.py                          # 2 GPUs, qwen2.5-7b
     python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
     python bench/tp.py --check-only                              # the float32 greedy check alone
+    python bench/tp.py --model qwen3-30b-a3b --allreduce-probe   # NCCL vs one-shot all-reduce, shapes only
+    python bench/tp.py --model qwen3-30b-a3b --skip-check --compare-nccl   # TP=1, TP=2 one-shot, TP=2 NCCL
     python bench/tp.py --model qwen1.5-moe-a2.7b --skip-check    # MoE decode speed (one all-reduce per MoE block)
     python bench/tp.py --model qwen3-30b-a3b --enable-expert-parallel   # MoE: TP=1, TP=2, TP=2 + EP; EP check
 """
@@ -43,6 +51,18 @@ from active_bytes import token_bytes  # noqa: E402  (the weight bytes a token re
 from latency import copy_bandwidth  # noqa: E402
 
 MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
+ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"  # mini_infer.ops.all_reduce's limit in bytes, "0" = always NCCL
+
+
+def _text_config(model: str):
+    """The text config of a preset name or a checkpoint path (hidden size and layers for the probe)."""
+    from mini_infer.models.presets import ALL_PRESETS, preset_config
+
+    if model in ALL_PRESETS:
+        return preset_config(model).get_text_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model).get_text_config()
 
 
 def _greedy(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -111,9 +131,27 @@ def _report_check(failures: list[str], tp: int, expert_parallel: bool = False) -
         print(f"float32 check: TP={tp} greedy == TP=1 on every dense and MoE tiny preset")
 
 
-def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False) -> dict:
-    """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine."""
+def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False,
+               one_shot_env: str | None = None) -> dict:
+    """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine; `one_shot_env`: the value of
+    MINI_INFER_ONE_SHOT_ALLREDUCE for this engine (its ranks inherit it), None = the default."""
+    import os
+
+    saved = os.environ.pop(ONE_SHOT_ENV, None)
+    if one_shot_env is not None:
+        os.environ[ONE_SHOT_ENV] = one_shot_env
+    try:
+        return _decode_run(model, tp, prompt, new, expert_parallel, one_shot_env)
+    finally:
+        os.environ.pop(ONE_SHOT_ENV, None)
+        if saved is not None:
+            os.environ[ONE_SHOT_ENV] = saved
+
+
+def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool,
+                one_shot_env: str | None) -> dict:
     from mini_infer.llm import LLM
+    from mini_infer.ops.all_reduce import one_shot_buffers
     from mini_infer.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -135,7 +173,10 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     hidden = eng.model_config.get_text_config().hidden_size
     layers = eng.model_config.get_text_config().num_hidden_layers
-    result = dict(tp=tp, label=f"{tp}{' EP' if expert_parallel else ''}", expert_parallel=expert_parallel, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
+    allreduce = "-" if tp == 1 else ("one-shot" if one_shot_buffers() else "nccl")
+    label = f"{tp}{' EP' if expert_parallel else ''}{'' if tp == 1 else ' ' + allreduce}"
+    result = dict(tp=tp, label=label, expert_parallel=expert_parallel, allreduce=allreduce,
+                  one_shot_env=one_shot_env, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
                   active_weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
                   tokens=list(out.outputs[0].token_ids), hidden=hidden, layers=layers,
                   graphs=len(eng.runner.cuda_graphs.graphs) if eng.runner.cuda_graphs else 0)
@@ -143,47 +184,90 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel
     return result
 
 
-def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queue) -> None:
+PROBE_ROWS = (1, 8, 64)  # [rows, hidden] bf16: batch-1 decode, a small batch, the one-shot limit at hidden 2048
+
+
+def _graph_us(fn, replays: int = 20) -> float:
+    """Median µs of one replay of a CUDA graph capturing `fn()` (warmed up eagerly first; ranks start together)."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    group = dist.group.WORLD.group_name
-    x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
-    c10d = torch.ops._c10d_functional
-
-    def step():
-        y = x
-        for _ in range(count):
-            y = c10d.wait_tensor.default(c10d.all_reduce.default(y, "sum", group)) * 0.5
-        return y
-
     for _ in range(3):
-        step()
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
+        fn()
     times = []
-    for _ in range(20):
+    for _ in range(replays):
         dist.barrier()
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    if rank == 0:
-        queue.put(times[len(times) // 2])
     dist.barrier()
     graph.reset()  # NCCL's teardown waits while a graph holding its kernels lives (pytorch#115388)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _chain(x: torch.Tensor, reduce, group: str, count: int):
+    """A step of `count` all-reduces of `x` by `reduce(y, group)`, each followed by a scale (as the residual add
+    follows it)."""
+    def step():
+        y = x
+        for _ in range(count):
+            y = reduce(y, group) * 0.5
+        return y
+    return step
+
+
+def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queue) -> None:
+    """One rank of the probe: for each [rows, hidden] bf16 shape, `count` chained all-reduces (each followed by a
+    scale, as the residual add follows it) in one CUDA graph, through NCCL and through the one-shot path; the
+    scales alone are timed too and taken off. Rank 0 puts {rows: {...}} on `queue`."""
+    import os
+
+    import torch.distributed as dist
+
+    from mini_infer.ops.all_reduce import (
+        ONE_SHOT_ENV,
+        all_reduce_sum_collective,
+        all_reduce_sum_impl,
+        one_shot_buffers,
+        release_symmetric_buffers,
+        symmetric_memory_missing,
+    )
+
+    os.environ[ONE_SHOT_ENV] = str(max(PROBE_ROWS) * hidden * 2)  # let every probed shape take the one-shot path
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    group = dist.group.WORLD.group_name
+    results = {}
+    for rows in PROBE_ROWS:
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda", generator=gen)
+
+        one, nccl = all_reduce_sum_impl(x, group), all_reduce_sum_collective(x, group)  # sets up the buffer
+        one_shot = bool(one_shot_buffers())
+        row = {"one_shot_taken": one_shot, "max_abs_diff": (one.float() - nccl.float()).abs().max().item(),
+               "scale_us": _graph_us(_chain(x, lambda y, g: y, group, count)) / count,
+               "nccl_us": _graph_us(_chain(x, all_reduce_sum_collective, group, count)) / count,
+               "one_shot_us": _graph_us(_chain(x, all_reduce_sum_impl, group, count)) / count}
+        results[rows] = row
+    if rank == 0:
+        queue.put({"results": results, "missing": symmetric_memory_missing()})
+    dist.barrier()
+    release_symmetric_buffers()
     dist.destroy_process_group()
 
 
-def allreduce_us_per_step(tp: int, hidden: int, layers: int) -> float:
-    """Median µs of one decode step's 2 x layers all-reduces ([1, hidden] bf16, each followed by a scale, as
-    the residual add follows it), CUDA-graph captured on `tp` ranks."""
+def allreduce_probe(tp: int, hidden: int, layers: int) -> dict:
+    """Per-call µs of the 2 x layers all-reduces of a decode step ([rows, hidden] bf16 for rows in PROBE_ROWS),
+    CUDA-graph captured on `tp` ranks, through NCCL and through the one-shot path (the scale after each is taken
+    off); with whether the one-shot path ran and its largest difference from NCCL's sum."""
     import socket
 
     import torch.multiprocessing as mp
@@ -196,12 +280,30 @@ def allreduce_us_per_step(tp: int, hidden: int, layers: int) -> float:
     procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, port, hidden, 2 * layers, queue)) for r in range(tp)]
     for p in procs:
         p.start()
-    us = queue.get(timeout=300)
+    out = queue.get(timeout=300)
     for p in procs:
         p.join(60)
         if p.is_alive():  # a rank stuck in its teardown must not keep the script from exiting
             p.kill()
-    return us
+    return out
+
+
+def report_probe(probe: dict, tp: int, hidden: int, layers: int, step_ms: float | None = None) -> None:
+    if probe["missing"]:
+        print(f"one-shot all-reduce unavailable: {probe['missing']}")
+    print(f"all-reduce per call (TP={tp}, {2 * layers} chained in one CUDA graph, bf16, the scale after each "
+          "taken off):")
+    print(f"{'shape':<14}{'NCCL us':>9}{'one-shot us':>13}{'speed-up':>10}{'one-shot ran':>14}{'max |diff|':>12}")
+    for rows, r in probe["results"].items():
+        nccl, one = r["nccl_us"] - r["scale_us"], r["one_shot_us"] - r["scale_us"]
+        print(f"{f'[{rows}, {hidden}]':<14}{nccl:>9.2f}{one:>13.2f}{nccl / one:>10.2f}{str(r['one_shot_taken']):>14}"
+              f"{r['max_abs_diff']:>12.3g}")
+    if step_ms is not None:
+        r = probe["results"][1]
+        for name, key in (("NCCL", "nccl_us"), ("one-shot", "one_shot_us")):
+            us = (r[key] - r["scale_us"]) * 2 * layers
+            print(f"  batch-1 decode step, {name}: {us:.0f} us of all-reduce = {us / 1e3 / step_ms:.0%} of the "
+                  f"TP={tp} step")
 
 
 def main() -> int:
@@ -214,12 +316,21 @@ def main() -> int:
     ap.add_argument("--check-only", action="store_true", help="run the float32 tiny-preset check only")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="MoE: check the MoE presets with expert parallelism, and time TP=N with it too")
+    ap.add_argument("--allreduce-probe", action="store_true",
+                    help="time NCCL vs the one-shot all-reduce on the model's shapes only (no engine)")
+    ap.add_argument("--compare-nccl", action="store_true",
+                    help=f"also time TP=N with {ONE_SHOT_ENV}=0 (every all-reduce through NCCL)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
         print(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
         return 2
 
+    if args.allreduce_probe:
+        text = _text_config(args.model)
+        probe = allreduce_probe(args.tp, text.hidden_size, text.num_hidden_layers)
+        report_probe(probe, args.tp, text.hidden_size, text.num_hidden_layers)
+        return 0 if all(r["one_shot_taken"] and r["max_abs_diff"] == 0 for r in probe["results"].values()) else 1
     ep = args.enable_expert_parallel
     failures = [] if args.skip_check else check_presets(args.tp, ep)
     if args.check_only:
@@ -229,24 +340,25 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
     runs = []
-    for tp, with_ep in ((1, False), (args.tp, False), *([(args.tp, True)] if ep else [])):
-        runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep))
+    variants = [(1, False, None), (args.tp, False, None), *([(args.tp, True, None)] if ep else []),
+                *([(args.tp, False, "0")] if args.compare_nccl else [])]
+    for tp, with_ep, env in variants:
+        runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep, one_shot_env=env))
         _free()
-    ar_us = allreduce_us_per_step(args.tp, runs[0]["hidden"], runs[0]["layers"])
+    probe = allreduce_probe(args.tp, runs[0]["hidden"], runs[0]["layers"])
     a = runs[0]["tokens"]
     mean_ctx = args.prompt_len + args.new_tokens / 2
     print(f"\n{args.model} bf16 batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s per GPU; {torch.cuda.get_device_name()}")
-    print(f"{'TP':<6}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
+    print(f"{'TP':<14}{'tok/s':>9}{'ms/token':>10}{'floor tok/s':>13}{'of floor':>10}{'speed-up':>10}"
           f"{'startup s':>11}{'graphs':>8}")
     for r in runs:
         floor = bw / (r["active_weight_bytes_per_rank"] + r["kv_bytes_per_token_per_rank"] * mean_ctx)
         r["floor_tok_s"] = floor
-        print(f"{r['label']:<6}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
+        print(f"{r['label']:<14}{r['tok_s']:>9.1f}{1e3 / r['tok_s']:>10.2f}{floor:>13.1f}{r['tok_s'] / floor:>10.2f}"
               f"{r['tok_s'] / runs[0]['tok_s']:>10.2f}{r['startup_s']:>11.1f}{r['graphs']:>8}")
     step_ms = 1e3 / runs[1]["tok_s"]
-    print(f"all-reduce per decode step (TP={args.tp}, {2 * runs[0]['layers']} x [1, {runs[0]['hidden']}] bf16, "
-          f"CUDA graph): {ar_us:.1f} us = {ar_us / 1e3 / step_ms:.0%} of the TP={args.tp} step")
+    report_probe(probe, args.tp, runs[0]["hidden"], runs[0]["layers"], step_ms)
     for r in runs[1:]:
         b = r["tokens"]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -262,7 +374,7 @@ def main() -> int:
         r.pop("tokens")
     (out_dir / "tp.json").write_text(json.dumps({
         "model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__, **git_info(),
-        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "runs": runs, "allreduce_us_per_step": ar_us,
+        "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "runs": runs, "allreduce_probe": probe,
         "greedy_first_difference": runs[1]["greedy_first_difference"], "expert_parallel_checked": ep,
         "check_failures": failures}, indent=2))
     return 1 if failures else 0

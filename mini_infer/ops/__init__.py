@@ -69,6 +69,9 @@ nothing from mini_infer outside this package.
 | scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
 |   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
 |   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
+| all_reduce_sum(x, group_name)                         | Tensor              | sum of x over the process group's ranks: one-shot over|
+|                                                       |                     | symmetric memory for small CUDA messages, else        |
+|                                                       |                     | torch.distributed (all_reduce.py); a collective       |
 
 Layouts for paged_attention are in `mini_infer/ops/paged_attention.py`'s docstring, those for mla_attention
 (and the arrangement of w_uk / w_uv from kv_b_proj) in `mini_infer/ops/mla_attention.py`'s; the routing rules per
@@ -81,6 +84,7 @@ their one-row (decode) kernel, `fp8_supported(device)`
 (fp8_linear.py) says where the FP8 linears run.
 """
 
+from mini_infer.ops import all_reduce as _all_reduce_mod
 from mini_infer.ops import apply_rotary as _apply_rotary_mod  # (importing a module registers its ops)
 from mini_infer.ops import apply_rotary_interleaved as _apply_rotary_interleaved_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
@@ -133,6 +137,7 @@ _MODULE_OF = {
     "w8a8_linear": _int8_linear_mod,
     "fp8_linear": _fp8_linear_mod,
     "fp8_w8a8_linear": _fp8_linear_mod,
+    "all_reduce_sum": _all_reduce_mod,
 }
 OPS = tuple(_MODULE_OF)
 

@@ -30,8 +30,9 @@ For rank `ctx.rank`:
   * the literal head counts in view/reshape/expand nodes between a colwise and a rowwise linear (HF's repeat_kv
     expands to [B, Hkv, n_rep, T, D] and reshapes to [B, H, T, D]) are rewritten to this rank's counts, so the
     attention pass later declares caches of this rank's KV heads.
-Collectives are graph nodes (`torch.ops._c10d_functional.all_reduce` / `all_gather_into_tensor` + `wait_tensor`,
-the ops behind `torch.distributed._functional_collectives`), so the graph stays one exportable, CUDA-graph
+Collectives are graph nodes (the all-reduces `mini_infer.all_reduce_sum`, whose body picks a one-shot all-reduce
+over symmetric memory for small CUDA messages and torch.distributed otherwise; the all-gather
+`torch.ops._c10d_functional.all_gather_into_tensor` + `wait_tensor`), so the graph stays one exportable, CUDA-graph
 capturable callable, and an all-reduce followed by the residual add and RMSNorm still matches fuse_rmsnorm.
 Each sharded weight is a new buffer on the weight's device (`PassContext.add_tensor`); the full originals lose
 their last graph use and are dropped. A weight loaded as a shard placeholder (the loader of a tensor-parallel
@@ -45,6 +46,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+import mini_infer.ops.all_reduce  # noqa: F401  (registers torch.ops.mini_infer.all_reduce_sum)
 from mini_infer.models.loader import host_weight
 from mini_infer.models.tp_plan import (
     EXPERTS_STYLE,
@@ -317,10 +319,10 @@ class _Sharder:
             (" (replicated)" if p.kv_replicated else "")
 
     def all_reduce(self, x: fx.Node) -> fx.Node:
-        """sum over ranks of `x` (inserted at the current insertion point)."""
-        reduced = self.graph.call_function(c10d.all_reduce.default, (x, "sum", self.group))
+        """sum over ranks of `x` (inserted at the current insertion point): one `mini_infer.all_reduce_sum` node,
+        which picks one-shot over symmetric memory or torch.distributed when it runs (ops/all_reduce.py)."""
         self.counts["all_reduce"] += 1
-        return self.graph.call_function(c10d.wait_tensor.default, (reduced,))
+        return self.graph.call_function(torch.ops.mini_infer.all_reduce_sum.default, (x, self.group))
 
     # -- shapes ----------------------------------------------------------------------------------------------
     def tag_regions(self, stops: set[fx.Node]) -> None:

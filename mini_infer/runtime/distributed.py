@@ -5,7 +5,8 @@
     rendezvous) each process is one rank, already started;
   * otherwise the calling process becomes rank 0 and starts ranks 1 … N-1 itself (torch.multiprocessing, spawn),
     with the rendezvous store bound to 127.0.0.1.
-Data collectives (the graph's all-reduces and all-gathers, the step inputs) use NCCL on CUDA and gloo on a CPU;
+Data collectives (the graph's all-reduces and all-gathers, the step inputs) use NCCL on CUDA and gloo on a CPU
+(the graph's small CUDA all-reduces: one-shot over symmetric memory, mini_infer/ops/all_reduce.py);
 a gloo group carries the small per-step headers and start-up agreements. Every rank builds the same engine
 (load, compile for its rank, measure, allocate the same number of KV blocks, capture the same CUDA graphs), so
 the collectives inside those steps pair up. Then rank 0 runs the scheduler, the sampler and the clients, and
@@ -13,6 +14,9 @@ before each step it broadcasts a header (step sizes) and the step's declared inp
 one byte buffer: tensors only, never pickle); ranks > 0 (`serve`) receive them and run the same step through
 their own runner and CUDA graphs, discarding the logits. On ranks > 0 `LLMEngine(...)` never returns: it serves
 rank 0's steps until rank 0 stops the group, then exits the process.
+
+Teardown frees, in order, the CUDA graphs, the all-reduce's symmetric buffers (`mini_infer.ops.all_reduce`) and
+then the process group.
 
 Failures: rank 0 watches the processes it started; when one dies it says which, stops the others, aborts the
 NCCL communicators (so a step waiting on the dead rank returns) and marks the group failed, after which every
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from mini_infer.ops.all_reduce import release_symmetric_buffers
 
 logger = logging.getLogger("mini_infer")
 
@@ -336,6 +342,7 @@ def _end_group(wait_for_peers: bool) -> None:
     when the peers may be gone, aborted on CUDA (NCCL's abort waits for nobody; gloo's destroy never waits)."""
     if not dist.is_initialized():
         return
+    release_symmetric_buffers(wait=wait_for_peers)  # the all-reduce's peer memory is this group's (graphs freed)
     try:
         if wait_for_peers or dist.get_backend() != "nccl":
             dist.destroy_process_group()

@@ -117,7 +117,7 @@ def test_dump_graph_shows_the_expert_parallel_shard(mixtral_checkpoint, tmp_path
     assert re.search(rf'moe_expert_map_0_{e // 2 - 1}: "i32\[{e}\]"', text)
     final = sorted(out_dir.glob("*.after.txt"))[-1].read_text()
     layers = config.num_hidden_layers
-    assert final.count("_c10d_functional.all_reduce.default(") == 2 * layers  # attention + MoE block
+    assert final.count("mini_infer.all_reduce_sum.default(") == 2 * layers  # attention + MoE block
     assert final.count("_c10d_functional.all_gather_into_tensor.default(") == 1
     assert len(re.findall(r"mini_infer\.fused_moe\.default\(.*moe_expert_map", final)) == layers
 
@@ -143,6 +143,6 @@ def test_dump_graph_shows_the_experts_shard_and_the_collectives(mixtral_checkpoi
     assert re.search(rf'experts_down_proj_tp0: "f32\[{e}, {h}, {inter // 2}\]"', text)
     final = sorted(out_dir.glob("*.after.txt"))[-1].read_text()
     layers = config.num_hidden_layers
-    assert final.count("_c10d_functional.all_reduce.default(") == 2 * layers  # attention + MoE block
+    assert final.count("mini_infer.all_reduce_sum.default(") == 2 * layers  # attention + MoE block
     assert final.count("_c10d_functional.all_gather_into_tensor.default(") == 1
     assert final.count("mini_infer.fused_moe.default(") == layers

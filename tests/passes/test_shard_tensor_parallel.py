@@ -76,9 +76,10 @@ def _tp_pipeline(name: str, rank: int, world_size: int, expert_parallel: bool = 
 def test_rank_graph(name):
     gm, ctx, stats = _tp_pipeline(name, 0, 2)
     counts = op_counts(gm)
-    assert counts[c10d.all_reduce.default] == 2 * L  # after o_proj and down_proj (or the MoE block) of each layer
+    assert counts[mi.all_reduce_sum.default] == 2 * L  # after o_proj and down_proj (or the MoE block) of each layer
+    assert counts[c10d.all_reduce.default] == 0  # every all-reduce is the op, which picks its path when it runs
     assert counts[c10d.all_gather_into_tensor.default] == 1  # the logits rows
-    assert counts[c10d.wait_tensor.default] == 2 * L + 1
+    assert counts[c10d.wait_tensor.default] == 1
     row = next(s for s in stats if s.name == "shard_tensor_parallel")
     assert f"{L if name in MOE_TP_PRESETS else 2 * L} rowwise" in row.note  # o_proj (and down_proj if dense)
     assert "embedding replicated" in row.note
@@ -103,10 +104,9 @@ def test_add_rmsnorm_fuses_across_the_all_reduce(name):
     tp1 = op_counts(full_pipeline(name)[0])
     assert [sum(n.target is t for n in fused) for t in norms] == [tp1[t] for t in norms]
     assert len(fused) == 2 * L
-    waits = [n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default
-             and n.args[0].target is c10d.all_reduce.default]
-    assert len(waits) == 2 * L
-    for w in waits:
+    sums = [n for n in gm.graph.nodes if n.target is mi.all_reduce_sum.default]
+    assert len(sums) == 2 * L
+    for w in sums:
         users = list(w.users)
         if name == "tiny-qwen2-moe" and [u.target for u in users] == [aten.add.Tensor]:
             # the routed share's sum + the replicated shared expert, reshaped to [1, T, H], then the norm
@@ -156,7 +156,7 @@ def test_expert_parallel_rank_holds_its_experts_whole(name):
     tp1 = sum(w.nbytes for pair in _fused_moe_weights(full_pipeline(name)[0]) for w in pair)
     assert expert_bytes * 2 == tp1
     counts = op_counts(gm)
-    assert counts[c10d.all_reduce.default] == 2 * L and counts[mi.moe_topk.default] == L
+    assert counts[mi.all_reduce_sum.default] == 2 * L and counts[mi.moe_topk.default] == L
     notes = {s.name: s.note for s in stats}
     assert f"expert parallel: experts {e // 2}..{e - 1} of {e} on this rank" in notes["shard_tensor_parallel"]
     assert "routed already" in notes["route_moe"]
@@ -183,7 +183,7 @@ def test_moe_block_all_reduce_placement(plan, reduced):
     the routed share first, and the block's output is all-reduced once."""
     config = _config("tiny-qwen2-moe", **({"base_model_tp_plan": plan} if plan else {}))
     gm = _moe_rank_graph(config)
-    reads = [n.args[0] for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    reads = [n.args[0] for n in gm.graph.nodes if n.target is mi.all_reduce_sum.default]
     assert len(reads) == 2 * L
     moe = [r for r in reads if any(cls == "Qwen2MoeSparseMoeBlock" for _, cls in module_chain(r))]
     assert len(moe) == L
@@ -191,7 +191,7 @@ def test_moe_block_all_reduce_placement(plan, reduced):
         assert all(r.target is mi.fused_moe.default for r in moe), [r.target for r in moe]
     else:
         assert all(r.target is not mi.fused_moe.default for r in moe)
-        assert all(any(u.target is c10d.all_reduce.default for u in r.users) for r in moe)
+        assert all(any(u.target is mi.all_reduce_sum.default for u in r.users) for r in moe)
         shared = [n for n in gm.graph.nodes if n.op == "get_attr" and "shared_expert_down_proj" in str(n.target)]
         assert shared and all(PassContext.tensor_of(gm, n).shape[-1] == 32 for n in shared)  # 64 / 2
 
@@ -331,7 +331,7 @@ def _variant_errors(model, captured, rank: int, world_size: int, expert_parallel
         inputs = ctx.example_inputs(ids, pos)
         inputs["logits_indices"] = torch.arange(num)
         logits[kind] = run_graph(gm, inputs)
-        row[f"{kind}_all_reduces"] = op_counts(gm)[c10d.all_reduce.default]
+        row[f"{kind}_all_reduces"] = op_counts(gm)[mi.all_reduce_sum.default]
     row["alone"] = (logits["alone"] - ref).abs().max().item()
     row["full"] = (logits["full"] - ref).abs().max().item()
     row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()

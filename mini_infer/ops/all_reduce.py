@@ -1,0 +1,220 @@
+"""`mini_infer::all_reduce_sum(x, group_name)`: the sum of `x` over the ranks of a process group, the all-reduce of
+tensor parallelism (shard_tensor_parallel inserts it after row-parallel linears and MoE blocks).
+
+The op is opaque to FX and to CUDA-graph capture like the other ops (fake impl: `empty_like`); its body picks how
+to sum, by device and size (`use_one_shot`, a pure function):
+  * CUDA, torch's symmetric memory usable, bf16 or fp32, a multiple of 4 bytes and at most `one_shot_max_bytes()`
+    (ONE_SHOT_MAX_BYTES, or the environment's MINI_INFER_ONE_SHOT_ALLREDUCE in bytes; "0" = never): a one-shot
+    all-reduce over peer memory (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: one kernel copies `x` into
+    this rank's symmetric buffer, waits for the peers' copies, reads every peer's buffer over NVLink and sums in
+    rank order, so every rank gets the same bits). The buffer is allocated once per (group, dtype, device) with
+    `symm_mem.empty` + `rendezvous` at its first eligible call: a collective, reached by every rank together
+    because they run the same graph, and eagerly (the CUDA-graph runner runs every shape twice before capturing
+    it); under capture it is never allocated (that call takes NCCL). Later calls only slice it, so captured
+    graphs replay with fixed pointers. NVLink multicast (multimem) is never used: the allocation sets
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first.
+  * otherwise (CPU / gloo, larger messages, fp16, symmetric memory missing or its set-up failed): torch's
+    functional all-reduce (`_c10d_functional.all_reduce` + `wait_tensor`), what the graph ran before this op.
+Why the one-shot path is not taken is logged once per reason.
+
+`release_symmetric_buffers()` frees the buffers: the runtime calls it before destroying the process group (and
+after freeing the CUDA graphs that captured them), so a later group of the same name allocates its own. Known
+gap: torch's one-shot kernel waits for its peers without a timeout, so a rank that dies in the middle of a step
+leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is caught as
+before. This
+module never creates, joins or destroys a process group, and imports nothing from mini_infer outside
+`mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("mini_infer")
+
+ONE_SHOT_MAX_BYTES = 256 << 10  # the largest message the one-shot path takes (a [64, 2048] bf16 activation)
+ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel implements
+_MIN_ALIGNMENT = 4  # bytes: the kernel's smallest vector
+
+_buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype, device index) -> symmetric buffer
+_abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
+_failed_groups: set[str] = set()  # groups whose symmetric memory could not be set up: NCCL from then on
+_said: set[str] = set()  # reasons already logged
+
+
+def one_shot_max_bytes() -> int:
+    """The largest message (bytes) the one-shot path takes: MINI_INFER_ONE_SHOT_ALLREDUCE when set ("0": never),
+    else ONE_SHOT_MAX_BYTES."""
+    value = os.environ.get(ONE_SHOT_ENV, "").strip()
+    if not value:
+        return ONE_SHOT_MAX_BYTES
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"{ONE_SHOT_ENV}={value!r}: expected a number of bytes (0 = always NCCL)") from None
+    if limit < 0:
+        raise ValueError(f"{ONE_SHOT_ENV}={value!r}: expected a number of bytes >= 0 (0 = always NCCL)")
+    return limit
+
+
+def use_one_shot(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, max_bytes: int) -> bool:
+    """Whether a message of `nbytes` bytes of `dtype` on `device_type` takes the one-shot path, given whether
+    symmetric memory is `available` and the size limit `max_bytes` (0: never)."""
+    return (device_type == "cuda" and available and dtype in ONE_SHOT_DTYPES and 0 < nbytes <= max_bytes
+            and nbytes % _MIN_ALIGNMENT == 0)
+
+
+@functools.cache
+def symmetric_memory_missing() -> str | None:
+    """Why torch's symmetric-memory one-shot all-reduce cannot run in this process, or None when it can (asked
+    once per process)."""
+    if not torch.distributed.is_available():
+        return "torch.distributed is not available"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory does not import ({exc})"
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+        return f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out"
+    return None
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        logger.warning("all_reduce_sum: NCCL instead of the one-shot all-reduce: %s", reason)
+
+
+def _alignment(nbytes: int) -> int:
+    """The largest vector (16, 8, 4, 2 or 1 bytes) dividing `nbytes`, as torch's symm_mem kernels reckon it."""
+    return next(a for a in (16, 8, 4, 2, 1) if nbytes % a == 0)
+
+
+def _rendezvous(buf: torch.Tensor, group_name: str) -> None:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        symm_mem.rendezvous(buf, group_name)
+    except RuntimeError as exc:  # torch before lazy group lookup: the group must be registered first
+        if "group info" not in str(exc) or not hasattr(symm_mem, "enable_symm_mem_for_group"):
+            raise
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+        symm_mem.rendezvous(buf, group_name)
+
+
+def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: int) -> torch.Tensor | None:
+    """This rank's symmetric buffer for (group, dtype, device), allocated and rendezvoused with the peers at the
+    first call (collective); None when it cannot be (under CUDA-graph capture, or the set-up failed)."""
+    key = (group_name, dtype, device.index if device.index is not None else torch.cuda.current_device())
+    buf = _buffers.get(key)
+    if buf is not None:
+        return buf if buf.nbytes >= nbytes else None
+    if group_name in _failed_groups:
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        _say_once(f"the symmetric buffer of group {group_name} ({dtype}) would be allocated under CUDA-graph "
+                  "capture (no eager call ran first)")
+        return None
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # one-shot reads peers' memory; never NVLink multicast
+    size = max(one_shot_max_bytes(), nbytes)
+    try:
+        with torch.cuda.device(key[2]):
+            buf = symm_mem.empty(size // dtype.itemsize, dtype=dtype, device=torch.device("cuda", key[2]))
+            _rendezvous(buf, group_name)
+    except Exception as exc:  # noqa: BLE001 - said once; this group runs NCCL from now on
+        _failed_groups.add(group_name)
+        _say_once(f"symmetric memory for group {group_name} could not be set up ({type(exc).__name__}: {exc})")
+        return None
+    _buffers[key] = buf
+    logger.info("all_reduce_sum: one-shot all-reduce over symmetric memory for group %s, %s, up to %d bytes",
+                group_name, dtype, size)
+    return buf
+
+
+def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
+    """The symmetric buffers set up so far, (group, dtype, device index) -> bytes: empty until a one-shot
+    all-reduce ran (and after `release_symmetric_buffers`)."""
+    return {key: buf.nbytes for key, buf in _buffers.items()}
+
+
+def release_symmetric_buffers(wait: bool = True) -> None:
+    """Forget every symmetric buffer (after the graphs that captured them; before their process group goes), so a
+    later group of the same name sets up its own. `wait`: finish this device's work, then free them; otherwise
+    (a peer may be gone, and a one-shot kernel waiting for it never returns) keep them allocated until the
+    process exits, unused, rather than free memory such a kernel may still touch."""
+    if wait:
+        if _buffers and torch.cuda.is_available():
+            torch.cuda.synchronize()
+    else:
+        _abandoned.extend(_buffers.values())
+    _buffers.clear()
+    _failed_groups.clear()
+
+
+def all_reduce_sum_collective(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """sum over the group's ranks through torch.distributed (NCCL on CUDA, gloo on CPU)."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", group_name))
+
+
+def all_reduce_sum_one_shot(x: torch.Tensor, buf: torch.Tensor, group_name: str) -> torch.Tensor:
+    """sum over the group's ranks by torch's one-shot kernel, staging `x` in the symmetric buffer `buf`."""
+    x = x.contiguous()
+    flat, out = x.view(-1), torch.empty_like(x)
+    staged = buf[:flat.numel()]
+    copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+    # the copying variant needs the same vector width for x and the buffer (the buffer's slice starts at 0)
+    if copy_out is not None and _alignment(x.storage_offset() * x.element_size()) >= _alignment(x.nbytes):
+        copy_out(staged, flat, "sum", group_name, out.view(-1))
+    else:
+        staged.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group_name, out.view(-1))
+    return out
+
+
+def all_reduce_sum_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The op's body: the one-shot path where `use_one_shot` says so and the buffer is there, else the
+    collective."""
+    if x.device.type == "cuda":
+        missing = symmetric_memory_missing()
+        if missing is not None:
+            _say_once(missing)
+        if use_one_shot("cuda", x.nbytes, x.dtype, missing is None, one_shot_max_bytes()):
+            buf = _buffer(group_name, x.dtype, x.device, x.nbytes)
+            if buf is not None:
+                return all_reduce_sum_one_shot(x, buf, group_name)
+    return all_reduce_sum_collective(x, group_name)
+
+
+# compiled graphs call these directly (ops.kernel_impls, bind_kernels): the body picks by device itself
+all_reduce_sum_reference_entry = all_reduce_sum_impl
+all_reduce_sum_triton_entry = all_reduce_sum_impl
+
+
+@torch.library.custom_op("mini_infer::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return all_reduce_sum_impl(x, group_name)
+
+
+@all_reduce_sum.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+__all__ = ["ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl",
+           "all_reduce_sum_one_shot", "one_shot_buffers", "one_shot_max_bytes", "release_symmetric_buffers", "symmetric_memory_missing",
+           "use_one_shot"]

@@ -1,0 +1,100 @@
+"""mini_infer::all_reduce_sum: the size policy (a pure function of device, bytes, dtype, availability and the
+limit), the limit's environment override, the fake impl, and on two gloo ranks the op's value: bit-equal to
+torch.distributed's all_reduce for the shapes a decode and a prefill step reduce, through the dispatcher and
+through the function compiled graphs call (ops.kernel_impls), with MINI_INFER_ONE_SHOT_ALLREDUCE=0 too, never
+touching its input. The one-shot path itself needs CUDA and peer memory: bench/tp.py --allreduce-probe checks
+and times it on GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mini_infer.ops import kernel_impls
+from mini_infer.ops.all_reduce import (
+    ONE_SHOT_ENV,
+    ONE_SHOT_MAX_BYTES,
+    one_shot_max_bytes,
+    release_symmetric_buffers,
+    use_one_shot,
+)
+from tests.distributed.helpers import run_ranks
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(("device", "nbytes", "dtype", "available", "limit", "expected"), [
+    ("cuda", 4096, BF16, True, ONE_SHOT_MAX_BYTES, True),  # a batch-1 decode step's [1, 2048]
+    ("cuda", ONE_SHOT_MAX_BYTES, BF16, True, ONE_SHOT_MAX_BYTES, True),  # the limit itself
+    ("cuda", ONE_SHOT_MAX_BYTES + 4, BF16, True, ONE_SHOT_MAX_BYTES, False),  # one past it
+    ("cuda", 4096, torch.float32, True, ONE_SHOT_MAX_BYTES, True),
+    ("cuda", 4096, torch.float16, True, ONE_SHOT_MAX_BYTES, False),  # torch's kernel: bf16 and fp32 only
+    ("cuda", 4098, BF16, True, 1 << 20, False),  # not a multiple of 4 bytes
+    ("cuda", 0, BF16, True, ONE_SHOT_MAX_BYTES, False),
+    ("cuda", 4096, BF16, False, ONE_SHOT_MAX_BYTES, False),  # no symmetric memory
+    ("cuda", 4096, BF16, True, 0, False),  # MINI_INFER_ONE_SHOT_ALLREDUCE=0
+    ("cpu", 4096, BF16, True, ONE_SHOT_MAX_BYTES, False),  # gloo
+])
+def test_use_one_shot(device, nbytes, dtype, available, limit, expected):
+    assert use_one_shot(device, nbytes, dtype, available, limit) is expected
+
+
+def test_limit_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ONE_SHOT_ENV, raising=False)
+    assert one_shot_max_bytes() == ONE_SHOT_MAX_BYTES == 256 << 10
+    monkeypatch.setenv(ONE_SHOT_ENV, "0")
+    assert one_shot_max_bytes() == 0
+    assert not use_one_shot("cuda", 4096, BF16, True, one_shot_max_bytes())  # "0": always NCCL
+    monkeypatch.setenv(ONE_SHOT_ENV, " 1048576 ")
+    assert one_shot_max_bytes() == 1 << 20
+    assert use_one_shot("cuda", 512 << 10, BF16, True, one_shot_max_bytes())
+    for bad in ("lots", "-4"):
+        monkeypatch.setenv(ONE_SHOT_ENV, bad)
+        with pytest.raises(ValueError, match=ONE_SHOT_ENV):
+            one_shot_max_bytes()
+
+
+def test_fake_impl_keeps_shape_and_dtype():
+    with FakeTensorMode():
+        x = torch.empty(3, 64, dtype=BF16)
+        out = torch.ops.mini_infer.all_reduce_sum(x, "0")
+    assert out.shape == (3, 64) and out.dtype == BF16
+
+
+SHAPES = ((1, 2048), (8, 2048), (64, 96), (5, 7))
+
+
+def _sums(rank: int, world_size: int, env: str | None) -> list[str]:
+    """On each rank: the op (dispatcher, and the function bound into compiled graphs) against dist.all_reduce of
+    the same tensors; the mismatches found."""
+    import os
+
+    import torch.distributed as dist
+
+    if env is not None:
+        os.environ[ONE_SHOT_ENV] = env
+    group = dist.group.WORLD.group_name
+    bound = kernel_impls("reference")[torch.ops.mini_infer.all_reduce_sum.default]
+    gen = torch.Generator().manual_seed(rank)
+    errors = []
+    for dtype in (torch.float32, BF16):
+        for shape in SHAPES:
+            x = torch.randn(shape, generator=gen).to(dtype) * (rank + 1)
+            kept = x.clone()
+            expected = x.clone()
+            dist.all_reduce(expected)
+            for how, out in (("op", torch.ops.mini_infer.all_reduce_sum(x, group)), ("bound", bound(x, group)),
+                             ("view", torch.ops.mini_infer.all_reduce_sum(x.t(), group).t())):
+                if not torch.equal(out, expected):
+                    errors.append(f"{how} {dtype} {shape}: off by {(out.float() - expected.float()).abs().max()}")
+            if not torch.equal(x, kept):
+                errors.append(f"{dtype} {shape}: the input changed")
+    release_symmetric_buffers()  # nothing was allocated on CPU; must not fail
+    return errors
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_two_ranks_equal_dist_all_reduce(env):
+    assert run_ranks(_sums, 2, env) == [[], []]
