@@ -11,9 +11,9 @@ and the all-reduce time of one decode step measured on its own.
    top-k experts only, bench/active_bytes.py; + KV; over the copy bandwidth). The greedy
    tokens of the two runs are compared: bf16 sums in another order (the all-reduce) can flip a near-tie of random
    weights, so a divergence is reported with its position rather than failing the run.
-   The TP=N engines use `mini_infer.all_reduce_sum` as compiled (one-shot over symmetric memory for small CUDA
-   messages: mini_infer/ops/all_reduce.py); the table's label says which path ran. `--compare-nccl` adds a TP=N
-   run with MINI_INFER_ONE_SHOT_ALLREDUCE=0 (every all-reduce through NCCL, as before the op).
+   The TP=N engines use `mini_infer.all_reduce_sum` as compiled (NCCL by default; the one-shot path over symmetric
+   memory is opt-in: mini_infer/ops/all_reduce.py); the table's label says which path ran. `--one-shot` adds a
+   TP=N run with MINI_INFER_ONE_SHOT_ALLREDUCE=262144 (small messages one-shot).
 3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces that one decode step runs, of
    [rows, hidden] bf16 for rows 1, 8 and 64, once through NCCL (`_c10d_functional.all_reduce` + `wait_tensor`)
    and once through the op's one-shot path, and time the replays: µs per call (the scale after each, timed
@@ -30,7 +30,7 @@ run (one all-reduce per MoE block either way: docs/distributed.md, "when to choo
     python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
     python bench/tp.py --check-only                              # the float32 greedy check alone
     python bench/tp.py --model qwen3-30b-a3b --allreduce-probe   # NCCL vs one-shot all-reduce, shapes only
-    python bench/tp.py --model qwen3-30b-a3b --skip-check --compare-nccl   # TP=1, TP=2 one-shot, TP=2 NCCL
+    python bench/tp.py --model qwen3-30b-a3b --skip-check --one-shot   # TP=1, TP=2 NCCL, TP=2 one-shot
     python bench/tp.py --model qwen1.5-moe-a2.7b --skip-check    # MoE decode speed (one all-reduce per MoE block)
     python bench/tp.py --model qwen3-30b-a3b --enable-expert-parallel   # MoE: TP=1, TP=2, TP=2 + EP; EP check
 """
@@ -52,6 +52,7 @@ from latency import copy_bandwidth  # noqa: E402
 
 MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
 ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"  # mini_infer.ops.all_reduce's limit in bytes, "0" = always NCCL
+ONE_SHOT_MAX_BYTES = 256 << 10  # the size to try (mini_infer.ops.all_reduce.ONE_SHOT_MAX_BYTES; bench imports it lazily)
 
 
 def _text_config(model: str):
@@ -318,8 +319,8 @@ def main() -> int:
                     help="MoE: check the MoE presets with expert parallelism, and time TP=N with it too")
     ap.add_argument("--allreduce-probe", action="store_true",
                     help="time NCCL vs the one-shot all-reduce on the model's shapes only (no engine)")
-    ap.add_argument("--compare-nccl", action="store_true",
-                    help=f"also time TP=N with {ONE_SHOT_ENV}=0 (every all-reduce through NCCL)")
+    ap.add_argument("--one-shot", action="store_true",
+                    help=f"also time TP=N with {ONE_SHOT_ENV}={ONE_SHOT_MAX_BYTES} (small all-reduces one-shot)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
@@ -341,7 +342,7 @@ def main() -> int:
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
     runs = []
     variants = [(1, False, None), (args.tp, False, None), *([(args.tp, True, None)] if ep else []),
-                *([(args.tp, False, "0")] if args.compare_nccl else [])]
+                *([(args.tp, False, str(ONE_SHOT_MAX_BYTES))] if args.one_shot else [])]
     for tp, with_ep, env in variants:
         runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep, one_shot_env=env))
         _free()

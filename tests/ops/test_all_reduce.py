@@ -43,6 +43,8 @@ def test_use_one_shot(device, nbytes, dtype, available, limit, expected):
 
 def test_limit_from_the_environment(monkeypatch):
     monkeypatch.delenv(ONE_SHOT_ENV, raising=False)
+    assert one_shot_max_bytes() == 0  # opt-in until measured on two GPUs
+    monkeypatch.setenv(ONE_SHOT_ENV, str(ONE_SHOT_MAX_BYTES))
     assert one_shot_max_bytes() == ONE_SHOT_MAX_BYTES == 256 << 10
     monkeypatch.setenv(ONE_SHOT_ENV, "0")
     assert one_shot_max_bytes() == 0
