@@ -60,7 +60,8 @@ __all__ = ["BUCKET_STEPS", "MIN_QUERY_ROWS", "ROUTE", "attend_run", "bucket_leng
 # "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
 # Off by default: in the engine (H200, qwen2.5-7b, a 32,000-token prompt in 8,192-token chunks) the route made
 # TTFT 2,434 ms against 1,407 ms without it, though the kernel bench shows cuDNN at 1.8x the Triton kernel once
-# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then.
+# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then (tree
+# f9c8f1a, before the runs were bucketed: bench/latency.py --repeat 2 shows the first and a later prompt).
 ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "off")
 if ROUTE != "off":  # a process-wide torch setting: only when the route may run (see the module docstring)
     os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
