@@ -21,7 +21,8 @@ keys 0..j < L, never a padded one; the padded query rows (zeros: finite scores, 
 the merge, and rows never mix inside attention. The context call keeps its exact C keys (padding keys of an
 unmasked call would be seen).
 
-torch's cuDNN plan cache (aten/src/ATen/native/cudnn/MHA.cpp, torch 2.11 and later; read from its source): a
+torch's cuDNN plan cache (aten/src/ATen/native/cudnn/MHA.cpp, as read in three versions that have the variable
+below, up to the 2026 ones with paged K/V; not run here, bench/kernel_paged_attention.py --plan-reuse shows it): a
 thread-local, unbounded map from `MHAParams` (device, dtype, b, h, s_q, s_kv, d_qk, d_v, q/k/v dims and strides,
 bias, dropout, causal flag, whether stats are returned, `use_ragged`; newer versions add the output's and the
 stats' dims and strides) to a built graph; a miss runs validate, build_operation_graph, create_execution_plans,
@@ -76,7 +77,7 @@ MIN_QUERY_ROWS = 4096
 
 # Query runs are attended at `bucket_length(L)` rows: BUCKET_STEPS lengths per octave (0: exact lengths). 8 keeps
 # the padding under 1/8 of the rows (at most ~27% more work in the causal square call, at L just past a ladder
-# length; 0% at the engine's full chunks, which are powers of two or multiples of the step) for 8 shapes per
+# length; 0% at a power-of-two chunk such as the engine's 8,192 tokens) for 8 shapes per
 # octave: 9 between MIN_QUERY_ROWS and an 8,192-token chunk, 25 up to 32,768. A fixed step of 1,024 would pad up
 # to 25% of a 4,097-row run and need a shape per 1,024 rows (29 up to 32,768, 125 up to 131,072).
 BUCKET_STEPS = 8
