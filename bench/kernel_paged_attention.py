@@ -1,6 +1,7 @@
 """Timing of paged_attention (not a test): Triton on CUDA vs torch SDPA on contiguous K/V, and the CPU reference.
 
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
+                                            | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
                                             | --decode-sweep [--wide] [--new-ways] [--layers N] | --compile-check]
 
@@ -43,10 +44,18 @@ visible (query, key) pairs over the time) of:
 SDPA columns take the bottom-right causal mask as `causal_lower_right` (chunked case: FlashAttention applies it
 natively; cuDNN gets it materialized as a dense mask). Timed eagerly with CUDA events (the op's route is never
 taken under CUDA-graph capture), median of 3 rounds after a warm-up. `first ms` is the op's first call at that
-shape (cuDNN builds an execution plan per new shape, or per power-of-two length class under
-TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which ops/_prefill_sdpa.py sets with the route on, unless the environment says otherwise: what a
-prompt of a new length pays once); `diff` the largest
+shape (cuDNN builds an execution plan per new key: per bucket of the run's length, ops/_prefill_sdpa.py, and
+context length class, powers of two under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, which that module sets with the
+route on unless the environment says otherwise: what a prompt of a new length class pays once); `diff` the largest
 |op - triton|. Prints a table and writes bench/results/kernel_paged_attention_prefill_<gpu>.json (--out DIR).
+
+--plan-reuse: whether cuDNN reuses its execution plans across query-run lengths (ops/_prefill_sdpa.py): the op
+(route on, qwen2.5-7b-like heads, bf16) at PLAN_REUSE's (cached, new) shapes in order, first with the run's exact
+lengths (BUCKET_STEPS = 0), then bucketed (8 per octave), the two groups in length classes of their own. Prints
+each shape's first call and warm call (ms) and their difference: ~0 where the shape's cuDNN keys were built
+before (a hit), tens of ms where plans were built. The rows after each group's first share their causal call's
+key with it (power-of-two rounding under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, or the bucket), the context rows
+their context key with the group's first context row.
 """
 
 import itertools
@@ -593,6 +602,41 @@ def prefill(lengths, out_dir):
     print(f"{meta['wall_seconds']:.0f} s; wrote {path}")
 
 
+# --plan-reuse: (BUCKET_STEPS, (cached, new) shapes in order); the groups' power-of-two classes do not overlap
+PLAN_REUSE = ((0, ((0, 4500), (0, 4600), (5000, 4500), (6000, 4600))),
+              (8, ((0, 9000), (0, 9100), (17000, 9000), (20000, 9100), (31000, 9050))))
+
+
+def plan_reuse():
+    from mini_infer.ops import _prefill_sdpa
+
+    _prefill_sdpa.ROUTE, _prefill_sdpa.MIN_QUERY_ROWS = "on", 4096
+    os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # as the module sets it when the route is on
+    hq, hkv, d = PREFILL_MODELS["qwen2.5-7b"]
+    op = torch.ops.mini_infer.paged_attention
+
+    def first_and_warm(cached, new):
+        args = build(1, cached + new, new, hq, hkv, d, 16, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        op(*args)
+        torch.cuda.synchronize()
+        first = (time.perf_counter() - t0) * 1e3
+        return first, eager_ms(lambda: op(*args), budget_ms=60.0)
+
+    first_and_warm(0, 4096)  # the backend probe, Triton's cache-write compile, the allocator: out of the rows
+    print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | TORCH_CUDNN_SDPA_AVOID_RECOMPILE="
+          f"{os.environ['TORCH_CUDNN_SDPA_AVOID_RECOMPILE']} | heads {hq}/{hkv}, D {d}, bf16")
+    print(f"{'steps':>5s} {'cached':>6s} {'new':>6s} {'padded':>6s} | {'first ms':>8s} {'warm ms':>8s} {'built ms':>8s}")
+    for steps, shapes in PLAN_REUSE:
+        _prefill_sdpa.BUCKET_STEPS = steps
+        for cached, new in shapes:
+            first, warm = first_and_warm(cached, new)
+            print(f"{steps:5d} {cached:6d} {new:6d} {_prefill_sdpa.bucket_length(new):6d} | {first:8.1f} {warm:8.1f} "
+                  f"{first - warm:8.1f}", flush=True)
+            torch.cuda.empty_cache()
+
+
 def cell(x):
     return f"{x:6.0f}" if x else f"{'n/a':>6s}"
 
@@ -606,6 +650,8 @@ if __name__ == "__main__":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         prefill([int(x) for x in arg_value("--lengths", "512,1024,4096,16384,32768").split(",")],
                 arg_value("--out", "bench/results"))
+    elif "--plan-reuse" in sys.argv:
+        plan_reuse()
     elif "--decode-latency" in sys.argv:
         kv = "fp8" if arg_value("--kv-cache-dtype", "bf16").startswith("fp8") else "bf16"
         sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28")), kv) else 0)

@@ -22,6 +22,11 @@ remove the prefill from the rate.
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
     python bench/latency.py --model qwen3-0.6b --peers none --with fuse_mlp_persistent  # an opt-in pass's
+    python bench/latency.py --prompt-len 32000 --new-tokens 16 --peers none --repeat 2  # TTFT cold, then warm
+
+`--repeat N`: the TTFT of N prompts of --prompt-len (other random ids each, so no prefix-cache hit; the last is
+the decode run's) in the same engine, in order: what a first prompt of that length pays once (cuDNN plans of the
+prefill route, allocator growth) against what the next one pays.
 """
 
 from __future__ import annotations
@@ -67,9 +72,9 @@ def time_hf(model, ids: torch.Tensor, new: int, **kw) -> float:
     return new / (time.perf_counter() - start)
 
 
-def random_prompt(vocab: int, n: int) -> list[int]:
-    """The benchmark's prompt: n random ids (seed 0), the same for every engine of a run."""
-    gen = torch.Generator().manual_seed(0)
+def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    """The benchmark's prompt: n random ids (seed 0: the same for every engine of a run; --repeat's others 1..)."""
+    gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, min(vocab, 10000), (n,), generator=gen).tolist()
 
 
@@ -91,6 +96,11 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     prompt = random_prompt(eng.vocab_size, args.prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    ttfts = []
+    for seed in range(1, args.repeat):  # earlier prompts of the same length (--repeat): their TTFTs
+        other = random_prompt(eng.vocab_size, args.prompt_len, seed)
+        done = llm.generate([{"prompt_token_ids": other}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        ttfts.append(done.metrics.first_token_time - done.metrics.arrival_time)
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
@@ -103,7 +113,7 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     kv_per_token = eng.compiled.cache_bytes_per_token()
     mean_ctx = args.prompt_len + args.new_tokens / 2
     result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, startup_s=startup,
-                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first,
+                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first, ttft_runs_s=[*ttfts, first],
                   decode_tok_s=(args.new_tokens - 1) / (total - first), weight_bytes=weights.total, active_weight_bytes=weights.active,
                   moe_layers=weights.moe_layers, weights_read=weights.describe(),
                   kv_bytes_per_token=kv_per_token, floor_tok_s=bw / (weights.active + kv_per_token * mean_ctx),
@@ -127,6 +137,8 @@ def main() -> None:
                     help="comma list of passes: one more engine, the first one's pipeline without them (their gain)")
     ap.add_argument("--with", dest="with_", default=None,
                     help="comma list of opt-in passes: one more engine, the first one's pipeline plus them, appended")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="TTFT of this many prompts of --prompt-len in the same engine (the last one decodes)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
@@ -187,7 +199,7 @@ def main() -> None:
     for e in engines:
         same = sum(a == b for a, b in zip(e["tokens"], engines[0]["tokens"]))
         print(f"  q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}{e['tag']}: startup {e['startup_s']:.1f}s (compile "
-              f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {e['ttft_s'] * 1e3:.1f} ms; weights "
+              f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {' then '.join(f'{t * 1e3:.1f}' for t in e['ttft_runs_s'])} ms; weights "
               f"{e['weights_read']}; KV {e['kv_bytes_per_token']} B/token; greedy tokens equal to the "
               f"first engine's: {same}/{len(e['tokens'])}")
     print(f"{'engine':<54}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")

@@ -13,15 +13,34 @@ kv heads repeated. Which backends serve a (device, dtype, heads, head dims) is d
 on a small problem against a float32 computation (wrong log-sum-exp conventions or refused shapes drop a
 backend); none left means the caller keeps those rows on its own kernel.
 
-cuDNN builds an execution plan per new shape (tens to hundreds of ms; each prompt length and each chunk's
-context length is a new one). torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` keys its plans on lengths rounded up
-to powers of two for unmasked calls on BSHD-contiguous q/k/v/out, which every call here is (the packed token
-layout): importing this module sets it, when the environment turns the route on and does not already say
-otherwise (torch reads it once, at its first cuDNN attention call; "0" keeps one plan per exact shape).
+cuDNN builds an execution plan per new shape (44-94 ms on an H200), so the query run is padded at its end from
+L rows to `bucket_length(L)` (a ladder of `BUCKET_STEPS` lengths per octave: 4,096, 4,608, ..., 8,192, 9,216, ...)
+before any call, and the real L rows of the outputs and log-sum-exps are sliced off after: every run of a bucket is
+one shape to the kernels. Exact: the padded keys (zeros) go to the causal square call only, where real row j sees
+keys 0..j < L, never a padded one; the padded query rows (zeros: finite scores, finite outputs) are dropped before
+the merge, and rows never mix inside attention. The context call keeps its exact C keys (padding keys of an
+unmasked call would be seen).
+
+torch's cuDNN plan cache (aten/src/ATen/native/cudnn/MHA.cpp, as read in three versions that have the variable
+below, up to the 2026 ones with paged K/V; not run here, bench/kernel_paged_attention.py --plan-reuse shows it): a
+thread-local, unbounded map from `MHAParams` (device, dtype, b, h, s_q, s_kv, d_qk, d_v, q/k/v dims and strides,
+bias, dropout, causal flag, whether stats are returned, `use_ragged`; newer versions add the output's and the
+stats' dims and strides) to a built graph; a miss runs validate, build_operation_graph, create_execution_plans,
+check_support and build_plans. `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` (read once, at the first cuDNN attention
+call) makes `use_ragged_in_dense` true for any call without a bias whose q, k, v and output are BSHD-contiguous
+(`x.transpose(1, 2).is_contiguous()`: every call here, the packed token layout; there is no condition on the
+causal flag), and then the key holds s_q, s_kv and the q/k/v sequence dims rounded up to powers of two and no
+batch stride (the kernel gets the exact lengths as ragged offsets and sequence lengths). So, per (heads, dims,
+dtype): the causal call of a bucket is one plan (two: with and without the log-sum-exp), whatever the torch
+version; the context call is one plan per (bucket, C rounded up to a power of two) with the variable, per
+(bucket, C) without it. Without the bucketing the versions whose key holds the output's exact dims would build a
+plan per L even with the variable. Importing this module sets the variable when the environment turns the route
+on and does not already say otherwise ("0" keeps one plan per exact shape).
 
 `ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
-CPU; "off": never, the default until per-shape plan building is paid off, see below) and `MIN_QUERY_ROWS` are
-module-level switches read on every call; `MINI_INFER_PREFILL_ROUTE=auto` in the environment turns it on.
+CPU; "off": never, the default until per-shape plan building is paid off, see below), `MIN_QUERY_ROWS` and
+`BUCKET_STEPS` are module-level switches read on every call; `MINI_INFER_PREFILL_ROUTE=auto` in the
+environment turns the route on.
 
 This module must not write the caches, read block tables or sync with the device (but for the one-time probe
 of a new head/dtype combination, made at the first call, in warm-up): the caller reads the step's lengths
@@ -36,12 +55,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_QUERY_ROWS", "ROUTE", "attend_run", "route_min_query_rows", "route_wanted"]
+__all__ = ["BUCKET_STEPS", "MIN_QUERY_ROWS", "ROUTE", "attend_run", "bucket_length", "route_min_query_rows",
+           "route_wanted"]
 
 # "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
 # Off by default: in the engine (H200, qwen2.5-7b, a 32,000-token prompt in 8,192-token chunks) the route made
 # TTFT 2,434 ms against 1,407 ms without it, though the kernel bench shows cuDNN at 1.8x the Triton kernel once
-# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then.
+# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then (tree
+# f9c8f1a, before the runs were bucketed: bench/latency.py --repeat 2 shows the first and a later prompt).
 ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "off")
 if ROUTE != "off":  # a process-wide torch setting: only when the route may run (see the module docstring)
     os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
@@ -53,6 +74,13 @@ if ROUTE != "off":  # a process-wide torch setting: only when the route may run 
 # Triton kernel, at 4096 faster for 28 query heads (381 vs 221) and slower for 16 (106 vs 209, each call
 # paying its own host read there; the engine pays one per step).
 MIN_QUERY_ROWS = 4096
+
+# Query runs are attended at `bucket_length(L)` rows: BUCKET_STEPS lengths per octave (0: exact lengths). 8 keeps
+# the padding under 1/8 of the rows (at most ~27% more work in the causal square call, at L just past a ladder
+# length; 0% at a power-of-two chunk such as the engine's 8,192 tokens) for 8 shapes per
+# octave: 9 between MIN_QUERY_ROWS and an 8,192-token chunk, 25 up to 32,768. A fixed step of 1,024 would pad up
+# to 25% of a 4,097-row run and need a shape per 1,024 rows (29 up to 32,768, 125 up to 131,072).
+BUCKET_STEPS = 8
 
 # a backend: (q, k, v as [1, H, S, D] views, causal, scale, want the log-sum-exp) -> (out [1, Hq, L, Dv],
 # log-sum-exp with Hq * L elements in natural-log units, or None when not asked for)
@@ -123,6 +151,26 @@ def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, so
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def bucket_length(n: int) -> int:
+    """The row count a run of n query rows is attended at: n rounded up to a multiple of 2**floor(log2 n) /
+    BUCKET_STEPS (at least 1), so BUCKET_STEPS lengths per octave; n itself when BUCKET_STEPS is 0."""
+    if BUCKET_STEPS <= 0 or n <= 1:
+        return n
+    step = max(1, (1 << (n.bit_length() - 1)) // BUCKET_STEPS)
+    return -(-n // step) * step
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [S, H, D] as a contiguous [rows, H, D] tensor: x's rows, then zeros (x's rows as they are when rows == S
+    and x is contiguous)."""
+    if rows == x.shape[0]:
+        return x.contiguous()
+    out = x.new_empty((rows, *x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    out[x.shape[0] :].zero_()
+    return out
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[S, H, D] -> a [1, H, S, D] view (the packed token layout is the kernels' BSHD layout)."""
     return x.unsqueeze(0).transpose(1, 2)
@@ -177,27 +225,37 @@ def usable_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[B
 
 
 def _merge(o_ctx, lse_ctx, o_new, lse_new, out_dtype: torch.dtype) -> torch.Tensor:
-    """Attention over context + new keys from the two parts: weights exp(lse) / (exp(lse_ctx) + exp(lse_new)),
-    i.e. the context part's weight is sigmoid(lse_ctx - lse_new). Out [L, Hq, Dv]."""
-    hq, n = o_ctx.shape[1], o_ctx.shape[2]
-    w_ctx = torch.sigmoid(lse_ctx.float().reshape(hq, n) - lse_new.float().reshape(hq, n)).t()[:, :, None]
+    """Attention over context + new keys from the two parts (outputs [1, Hq, L, Dv], log-sum-exps [Hq, L]):
+    weights exp(lse) / (exp(lse_ctx) + exp(lse_new)), i.e. the context part's weight is
+    sigmoid(lse_ctx - lse_new). Out [L, Hq, Dv]."""
+    w_ctx = torch.sigmoid(lse_ctx.float() - lse_new.float()).t()[:, :, None]
     return _tokens_first(o_new).float().lerp_(_tokens_first(o_ctx).float(), w_ctx).to(out_dtype)
+
+
+def _real_rows(o: torch.Tensor, lse: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first n query rows of a padded call's output [1, Hq, L', Dv] and log-sum-exp (any layout holding
+    Hq * L' elements, head-major) as [1, Hq, n, Dv] and [Hq, n]."""
+    hq = o.shape[1]
+    return o[:, :, :n], None if lse is None else lse.reshape(hq, -1)[:, :n]
 
 
 def attend_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                scale: float) -> torch.Tensor | None:
     """Attention of one sequence's query run: q [L, Hq, D] at positions C .. C+L-1 over the context keys/values
     k_ctx, v_ctx [C, Hkv, D|Dv] (C may be 0) and the run's own k, v [L, Hkv, D|Dv], causal. Returns [L, Hq, Dv]
-    in q's dtype, or None when no backend serves these shapes (the caller computes the run itself)."""
-    q4, k4, v4 = (_heads_first(x.contiguous()) for x in (q, k, v))  # contiguous rows: the BSHD layout
+    in q's dtype, or None when no backend serves these shapes (the caller computes the run itself). The kernels
+    see the run padded to `bucket_length(L)` rows (see the module docstring)."""
+    n = q.shape[0]
+    rows = bucket_length(n)
+    q4, k4, v4 = (_heads_first(_padded(x, rows)) for x in (q, k, v))  # contiguous rows: the BSHD layout
     with_ctx = k_ctx.shape[0] > 0
     for backend in usable_backends(q, k, v):
         try:
-            o_new, lse_new = backend.run(q4, k4, v4, True, scale, with_ctx)
+            o_new, lse_new = _real_rows(*backend.run(q4, k4, v4, True, scale, with_ctx), n)
             if not with_ctx:
                 return _tokens_first(o_new)
-            o_ctx, lse_ctx = backend.run(q4, _heads_first(k_ctx.contiguous()), _heads_first(v_ctx.contiguous()),
-                                         False, scale, True)
+            o_ctx, lse_ctx = _real_rows(*backend.run(q4, _heads_first(k_ctx.contiguous()),
+                                                     _heads_first(v_ctx.contiguous()), False, scale, True), n)
         except _REFUSALS:  # a shape this backend refuses: the next one
             continue
         return _merge(o_ctx, lse_ctx, o_new, lse_new, q.dtype)

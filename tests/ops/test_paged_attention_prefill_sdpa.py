@@ -87,9 +87,9 @@ def test_route_matches_oracle_and_reference(name, spies):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_route_half_precision(dtype, spies):
-    case = make_case([(2, 1), (19, 24)], hq=8, hkv=2, d=32, dtype=dtype, device="cpu")
+    case = make_case([(2, 1), (19, 25)], hq=8, hkv=2, d=32, dtype=dtype, device="cpu")
     out, args = routed(case)
-    assert spies["sdpa"] == [24] and out.dtype == dtype
+    assert spies["sdpa"] == [25] and out.dtype == dtype
     assert_close(out, oracle(case))
     check_cache(case, args[3], args[4])
 
@@ -203,6 +203,95 @@ def test_host_lengths_read_once_per_step(monkeypatch):
     case.seq_lens.add_(0)  # a new step writes the metadata in place (version bump): read again
     pa._paged_attention_routed(*args, use_triton_kernel=False)
     assert reads.count(True) == 2
+
+
+def test_bucket_ladder():
+    """BUCKET_STEPS lengths per octave: never shorter, padding under 1/8 of the rows, exact on the ladder."""
+    b = _prefill_sdpa.bucket_length
+    assert [b(n) for n in (4096, 4097, 4608, 4609, 7424, 8192, 8193, 32000)] == [
+        4096, 4608, 4608, 5120, 7680, 8192, 9216, 32768]
+    assert sorted({b(n) for n in range(4096, 8193)}) == list(range(4096, 8193, 512))
+    assert len({b(n) for n in range(4096, 32769)}) == 25
+    assert all(n <= b(n) < n * 9 / 8 for n in range(1, 20000))
+    assert [b(n) for n in (0, 1, 9, 23, 37)] == [0, 1, 9, 24, 40]
+
+
+def test_bucket_ladder_off(monkeypatch):
+    monkeypatch.setattr(_prefill_sdpa, "BUCKET_STEPS", 0)
+    assert [_prefill_sdpa.bucket_length(n) for n in (23, 4097, 7424)] == [23, 4097, 7424]
+
+
+@pytest.fixture
+def kernel_shapes(monkeypatch):
+    """The (query rows, key rows, causal) of every kernel call attend_run makes."""
+    seen = []
+    run = _prefill_sdpa.Backend.run
+
+    def spy(self, q, k, v, causal, scale, lse):
+        seen.append((q.shape[2], k.shape[2], causal))
+        return run(self, q, k, v, causal, scale, lse)
+
+    monkeypatch.setattr(_prefill_sdpa.Backend, "run", spy)
+    return seen
+
+
+def _run_inputs(n, c, hq, hkv, d, dtype, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k = torch.randn(c + n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(c + n, hkv, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _want(q, k, v, c, scale):
+    """Float64 bottom-right causal attention of q (positions c..) over k, v: the exact result."""
+    n, hq, _ = q.shape
+    g = hq // k.shape[1]
+    k, v = (x.double().repeat_interleave(g, dim=1).transpose(0, 1) for x in (k, v))
+    s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale
+    s = s.masked_fill(torch.arange(c + n)[None, :] > torch.arange(c, c + n)[:, None], float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("steps", [8, 2])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("c", [0, 13])
+@pytest.mark.parametrize("n", [17, 23, 37, 45])
+def test_padded_runs_match_exact_lengths(n, c, hq, hkv, d, steps, monkeypatch, kernel_shapes):
+    """attend_run at odd lengths: the kernels see the padded run (causal square over the padded new keys, the
+    context's exact C keys) and the result equals the unpadded path and float64 attention."""
+    monkeypatch.setattr(_prefill_sdpa, "BUCKET_STEPS", steps)
+    q, k, v = _run_inputs(n, c, hq, hkv, d, torch.float32)
+    scale = d**-0.5
+    _prefill_sdpa.usable_backends(q, k, v)  # the first use probes the backends (calls of their own)
+    kernel_shapes.clear()
+    out = _prefill_sdpa.attend_run(q, k[c:], v[c:], k[:c], v[:c], scale)
+    rows = _prefill_sdpa.bucket_length(n)
+    assert rows > n
+    assert kernel_shapes == [(rows, rows, True)] + ([(rows, c, False)] if c else [])
+    assert out.shape == (n, hq, d) and out.isfinite().all()
+    monkeypatch.setattr(_prefill_sdpa, "BUCKET_STEPS", 0)
+    exact = _prefill_sdpa.attend_run(q, k[c:], v[c:], k[:c], v[:c], scale)
+    assert kernel_shapes[-1][0] == n  # that call was not padded
+    torch.testing.assert_close(out, exact, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), _want(q, k, v, c, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_runs_half_precision(dtype, monkeypatch):
+    monkeypatch.setattr(_prefill_sdpa, "BUCKET_STEPS", 2)
+    q, k, v = _run_inputs(45, 13, 8, 2, 64, dtype)
+    out = _prefill_sdpa.attend_run(q, k[13:], v[13:], k[:13], v[:13], 0.125)
+    assert out.dtype == dtype and out.isfinite().all()
+    torch.testing.assert_close(out.double(), _want(q, k, v, 13, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_are_zeros():
+    x = torch.randn(5, 2, 3)
+    p = _prefill_sdpa._padded(x, 8)
+    assert p.is_contiguous() and torch.equal(p[:5], x) and torch.equal(p[5:], torch.zeros(3, 2, 3))
+    assert _prefill_sdpa._padded(x, 5) is x  # already contiguous at its length: no copy
 
 
 def test_merge_is_bottom_right_aligned():
