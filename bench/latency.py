@@ -78,6 +78,21 @@ def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
     return torch.randint(100, min(vocab, 10000), (n,), generator=gen).tolist()
 
 
+def step_loop_ms(eng, prompt: list[int], params) -> float:
+    """The timed prompt once more, driven by `engine.step()` alone as bench/profile_decode.py drives it (no
+    `LLM.generate` above it): ms per token after the first one."""
+    eng.add_request("latency-step-loop", {"prompt_token_ids": prompt}, params)
+    before = eng.stats["generation_tokens"]
+    while eng.stats["generation_tokens"] == before:  # the prefill's token
+        eng.step()
+    torch.cuda.synchronize()
+    first, start = eng.stats["generation_tokens"], time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / (eng.stats["generation_tokens"] - first)
+
+
 def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str,
                    passes: list[str] | None = None) -> dict:
     """Build one engine (`passes`: None for the recommended pipeline), time batch-1 decode of the benchmark
@@ -102,19 +117,28 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
         done = llm.generate([{"prompt_token_ids": other}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
         ttfts.append(done.metrics.first_token_time - done.metrics.arrival_time)
     torch.cuda.synchronize()
+    stats0 = dict(eng.stats)
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     torch.cuda.synchronize()
     total = time.perf_counter() - start
     first = out.metrics.first_token_time - out.metrics.arrival_time
+    # inside that generate, per decode step: the engine's wall time and the host's own share of it (the rest
+    # waited for the device's sampled ids); a host share near the step time means the host is the bottleneck
+    steps = max(eng.stats["decode_steps"] - stats0["decode_steps"], 1)
+    step_ms = (eng.stats["decode_seconds"] - stats0["decode_seconds"]) * 1e3 / steps
+    wait_ms = (eng.stats["device_wait_seconds"] - stats0["device_wait_seconds"]) * 1e3 / steps
+    loop_ms = step_loop_ms(eng, prompt, params)
     # the weights one token reads from the compiled graph (the engine released the HF model): all but the
     # embedding, and for MoE layers only the top-k experts (bench/active_bytes.py)
     weights = token_bytes(eng.compiled.graph_module)
     kv_per_token = eng.compiled.cache_bytes_per_token()
     mean_ctx = args.prompt_len + args.new_tokens / 2
     result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, startup_s=startup,
-                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first, ttft_runs_s=[*ttfts, first],
-                  decode_tok_s=(args.new_tokens - 1) / (total - first), weight_bytes=weights.total, active_weight_bytes=weights.active,
+                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first,
+                  ttft_runs_s=[*ttfts, first], decode_tok_s=(args.new_tokens - 1) / (total - first),
+                  decode_step_ms=step_ms, host_busy_ms=step_ms - wait_ms, step_loop_ms=loop_ms,
+                  weight_bytes=weights.total, active_weight_bytes=weights.active,
                   moe_layers=weights.moe_layers, weights_read=weights.describe(),
                   kv_bytes_per_token=kv_per_token, floor_tok_s=bw / (weights.active + kv_per_token * mean_ctx),
                   tokens=list(out.outputs[0].token_ids), prompt=prompt,
@@ -202,6 +226,10 @@ def main() -> None:
               f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {' then '.join(f'{t * 1e3:.1f}' for t in e['ttft_runs_s'])} ms; weights "
               f"{e['weights_read']}; KV {e['kv_bytes_per_token']} B/token; greedy tokens equal to the "
               f"first engine's: {same}/{len(e['tokens'])}")
+        print(f"    decode ms/token: LLM.generate {1e3 / e['decode_tok_s']:.3f}, engine.step() loop "
+              f"{e['step_loop_ms']:.3f} (same engine and prompt); inside generate a decode step "
+              f"{e['decode_step_ms']:.3f} ms wall, of it host busy {e['host_busy_ms']:.3f} (the rest waits on the "
+              "device)")
     print(f"{'engine':<54}{'tok/s':>9}{'ms/token':>10}{'of floor':>10}")
     for name, tps in rows:
         own = next((e["floor_tok_s"] for e in engines if name.endswith(

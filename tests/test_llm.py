@@ -83,6 +83,26 @@ def test_per_prompt_params_and_prompt_order(llm):
     assert llm.generate([], greedy(2), use_tqdm=False) == []
 
 
+def test_final_text_as_streamed(llm):
+    # LLM.generate detokenizes a sequence without stop strings once, at its end; a stop string still ends it at
+    # the token completing it: both as the engine's streamed outputs (asked for every step) give them
+    eng, tok = llm.engine, llm.get_tokenizer()
+    ids = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=64, stop=["Paris"])):
+        (final,) = llm.generate({"prompt_token_ids": list(ids)}, params, use_tqdm=False)
+        eng.add_request("streamed", {"prompt_token_ids": list(ids)}, params)
+        deltas, last = [], None
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                deltas.append(out.deltas[0][0])
+                last = out
+        got, want = final.outputs[0], last.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.text, want.token_ids, want.finish_reason, want.stop_reason) and "".join(deltas) == want.text
+    assert got.text == "The capital of France is " and got.stop_reason == "Paris"
+
+
 def test_n_samples(llm):
     (out,) = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=0),
                           use_tqdm=False)

@@ -241,7 +241,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "finished_requests": 0, "decode_steps": 0, "decode_seconds": 0.0, "mixed_steps": 0,
-                      "mixed_seconds": 0.0}
+                      "mixed_seconds": 0.0, "device_wait_seconds": 0.0}
         logger.info("engine ready: load %.1fs, compile %.1fs, CUDA graphs %.1fs; KV cache %d blocks x %d tokens",
                     self.load_seconds, self.compile_seconds, self.capture_seconds, self.kv_cache.num_blocks,
                     config.block_size)
@@ -551,7 +551,10 @@ class LLMEngine:
         """Read the sampled ids back, replace the placeholders, record logprobs, check stops."""
         sampling, so = launched.sampling, None
         if launched.so_host is not None:
+            t0 = time.perf_counter()
             so = SamplerOutput(*launched.so_host.wait())
+            # the host idle until the device caught up: step seconds less this are the host's own work
+            self.stats["device_wait_seconds"] += time.perf_counter() - t0
         token_ids = so.token_ids.tolist() if so is not None else []
         sample_lp = self.output_processor.sample_logprobs(so, sampling) \
             if so is not None and so.logprobs is not None else None

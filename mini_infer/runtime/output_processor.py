@@ -5,6 +5,12 @@ The engine tells it what happened (a token was sampled for a sequence, with its 
 computed; a sequence ended) and asks it for outputs. It decides when a sampled token ends a sequence (stop
 token, EOS, stop string, length) but never touches the scheduler, the cache or the device: the engine applies
 the decision.
+
+Text is made when it is read. Only stop strings need each token's text as it comes; a sequence without them
+keeps its new ids pending and detokenizes them in one call when an output is asked for or the sequence ends.
+A streaming caller asks every step (one id a call, as before); `LLM.generate` asks once, at the end, so a
+long generation costs one detokenizer call instead of one per token. The text is the same either way: the
+incremental detokenizer's deltas do not depend on how the ids are grouped (runtime/detokenizer.py).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class RequestState:
     prompt_logprobs: list | None = None
     deltas: list[tuple[int, str, list[int]]] = field(default_factory=list)
     error: str | None = None
+    # per sample: sampled ids not yet detokenized (samples without stop strings; see the module docstring)
+    pending: list[list[int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -58,7 +66,8 @@ class OutputProcessor:
                   for _ in seqs]
         return RequestState(request_id, prompt, list(token_ids), params, seqs, detoks, RequestMetrics(arrival),
                             logprobs=[[] for _ in seqs], cumulative_logprob=[0.0 for _ in seqs],
-                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                            pending=[[] for _ in seqs])
 
     # ------------------------------------------------------------------ sampled tokens
     def sample_logprobs(self, so: SamplerOutput, sampling: list[Sequence]) -> list[tuple[dict | None, float]]:
@@ -101,10 +110,14 @@ class OutputProcessor:
             reason = "length"
         detok = req.detoks[seq.index]
         delta = ""
-        if detok is not None:
+        if detok is not None and detok.stop_checker.stop:  # stop strings: this token's text is needed now
             delta, stop_str = detok.add_tokens([token], stop_terminated=stop_token, finished=reason is not None)
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
+        elif detok is not None:
+            req.pending[seq.index].append(token)
+            if reason is not None:
+                delta = self._detokenize_pending(req, seq.index, stop_terminated=stop_token, finished=True)
         req.deltas.append((seq.index, delta, [token]))
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -114,7 +127,16 @@ class OutputProcessor:
         """`seq` ended without a token (aborted, failed, capped): release the text its detokenizer held back."""
         detok = req.detoks[seq.index]
         if detok is not None:
-            req.deltas.append((seq.index, detok.flush(), []))
+            text = self._detokenize_pending(req, seq.index, finished=True) if req.pending[seq.index] \
+                else detok.flush()
+            req.deltas.append((seq.index, text, []))
+
+    def _detokenize_pending(self, req: RequestState, index: int, stop_terminated: bool = False,
+                            finished: bool = False) -> str:
+        """Sample `index`'s pending ids through its detokenizer in one call; the text they complete."""
+        ids, req.pending[index] = req.pending[index], []
+        delta, _ = req.detoks[index].add_tokens(ids, stop_terminated=stop_terminated, finished=finished)
+        return delta
 
     # ------------------------------------------------------------------ prompt logprobs
     def add_prompt_logprobs(self, req: RequestState, seq: Sequence, first_pos: int, count: int,
@@ -144,6 +166,9 @@ class OutputProcessor:
     # ------------------------------------------------------------------ outputs
     def output(self, req: RequestState) -> RequestOutput:
         """The request's output now: full text and ids so far, plus the deltas since the last output."""
+        for index, ids in enumerate(req.pending):
+            if ids:
+                req.deltas.append((index, self._detokenize_pending(req, index), []))
         outputs = []
         for seq, detok in zip(req.seqs, req.detoks):
             outputs.append(CompletionOutput(

@@ -11,6 +11,8 @@ in a padded input.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,13 +48,9 @@ class Field:
     shape: tuple[int, ...]
     offset: int  # bytes from the buffer's start, a multiple of ALIGN
 
-    @property
+    @functools.cached_property  # read every step by the staging runner: computed once
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def pack_layout(fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[Field], int]:
