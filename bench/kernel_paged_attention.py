@@ -3,24 +3,17 @@
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
                                             | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
-                                            | --decode-sweep [--wide] [--new-ways] [--layers N] | --compile-check]
+                                            | --decode-sweep [--wide] [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
---decode-sweep: the decode launch configs of bf16 and fp8 caches (_CONFIG["decode"], _CONFIG["decode_fp8"]) timed as
---decode-latency times them (qwen3-0.6b-like, 16 q / 8 kv heads, at batch 64 and 256, context 512 and 2048): the
-"mma" dots (tl.dot; fp8 with each of _FP8_DOT's ways to feed fp8 tiles to them, the e4m3 dots "fp8" among them, the
-old way "q" only at the bf16 default shape unless --wide, and 256-key steps with the fp16 ways) and the "fma" dots
-(CUDA cores, no padding of the score rows; FMA_GRID's shapes); plus the fp8 ways at the prefill config (4 x 1024 new
-tokens, and 2048 new over 6144 cached) and the cache write alone per cache dtype. Prints the best configs per cache,
-the best of each way, the winner (least summed time) as a _CONFIG line, fp8 / bf16 per shape (best of each, and best
-fp8 over the bf16 default), and each fp8 way's largest difference from the torch reference. --wide: a larger "mma"
-grid (minutes). --new-ways: of the "mma" grid only the current defaults (plus fp8's 256-key steps) against the "fma"
-grid, no prefill cases (a shorter run).
-
---compile-check (no GPU needed): compiles the decode kernel for sm_90 with Triton's own ptxas at the sweep's shapes
-(the defaults, the "fma" dots at 32 and 64 keys, fp8 "mma" at 256 keys) and prints registers, shared memory and
-spills of each; exit status 1 if an "fma" config spills.
+--decode-sweep: the decode launch configs of bf16 and fp8 caches (_CONFIG["decode"], _CONFIG["decode_fp8"] with
+each of _FP8_DOT's ways to feed fp8 tiles to the dots, the e4m3 dots "fp8" among them; the old way "q" only at the
+bf16 default shape unless --wide) timed as --decode-latency times them (qwen3-0.6b-like, 16 q /
+8 kv heads, at batch 64 and 256, context 512 and 2048), plus the fp8 ways at the prefill config (4 x 1024 new tokens,
+and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
+(least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
+reference. --wide: a larger grid (minutes).
 
 --decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
 (default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
@@ -250,36 +243,6 @@ def sweep_grid(wide):
     return dict(block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3])
 
 
-FMA_GRID = dict(block_n=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[2])  # the "fma" dots' shapes (no pipelined
-# loads there: the stage count changes nothing in the sm_90 build, --compile-check)
-MMA_256 = dict(block_n=[256], num_warps=[4, 8], num_stages=[2])  # 256-key steps over fp8 (16-bit ways)
-
-
-def decode_candidates(kv, grid, wide, defaults, new_ways=False):
-    """--decode-sweep's configs of _CONFIG["decode" / "decode_fp8"] for a `kv` cache: the "mma" dots over `grid` (fp8:
-    with each of _FP8_DOT's ways; the old way "q" at the bf16 default shape only unless `wide`), for fp8 also 256-key
-    steps with the fp16 ways, and the "fma" dots over FMA_GRID. `new_ways`: of the "mma" grid only the current default
-    (defaults[name]), the rest as before."""
-    from mini_infer.ops import paged_attention as pa
-
-    def configs(g, **extra):
-        return [{**dict(zip(g, v)), **extra} for v in itertools.product(*g.values())]
-
-    name = "decode_fp8" if kv == "fp8" else "decode"
-    if kv == "bf16":
-        mma = configs(grid, dots="mma")
-    else:
-        mma = [c for w in pa._FP8_DOT for c in configs(grid, fp8_dot=w, dots="mma")]
-        if not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
-            old_shape = {k: defaults["decode"][k] for k in grid}
-            mma = [c for c in mma if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q", "dots": "mma"}]
-        mma += [c for w in ("fp16", "fp16_vregs") for c in configs(MMA_256, fp8_dot=w, dots="mma")]
-    if new_ways:
-        mma = [c for c in mma if c == defaults[name] or c["block_n"] > max(grid["block_n"])]
-        mma = mma if defaults[name] in mma else [defaults[name], *mma]
-    return mma + configs(FMA_GRID, dots="fma")
-
-
 def time_configs(name, candidates, cases, timer):
     """[(total, per-case times, config, launched shapes)] of each candidate config of _CONFIG[name] over the argument
     tuples `cases`, best first. A shape out of shared memory falls back to smaller ones: `launched` says which ran."""
@@ -309,14 +272,13 @@ def print_ranking(name, labels, results, default, top=6):
 
 
 def fp8_way_diffs(name, base, args):
-    """Largest |triton - reference| at `args` (fp8 caches) for each of _FP8_DOT's ways ("mma" dots) and for the "fma"
-    dots, at config `base`'s launch shape."""
+    """Largest |triton - reference| at `args` (fp8 caches) for each of _FP8_DOT's ways at config `base`."""
     from mini_infer.ops import paged_attention as pa
 
     ref = paged_attention_reference(*args).float()  # writes the same k/v bytes as the kernel's write
     diffs = {}
-    for way in [*pa._FP8_DOT, "fma"]:
-        pa._CONFIG[name] = {**base, "dots": "fma"} if way == "fma" else {**base, "fp8_dot": way, "dots": "mma"}
+    for way in pa._FP8_DOT:
+        pa._CONFIG[name] = {**base, "fp8_dot": way}
         pa._LAUNCH_OK.clear()
         try:
             diffs[way] = (paged_attention_triton(*args).float() - ref).abs().max().item()
@@ -327,11 +289,11 @@ def fp8_way_diffs(name, base, args):
 
 
 def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, shapes=SWEEP_SHAPES,
-                 prefill_shapes=SWEEP_PREFILL, heads=None, new_ways=False):
+                 prefill_shapes=SWEEP_PREFILL, heads=None):
     """--decode-sweep (see the module docstring). `timer(fn)` -> us per call (default: `graph_us` over `layers`
-    calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes. `new_ways`
-    (--new-ways): of the "mma" grid only the defaults, no prefill cases (see `decode_candidates`)."""
+    calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes."""
     from mini_infer.ops import paged_attention as pa
+    from mini_infer.ops.paged_attention import write_kv_cache_triton
 
     timer = timer or (lambda fn: graph_us(fn, layers, replays=3))
     hq, hkv, d = heads or PREFILL_MODELS["qwen3-0.6b"]
@@ -340,149 +302,54 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
     labels = [f"b{s}/ctx{c}" for s, c in shapes]
     dev_name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"{dev_name} | decode, Hq={hq} Hkv={hkv} D={d} block 16, bf16 q, CUDA graph of {layers} calls "
-          f"(write + attention + merge); mma grid {grid}, fma grid {FMA_GRID}", flush=True)
+          f"(write + attention + merge); grid {grid}", flush=True)
     t0 = time.perf_counter()
-    best, bf16_default = {}, None
+    best = {}
     try:
         for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
             cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device) for s, ctx in shapes]
-            candidates = decode_candidates(kv, grid, wide, saved, new_ways)
+            ways = list(pa._FP8_DOT) if kv == "fp8" else [None]
+            candidates = [{**dict(zip(grid, v)), **({"fp8_dot": w} if w else {})}
+                          for w in ways for v in itertools.product(*grid.values())]
+            if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
+                old_shape = {k: saved["decode"][k] for k in grid}
+                candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
             results = time_configs(name, candidates, cases, timer)
             print_ranking(name, labels, results, saved[name])
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
             best[kv] = results[0]
-            if kv == "bf16":
-                bf16_default = next((r[1] for r in results if r[2] == saved[name]), None)
-            ways = [("dots", "fma"), ("block_n", 256)] + [("fp8_dot", w) for w in pa._FP8_DOT if kv == "fp8"]
-            for key, value in ways:
-                mine = [r for r in results if r[2].get(key) == value]
-                if mine:  # none where every launch failed ("fp8" before sm_89) or the grid left the way out
-                    print(f"  best with {key}={value!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1])
-                          + f"  {mine[0][2]}")
             if kv == "fp8":
+                for way in ways:
+                    mine = [r for r in results if r[2]["fp8_dot"] == way]
+                    if mine:  # none where every launch failed ("fp8" before sm_89) or the grid left the way out
+                        print(f"  best with fp8_dot={way!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1]))
                 diffs = fp8_way_diffs(name, best[kv][2], cases[0])
                 print("  max |triton - reference| at " + labels[0] + ": "
                       + ", ".join(f"{w} {x:.2e}" for w, x in diffs.items()), flush=True)
             del cases
         print("fp8 / bf16 cache, best config of each: "
               + " ".join(f"{lab} {f / b:.2f}" for lab, f, b in zip(labels, best["fp8"][1], best["bf16"][1])))
-        if bf16_default:
-            print("best fp8 / the bf16 default: "
-                  + " ".join(f"{lab} {f / b:.2f}" for lab, f, b in zip(labels, best["fp8"][1], bf16_default)))
-        if not new_ways:
-            prefill_and_write_sweep(shapes, prefill_shapes, hq, hkv, d, device, timer, saved)
+
+        cases = []
+        for s, ctx, new in prefill_shapes:
+            args = list(build(s, ctx, new, hq, hkv, d, 16, torch.bfloat16, device))
+            cases.append(args + fp8_caches(args))
+        candidates = [{**saved["prefill_fp8"], "fp8_dot": w} for w in pa._FP8_DOT]
+        print_ranking("prefill_fp8", [f"{s}x{new}/ctx{ctx}" for s, ctx, new in prefill_shapes],
+                      time_configs("prefill_fp8", candidates, cases, timer), saved["prefill_fp8"])
+        del cases
+
+        s, ctx = shapes[-1]
+        for kv in ("bf16", "fp8"):
+            a = decode_args(s, ctx, hq, hkv, d, kv=kv, device=device)
+            us = timer(lambda a=a: write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5], *a[12:]))
+            print(f"cache write alone, batch {s}, {kv} cache: {us:.2f} us per call")
     finally:
         pa._CONFIG.clear()
         pa._CONFIG.update(saved)
         pa._LAUNCH_OK.clear()
     print(f"{time.perf_counter() - t0:.0f} s")
     return best
-
-
-def prefill_and_write_sweep(shapes, prefill_shapes, hq, hkv, d, device, timer, saved):
-    """--decode-sweep's fp8 prefill ways at the prefill config, and the cache write alone per cache dtype."""
-    from mini_infer.ops import paged_attention as pa
-    from mini_infer.ops.paged_attention import write_kv_cache_triton
-
-    cases = []
-    for s, ctx, new in prefill_shapes:
-        args = list(build(s, ctx, new, hq, hkv, d, 16, torch.bfloat16, device))
-        cases.append(args + fp8_caches(args))
-    candidates = [{**saved["prefill_fp8"], "fp8_dot": w} for w in pa._FP8_DOT]
-    print_ranking("prefill_fp8", [f"{s}x{new}/ctx{ctx}" for s, ctx, new in prefill_shapes],
-                  time_configs("prefill_fp8", candidates, cases, timer), saved["prefill_fp8"])
-    del cases
-
-    s, ctx = shapes[-1]
-    for kv in ("bf16", "fp8"):
-        a = decode_args(s, ctx, hq, hkv, d, kv=kv, device=device)
-        us = timer(lambda a=a: write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5], *a[12:]))
-        print(f"cache write alone, batch {s}, {kv} cache: {us:.2f} us per call")
-
-
-def sm90_resources(name, cfg, kv, batch=64, ctx=512, heads=None, capability=90):
-    """Compile (never run) the attention kernel of `paged_attention_cached_triton` for a CUDA sm_<capability> target
-    on this machine (no GPU: Triton's own ptxas), launched under _CONFIG[name] = cfg over --decode-sweep's caches
-    (kv "bf16" or "fp8") at (batch, ctx), as on an H200: the CUDA dot rule of `_dot_kind`, PDL on. The launch
-    arguments are those `_triton_attention` passes (captured on CPU tensors, with their alignments). Returns the
-    kernel's {"regs", "shared", "stack", "spill_stores", "spill_loads"} (bytes but regs) as ptxas -v reports them
-    with Triton's flags, and Triton's shared memory. Needs TRITON_INTERPRET unset before triton is imported."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    from mini_infer.ops import paged_attention as pa
-
-    hq, hkv, d = heads or PREFILL_MODELS["qwen3-0.6b"]
-    args = decode_args(batch, ctx, hq, hkv, d, kv=kv, device="cpu")
-    kernel, launches = pa._paged_attn_kernel, []
-
-    class Recorder:  # stands in for the kernel: records the launch instead of running it
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((a, kw))
-
-    saved = dict(pa._CONFIG[name])
-    pa._CONFIG[name], pa._paged_attn_kernel = cfg, Recorder()
-    try:
-        pa._LAUNCH_OK.clear()
-        pa.paged_attention_cached_triton(args[0], *args[3:5], *args[6:12], *args[12:])
-        a, kw = launches[0]
-        fma, fp8_dot, dot_fp32 = pa._dot_kind(name, kv == "fp8", args[0].dtype, kw["BLOCK_G"], interpreted=False)
-    finally:
-        pa._CONFIG[name], pa._paged_attn_kernel = saved, kernel
-        pa._LAUNCH_OK.clear()
-    kw = {**kw, "FMA_DOTS": fma, "FP8_DOT": fp8_dot, "DOT_FP32": dot_fp32, "ROUND_P_EXACTLY": False,
-          "USE_GDC": True, "launch_pdl": True}
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*a, **kw)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, options)
-    compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:  # ptxas -v again on Triton's PTX, with the flags Triton gave it
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        fmad = [] if options.enable_fp_fusion else ["--fmad=false"]
-        log = subprocess.run([get_ptxas(capability).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={sm_arch_from_capability(capability)}", str(ptx), "-o", str(ptx) + ".o"],
-                             capture_output=True, text=True, check=True).stderr
-    used = re.search(r"Used (\d+) registers", log)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"regs": int(used[1]), "shared": compiled.metadata.shared, "stack": int(frame[1]),
-            "spill_stores": int(frame[2]), "spill_loads": int(frame[3])}
-
-
-def triton_compile(src, target, options):
-    import triton
-
-    return triton.compile(src, target=target, options=options)
-
-
-COMPILE_CHECKS = (  # (_CONFIG name, config, cache): the decode defaults, the "fma" way's candidates, "mma" at 256 keys
-    ("decode", None, "bf16"),
-    ("decode_fp8", None, "fp8"),
-    *(("decode" + ("_fp8" if kv == "fp8" else ""), {"block_n": n, "num_warps": w, "num_stages": 2, "dots": "fma"}, kv)
-      for kv in ("bf16", "fp8") for n in (32, 64) for w in (4,)),
-    ("decode_fp8", {"block_n": 256, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "dots": "mma"}, "fp8"),
-)
-
-
-def compile_check(checks=COMPILE_CHECKS, capability=90):
-    """--compile-check: each of `checks` compiled for sm_<capability>; prints its resources; returns how many of the
-    "fma" configs spill (the "mma" ones at 256 keys may: they are there to be timed)."""
-    from mini_infer.ops import paged_attention as pa
-
-    print(f"decode attention kernel compiled for sm_{capability} (qwen3-0.6b heads, batch 64, context 512), no GPU")
-    bad = 0
-    for name, cfg, kv in checks:
-        cfg = cfg or dict(pa._CONFIG[name])
-        res = sm90_resources(name, cfg, kv, capability=capability)
-        bad += cfg.get("dots") == "fma" and res["spill_stores"] != 0
-        print(f"  {kv:4s} {cfg}: " + " ".join(f"{k} {v}" for k, v in res.items()), flush=True)
-    return bad
 
 
 def cpu():
@@ -656,9 +523,7 @@ if __name__ == "__main__":
         kv = "fp8" if arg_value("--kv-cache-dtype", "bf16").startswith("fp8") else "bf16"
         sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28")), kv) else 0)
     elif "--decode-sweep" in sys.argv:
-        decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")), new_ways="--new-ways" in sys.argv)
-    elif "--compile-check" in sys.argv:
-        sys.exit(1 if compile_check() else 0)
+        decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")))
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:

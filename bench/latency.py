@@ -21,7 +21,7 @@ remove the prefill from the rate.
     python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
-    python bench/latency.py --model qwen3-0.6b --peers none --with fuse_mlp_persistent  # an opt-in pass's
+    python bench/latency.py --model qwen3-0.6b --peers none --with fuse_kv_write  # an opt-in pass's
     python bench/latency.py --prompt-len 32000 --new-tokens 16 --peers none --repeat 2  # TTFT cold, then warm
 
 `--repeat N`: the TTFT of N prompts of --prompt-len (other random ids each, so no prefix-cache hit; the last is

@@ -32,10 +32,6 @@ nothing from mini_infer outside this package.
 | silu_mul_linear(gate, up, weight, bias, residual)     | Tensor              | linear(silu_and_mul(gate, up), weight, bias) (+       |
 |                                                       |                     | residual, as linear_add); the activation in the       |
 |                                                       |                     | GEMV's prologue for one row; the pair's roundings    |
-| mlp_persistent(x, norm_weight, eps, gate_up_weight,   | Tensor              | linear_add(silu_and_mul(*split(rms_norm_linear(x,     |
-|   gate_up_bias, down_weight, down_bias, residual)     |                     | norm_weight, eps, gate_up_weight, gate_up_bias), 2)), |
-|                                                       |                     | down_weight, down_bias, residual): the gated MLP in   |
-|                                                       |                     | one persistent launch for one row (grid barrier)      |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
 |   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
@@ -95,7 +91,6 @@ from mini_infer.ops import linear as _linear_mod
 from mini_infer.ops import linear_add as _linear_add_mod
 from mini_infer.ops import linear_add_rms_norm as _linear_add_rms_norm_mod
 from mini_infer.ops import mla_attention as _mla_attention_mod
-from mini_infer.ops import mlp_persistent as _mlp_persistent_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
 from mini_infer.ops import qk_rotary as _qk_rotary_mod
@@ -123,7 +118,6 @@ _MODULE_OF = {
     "rms_norm_linear": _rms_norm_linear_mod,
     "fused_add_rms_norm_linear": _rms_norm_linear_mod,
     "silu_mul_linear": _silu_mul_linear_mod,
-    "mlp_persistent": _mlp_persistent_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
     "mla_attention": _mla_attention_mod,

@@ -266,7 +266,6 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
@@ -340,7 +339,6 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
@@ -348,8 +346,8 @@ if HAS_TRITON:
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
         and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`). The weight prefetch before the wait: linear.py's `gemv_program`."""
-        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        (`_padded_row_dot`)."""
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
             dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)

@@ -10,9 +10,7 @@ depends only on shapes, so a CUDA graph captured for one batch size keeps its ke
 `gemv_program`, the kernel itself) and a launcher (`launch_gemv`) that other single-row kernels build on
 (rms_norm_linear.py: the norm as the GEMV's prologue; linear_add.py: the residual add in its epilogue;
 linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
-weights into an int32 or fp32 accumulator). Every kernel `launch_gemv` launches starts with
-`_l2_prefetch.prefetch_then_await`: the PDL wait, and before it an L2 prefetch of the weight's first bytes when
-MINI_INFER_GEMV_PREFETCH asks (off by default: not measured yet). Imports nothing from mini_infer outside
+weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
@@ -21,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mini_infer.ops._l2_prefetch import gemv_prefetch_args
-from mini_infer.ops._triton_support import HAS_TRITON, pdl_args, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
 
 __all__ = ["GEMV_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
            "unit_stride_row"]
@@ -47,7 +44,6 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 if HAS_TRITON:
-    from mini_infer.ops._l2_prefetch import prefetch_then_await
 
     @triton.jit
     def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -99,13 +95,11 @@ if HAS_TRITON:
     def gemv_program(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         """The GEMV kernel (launched as `_gemv_kernel`; kernels that do more after it call it as their first part:
         linear_add_rms_norm.py): y at this program's BLOCK_N rows = x . w[row] (+ bias), fp32 sums. USE_GDC: a
-        programmatic dependent launch (`await_producers`), with the weight's first bytes prefetched into L2 before
-        the wait when PREFETCH_BYTES > 0 (`_l2_prefetch.prefetch_then_await`)."""
-        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        programmatic dependent launch (`await_producers`)."""
+        await_producers(USE_GDC)
         rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
         gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
@@ -131,12 +125,9 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
     programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and starts with
-    `await_producers`, or with `prefetch_then_await` over `weight`, whose prefetch constexprs
-    `_l2_prefetch.gemv_prefetch_args` sets: off unless MINI_INFER_GEMV_PREFETCH asks)."""
+    `await_producers`)."""
     bn, bk, warps, stages = config or gemv_config(weight.shape[1], weight.shape[0])
-    pdl = pdl_args(weight)
-    prefetch = gemv_prefetch_args(weight, pdl["USE_GDC"])
-    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl, **prefetch, BLOCK_N=bn, BLOCK_K=bk,
+    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.linear import launch_gemv, linear_reference, linear_triton, takes_gemv, unit_stride_row
 
 __all__ = ["linear_add", "linear_add_reference", "linear_add_triton"]
@@ -33,7 +33,6 @@ def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 if HAS_TRITON:
-    from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import add_bias, gemv_accumulate
 
     @triton.jit
@@ -48,9 +47,8 @@ if HAS_TRITON:
     def _gemv_add_kernel(
         x_ptr, w_ptr, b_ptr, r_ptr, s_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
-        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        await_producers(USE_GDC)
         rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
         y = add_bias(tl.sum(acc, axis=1), b_ptr, rows, row_ok, HAS_BIAS)
         store_linear_plus_residual(y, x_ptr, r_ptr, s_ptr, rows, row_ok)

@@ -114,10 +114,8 @@ if HAS_TRITON:
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, r_ptr, nw_ptr, out_ptr, s_ptr, cnt_ptr, eps,
         HAS_BIAS: tl.constexpr, NORM_BLOCK_M: tl.constexpr, NORM_BLOCK_N: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
-        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_GDC,
-                     PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -129,11 +127,9 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC,
-                            PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)

@@ -21,8 +21,7 @@ e4m3 (the Triton write gives the reference's bytes exactly), and every read dequ
 the reference in fp32 before its matmuls, so it equals the same attention over an fp32 cache holding the
 dequantized values; the Triton kernel converts the fp8 tiles (exactly) to a 16-bit dtype for its dots, fp16 by
 default with q (saturated to fp16's range) and the probabilities in fp16 too (`_FP8_DOT`; an fp32 q keeps fp32
-dots), or, for decode tiles under the "fma" dots (`_CONFIG`'s "dots", not a default yet), to fp32 with every product
-and sum in fp32, and folds k_scale into the score scale and v_scale into the output. A fourth way, "fp8" (no default: to
+dots), and folds k_scale into the score scale and v_scale into the output. A fourth way, "fp8" (no default: to
 be timed), runs both dots in e4m3 instead, with q and the probabilities quantized in the kernel (see `_FP8_DOT`):
 a few percent off the reference, not the 16-bit ways' bf16 rounding. Other caches take no scales (None, the default).
 
@@ -94,20 +93,10 @@ _REF_QUERY_CHUNK = 256
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
-    "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3, "dots": "mma"},
+    "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16_vregs"},
-    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16", "dots": "mma"},
+    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
 }
-# "dots" (decode tiles only: one query row, the G query heads of one kv head): "mma" -> tl.dot, the G score rows
-# padded to 16 (fp8 tiles fed as `fp8_dot` says); "fma" -> no padding and no tl.dot (CUDA cores, as vLLM's CUDA
-# paged-attention kernels and FlashInfer's decode do for small groups): q as [BLOCK_G, D] fp32, the key tile
-# converted to fp32 (fp8 through fp16, exact), scores = sum over D of q[:, None, :] * k[None, :, :], the PV
-# product likewise summed over the keys; `fp8_dot` is then unused and every product and sum is fp32. Its registers grow
-# with the group: "fma" applies to groups of at most _FMA_MAX_GROUP query heads (BLOCK_G), larger ones take "mma"
-# (sm_90 build, bench/kernel_paged_attention.py --compile-check: G = 2 at 64 keys a step 168 registers over fp8, no
-# spills; G = 7 at 32 keys 255 registers and 1.4 KB of spills).
-_DOTS = ("mma", "fma")
-_FMA_MAX_GROUP = 4
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs".
@@ -472,29 +461,6 @@ if HAS_TRITON:
         return x.to(dtype)
 
     @triton.jit
-    def _cache_tile(c_ptr, pblk, koff, s_b, s_o, head_off, col, col_ok, k_ok, AS_3D: tl.constexpr):
-        """The cache values of one kv head at key positions (block pblk, offset koff) [keys], columns col: [keys,
-        cols], zeros where not k_ok or not col_ok. AS_3D: as [1, keys, cols], loaded so (the "fma" dots): Triton then
-        gives the load, and the broadcast products over the score rows built on it, one layout (each thread a
-        contiguous run of columns, a warp's lanes along columns then keys), so no layout conversion through shared
-        memory sits between the load and the products, and the sum over the head dim stays within a warp."""
-        rows = pblk[:, None] * s_b + koff[:, None] * s_o + head_off
-        mask = k_ok[:, None] & col_ok[None, :]
-        if AS_3D:
-            x = tl.load(c_ptr + rows[None, :, :] + col[None, None, :], mask=mask[None, :, :], other=0.0)
-        else:
-            x = tl.load(c_ptr + rows + col[None, :], mask=mask, other=0.0)
-        return x
-
-    @triton.jit
-    def _fp32_tile(x, KV_FP8: tl.constexpr):
-        """A loaded cache tile as fp32 for the "fma" dots: fp8 through fp16 (one cvt per pair of values, then one per
-        value; exact), a 16-bit tile directly."""
-        if KV_FP8:
-            x = x.to(tl.float16)
-        return x.to(tl.float32)
-
-    @triton.jit
     def _tanh(x):
         # tanh without libdevice (also runs under the interpreter); saturates cleanly at +-1
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -510,7 +476,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-        FP8_DOT: tl.constexpr, FMA_DOTS: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
+        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         await_producers(USE_GDC)
         tile = tl.program_id(0)
@@ -551,7 +517,7 @@ if HAS_TRITON:
                 q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0,
             )  # fmt: skip
-            if DOT_FP32 or FMA_DOTS:
+            if DOT_FP32:
                 qv = qv.to(tl.float32)
             elif FP8_DOT == 3:  # fp8 dots: each score row's q on the e4m3 grid, q ~= q8 * q_scale (quant.py's way)
                 qv = qv.to(tl.float32)
@@ -575,10 +541,11 @@ if HAS_TRITON:
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(k_lo, k_hi, BLOCK_N):
                 kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
-                kt = _cache_tile(kc_ptr, pblk, koff, s_kcb, s_kco, kvh * s_kch, d, d_ok, k_ok, FMA_DOTS)
-                if FMA_DOTS:  # [rows, keys]: fp32 products summed over D on CUDA cores
-                    sc = tl.sum(qv[:, None, :] * _fp32_tile(kt, KV_FP8), axis=2)
-                elif DOT_FP32:
+                kt = tl.load(
+                    kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
                     sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
                 elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
                     sc = tl.dot(qv, tl.trans(kt))
@@ -593,10 +560,11 @@ if HAS_TRITON:
                     sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
                 )
                 p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
-                vt = _cache_tile(vc_ptr, pblk, koff, s_vcb, s_vco, kvh * s_vch, dv, dv_ok, k_ok, FMA_DOTS)
-                if FMA_DOTS:  # [rows, DV]: fp32 products summed over the keys
-                    pv = tl.sum(p[:, :, None] * _fp32_tile(vt, KV_FP8), axis=1)
-                elif DOT_FP32:
+                vt = tl.load(
+                    vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
+                )  # fmt: skip
+                if DOT_FP32:
                     pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
                 elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
                     p8 = p * 256.0
@@ -674,30 +642,6 @@ def write_kv_cache_triton(
 
 # (_CONFIG name, device, q dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
 _LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
-
-
-def _dots_way(name: str) -> str:
-    """_CONFIG[name]'s "dots" way ("mma" where absent: the prefill configs); ValueError on an unknown one, or on
-    "fma" outside a decode config (its tiles hold one query row)."""
-    way = _CONFIG[name].get("dots", "mma")
-    if way not in _DOTS or (way == "fma" and not name.startswith("decode")):
-        raise ValueError(f"paged_attention: _CONFIG[{name!r}]['dots'] = {way!r}: expected one of {_DOTS}, "
-                         f"'fma' in decode configs only")
-    return way
-
-
-def _dot_kind(
-    name: str, kv_fp8: bool, q_dtype: torch.dtype, block_g: int, interpreted: bool
-) -> tuple[bool, int, bool]:  # fmt: skip
-    """The kernel's (FMA_DOTS, FP8_DOT, DOT_FP32) for a launch under _CONFIG[name] with q of q_dtype and block_g
-    (query heads per kv head, padded to a power of two), on CUDA or (`interpreted`) under Triton's interpreter, whose
-    bf16 dot is wrong (its fp16 dot is right: fp32 products and sums), so there a bf16 q takes fp32 dots unless an
-    fp16 or fp8 way is configured. An fp32 q takes fp32 dots whatever the way; the "fma" dots (groups of at most
-    _FMA_MAX_GROUP heads, else "mma") take no fp8 way."""
-    fma_dots = _dots_way(name) == "fma" and block_g <= _FMA_MAX_GROUP
-    fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 and not fma_dots else 0
-    dot_fp32 = not fma_dots and (q_dtype == torch.float32 or (interpreted and fp8_dot == 0))
-    return fma_dots, 0 if dot_fp32 else fp8_dot, dot_fp32
 
 
 def _launch_configs(name: str, key: tuple):
@@ -790,8 +734,12 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         decode_only = t <= n_seqs
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
-    fma_dots, fp8_dot, dot_fp32 = _dot_kind(name, kv_fp8, q.dtype, block_g, interpreted=not q.is_cuda)
-    if fp8_dot == _FP8_DOT["fp8"]:
+    fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
+    # the interpreter's bf16 dot is wrong (its fp16 dot is right: fp32 products and sums)
+    dot_fp32 = q.dtype == torch.float32 or (not q.is_cuda and fp8_dot == 0)
+    if dot_fp32:  # fp32 dots whatever the way
+        fp8_dot = 0
+    elif fp8_dot == _FP8_DOT["fp8"]:
         _check_fp8_dots(q)
         block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)
     block_size = k_cache.shape[1]
@@ -812,7 +760,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200)
             num_stages = min(num_stages, 2)
         block_q = 1 if decode_only else max(1, rows // block_g)
-        block_r = block_g if fma_dots else max(16, block_q * block_g)  # tl.dot needs >= 16 rows
+        block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         tiles = t // block_q + n_seqs
         counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
@@ -829,7 +777,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
-                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot, FMA_DOTS=fma_dots,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

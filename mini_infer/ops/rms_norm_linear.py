@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.linear import (
     GEMV_CONFIG_SHORT_K,
@@ -69,7 +69,6 @@ def fused_add_rms_norm_linear_reference(
 
 
 if HAS_TRITON:
-    from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import add_bias, gemv_rows, gemv_step
     from mini_infer.ops.rms_norm import norm_input, rms_inverse
 
@@ -78,9 +77,8 @@ if HAS_TRITON:
         x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, eps,
         HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
-        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
         # one pass: the GEMV of (x * norm weight) and the row's sum of squares side by side (the 1 / rms scale is
         # the same for every column, so it multiplies the dot products at the end); program 0 stores the sum

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.linear import (
     gemv_config,
     launch_gemv,
@@ -54,7 +54,6 @@ def silu_mul_linear_reference(gate: torch.Tensor, up: torch.Tensor, weight: torc
 
 
 if HAS_TRITON:
-    from mini_infer.ops._l2_prefetch import prefetch_then_await
     from mini_infer.ops.linear import add_bias, gemv_rows, gemv_step, gemv_store
     from mini_infer.ops.linear_add import store_linear_plus_residual
     from mini_infer.ops.silu_and_mul import silu_mul_load
@@ -64,9 +63,8 @@ if HAS_TRITON:
         g_ptr, u_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_GDC: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_BULK: tl.constexpr,
     ):  # fmt: skip
-        prefetch_then_await(w_ptr, N, K, stride_wn, USE_GDC, PREFETCH_PROGRAMS, PREFETCH_BYTES, PREFETCH_BULK)
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)

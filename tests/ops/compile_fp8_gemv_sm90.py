@@ -82,7 +82,7 @@ def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int
     int8 = mode == "int8"
     constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=int8, ASM=int8,
                       DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k,
-                      USE_GDC=True, PREFETCH_PROGRAMS=0, PREFETCH_BYTES=0, PREFETCH_BULK=False)
+                      USE_GDC=True)
     operand = "*i32" if int8 else "*fp8e4nv"  # int8: int32 words of four, as launch_scaled_gemv packs them
     pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32",
                 "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32"}

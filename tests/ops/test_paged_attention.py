@@ -7,7 +7,6 @@ block-table entry the op must not read turns the output into NaN or crashes.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
 from mini_infer.ops.paged_attention import _FP8_DOT, paged_attention_reference, paged_attention_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, assert_close, requires_triton
 
 
 @dataclass
@@ -208,90 +207,25 @@ def test_triton_matches_reference(name):
     check_cache(case, args_t[3], args_t[4])
 
 
-def use_dots(monkeypatch, dots):
-    """Make the decode configs run their tiles' dots the way `dots` of paged_attention._DOTS ("mma", "fma"), "fma"
-    for groups of up to 8 query heads (these tests' largest, 7; the engine's bound is smaller, _FMA_MAX_GROUP)."""
-    from mini_infer.ops import paged_attention as pa
-
-    for name in ("decode", "decode_fp8"):
-        monkeypatch.setitem(pa._CONFIG, name, {**pa._CONFIG[name], "dots": dots})
-    monkeypatch.setattr(pa, "_FMA_MAX_GROUP", 8)
-    monkeypatch.setattr(pa, "_LAUNCH_OK", {})
-
-
-# decode tiles with 7 query heads per kv head (BLOCK_G 8, one row of padding), odd lengths
+# decode tiles with 7 query heads per kv head (qwen2.5-7b's group: BLOCK_G 8, one row of padding), odd lengths
 DECODE_G7 = dict(seqs=[(9, 1), (22, 1), (0, 1)], hq=14, hkv=2, block_size=4)
 
 
 @requires_triton
 @pytest.mark.parametrize(
-    "name,knobs,dots",
+    "name,knobs",
     [
-        ("chunked_prefill", dict(decode_only=True, num_splits=2), "mma"),  # decode tiles on a prefill batch: exact
-        ("decode_gqa", dict(decode_only=False), "mma"),
-        ("sliding_window", dict(num_splits=3), "mma"),  # split-K over prefill tiles and a window
-        ("padding", dict(decode_only=True, num_splits=2), "mma"),  # reduce kernel zeroes unowned rows
-        ("decode_g7", {}, "mma"),
-        # the "fma" dots: G = 2 over several splits (fused merge), unowned rows, G = 4 under a window and a softcap,
-        # G = 1 with Dv != D, G = 7
-        ("chunked_prefill", dict(decode_only=True, num_splits=2), "fma"),
-        ("padding", dict(decode_only=True, num_splits=2), "fma"),
-        ("window_softcap_g4", dict(decode_only=True, num_splits=2), "fma"),
-        ("mha_bs16_dv", dict(decode_only=True), "fma"),
-        ("decode_g7", {}, "fma"),
+        ("chunked_prefill", dict(decode_only=True, num_splits=2)),  # decode tiles on a prefill batch: slower, exact
+        ("decode_gqa", dict(decode_only=False)),
+        ("sliding_window", dict(num_splits=3)),  # split-K over prefill tiles and a window
+        ("padding", dict(decode_only=True, num_splits=2)),  # reduce kernel zeroes unowned rows
+        ("decode_g7", {}),
     ],
 )
-def test_triton_knobs_do_not_change_results(monkeypatch, name, knobs, dots):
-    use_dots(monkeypatch, dots)
+def test_triton_knobs_do_not_change_results(name, knobs):
     case = make_case(**(DECODE_G7 if name == "decode_g7" else CASES[name]))
     out = paged_attention_triton(*case.args(), **knobs)
     assert_close(out, paged_attention_reference(*case.args()))
-
-
-def _ptxas() -> str | None:
-    """Triton's ptxas for sm_90 (what builds the kernels on an H200), or None without one."""
-    if not HAS_TRITON:
-        return None
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        path = get_ptxas(90).path
-    except Exception:  # no NVIDIA backend, no ptxas in it or on the PATH
-        return None
-    return path if path and os.path.exists(path) else None
-
-
-@pytest.mark.skipif(_ptxas() is None, reason="needs Triton's NVIDIA backend with ptxas")
-def test_fma_decode_kernel_compiles_for_sm90_without_spills():
-    """The "fma" decode kernel built for sm_90 (an H200) on this machine, no GPU: at the sweep's shapes (qwen3-0.6b
-    heads, 4 warps) it fits the registers (no spills) with 32 keys a step over a bf16 cache and 64 over an fp8 one
-    (the same bytes a step; bf16 at 64 keys spills a few bytes). Compiled in a child process: the interpreter, set
-    for this one, replaces Triton's compiler."""
-    code = ("import json; from bench.kernel_paged_attention import sm90_resources; cfg = {'num_warps': 4, "
-            "'num_stages': 2, 'dots': 'fma'}; print(json.dumps([sm90_resources(name, {**cfg, 'block_n': n}, kv) "
-            "for name, kv, n in (('decode', 'bf16', 32), ('decode_fp8', 'fp8', 64))]))")
-    resources = run_uninterpreted(["-c", code])
-    for res in resources:
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
-        assert 0 < res["regs"] <= 255, res
-
-
-def test_dots_way_rules(monkeypatch):
-    """"fma" takes groups of up to _FMA_MAX_GROUP query heads (fp32 products, no fp8 way), larger ones "mma"; an
-    unknown way, or "fma" in a prefill config, is refused."""
-    from mini_infer.ops import paged_attention as pa
-
-    monkeypatch.setitem(pa._CONFIG, "decode_fp8", {**pa._CONFIG["decode_fp8"], "dots": "fma"})
-    small, large = pa._FMA_MAX_GROUP, 2 * pa._FMA_MAX_GROUP
-    assert pa._dot_kind("decode_fp8", True, torch.bfloat16, small, interpreted=False) == (True, 0, False)
-    fp16 = _FP8_DOT[pa._CONFIG["decode_fp8"]["fp8_dot"]]
-    assert pa._dot_kind("decode_fp8", True, torch.bfloat16, large, interpreted=False) == (False, fp16, False)
-
-    monkeypatch.setitem(pa._CONFIG, "prefill", {**pa._CONFIG["prefill"], "dots": "fma"})
-    monkeypatch.setitem(pa._CONFIG, "decode", {**pa._CONFIG["decode"], "dots": "wmma"})
-    for name in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=r"expected one of \('mma', 'fma'\)"):
-            pa._dots_way(name)
 
 
 @pytest.fixture
@@ -310,14 +244,12 @@ SPLIT_SEQS = [(70, 1), (5, 1), (32, 1), (0, 0)]
 
 
 @requires_triton
-@pytest.mark.parametrize("dots", ["mma", "fma"])
-def test_triton_split_k_decode(monkeypatch, small_key_tiles, dots):
+def test_triton_split_k_decode(small_key_tiles):
     """The merge in the attention launch (last split merges, empty splits exit) gives the bits of the reduce
     kernel, which merges every split's partials (empty ones included) in a second launch; a second call on the
     same buffers (a CUDA graph's replay) gives them again and leaves the counters zero."""
     from mini_infer.ops import _split_k
 
-    use_dots(monkeypatch, dots)
     case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
     args = case.args()
     out = paged_attention_triton(*args, decode_only=True, num_splits=4)
@@ -342,9 +274,8 @@ def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name,dots", [("chunked_prefill", "mma"), ("decode_gqa", "mma"), ("decode_gqa", "fma")])
-def test_triton_half_precision(monkeypatch, dtype, name, dots):
-    use_dots(monkeypatch, dots)
+@pytest.mark.parametrize("name", ["chunked_prefill", "decode_gqa"])
+def test_triton_half_precision(dtype, name):
     case = make_case(**CASES[name], dtype=dtype)
     out = paged_attention_triton(*case.args())
     assert out.dtype == dtype
@@ -536,7 +467,6 @@ FP8_WAYS = [w for w in _FP8_DOT if w != "fp8"]  # "q", "fp16", "fp16_vregs" (16-
 FP8_WHOLE = [(torch.bfloat16, w) for w in FP8_WAYS] + [(torch.float32, None)]  # (q dtype, fp8 dot way)
 # under the interpreter way "q" takes fp32 dots as an fp32 q does: the prefill tiles run it in decode_gqa's place
 FP8_FP16_WAYS = [dw for dw in FP8_WHOLE if dw[1] != "q"]
-FMA = "fma"  # in place of an fp8 way: the "fma" dots (_CONFIG's "dots"), fp32 products of the tiles converted exactly
 
 
 @requires_triton
@@ -545,20 +475,15 @@ FMA = "fma"  # in place of an fp8 way: the "fma" dots (_CONFIG's "dots"), fp32 p
     [("chunked_prefill", {}, *dw) for dw in FP8_FP16_WAYS]  # prefill tiles over a cached prefix and new rows
     + [("decode_gqa", {}, *dw) for dw in FP8_WHOLE]
     # (split-K over several splits, fp32 q: test_fp8_triton_split_k_long_decode)
-    + [("window_softcap_g4", dict(num_splits=2), torch.bfloat16, None)]
-    + [("decode_gqa", {}, torch.bfloat16, FMA), ("decode_g7", {}, torch.float32, FMA),
-       ("window_softcap_g4", dict(decode_only=True, num_splits=2), torch.bfloat16, FMA)],
+    + [("window_softcap_g4", dict(num_splits=2), torch.bfloat16, None)],
 )  # fmt: skip
 def test_fp8_triton_matches_reference(monkeypatch, name, knobs, dtype, way):
     """Each way of feeding the fp8 tiles to 16-bit dots (q's dtype; fp16 dots; fp16 with V converted in
-    registers) with a bf16 q, and fp32 dots with an fp32 q (way None: as configured), and the decode tiles' "fma"
-    dots. Under the interpreter the bf16 q of way "q" takes fp32 dots (its bf16 dot is wrong), the fp16 ways run
-    their fp16 dots (products and sums in fp32 there)."""
-    if way == FMA:
-        use_dots(monkeypatch, FMA)
-    else:
-        fp8_dot_way(monkeypatch, way)
-    case, ks, vs = fp8_case(make_case(**(DECODE_G7 if name == "decode_g7" else CASES[name]), dtype=dtype))
+    registers) with a bf16 q, and fp32 dots with an fp32 q (way None: as configured). Under the interpreter the
+    bf16 q of way "q" takes fp32 dots (its bf16 dot is wrong), the fp16 ways run their fp16 dots (products and sums
+    in fp32 there)."""
+    fp8_dot_way(monkeypatch, way)
+    case, ks, vs = fp8_case(make_case(**CASES[name], dtype=dtype))
     args_t, args_r = fp8_args(case, ks, vs), fp8_args(case, ks, vs)
     out = paged_attention_triton(*args_t, **knobs)
     assert not out.isnan().any()
@@ -569,11 +494,9 @@ def test_fp8_triton_matches_reference(monkeypatch, name, knobs, dtype, way):
 
 
 @requires_triton
-@pytest.mark.parametrize("dots", ["mma", "fma"])
-def test_fp8_triton_split_k_long_decode(monkeypatch, small_key_tiles, dots):
+def test_fp8_triton_split_k_long_decode(small_key_tiles):
     """Split-K decode over contexts spanning several splits with an fp8 cache, against the fp32 oracle of the
     dequantized history (the quantization error itself is not what this checks)."""
-    use_dots(monkeypatch, dots)
     base = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, dtype=torch.float32)
     case, ks, vs = fp8_case(base)
     args = fp8_args(case, ks, vs)

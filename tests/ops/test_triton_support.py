@@ -3,10 +3,8 @@
 A kernel launched with `pdl_args` may start before the kernel ahead of it has finished; only `await_producers` at
 its very start makes that safe (and keeps the chain transitive: a kernel that could finish before its producer
 would release the next one too early). These tests read the ops' source: every @triton.jit kernel with a USE_GDC
-parameter must wait first (directly, through `_l2_prefetch.prefetch_then_await`, which may only prefetch the
-weight into L2 before it waits: tests/ops/test_l2_prefetch.py checks that, or through a jit body such as
-`gemv_program` that waits first), and every launch that passes `pdl_args` must target such a kernel. On the CPU
-the arguments switch PDL off.
+parameter must wait first (directly, or through a jit body such as `gemv_program` that waits first), and every
+launch that passes `pdl_args` must target such a kernel. On the CPU the arguments switch PDL off.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import mini_infer.ops as ops_pkg
 from mini_infer.ops._triton_support import pdl_args
 
 OPS_DIR = Path(ops_pkg.__file__).parent
-WAITS = ("await_producers", "prefetch_then_await")  # the waits a kernel may start with
 
 
 def _jit_functions() -> dict[str, ast.FunctionDef]:
@@ -48,12 +45,12 @@ def _first_call(fn: ast.FunctionDef) -> str | None:
 
 def _waits_first(name: str, jit: dict[str, ast.FunctionDef]) -> bool:
     called = _first_call(jit[name])
-    return called in WAITS or (called in jit and _waits_first(called, jit))
+    return called == "await_producers" or (called in jit and _waits_first(called, jit))
 
 
 def test_every_kernel_with_use_gdc_waits_first():
     jit = _jit_functions()
-    with_flag = [n for n, f in jit.items() if any(a.arg == "USE_GDC" for a in f.args.args) and n not in WAITS]
+    with_flag = [n for n, f in jit.items() if any(a.arg == "USE_GDC" for a in f.args.args) and n != "await_producers"]
     assert len(with_flag) >= 20  # the decode path's kernels (GEMVs, attention, norms, MoE, MLA, quantization)
     late = [n for n in with_flag if not _waits_first(n, jit)]
     assert not late, f"kernels that take USE_GDC but do not start with await_producers: {late}"
