@@ -1,6 +1,7 @@
 """The engine: requests in, a step at a time, outputs out.
 
 `LLMEngine` loads and compiles the model (then releases the HF model: the graph owns the weights it uses),
+runs once the long query runs a pass declared uncaptured (runtime/warmup.py: their first use is paid at start-up),
 measures the activation memory and sizes the caches the passes declared, and runs the loop:
 schedule → run the compiled graph → sample → hand the tokens to the output processor (detokenization, stop
 checks, logprobs, outputs; runtime/output_processor.py) → apply its stop decisions → report. Bad requests are refused
@@ -29,13 +30,20 @@ import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
 from mini_infer.contract import attention_window
+from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
 from mini_infer.runtime import distributed
 from mini_infer.runtime.block_manager import BlockManager
 from mini_infer.runtime.kv_cache import DEFAULT_CPU_KV_BYTES, KVCache, num_blocks_for_budget
 from mini_infer.runtime.limits import fit_max_model_len, long_prefill_threshold
-from mini_infer.runtime.memory import MemoryReport, gpu_cache_budget, profile_activations, release_host_memory
+from mini_infer.runtime.memory import (
+    MemoryReport,
+    activation_reserve,
+    gpu_cache_budget,
+    profile_activations,
+    release_host_memory,
+)
 from mini_infer.runtime.model_runner import ModelRunner, PendingIds, StepInputs
 from mini_infer.runtime.output_processor import OutputProcessor, RequestState
 from mini_infer.runtime.preflight import check_before_load
@@ -43,6 +51,7 @@ from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, ma
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mini_infer.runtime.sequence import Sequence
 from mini_infer.runtime.transfer import HostCopy, to_device
+from mini_infer.runtime.warmup import LongRunWarmup, long_run_chunks, warm_long_runs
 from mini_infer.sampling_params import GENERATION_CONFIG_MODES, SamplingParams, check_context_length
 
 logger = logging.getLogger("mini_infer")
@@ -210,6 +219,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens is None:
             max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step (as vLLM)
         self.max_num_batched_tokens = max_batched
+        self.long_run_warmup = self._warm_long_runs()  # before the cache is sized: its peak joins the reserve
         self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -242,9 +252,9 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "finished_requests": 0, "decode_steps": 0, "decode_seconds": 0.0, "mixed_steps": 0,
                       "mixed_seconds": 0.0, "device_wait_seconds": 0.0}
-        logger.info("engine ready: load %.1fs, compile %.1fs, CUDA graphs %.1fs; KV cache %d blocks x %d tokens",
-                    self.load_seconds, self.compile_seconds, self.capture_seconds, self.kv_cache.num_blocks,
-                    config.block_size)
+        logger.info("engine ready: load %.1fs, compile %.1fs, long-run warm-up %.1fs, CUDA graphs %.1fs; KV cache "
+                    "%d blocks x %d tokens", self.load_seconds, self.compile_seconds, self.warmup_seconds,
+                    self.capture_seconds, self.kv_cache.num_blocks, config.block_size)
         logger.info(self.memory.line())
         cache_passes = {self.compiled.context.declared_by.get(n) for spec in self.compiled.cache_specs
                         for n in spec.input_names()}
@@ -272,6 +282,24 @@ class LLMEngine:
         self.output_processor.eos_token_ids = set(ids)
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def warmup_seconds(self) -> float:
+        """Start-up seconds spent running long query runs (`_warm_long_runs`; 0.0 when none ran)."""
+        return self.long_run_warmup.seconds if self.long_run_warmup is not None else 0.0
+
+    def _warm_long_runs(self) -> LongRunWarmup | None:
+        """When a pass declared that query runs of `info[UNCAPTURED_QUERY_ROWS]` rows or more take an uncaptured
+        path and a lone prompt's chunk can be that long, run such chunks once now (runtime/warmup.py): the path's
+        first-use costs are paid at start-up, not by the first long prompt. Every rank of a tensor-parallel
+        group runs the same steps (same config, same declaration)."""
+        chunks = long_run_chunks(self.compiled.context.info.get(UNCAPTURED_QUERY_ROWS), self.max_num_batched_tokens,
+                                 self.max_model_len, self.config.block_size)
+        if not chunks:
+            return None
+        warm = warm_long_runs(self.compiled, chunks, self.config.block_size, self.device)
+        logger.info(warm.line())
+        return warm
+
     def _cache_budget(self) -> int:
         """Bytes for the cache: `kv_cache_memory_bytes` if set; on a GPU what `gpu_memory_utilization` leaves
         after the weights and the measured activation need (see runtime/memory.py); 1 GiB on a CPU."""
@@ -283,9 +311,11 @@ class LLMEngine:
             return DEFAULT_CPU_KV_BYTES
         prof = profile_activations(self.compiled, self.max_num_batched_tokens, self.config.max_num_seqs,
                                    cfg.block_size, self.vocab_size, self.device)
-        self._activation_reserve = prof.step_bytes + (0 if cfg.enforce_eager else prof.forward_bytes)
-        logger.info("activations: %.2f GB at the largest step (%d tokens, %d sequences), %.2f GB with sampling",
-                    prof.forward_bytes / 1e9, self.max_num_batched_tokens, cfg.max_num_seqs, prof.step_bytes / 1e9)
+        long_run = self.long_run_warmup.peak_bytes if self.long_run_warmup is not None else 0
+        self._activation_reserve = activation_reserve(prof, long_run, cuda_graphs=not cfg.enforce_eager)
+        logger.info("activations: %.2f GB at the largest step (%d tokens, %d sequences), %.2f GB with sampling, "
+                    "%.2f GB at the longest query run", prof.forward_bytes / 1e9, self.max_num_batched_tokens,
+                    cfg.max_num_seqs, prof.step_bytes / 1e9, long_run / 1e9)
         return gpu_cache_budget(self.device, cfg.gpu_memory_utilization, self._activation_reserve)
 
     def _allocate_kv_cache(self) -> KVCache:

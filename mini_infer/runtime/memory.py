@@ -6,7 +6,10 @@ over a one-block cache whose metadata marks every token as padding (no cache rea
 still runs and allocates at that shape), then the sampler samples those rows with every option on. The peak
 above what was allocated before is the activation need. With CUDA graphs the captured graphs keep a private
 pool of about one forward's peak, and uncaptured steps (prompt logprobs) need the same again from the default
-pool, so both are reserved. This module measures and reports; it does not decide what to schedule.
+pool, so both are reserved. A step holding a long query run that a pass sends down another path (uncaptured;
+runtime/warmup.py runs the longest such steps at start-up and measures their peak) needs what that path allocates
+beside the forward, which the padding step never shows: the default pool's share is the larger of the two.
+This module measures and reports; it does not decide what to schedule.
 """
 
 from __future__ import annotations
@@ -71,6 +74,13 @@ def profile_activations(compiled: CompiledModel, num_tokens: int, num_seqs: int,
     del logits, batch, inputs, cache
     torch.cuda.empty_cache()
     return ActivationProfile(forward_bytes=forward, step_bytes=step_peak)
+
+
+def activation_reserve(profile: ActivationProfile, long_run_bytes: int, cuda_graphs: bool) -> int:
+    """Bytes to keep free for steps: the default pool's need, the larger of the largest step with sampling and
+    the longest query run's step (`long_run_bytes`, 0 when none was run), plus, with CUDA graphs, one forward's
+    peak for the graphs' private pool."""
+    return max(profile.step_bytes, long_run_bytes) + (profile.forward_bytes if cuda_graphs else 0)
 
 
 def release_host_memory() -> None:

@@ -97,14 +97,15 @@ def test_greedy_matches_hf_in_padded_shapes(name):
     assert_no_leak(engine)
 
 
-def test_steps_with_a_query_run_the_graph_declares_uncapturable_run_uncaptured():
+def test_steps_with_a_query_run_the_graph_declares_uncapturable_run_uncaptured(monkeypatch):
     """A pass declares UNCAPTURED_QUERY_ROWS when its op reads lengths on the host for long query runs (the
     paged-attention op's long-prefill route): steps holding such a run skip the captured shapes, the others
     still replay them, and the tokens do not change."""
     from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
 
     engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=40)
-    engine.compiled.context.info[UNCAPTURED_QUERY_ROWS] = 10
+    # on the shared compiled model only for this test (later engines would warm such runs at start-up)
+    monkeypatch.setitem(engine.compiled.context.info, UNCAPTURED_QUERY_ROWS, 10)
     engine.runner.enable_cuda_graphs(8, engine.max_model_len, 24, force=True)
     graphs = engine.runner.cuda_graphs
     replayed = []
