@@ -135,7 +135,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     kv_per_token = eng.compiled.cache_bytes_per_token()
     mean_ctx = args.prompt_len + args.new_tokens / 2
     result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, startup_s=startup,
-                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, ttft_s=first,
+                  compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, warmup_s=eng.warmup_seconds,
+                  ttft_s=first,
                   ttft_runs_s=[*ttfts, first], decode_tok_s=(args.new_tokens - 1) / (total - first),
                   decode_step_ms=step_ms, host_busy_ms=step_ms - wait_ms, step_loop_ms=loop_ms,
                   weight_bytes=weights.total, active_weight_bytes=weights.active,
@@ -223,7 +224,7 @@ def main() -> None:
     for e in engines:
         same = sum(a == b for a, b in zip(e["tokens"], engines[0]["tokens"]))
         print(f"  q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}{e['tag']}: startup {e['startup_s']:.1f}s (compile "
-              f"{e['compile_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {' then '.join(f'{t * 1e3:.1f}' for t in e['ttft_runs_s'])} ms; weights "
+              f"{e['compile_s']:.1f}s, long-run warm-up {e['warmup_s']:.1f}s, cuda graphs {e['capture_s']:.1f}s); TTFT {' then '.join(f'{t * 1e3:.1f}' for t in e['ttft_runs_s'])} ms; weights "
               f"{e['weights_read']}; KV {e['kv_bytes_per_token']} B/token; greedy tokens equal to the "
               f"first engine's: {same}/{len(e['tokens'])}")
         print(f"    decode ms/token: LLM.generate {1e3 / e['decode_tok_s']:.3f}, engine.step() loop "
