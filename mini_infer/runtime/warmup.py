@@ -6,12 +6,18 @@ uncaptured. Whatever that path sets up on its first use (library handles, backen
 shape) would otherwise land on the first long prompt's first token, and what it allocates is not in the
 padding step's profile (runtime/memory.py: every token there is padding, no sequence has a run). So, before the
 cache is sized, the engine runs the compiled graph on the steps a lone prompt's longest chunks make: the
-largest chunk a lone prompt gets, min(token budget, max_model_len) tokens, first at context 0 and then after the
-longest context such a chunk can follow. Each runs over a scratch cache of its own blocks (the real cache does
-not exist yet and is never touched), and its peak memory on a GPU is measured for the activation reserve.
+largest chunk a lone prompt gets, min(token budget, max_model_len) tokens, at context 0, then after contexts
+doubling from one chunk, then after the longest context it can follow. Kernels that set up per context length
+do it per range of lengths (cuDNN's plan key holds the context rounded up to a power of two: a doubling ladder
+from a power-of-two chunk meets every range up to the longest), so a prompt of any length then finds its chunks'
+set-up done; what that costs is logged (a forward per step: 4 for a 32,032-token model with 8,192-token
+chunks). Each runs over a scratch cache of its own blocks (the real cache does not exist yet and is never
+touched), and its peak memory on a GPU is measured for the activation reserve (the longest context's step
+gathers the most).
 
-This module picks those steps and runs them; it knows nothing of the path they warm (only the declared run
-length), and it does not decide the reserve (the engine adds the peak to memory.py's profile).
+This module picks those steps and runs them through the compiled graph; it reads nothing of the path they warm
+but the declared run length, and it does not decide the reserve (the engine adds the peak to memory.py's
+profile).
 """
 
 from __future__ import annotations
@@ -47,13 +53,21 @@ def long_run_chunks(min_rows: int | None, max_num_batched_tokens: int, max_model
                     block_size: int) -> list[tuple[int, int]]:
     """The (context, new tokens) steps to run at start-up: none when no pass declared a run length (`min_rows`
     None) or a lone prompt's largest chunk, min(max_num_batched_tokens, max_model_len) tokens, is shorter than
-    it; else that chunk at context 0, then after the longest context it can follow (max_model_len less the
-    chunk, rounded down to a whole block), when there is one."""
+    it; else that chunk at context 0, after contexts of 1, 2, 4, ... chunks (in whole blocks) shorter than the
+    longest context, and after the longest context it can follow (max_model_len less the chunk, rounded down to
+    a whole block), when there is one."""
     chunk = min(max_num_batched_tokens, max_model_len)
     if min_rows is None or chunk < min_rows:
         return []
-    context = (max_model_len - chunk) // block_size * block_size
-    return [(0, chunk)] + ([(context, chunk)] if context > 0 else [])
+    longest = (max_model_len - chunk) // block_size * block_size
+    contexts = [0]
+    context = -(-chunk // block_size) * block_size
+    while context < longest:
+        contexts.append(context)
+        context *= 2
+    if longest > 0:
+        contexts.append(longest)
+    return [(c, chunk) for c in contexts]
 
 
 def lone_chunk_step(context: int, num_tokens: int, block_size: int) -> tuple[StepBatch, int]:

@@ -65,13 +65,28 @@ def make(compiled: CompiledModel, **kw) -> LLMEngine:
 # ---------------------------------------------------------------------- which steps
 
 
-def test_chunks_are_a_lone_prompts_largest_at_no_and_at_the_longest_context():
+def test_chunks_are_a_lone_prompts_largest_after_doubling_contexts_up_to_the_longest():
     assert long_run_chunks(None, 8192, 32032, 16) == []  # nothing declared
     assert long_run_chunks(4096, 2048, 32032, 16) == []  # no chunk reaches the declared length
-    assert long_run_chunks(4096, 8192, 32032, 16) == [(0, 8192), (23840, 8192)]
-    assert long_run_chunks(4096, 8192, 32040, 16) == [(0, 8192), (23840, 8192)]  # whole blocks of context
+    ladder = [(c, 8192) for c in (0, 8192, 16384, 23840)]
+    assert long_run_chunks(4096, 8192, 32032, 16) == ladder
+    assert long_run_chunks(4096, 8192, 32040, 16) == ladder  # whole blocks of context
+    assert long_run_chunks(4096, 8192, 16384, 16) == [(0, 8192), (8192, 8192)]  # the ladder's end is the longest
+    assert long_run_chunks(4096, 8192, 131072, 16) == [(c, 8192) for c in (0, 8192, 16384, 32768, 65536, 122880)]
     assert long_run_chunks(4096, 8192, 6000, 16) == [(0, 6000)]  # the whole model length in one chunk
-    assert long_run_chunks(8, 24, 64, 4) == [(0, 24), (40, 24)]
+    assert long_run_chunks(8, 24, 64, 4) == [(0, 24), (24, 24), (40, 24)]
+    assert long_run_chunks(8, 10, 64, 4) == [(0, 10), (12, 10), (24, 10), (48, 10), (52, 10)]  # whole blocks
+
+
+def test_the_ladder_meets_every_power_of_two_context_group_of_a_prompt():
+    """Each chunk of a lone prompt of any length has its context's power-of-two group warmed (cuDNN's plan key
+    under TORCH_CUDNN_SDPA_AVOID_RECOMPILE, ops/_prefill_sdpa.py)."""
+    def group(c: int) -> int:
+        return 1 << (c - 1).bit_length() if c else 0
+
+    chunk, max_len = 8192, 131072
+    warmed = {group(c) for c, _ in long_run_chunks(4096, chunk, max_len, 16)}
+    assert all(group(c) in warmed for c in range(0, max_len - chunk + 1, chunk))
 
 
 def test_auto_route_on_cuda_declares_the_length_the_warm_up_starts_from(monkeypatch):
@@ -81,7 +96,7 @@ def test_auto_route_on_cuda_declares_the_length_the_warm_up_starts_from(monkeypa
     assert rows == _prefill_sdpa.MIN_QUERY_ROWS
     assert _prefill_sdpa.route_min_query_rows(torch.device("cpu")) is None
     # bench/latency.py --prompt-len 32000 --new-tokens 16: max_model_len 32032, the GPU's 8,192-token budget
-    assert long_run_chunks(rows, 8192, 32032, 16) == [(0, 8192), (23840, 8192)]
+    assert long_run_chunks(rows, 8192, 32032, 16) == [(c, 8192) for c in (0, 8192, 16384, 23840)]
 
 
 def test_lone_chunk_step_writes_its_own_blocks_and_reads_the_spare_one_as_context():
@@ -113,11 +128,11 @@ def test_routed_pass_declares_the_run_length(routed):
 @pytest.mark.parametrize("budget", [dict(num_kv_blocks=64), dict(kv_cache_memory_bytes=1 << 20)],
                          ids=["num_kv_blocks", "kv_cache_memory_bytes"])
 def test_engine_runs_the_long_runs_once_at_start_up(routed, attended, budget):
-    """Before any request, every layer attends the 24-token chunk through the route at context 0 and 40; the real
-    cache is untouched, and greedy outputs (prompts chunked through the route) still equal HF's."""
+    """Before any request, every layer attends the 24-token chunk through the route at contexts 0, 24 and 40; the
+    real cache is untouched, and greedy outputs (prompts chunked through the route) still equal HF's."""
     engine = make(routed, **budget)
-    assert attended == [(24, 0)] * LAYERS + [(24, 40)] * LAYERS
-    assert engine.long_run_warmup.chunks == [(0, 24), (40, 24)]
+    assert attended == [(24, 0)] * LAYERS + [(24, 24)] * LAYERS + [(24, 40)] * LAYERS
+    assert engine.long_run_warmup.chunks == [(0, 24), (24, 24), (40, 24)]
     assert engine.warmup_seconds > 0
     assert all(not t.any() for t in engine.kv_cache.tensors.values())
     attended.clear()
@@ -128,7 +143,7 @@ def test_engine_runs_the_long_runs_once_at_start_up(routed, attended, budget):
     assert attended  # the requests took the route too
     attended.clear()
     make(routed, **budget)  # a second engine of the process warms its own start-up again, once
-    assert len(attended) == 2 * LAYERS
+    assert len(attended) == 3 * LAYERS
 
 
 @pytest.mark.parametrize("route", ["off", "auto"])
