@@ -436,7 +436,7 @@ def prefill(lengths, out_dir):
     from mini_infer.ops import _prefill_sdpa
 
     if "MINI_INFER_PREFILL_ROUTE" not in os.environ:
-        _prefill_sdpa.ROUTE = "auto"  # the route is off by default in the engine; this times it
+        _prefill_sdpa.ROUTE = "auto"  # already the default (no MINI_INFER_PREFILL_ROUTE): this times the route
         os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")  # as the module sets it when the route is on
     cases = [(0, n) for n in lengths] + [PREFILL_CHUNKED]
     dev = torch.cuda.get_device_name()

@@ -35,12 +35,14 @@ dtype): the causal call of a bucket is one plan (two: with and without the log-s
 version; the context call is one plan per (bucket, C rounded up to a power of two) with the variable, per
 (bucket, C) without it. Without the bucketing the versions whose key holds the output's exact dims would build a
 plan per L even with the variable. Importing this module sets the variable when the environment turns the route
-on and does not already say otherwise ("0" keeps one plan per exact shape).
+on (the default: "auto") and does not already say otherwise ("0" keeps one plan per exact shape).
 
-`ROUTE` ("auto": CUDA tensors only; "on": every device, which is how tests and benchmarks force this route on
-CPU; "off": never, the default until per-shape plan building is paid off, see below), `MIN_QUERY_ROWS` and
-`BUCKET_STEPS` are module-level switches read on every call; `MINI_INFER_PREFILL_ROUTE=auto` in the
-environment turns the route on.
+`ROUTE` ("auto": CUDA tensors only, the default; "on": every device, which is how tests and benchmarks force this
+route on CPU; "off": never), `MIN_QUERY_ROWS` and `BUCKET_STEPS` are module-level switches read on every call;
+`MINI_INFER_PREFILL_ROUTE` in the environment sets ROUTE (`=off` turns the route off). The route's one-time
+set-up (cuDNN initialisation, the backend probe, the first plans: ~3.7 s on an H200) is paid at engine start-up,
+which runs a lone prompt's longest chunks once when the paged_attention pass declared the route's length
+(runtime/warmup.py); a process that calls the op without an engine pays it at its first long run.
 
 This module must not write the caches, read block tables or sync with the device (but for the one-time probe
 of a new head/dtype combination, made at the first call, in warm-up): the caller reads the step's lengths
@@ -58,12 +60,11 @@ import torch
 __all__ = ["BUCKET_STEPS", "MIN_QUERY_ROWS", "ROUTE", "attend_run", "bucket_length", "route_min_query_rows",
            "route_wanted"]
 
-# "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE sets the default.
-# Off by default: in the engine (H200, qwen2.5-7b, a 32,000-token prompt in 8,192-token chunks) the route made
-# TTFT 2,434 ms against 1,407 ms without it, though the kernel bench shows cuDNN at 1.8x the Triton kernel once
-# warm: each chunk's (context, new) lengths are a shape cuDNN has not seen, and its plans are built then (tree
-# f9c8f1a, before the runs were bucketed: bench/latency.py --repeat 2 shows the first and a later prompt).
-ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "off")
+# "auto" | "on" | "off", see the module docstring; the environment's MINI_INFER_PREFILL_ROUTE overrides the default.
+# "auto" by default: warm, the route made TTFT of a 32,000-token prompt on qwen2.5-7b (H200, 8,192-token chunks)
+# 1,240.5 ms against 1,341.4 ms without it (bench/RESULTS.md, "Long-prompt prefill through cuDNN"); cold, the first
+# long prompt paid ~3.7 s of one-time set-up, which the engine now pays at start-up (runtime/warmup.py).
+ROUTE = os.environ.get("MINI_INFER_PREFILL_ROUTE", "auto")
 if ROUTE != "off":  # a process-wide torch setting: only when the route may run (see the module docstring)
     os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 

@@ -44,9 +44,9 @@ Two implementations:
 The registered op writes the cache as its implementation does, then sends each sequence whose query run is long
 (prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused attention kernels
 (cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache plus its new
-k/v, and the other sequences through the implementation above, as a batch of those alone. That route is off by
-default (`_prefill_sdpa.ROUTE`; `MINI_INFER_PREFILL_ROUTE=auto` turns it on for CUDA tensors: it measured slower in
-the engine, bench/RESULTS.md), off while a CUDA graph is captured (the route reads the step's lengths on the host,
+k/v, and the other sequences through the implementation above, as a batch of those alone. That route is on for
+CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the engine
+warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is captured (the route reads the step's lengths on the host,
 once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
 `paged_attention_reference` called directly never take it; compiled graphs call `paged_attention_<backend>_entry`,
 the op's body.
