@@ -16,6 +16,8 @@ weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outs
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,13 @@ from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args
 __all__ = ["GEMV_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
            "unit_stride_row"]
 
-GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/kernel_gemv.py)
+# Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
+# In isolation cuBLAS and the GEMV tie on the long rows (qwen2.5-7b down_proj 37.0 vs 38.1 us, llama-3.1-8b 30.8 vs
+# 30.9), but in the engine the GEMV keeps the step's launch chain (PDL) and carries the residual add in its
+# epilogue: batch-1 decode with rows up to 32768 on the GEMV vs up to 8192, same lease, alternated twice (H200,
+# 2026-11-24, bench/RESULTS.md twelfth session): qwen2.5-7b 251.6 / 251.7 vs 247.0 / 247.0 tok/s, llama-3.1-8b
+# 231.0 / 231.0 vs 225.8 / 225.8. MINI_INFER_GEMV_MAX_K (read once, at import) sets another limit.
+GEMV_MAX_K = int(os.environ.get("MINI_INFER_GEMV_MAX_K", "32768"))
 # (weight rows per program, K elements per step, warps, pipeline stages), by K (`gemv_config`). H200, weights cold in
 # L2, 2026-11-24 (bench/RESULTS.md): 2 rows x 1024 beat 4 x 512 by 27-37% on the short-N shapes of qwen3-0.6b and
 # qwen3-30b-a3b (o_proj 3.3 vs 4.5 us, down_proj 4.0 vs 6.3, 30b o_proj 6.4 vs 8.4), and were within 3% either way
@@ -34,6 +42,7 @@ GEMV_MAX_K = 8192  # longer rows (down_proj's 18944) stay with cuBLAS (bench/ker
 # against 92.1 with 2 x 1024 (one step, nothing to pipeline); at K >= 2048 the 2 x 1024 tile stays ahead (30b
 # lm_head 137.4 vs 141.3, qwen2.5-7b 240.7 vs 244.9, llama-3.1-8b 235.0 vs 251.5).
 GEMV_CONFIG_LONG_K = (2, 1024, 4, 1)
+GEMV_CONFIG_XLONG_K = (2, 1024, 4, 4)  # rows over 8192: the best tile of qwen2.5-7b's down_proj (kernel_gemv_h200.json)
 GEMV_CONFIG_SHORT_K = (4, 512, 4, 1)
 GEMV_CONFIG_WIDE_1K = (4, 512, 4, 2)
 WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
@@ -117,6 +126,8 @@ def gemv_config(k: int, n: int = 0) -> tuple[int, int, int, int]:
     """The GEMV's default tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for N rows (0: not known) of K elements."""
     if k < 1024:
         return GEMV_CONFIG_SHORT_K
+    if k > 8192:
+        return GEMV_CONFIG_XLONG_K
     return GEMV_CONFIG_WIDE_1K if k < 2048 and n >= WIDE_N else GEMV_CONFIG_LONG_K
 
 
