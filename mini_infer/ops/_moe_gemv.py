@@ -24,6 +24,7 @@ fused_moe.py's `_check_args` passed. Must not import anything from mini_infer ou
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,10 @@ class MoeGemvConfig:
 
 
 # The decode path serves calls of at most this many (token, slot) pairs: where it beat the grouped GEMMs on an
-# H200 (mixtral-8x7b at batch 1; module docstring).
-MOE_GEMV_MAX_PAIRS = 2
+# H200 (mixtral-8x7b at batch 1; module docstring). In the engine too it loses beyond that (H200, 2026-11-24,
+# MINI_INFER_MOE_GEMV_MAX_PAIRS=8 vs 2: qwen3-30b-a3b batch 1 286.3 vs 342.5 tok/s, deepseek-v2-lite 257.2 vs
+# 350.6; bench/RESULTS.md twelfth session). MINI_INFER_MOE_GEMV_MAX_PAIRS sets another limit.
+MOE_GEMV_MAX_PAIRS = int(os.environ.get("MINI_INFER_MOE_GEMV_MAX_PAIRS", "2"))  # read once, at import
 
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
