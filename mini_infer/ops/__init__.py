@@ -29,6 +29,11 @@ nothing from mini_infer outside this package.
 |                                                       |                     | normalized row kept in fp32 there (not bit-equal)     |
 | fused_add_rms_norm_linear(x, residual, norm_weight,   | (Tensor, Tensor)    | n, s = fused_add_rms_norm(x, residual, ...);          |
 |   eps, weight, bias)                                  |                     | (linear(n, weight, bias), s); as rms_norm_linear      |
+| rms_norm_linear_silu(x, norm_weight, eps, weight,     | Tensor [.., I]      | silu_and_mul(g, u), g, u = rms_norm_linear(x, ...)'s  |
+|   bias)                                               |                     | halves (weight: merged [2I, K] gate_up, gate first);  |
+|                                                       |                     | the activation in the GEMV's epilogue for one row;    |
+|                                                       |                     | the pair's roundings                                  |
+| linear_silu(x, weight, bias)                          | Tensor [.., I]      | as rms_norm_linear_silu with linear(x, weight, bias)  |
 | silu_mul_linear(gate, up, weight, bias, residual)     | Tensor              | linear(silu_and_mul(gate, up), weight, bias) (+       |
 |                                                       |                     | residual, as linear_add); the activation in the       |
 |                                                       |                     | GEMV's prologue for one row; the pair's roundings    |
@@ -98,6 +103,7 @@ from mini_infer.ops import qk_rotary_kv_write as _qk_rotary_kv_write_mod
 from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
+from mini_infer.ops import rms_norm_linear_silu as _rms_norm_linear_silu_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops import silu_mul_linear as _silu_mul_linear_mod
 from mini_infer.ops._triton_support import HAS_TRITON
@@ -117,6 +123,8 @@ _MODULE_OF = {
     "linear_add": _linear_add_mod,
     "rms_norm_linear": _rms_norm_linear_mod,
     "fused_add_rms_norm_linear": _rms_norm_linear_mod,
+    "rms_norm_linear_silu": _rms_norm_linear_silu_mod,
+    "linear_silu": _rms_norm_linear_silu_mod,
     "silu_mul_linear": _silu_mul_linear_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,

@@ -73,6 +73,18 @@ if HAS_TRITON:
     from mini_infer.ops.rms_norm import norm_input, rms_inverse
 
     @triton.jit
+    def norm_gemv_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL: tl.constexpr):
+        """One K-chunk `cols` of the one-pass norm prologue: (its squares for the row's sum of squares, the GEMV's
+        input `x * nw`), both fp32, x the norm's input (with HAS_RESIDUAL x + residual, which program 0 stores as
+        the sum). Also the prologue of rms_norm_linear_silu.py's kernel."""
+        x = norm_input(x_ptr + cols, r_ptr + cols, s_ptr + cols, col_ok, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            if tl.program_id(0) == 0:
+                tl.store(s_ptr + cols, x.to(s_ptr.dtype.element_ty), mask=col_ok)
+        nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        return x * x, x * nw
+
+    @triton.jit
     def _rms_norm_gemv_kernel(
         x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, eps,
         HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -86,13 +98,9 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
-            x = norm_input(x_ptr + cols, r_ptr + cols, s_ptr + cols, col_ok, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if tl.program_id(0) == 0:
-                    tl.store(s_ptr + cols, x.to(s_ptr.dtype.element_ty), mask=col_ok)
-            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            sq += x * x
-            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x * nw)
+            x_sq, x_nw = norm_gemv_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL)
+            sq += x_sq
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x_nw)
         y = add_bias(tl.sum(acc, axis=1) * rms_inverse(tl.sum(sq, axis=0), K, eps), b_ptr, rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 

@@ -30,12 +30,17 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
 if HAS_TRITON:
 
     @triton.jit
+    def silu_mul(g, u):
+        """silu(g) * u of fp32 values, in fp32 (the kernel's math; also rms_norm_linear_silu.py's epilogue)."""
+        return g * tl.sigmoid(g) * u
+
+    @triton.jit
     def silu_mul_load(g_ptrs, u_ptrs, mask):
         """silu(gate) * up at the given pointers, in fp32 (zero where `mask` is off), before the rounding to the
         output dtype; also the activation prologue of silu_mul_linear.py's GEMV, so both round the same value."""
         g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
-        return g * tl.sigmoid(g) * u
+        return silu_mul(g, u)
 
     @triton.jit
     def _silu_and_mul_kernel(

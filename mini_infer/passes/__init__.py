@@ -7,6 +7,7 @@ for the context (`GraphPass.default_for`), ordered by stage and, within a stage,
 from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassContext, PassResult
 from mini_infer.passes.cleanup import Cleanup
 from mini_infer.passes.fuse_act_quant import FuseActQuant
+from mini_infer.passes.fuse_gate_up_silu import FuseGateUpSilu
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
 from mini_infer.passes.fuse_norm_gemv import FuseNormGemv
@@ -29,7 +30,8 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
-                        PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseSiluGemv, FuseNormGemv)
+                        PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu,
+                        FuseSiluGemv, FuseNormGemv)
 }
 
 

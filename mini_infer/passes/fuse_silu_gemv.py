@@ -13,9 +13,11 @@ the unfused ones.
 Runs in the lowering stage after gemv_linear (whose `mini_infer.linear` nodes it matches) and, in the recommended
 pipeline, after fuse_residual_gemvs (whose `linear_add` nodes it matches; run first, this pass would take the down
 linears that pass fuses with the residual add) and fuse_gemv_norm (the last layer's down_proj stays that pass's
-`linear_add_rms_norm`). It leaves alone: an activation with another reader or read by the linear as anything but
-its input row, any other consumer (`linear_add_rms_norm`, MoE experts), and the quantized paths (fuse_act_quant's
-`silu_and_mul_quant`; int8 / fp8 linears are not `mini_infer.linear`).
+`linear_add_rms_norm`). fuse_gate_up_silu (default on CUDA, before it) folds the same activations into the
+gate_up GEMV's epilogue: named after it, this pass finds no `silu_and_mul` left. It leaves alone: an activation with
+another reader or read by the linear as anything but its input row, any other consumer (`linear_add_rms_norm`, MoE
+experts), and the quantized paths (fuse_act_quant's `silu_and_mul_quant`; int8 / fp8 linears are not
+`mini_infer.linear`).
 
 Default: off (opt-in by name in `passes=[...]`). Measured on an H200 (2026-11-24, bf16, batch 1): the fused
 kernel is slower than the pair it replaces, 7.38 us at its default tile and 5.03 at the best of 24 tiles against

@@ -112,7 +112,7 @@ def test_default_on_cuda_only_before_fuse_gemv_norm():
         names = [p.name for p in recommended_passes(PassContext(config=config, device=device, dtype=torch.float32))]
         assert ("fuse_residual_gemvs" in names) == on
         if on:
-            assert names[-3:] == ["gemv_linear", "fuse_residual_gemvs", "fuse_gemv_norm"]
+            assert names[-4:] == ["gemv_linear", "fuse_residual_gemvs", "fuse_gemv_norm", "fuse_gate_up_silu"]
 
 
 # -- toys: what fuses and what must stay as it is --------------------------------------------------------------

@@ -35,6 +35,7 @@ from tests.passes.helpers import (
 L = NUM_LAYERS
 PREREQUISITES = ["fuse_rmsnorm", "merge_projections", "fuse_silu_mul", "gemv_linear"]
 CUDA_TAIL = ["fuse_residual_gemvs", "fuse_gemv_norm"]  # the passes CUDA's pipeline runs after gemv_linear, before
+# fuse_gate_up_silu (left out here: it takes every silu_and_mul this pass would fuse)
 # pipeline -> name -> (silu_mul_linear with a residual, without one, silu_and_mul left): alone every down_proj is a
 # plain linear; after CUDA_TAIL every down_proj but the last is a linear_add, the last a linear_add_rms_norm
 EXPECTED = {
@@ -121,7 +122,7 @@ def test_opt_in_and_last_when_named():
         assert "fuse_silu_gemv" not in [p.name for p in recommended_passes(ctx)]
     ctx = PassContext(config=config, device=torch.device("cuda"), dtype=torch.float32)
     names = [p.name for p in recommended_passes(ctx)]
-    assert names[-3:] == ["gemv_linear", *CUDA_TAIL]
+    assert names[-4:] == ["gemv_linear", *CUDA_TAIL, "fuse_gate_up_silu"]
     check_pass_order(resolve_passes([*names, "fuse_silu_gemv"]))  # named after the default pipeline: a valid order
 
 
