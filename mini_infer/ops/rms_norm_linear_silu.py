@@ -16,14 +16,17 @@ holds what its outputs need: on CUDA, for one row that the GEMV takes (linear.py
 condition rms_norm_linear.py's one-pass kernel has), ONE kernel on linear.py's GEMV tiling gives a program gate rows
 n..n+BN AND the matching up rows I+n..I+n+BN, two accumulators fed by the same K chunk of the input (with the norm,
 rms_norm_linear.py's one-pass prologue `norm_gemv_input`: `x * nw`, the 1 / rms applied at the end), and stores
-silu(g) * u for its BN outputs only: the [2I] gate_up row is never written. Numerics are the unfused pair's: g and
-u are rounded to the output dtype as the producer stores its row (`inv_rms * dot + bias`, or `dot + bias`), then
-silu_and_mul's math (`silu_mul`, fp32) and rounding; the default tile keeps the producer's BLOCK_K, so under the
+silu(g) * u for its BN outputs only: the [2I] gate_up row is never written. Measured on an H200 (2026-11-24,
+bench/kernel_gate_up_silu.py, a model's MLPs chained in one CUDA graph, us per layer): qwen3-0.6b (I = 3072) 9.32
+fused at (4, 512, 4, 1) vs 9.85 unfused; qwen2.5-7b (I = 18944) 106.16 at its best tile vs 104.41 unfused. So the
+one kernel serves gate_up weights of up to GATE_UP_SILU_MAX_I outputs per half; wider ones run the unfused kernels.
+Numerics are the unfused pair's: g and u are rounded to the output dtype as the producer stores its row
+(`inv_rms * dot + bias`, or `dot + bias`), then silu_and_mul's math (`silu_mul`, fp32) and rounding; the default tile keeps the producer's BLOCK_K, so under the
 Triton interpreter the fused op equals the producer then silu_and_mul bit for bit (tested). On a GPU the dot
 products' summation order follows the tile's register layout, as between two GEMV tiles. Anything else (several
-rows: prefill, batches; rows the GEMV does not take; mixed dtypes) runs the unfused kernels (the producer,
-then silu_and_mul's); the choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
-reference is the unfused references. Imports nothing from mini_infer outside `mini_infer.ops`.
+rows: prefill, batches; rows the GEMV does not take; halves wider than GATE_UP_SILU_MAX_I; mixed dtypes) runs
+the unfused kernels (the producer, then silu_and_mul's); the choice depends only on shapes and dtypes: CUDA-graph
+safe, no host syncs. On CPU the reference is the unfused references. Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from mini_infer.ops.linear import (
 from mini_infer.ops.rms_norm_linear import rms_norm_linear_reference, rms_norm_linear_triton
 from mini_infer.ops.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 
-__all__ = ["gate_up_silu_config", "linear_silu", "linear_silu_reference", "linear_silu_triton", "rms_norm_linear_silu",
+__all__ = ["GATE_UP_SILU_MAX_I", "gate_up_silu_config", "linear_silu", "linear_silu_reference", "linear_silu_triton", "rms_norm_linear_silu",
            "rms_norm_linear_silu_reference", "rms_norm_linear_silu_triton"]
 
 
@@ -112,20 +115,26 @@ if HAS_TRITON:
         tl.store(out_ptr + rows, silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+# Widest half (I) the one kernel takes: it won at qwen3-0.6b's 3072 and lost at qwen2.5-7b's 18944 (module
+# docstring); between them nothing is measured, so the limit sits near the measured win.
+GATE_UP_SILU_MAX_I = 4096
+
+
 def gate_up_silu_config(k: int, n: int, has_norm: bool) -> tuple[int, int, int, int]:
     """The one-row kernel's default tile (BLOCK_N rows per half, BLOCK_K, num_warps, num_stages) over a [n, k]
-    gate_up weight: the unfused producer's tile (rms_norm_linear's GEMV_CONFIG_SHORT_K; linear's `gemv_config`)
-    with BLOCK_N halved (at least 1). Each program then reads as many weight rows per K step as the producer's
-    programs (BLOCK_N gate rows plus their BLOCK_N up rows), there are as many programs, and BLOCK_K stays the
-    producer's, so each dot product adds the same K chunks (bit-equal under the interpreter). A guess, not
-    measured yet: sweep with bench/kernel_gate_up_silu.py."""
-    bn, bk, warps, stages = GEMV_CONFIG_SHORT_K if has_norm else gemv_config(k, n)
-    return max(1, bn // 2), bk, warps, stages
+    gate_up weight: the unfused producer's tile (rms_norm_linear's GEMV_CONFIG_SHORT_K; linear's `gemv_config`),
+    BLOCK_N rows of each half, so a program reads twice the producer's rows per K step and there are half as many
+    programs. BLOCK_K stays the producer's, so each dot product adds the same K chunks (bit-equal under the
+    interpreter). The H200 sweep's best at qwen3-0.6b ((4, 512, 4, 1): 9.32 us a layer; the producer's BLOCK_N
+    halved, (2, 512, 4, 1), took 10.94)."""
+    return GEMV_CONFIG_SHORT_K if has_norm else gemv_config(k, n)
 
 
 def _fuses(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    """Whether the one-row kernel serves these shapes and dtypes (one row the GEMV takes; with the norm,
-    rms_norm_linear's one-pass condition), else the unfused kernels."""
+    """Whether the one-row kernel serves these shapes and dtypes (one row the GEMV takes, with the norm
+    rms_norm_linear's one-pass condition; halves of at most GATE_UP_SILU_MAX_I rows), else the unfused kernels."""
+    if weight.shape[0] > 2 * GATE_UP_SILU_MAX_I:
+        return False
     if norm_weight is None:
         return takes_gemv(x.numel(), x.dtype, weight)
     return norm_weight.shape == x.shape[-1:] and takes_gemv(

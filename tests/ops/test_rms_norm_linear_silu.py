@@ -84,9 +84,21 @@ def test_tile_override(launches, config, bitwise):
     x, nw, w, b = _inputs(1, 70, 300, torch.float32, True, seed=5)
     y = _fused(True, x, nw, w, b, config)
     assert launches == [mod._gate_up_silu_kernel]
-    if bitwise:
+    if bitwise and not x.is_cuda:  # on a GPU the sums' order follows the tile's register layout
         assert torch.equal(y, _unfused(True, x, nw, w, b))
     assert_close(y, _reference(True, x, nw, w, b))
+
+
+@requires_triton
+@pytest.mark.parametrize("norm", [True, False])
+def test_wide_halves_run_the_unfused_kernels(launches, monkeypatch, norm):
+    """A gate_up wider than GATE_UP_SILU_MAX_I outputs per half (where the one kernel lost on an H200): the
+    producer's kernel then silu_and_mul's, their bits."""
+    monkeypatch.setattr(mod, "GATE_UP_SILU_MAX_I", 16)
+    x, nw, w, b = _inputs(1, 17, 96, torch.bfloat16, True)
+    y = _fused(norm, x, nw, w, b)
+    assert mod._gate_up_silu_kernel not in launches
+    assert torch.equal(y, _unfused(norm, x, nw, w, b))
 
 
 @requires_triton
