@@ -538,8 +538,8 @@ if HAS_TRITON:
                 # before the launch. bar.sync then makes every thread's stores visible to the CTA's key loads.
                 new0 = ctx - qlen
                 wh = kvh + tl.arange(0, 1)
-                for p in range(tl.maximum(k_lo, new0), k_hi):
-                    wtok = (q_beg + p - new0).to(tl.int64)
+                for wpos in range(tl.maximum(k_lo, new0), k_hi):
+                    wtok = (q_beg + wpos - new0).to(tl.int64)
                     wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
                     _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, wtok, wslot, wh, wslot >= 0,
                                    BLOCK_SIZE, head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb,

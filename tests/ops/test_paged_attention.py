@@ -22,7 +22,7 @@ from mini_infer.ops.paged_attention import (
     paged_attention_triton,
     write_kv_cache_reference,
 )
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
 
 
 @dataclass
@@ -370,6 +370,19 @@ def test_write_kernel_only_for_prefill_shapes(kernel_launches):
     assert same_bytes(written[3], args[3]) and same_bytes(written[4], args[4])
     assert torch.equal(cached, out)
 
+
+
+@requires_triton
+def test_decode_kernel_with_the_write_compiles_sm90():
+    """Compiled for sm_90 (no GPU needed; tests/ops/compile_paged_attention_sm90.py), bf16 with splits and fp8 under a
+    window: the kernel with the KV write has one barrier more than without it (between its stores and its key loads),
+    no load through the non-coherent path (it could miss the CTA's own stores) and no register spills. (The
+    interpreter runs programs one after another: it shows neither a missing barrier nor a compile error.)"""
+    report = run_uninterpreted(["-m", "tests.ops.compile_paged_attention_sm90"])
+    for case in report["cases"]:
+        write, no_write = case["write"], case["no_write"]
+        assert write["barriers"] == no_write["barriers"] + 1, case
+        assert write["nc_loads"] == 0 and "LOCAL:0 " in write["usage"], case
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
