@@ -12,14 +12,10 @@ NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 
-from tests.ops.compile_sm90 import resource_usage
-from tests.ops.helpers import NO_CUDA_BACKEND
+from tests.ops.compile_sm90 import report_main, resource_usage
 
 # (name, fp8 cache, query heads per kv head, splits, sliding window)
 CASES = [("bf16_splits", False, 2, 8, False), ("fp8_window_g7", True, 7, 1, True)]
@@ -64,21 +60,5 @@ def report(name: str, fp8: bool, g: int, splits: int, window: bool) -> dict:
     return out
 
 
-def main() -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        print("unset TRITON_INTERPRET: interpreted functions do not compile", file=sys.stderr)
-        return 2
-    try:
-        import triton
-        import triton.backends.nvidia  # noqa: F401
-
-        out = {"triton": triton.__version__, "cases": [report(*case) for case in CASES]}
-    except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as exc:
-        print(f"no CUDA backend / ptxas: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return NO_CUDA_BACKEND
-    print(json.dumps(out))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report_main(lambda: [report(*case) for case in CASES]))
