@@ -46,15 +46,15 @@ Two implementations:
     only pick tile shapes, see `paged_attention_triton`.
 
 The registered op writes the cache as its implementation does (a step the route below leaves alone: the
-implementation called whole, so a decode step's write stays inside the attention launch), then sends each sequence whose query run is long
-(prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused attention kernels
-(cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache plus its new
-k/v, and the other sequences through the implementation above, as a batch of those alone. That route is on for
-CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the engine
-warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is captured (the route reads the step's lengths on the host,
-once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
-`paged_attention_reference` called directly never take it; compiled graphs call `paged_attention_<backend>_entry`,
-the op's body.
+implementation called whole, so a decode step's write stays inside the attention launch), then sends each sequence
+whose query run is long (prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused
+attention kernels (cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache
+plus its new k/v, and the other sequences through the implementation above, as a batch of those alone. That route is
+on for CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the
+engine warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is
+captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap and fp8
+caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
+`paged_attention_<backend>_entry`, the op's body.
 
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
@@ -834,7 +834,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), WRITE_KV=write_kv, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                WRITE_KV=write_kv, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
@@ -892,12 +893,13 @@ def _paged_attention_routed(
 ) -> torch.Tensor:  # fmt: skip
     """The registered ops' body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
     reference; a step the route leaves alone goes to `paged_attention_triton` / `_reference`, write and attention,
-    so that a decode-shaped Triton launch writes the keys itself), then each sequence with a long query run (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through
-    `_prefill_sdpa.attend_run` over its gathered context plus its new k/v, and every other sequence through the
-    implementation's attention, given a batch of those sequences only (no work twice). The route is decided
-    by `_prefill_sdpa.route_wanted` (shapes and arguments; never during CUDA-graph capture); only a step it
-    accepts reads its lengths on the host. k, v and slot_mapping None (`paged_attention_cached`): no write, the
-    caches already hold the step's keys, and a long run's new k/v are read from them with its context."""
+    so that a decode-shaped Triton launch writes the keys itself), then each sequence with a long query run
+    (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through `_prefill_sdpa.attend_run` over its gathered context plus
+    its new k/v, and every other sequence through the implementation's attention, given a batch of those sequences
+    only (no work twice). The route is decided by `_prefill_sdpa.route_wanted` (shapes and arguments; never during
+    CUDA-graph capture); only a step it accepts reads its lengths on the host. k, v and slot_mapping None
+    (`paged_attention_cached`): no write, the caches already hold the step's keys, and a long run's new k/v are read
+    from them with its context."""
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
     attend = _triton_attention if use_triton_kernel else _reference_attention
