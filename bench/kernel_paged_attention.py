@@ -3,7 +3,8 @@
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
                                             | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
-                                            | --decode-sweep [--wide] [--layers N]]
+                                            | --decode-sweep [--wide] [--layers N]
+                                            | --decode-write [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
@@ -24,6 +25,14 @@ and context 128, 1024, 4096. Prints microseconds per call of the split-K merge i
 second launch merges them), with the split count. --check also compares both outputs with the torch reference
 (bf16 tolerance 2e-2; exit status 1 beyond it) and with each other. --kv-cache-dtype fp8: float8_e4m3fn caches
 (per-layer scales amax / 448) instead of bf16 ones.
+
+--decode-write: the KV write inside the decode attention launch. Decode steps (bf16, head dim 128, block 16, block
+tables 4,096 keys wide) at batch 1 and 8, context 128 and 1,024, for qwen3-0.6b-like (16 / 8 heads), qwen2.5-7b-like
+(28 / 4) and llama-3.1-8b-like (32 / 8) attention, each a CUDA graph of --layers (default 28) calls: `fused`
+(`paged_attention_triton`: one launch, the attention kernel writes the step's k/v), `separate` (the write kernel,
+then `paged_attention_cached_triton`: what the op launched before) and `attn` (the attention alone, no write: the
+floor). Prints us per call, separate - fused (the saving per layer), and whether the two leave the same output and
+cache bytes (exit status 1 if not).
 
 --prefill: one sequence's causal prefill, bf16, head dim 128, block size 16, at --lengths new tokens (default
 512,1024,4096,16384,32768) with no cached context, plus a chunked-prefill case (16384 cached + 2048 new), for
@@ -229,6 +238,46 @@ def decode_latency(check, layers, kv="bf16"):
                 del args
                 torch.cuda.empty_cache()
     print(f"{time.perf_counter() - t0:.0f} s" + (f"; {bad} case(s) beyond tolerance" if check else ""))
+    return bad
+
+
+DECODE_WRITE_MODELS = {"qwen3-0.6b": (16, 8, 128), "qwen2.5-7b": (28, 4, 128), "llama-3.1-8b": (32, 8, 128)}
+
+
+def decode_write(layers):
+    """--decode-write (see the module docstring); returns the number of cases whose fused and separate results
+    differ."""
+    from mini_infer.ops import _split_k
+    from mini_infer.ops.paged_attention import paged_attention_cached_triton, write_kv_cache_triton
+
+    def separate(a):
+        write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5])
+        return paged_attention_cached_triton(a[0], a[3], a[4], *a[6:10])
+
+    print(f"GPU {torch.cuda.get_device_name()} | decode, bf16, D=128, block 16, block tables {DECODE_CAPACITY} keys, "
+          f"CUDA graph of {layers} calls, us per call")
+    print(f"{'model':12s} {'batch':>5s} {'ctx':>5s} {'splits':>6s} | {'fused':>7s} {'separate':>8s} {'attn':>7s} | "
+          f"{'saved':>6s} same")
+    bad = 0
+    for model, (hq, hkv, d) in DECODE_WRITE_MODELS.items():
+        for s in (1, 8):
+            for ctx in (128, 1024):
+                args = decode_args(s, ctx, hq, hkv, d)
+                splits = _split_k.default_num_splits(args[0], s, hkv, DECODE_CAPACITY)
+                us = {"fused": graph_us(lambda a=args: paged_attention_triton(*a), layers),
+                      "separate": graph_us(lambda a=args: separate(a), layers),
+                      "attn": graph_us(lambda a=args: paged_attention_cached_triton(a[0], a[3], a[4], *a[6:10]),
+                                       layers)}
+                fused_args, sep_args = list(args), list(args)
+                for a in (fused_args, sep_args):
+                    a[3], a[4] = args[3].clone(), args[4].clone()
+                same = (torch.equal(paged_attention_triton(*fused_args), separate(sep_args))
+                        and torch.equal(fused_args[3], sep_args[3]) and torch.equal(fused_args[4], sep_args[4]))
+                bad += not same
+                print(f"{model:12s} {s:5d} {ctx:5d} {splits:6d} | {us['fused']:7.2f} {us['separate']:8.2f} "
+                      f"{us['attn']:7.2f} | {us['separate'] - us['fused']:6.2f} {'yes' if same else 'NO'}", flush=True)
+                del args, fused_args, sep_args
+                torch.cuda.empty_cache()
     return bad
 
 
@@ -522,6 +571,8 @@ if __name__ == "__main__":
     elif "--decode-latency" in sys.argv:
         kv = "fp8" if arg_value("--kv-cache-dtype", "bf16").startswith("fp8") else "bf16"
         sys.exit(1 if decode_latency("--check" in sys.argv, int(arg_value("--layers", "28")), kv) else 0)
+    elif "--decode-write" in sys.argv:
+        sys.exit(1 if decode_write(int(arg_value("--layers", "28"))) else 0)
     elif "--decode-sweep" in sys.argv:
         decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")))
     elif "--sweep" in sys.argv:

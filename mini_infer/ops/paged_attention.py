@@ -32,24 +32,29 @@ Two implementations:
     CUDA (no Triton) it syncs and cannot be captured in a CUDA graph.
   * `paged_attention_triton`: a KV-write kernel, then one unified kernel whose grid depends only on
     shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
-    `num_splits` key-range splits. Each program finds its sequence by binary search over
-    `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA), and runs an
-    online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
+    `num_splits` key-range splits. A decode-shaped launch (one query row per tile, `decode_only`) has no write
+    kernel: each program of the unified kernel first writes the step's new k/v rows (of its kv head) that fall in
+    its key range, then a CTA barrier, then reads them back with the rest (several programs may write one row:
+    the same bytes); a token no sequence owns is written by its tile's first program. Prefill-shaped launches
+    keep the write kernel (a tile there reads keys that other tiles' rows own). Each program finds its sequence
+    by binary search over `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA),
+    and runs an online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
     `num_splits > 1` (flash-decoding), the splits a tile's range reaches write partial (max, sum, acc) and
     the last of them to finish merges them in split order, in the same launch (splits past the range exit at
     once; a range within one split is written directly). The split-K pieces are `_split_k`'s, shared with
     `mla_attention`'s latent kernel. The kernel is correct for every batch under every knob; the knobs
     only pick tile shapes, see `paged_attention_triton`.
 
-The registered op writes the cache as its implementation does, then sends each sequence whose query run is long
-(prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused attention kernels
-(cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache plus its new
-k/v, and the other sequences through the implementation above, as a batch of those alone. That route is on for
-CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the engine
-warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is captured (the route reads the step's lengths on the host,
-once per step) and for sliding windows, softcap and fp8 caches; `paged_attention_triton` and
-`paged_attention_reference` called directly never take it; compiled graphs call `paged_attention_<backend>_entry`,
-the op's body.
+The registered op writes the cache as its implementation does (a step the route below leaves alone: the
+implementation called whole, so a decode step's write stays inside the attention launch), then sends each sequence
+whose query run is long (prefill chunks of `_prefill_sdpa.MIN_QUERY_ROWS` rows or more) through torch's fused
+attention kernels (cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over its context gathered from the cache
+plus its new k/v, and the other sequences through the implementation above, as a batch of those alone. That route is
+on for CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the
+engine warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is
+captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap and fp8
+caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
+`paged_attention_<backend>_entry`, the op's body.
 
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
@@ -419,6 +424,30 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _store_kv_rows(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
+        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        KV_FP8: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        """Packed token tok's k and v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`
+        (int64; any value where not ok), as `_to_cache_values` converts them: the KV write of both kernels."""
+        slot = tl.maximum(slot, 0)
+        blk = slot // block_size
+        off = slot % block_size
+        d = tl.arange(0, BLOCK_D)
+        m = ok[:, None] & (d < head_d)[None, :]
+        x = _to_cache_values(tl.load(k_ptr + tok * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0),
+                             ks_ptr, KV_FP8)
+        dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
+        tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
+        dvr = tl.arange(0, BLOCK_DV)
+        m = ok[:, None] & (dvr < head_dv)[None, :]
+        x = _to_cache_values(tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0),
+                             vs_ptr, KV_FP8)
+        dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
+        tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, block_size, n_heads, head_d, head_dv,
         s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
@@ -431,22 +460,9 @@ if HAS_TRITON:
         h = tl.arange(0, BLOCK_H)
         # negative slot: padding token, write nothing. (The comparison is made on a tensor rather than
         # the scalar because the interpreter mis-types `scalar_bool & tensor_bool`.)
-        ok = (slot + h * 0) >= 0
-        slot = tl.maximum(slot, 0)
-        blk = slot // block_size
-        off = slot % block_size
-        d = tl.arange(0, BLOCK_D)
-        m = ok[:, None] & (h < n_heads)[:, None] & (d < head_d)[None, :]
-        x = _to_cache_values(tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0),
-                             ks_ptr, KV_FP8)
-        dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
-        tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
-        dvr = tl.arange(0, BLOCK_DV)
-        m = ok[:, None] & (h < n_heads)[:, None] & (dvr < head_dv)[None, :]
-        x = _to_cache_values(tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0),
-                             vs_ptr, KV_FP8)
-        dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
-        tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
+        ok = ((slot + h * 0) >= 0) & (h < n_heads)
+        _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, t, slot, h, ok, block_size, head_d, head_dv,
+                       s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
 
     @triton.jit
     def _dot_tile(x, dtype, IN_REGISTERS: tl.constexpr):
@@ -468,11 +484,11 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr,
         n_tokens, n_seqs, scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
-        s_wms, s_wmt, s_was, s_wat, s_wah,
-        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+        s_wms, s_wmt, s_was, s_wat, s_wah, s_kt, s_kh, s_vt, s_vh,
+        WRITE_KV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
@@ -497,6 +513,14 @@ if HAS_TRITON:
             unowned = (qi < BLOCK_Q) & (g < G) & (zrow >= tl.load(qsl_ptr + n_seqs)) & (zrow < n_tokens)
             tl.store(out_ptr + zrow[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
                      tl.zeros([BLOCK_R, BLOCK_DV], out_ptr.dtype.element_ty), mask=unowned[:, None] & dv_ok[None, :])
+            if WRITE_KV:  # (BLOCK_Q == 1) token `tile`, if no sequence owns it, is written as _write_kv_kernel would
+                wh = kvh + tl.arange(0, 1)  # this program's kv head, as a vector
+                ztok = tile.to(tl.int64) + wh * 0
+                zown = (ztok >= tl.load(qsl_ptr + n_seqs)) & (ztok < n_tokens)
+                zslot = tl.load(slot_ptr + ztok, mask=zown, other=-1).to(tl.int64)
+                _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ztok, zslot, wh, zslot >= 0, BLOCK_SIZE,
+                               head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+                               KV_FP8, BLOCK_D, BLOCK_DV)
         # key range of the tile: [k_lo, k_hi), then this program's split of it; with the fused merge only the
         # non-empty splits work (the others exit here), else every split writes its partials for the reduce
         k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
@@ -506,6 +530,21 @@ if HAS_TRITON:
         n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, BLOCK_N) if FUSED_MERGE else NUM_SPLITS
         if (q_off < qlen) & (split < n_used):
             k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
+            if WRITE_KV:  # (decode-shaped launch) the step's new tokens of s that this program reads: write, then read
+                # s's new tokens sit at positions ctx - qlen .. ctx - 1, packed rows q_beg .. q_beg + qlen - 1. Row
+                # q_off's key range holds its own position, so each new token is written by at least its own row's
+                # program; several programs may write one token (its later rows, the other query heads' programs
+                # under GQA: same bytes, same addresses), and each reads only what it wrote or what was cached
+                # before the launch. bar.sync then makes every thread's stores visible to the CTA's key loads.
+                new0 = ctx - qlen
+                wh = kvh + tl.arange(0, 1)
+                for wpos in range(tl.maximum(k_lo, new0), k_hi):
+                    wtok = (q_beg + wpos - new0).to(tl.int64)
+                    wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
+                    _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, wtok, wslot, wh, wslot >= 0,
+                                   BLOCK_SIZE, head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb,
+                                   s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
+                tl.debug_barrier()
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
             tok0 = (q_beg + q_off).to(tl.int64)  # the tile's first query row
@@ -614,6 +653,17 @@ def _scale_args(k_scale, v_scale, placeholder: torch.Tensor) -> tuple[torch.Tens
     return (k_scale if k_scale is not None else placeholder, v_scale if v_scale is not None else placeholder)
 
 
+def _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t: int) -> None:
+    """Raise unless k [t, Hkv, D] and v [t, Hkv, Dv] match the caches, slot_mapping has a slot for each of the t
+    tokens, and the caches have unit stride along their last dim (both Triton writes index them so)."""
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the caches need unit stride along their last dim")
+    want_k, want_v = (t, *k_cache.shape[2:]), (t, *v_cache.shape[2:])
+    if tuple(k.shape) != want_k or tuple(v.shape) != want_v or slot_mapping.dim() != 1 or slot_mapping.shape[0] < t:
+        raise ValueError(f"paged_attention: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} should be {want_k}, {want_v} and ({t},) for these caches")
+
+
 def write_kv_cache_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -627,8 +677,7 @@ def write_kv_cache_triton(
     dv = v.shape[2]
     if t == 0:
         return
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged_attention: the caches need unit stride along their last dim")
+    _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _write_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, *_scale_args(k_scale, v_scale, slot_mapping), k_cache.shape[1],
@@ -683,7 +732,8 @@ def paged_attention_triton(
     num_splits: int | None = None,
     fused_merge: bool = True,
 ) -> torch.Tensor:
-    """Triton paged attention (writes k/v into the caches first). See the module docstring.
+    """Triton paged attention (writes k/v into the caches first: inside the attention launch when it is
+    decode-shaped, `decode_only`, else by `write_kv_cache_triton`'s kernel before it). See the module docstring.
 
     Every knob choice gives the same result for every batch; the knobs only choose tile shapes, and all
     choices are made from shapes and arguments, never tensor values (CUDA-graph safe, no host sync):
@@ -706,17 +756,19 @@ def paged_attention_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton")
-    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                             softcap, k_scale, v_scale, decode_only=decode_only, num_splits=num_splits,
-                             fused_merge=fused_merge)
+                             softcap, k_scale, v_scale, new_kv=(k, v, slot_mapping), decode_only=decode_only,
+                             num_splits=num_splits, fused_merge=fused_merge)
 
 
 def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                      sliding_window: int, softcap: float, k_scale, v_scale, *, decode_only: bool | None = None,
-                      num_splits: int | None = None, fused_merge: bool = True) -> torch.Tensor:
-    """`paged_attention_triton` after its cache write: the unified attention kernel (and, with splits and not
-    `fused_merge`, the split-K reduce kernel)."""
+                      sliding_window: int, softcap: float, k_scale, v_scale, *, new_kv: tuple | None = None,
+                      decode_only: bool | None = None, num_splits: int | None = None,
+                      fused_merge: bool = True) -> torch.Tensor:
+    """The unified attention kernel (and, with splits and not `fused_merge`, the split-K reduce kernel) over the
+    caches. `new_kv` (k, v, slot_mapping): the step's keys to write first, by the attention kernel itself when the
+    launch is decode-shaped (one query row per tile: no launch between the write and the reads), else by
+    `write_kv_cache_triton` before it; None: the caches already hold them."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     dv = v_cache.shape[3]
@@ -724,14 +776,24 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
     n_seqs = seq_lens.shape[0]
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if decode_only is None:
+        decode_only = t <= n_seqs
+    write_kv = new_kv is not None and decode_only and t > 0 and n_seqs > 0
+    if new_kv is not None and not write_kv:
+        k, v, slot_mapping = new_kv
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if t == 0 or n_seqs == 0:
         return q.new_zeros((t, hq, dv))
 
     q = _last_dim_contiguous(q)
     g = hq // hkv
     block_g = next_pow2(g)
-    if decode_only is None:
-        decode_only = t <= n_seqs
+    if write_kv:
+        k, v, slot_mapping = new_kv
+        _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t)
+        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    else:  # placeholders, never read (WRITE_KV off)
+        k, v, slot_mapping = q, q, seq_lens
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
     fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
@@ -766,13 +828,14 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         try:
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
-                block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens),
+                block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens), k, v, slot_mapping,
                 t, n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-                G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                WRITE_KV=write_kv, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel
@@ -829,21 +892,26 @@ def _paged_attention_routed(
     sliding_window: int, softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The registered ops' body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
-    reference), then each sequence with a long query run (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through
-    `_prefill_sdpa.attend_run` over its gathered context plus its new k/v, and every other sequence through the
-    implementation's attention, given a batch of those sequences only (no work twice). The route is decided
-    by `_prefill_sdpa.route_wanted` (shapes and arguments; never during CUDA-graph capture); only a step it
-    accepts reads its lengths on the host. k, v and slot_mapping None (`paged_attention_cached`): no write, the
-    caches already hold the step's keys, and a long run's new k/v are read from them with its context."""
+    reference; a step the route leaves alone goes to `paged_attention_triton` / `_reference`, write and attention,
+    so that a decode-shaped Triton launch writes the keys itself), then each sequence with a long query run
+    (_prefill_sdpa.MIN_QUERY_ROWS rows or more) through `_prefill_sdpa.attend_run` over its gathered context plus
+    its new k/v, and every other sequence through the implementation's attention, given a batch of those sequences
+    only (no work twice). The route is decided by `_prefill_sdpa.route_wanted` (shapes and arguments; never during
+    CUDA-graph capture); only a step it accepts reads its lengths on the host. k, v and slot_mapping None
+    (`paged_attention_cached`): no write, the caches already hold the step's keys, and a long run's new k/v are read
+    from them with its context."""
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
     attend = _triton_attention if use_triton_kernel else _reference_attention
-    if k is not None:
-        write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     opts = (scale, sliding_window, softcap, k_scale, v_scale)
     meta = (block_tables, seq_lens, query_start_loc)
     if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8):
-        return attend(q, k_cache, v_cache, *meta, *opts)
+        if k is None:
+            return attend(q, k_cache, v_cache, *meta, *opts)
+        whole = paged_attention_triton if use_triton_kernel else paged_attention_reference
+        return whole(q, k, v, k_cache, v_cache, slot_mapping, *meta, *opts)
+    if k is not None:
+        write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     qsl, lens = _host_lengths(query_start_loc, seq_lens)
     t, hq, _ = q.shape
     out, rest = None, []

@@ -17,8 +17,6 @@ tests/ops/test_fp8_linear.py; the numbers go into the report of an experiment, n
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
@@ -26,8 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from tests.ops.compile_sm90 import build_sm90, resource_usage
-from tests.ops.helpers import NO_CUDA_BACKEND
+from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
 
 # SASS opcode (the part before the first dot) -> class; anything else counts as "other"
 SASS_CLASSES = {
@@ -117,21 +114,8 @@ def default_cases() -> list[tuple]:
 
 
 def main(argv: list[str]) -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        print("unset TRITON_INTERPRET: interpreted functions do not compile", file=sys.stderr)
-        return 2
-    cases = [(argv[i], *map(int, argv[i + 1 : i + 5])) for i in range(0, len(argv), 5)] if argv else default_cases()
-    try:
-        import triton
-        import triton.backends.nvidia  # noqa: F401
-
-        out = {"triton": triton.__version__, "cases": [report(*case) for case in cases]}
-    except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as exc:
-        print(f"no CUDA backend / ptxas: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return NO_CUDA_BACKEND
-    print(json.dumps(out))
-    return 0
-
+    cases = [(argv[i], *map(int, argv[i + 1 : i + 5])) for i in range(0, len(argv), 5)] if argv else None
+    return report_main(lambda: [report(*case) for case in cases or default_cases()])
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,6 @@
 """Compiling a Triton kernel for sm_90 with Triton's CUDA backend, no GPU needed: `build_sm90` (one build from the
-kernel's own parameters, as a launch specializes it) and `resource_usage` (cuobjdump's resource line of the cubin).
+kernel's own parameters, as a launch specializes it), `resource_usage` (cuobjdump's resource line of the cubin) and
+`report_main` (a compile script's process: its cases' JSON report, or why there is none).
 
 Only for a process of its own without TRITON_INTERPRET (under the interpreter `triton.jit` builds interpreted
 functions, which do not compile); the caller runs it through `run_uninterpreted` (tests/ops/helpers.py). Used by
@@ -8,9 +9,15 @@ tests/ops/compile_fp8_gemv_sm90.py. Builds only: never launches a kernel.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+from tests.ops.helpers import NO_CUDA_BACKEND
 
 
 def build_sm90(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4, num_stages: int = 1,
@@ -42,3 +49,22 @@ def resource_usage(cubin: bytes) -> str:
         f.flush()
         out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     return next((line.strip() for line in out.splitlines() if "REG:" in line), "")
+
+
+def report_main(cases: Callable[[], list]) -> int:
+    """A compile script's main: print {"triton": version, "cases": cases()} as one JSON line and return 0; return 2
+    under TRITON_INTERPRET (interpreted functions do not compile) and NO_CUDA_BACKEND without Triton's CUDA backend or
+    ptxas."""
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: interpreted functions do not compile", file=sys.stderr)
+        return 2
+    try:
+        import triton
+        import triton.backends.nvidia  # noqa: F401
+
+        out = {"triton": triton.__version__, "cases": cases()}
+    except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as exc:
+        print(f"no CUDA backend / ptxas: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return NO_CUDA_BACKEND
+    print(json.dumps(out))
+    return 0

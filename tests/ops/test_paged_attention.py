@@ -16,8 +16,13 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mini_infer.ops import HAS_TRITON  # also registers torch.ops.mini_infer.*
-from mini_infer.ops.paged_attention import _FP8_DOT, paged_attention_reference, paged_attention_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from mini_infer.ops.paged_attention import (
+    _FP8_DOT,
+    paged_attention_reference,
+    paged_attention_triton,
+    write_kv_cache_reference,
+)
+from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
 
 
 @dataclass
@@ -271,6 +276,113 @@ def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
     assert_close(first, oracle(case))
     assert torch.equal(paged_attention_triton(*args, decode_only=False, num_splits=3), first)
 
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """The names of paged_attention's write and attention kernels as the module launches them (each still runs)."""
+    from mini_infer.ops import paged_attention as pa
+
+    launches = []
+
+    class Recorded:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_write_kv_kernel", "_paged_attn_kernel"):
+        monkeypatch.setattr(pa, name, Recorded(name, getattr(pa, name)))
+    return launches
+
+
+def spare_slot(case: Case) -> int:
+    """The first slot of a cache block no sequence's block table holds (make_case leaves spares)."""
+    used = set(case.block_tables.flatten().tolist())
+    return next(b for b in range(case.k_cache.shape[0]) if b not in used) * case.k_cache.shape[1]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+# decode-shaped launches (one query row per tile) whose attention kernel writes the step's keys: (make_case kwargs,
+# knobs). With 16-key tiles: "qlen2_splits" has a sequence of two new tokens at positions 31 and 32, in different
+# splits of its last row's range (split 1 of each row reads position 31, split 2 of the last row 32), a padding
+# sequence and a decode row; "window_qlen3" a window that starts inside a run of three new tokens (its last row reads
+# the last two only); "padding" rows no sequence owns, one of them with a slot (written as the write kernel does).
+FUSED_WRITE = {
+    "qlen2_splits": (dict(seqs=[(31, 2), (0, 0), (5, 1), (12, 1)]), dict(num_splits=4)),
+    "qlen2_splits_reduce": (dict(seqs=[(31, 2), (0, 0), (5, 1), (12, 1)]), dict(num_splits=4, fused_merge=False)),
+    "qlen2_one_split_g4": (dict(seqs=[(31, 2), (0, 0), (40, 1)], hq=8, hkv=2), dict(num_splits=1)),
+    "window_qlen3": (dict(seqs=[(10, 3), (4, 1), (0, 1)], sliding_window=2), dict(decode_only=True, num_splits=2)),
+    "padding": (dict(seqs=[(7, 1), (0, 0), (20, 1), (0, 0), (0, 0)], pad_tokens=2), dict(num_splits=2)),
+}
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(FUSED_WRITE))
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, name, dtype, fp8):
+    """A decode-shaped launch is the attention kernel alone: it leaves the cache bytes `write_kv_cache_reference`
+    writes (fp8 caches included; a padding token with a slot written, slot -1 not) and the reference's output."""
+    case_kw, knobs = FUSED_WRITE[name]
+    case = make_case(**case_kw, dtype=dtype, block_size=4, seed=7)
+    if name == "padding":
+        slots = case.slot_mapping.clone()
+        slots[-1] = spare_slot(case)
+        case = Case(**{**case.__dict__, "slot_mapping": slots})
+    scales = ()
+    if fp8:
+        case, ks, vs = fp8_case(case)
+        scales = (ks, vs)
+    args = (*case.args(), *scales)
+    out = paged_attention_triton(*args, **knobs)
+    assert kernel_launches == ["_paged_attn_kernel"]
+    want_k, want_v = case.k_cache.clone(), case.v_cache.clone()
+    write_kv_cache_reference(case.k, case.v, want_k, want_v, case.slot_mapping, *scales)
+    assert same_bytes(args[3], want_k) and same_bytes(args[4], want_v)
+    args_r = [a.cpu() if torch.is_tensor(a) else a for a in (*case.args(), *scales)]
+    assert_close(out, paged_attention_reference(*args_r))
+
+
+@requires_triton
+def test_write_kernel_only_for_prefill_shapes(kernel_launches):
+    """Prefill-shaped launches (a tile reads keys other tiles' rows own) keep the write kernel before the attention;
+    decode-shaped ones, also through the registered op's body, launch the attention kernel alone; the cached
+    variant writes nothing."""
+    from mini_infer.ops import paged_attention as pa
+
+    prefill = make_case(**CASES["chunked_prefill"])
+    paged_attention_triton(*prefill.args())
+    assert kernel_launches == ["_write_kv_kernel", "_paged_attn_kernel"]
+    kernel_launches.clear()
+    decode = make_case(**CASES["decode_gqa"])
+    args = decode.args()
+    out = pa.paged_attention_triton_entry(*args)
+    assert kernel_launches == ["_paged_attn_kernel"]
+    check_cache(decode, args[3], args[4])
+    kernel_launches.clear()
+    written = (*args[:3], args[3].clone(), args[4].clone(), *args[5:])
+    cached = pa.paged_attention_cached_triton(written[0], *written[3:5], *written[6:])
+    assert kernel_launches == ["_paged_attn_kernel"]
+    assert same_bytes(written[3], args[3]) and same_bytes(written[4], args[4])
+    assert torch.equal(cached, out)
+
+
+
+@requires_triton
+def test_decode_kernel_with_the_write_compiles_sm90():
+    """Compiled for sm_90 (no GPU needed; tests/ops/compile_paged_attention_sm90.py), bf16 with splits and fp8 under a
+    window: the kernel with the KV write has one barrier more than without it (between its stores and its key loads),
+    no load through the non-coherent path (it could miss the CTA's own stores) and no register spills. (The
+    interpreter runs programs one after another: it shows neither a missing barrier nor a compile error.)"""
+    report = run_uninterpreted(["-m", "tests.ops.compile_paged_attention_sm90"])
+    for case in report["cases"]:
+        write, no_write = case["write"], case["no_write"]
+        assert write["barriers"] == no_write["barriers"] + 1, case
+        assert write["nc_loads"] == 0 and "LOCAL:0 " in write["usage"], case
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
