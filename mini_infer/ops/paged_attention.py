@@ -63,6 +63,8 @@ FuseKVWrite pass), the long-run route then reads a run's new keys from the cache
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mini_infer.ops import _prefill_sdpa, _split_k
@@ -121,6 +123,13 @@ _CONFIG = {
 # says more): far below e4m3's own 2**-4. The V tile (keys along the dot's K, not contiguous) is what FA3 transposes
 # in shared memory; Triton does its own relayout here: whether that pays is what the sweep times.
 _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
+
+# Decode-shaped launches write the step's keys in the attention kernel (True) or in `_write_kv_kernel` before it.
+# H200, 2026-11-24 (bench/RESULTS.md twelfth session), batch-1 decode, processes alternated: qwen3-0.6b 1,248.3 /
+# 1,247.3 tok/s in the kernel vs 1,239.1 / 1,240.2 separate, qwen2.5-7b 250.4 vs 249.7; alone, chained over 28
+# layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
+# --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
+DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -778,7 +787,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if decode_only is None:
         decode_only = t <= n_seqs
-    write_kv = new_kv is not None and decode_only and t > 0 and n_seqs > 0
+    write_kv = DECODE_WRITE_IN_KERNEL and new_kv is not None and decode_only and t > 0 and n_seqs > 0
     if new_kv is not None and not write_kv:
         k, v, slot_mapping = new_kv
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
