@@ -24,7 +24,9 @@ Default: off (opt-in by name in `passes=[...]`). It removes the KV-write launch 
 kernels a step for qwen3-0.6b), but on an H200 (2026-11-24, bf16, batch 1, same process) it gained nothing:
 qwen3-0.6b 1,035.9 tok/s with it, 1,047.0 without; qwen2.5-7b 244.1 and 244.6. With programmatic dependent launch
 the write kernel's launch is hidden behind the rotary's, and the fused kernel (5.5 us) costs about what the two did
-(3.8 + 2.3). On other devices the op runs qk_rotary's and the write's references one after the other.
+(3.8 + 2.3). Since then the decode attention launch writes the step's keys itself (ops/paged_attention.py,
+DECODE_WRITE_IN_KERNEL): without a pass, no write launch is left for this one to remove at batch-1 decode. On other
+devices the op runs qk_rotary's and the write's references one after the other.
 """
 
 from __future__ import annotations
