@@ -787,6 +787,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if decode_only is None:
         decode_only = t <= n_seqs
+    if new_kv is not None and new_kv[0].shape[0] == 0:  # no keys to write (mla_attention's expanded path wrote its own)
+        new_kv = None
     write_kv = DECODE_WRITE_IN_KERNEL and new_kv is not None and decode_only and t > 0 and n_seqs > 0
     if new_kv is not None and not write_kv:
         k, v, slot_mapping = new_kv
