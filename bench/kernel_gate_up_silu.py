@@ -10,7 +10,8 @@ of CONFIGS (BLOCK_N rows per half, BLOCK_K, warps, stages; the best one reported
 replay (bench/kernel_norm.py's `time_calls`; programmatic dependent launch as the engine runs it); the table gives
 us per layer and the fused chain's saving. Every tile's first-layer activation is first compared with the unfused
 pair's. Prints a table and writes kernel_gate_up_silu.json to --out. About 1-2 minutes for the two default
-presets on an H200, most of it compiling the 36 tiles (not run yet).
+presets on an H200, most of it compiling the 36 tiles (bench/results/kernel_gate_up_silu_s12_h200.json). The one
+kernel is timed at every width, also above GATE_UP_SILU_MAX_I, where the op itself runs the unfused kernels.
 
     python bench/kernel_gate_up_silu.py                                   # qwen3-0.6b and qwen2.5-7b
     python bench/kernel_gate_up_silu.py --model llama-3.1-8b --layers 8   # fewer layers: less memory, faster
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from kernel_norm import git_info, time_calls  # the sibling script's timing and git state
 
+from mini_infer.ops import rms_norm_linear_silu as gate_up_silu_op
 from mini_infer.ops._triton_support import triton  # None without triton
 from mini_infer.ops.linear_add import linear_add_triton
 from mini_infer.ops.rms_norm_linear import rms_norm_linear_triton
@@ -76,6 +78,7 @@ def main() -> int:
         print("bench/kernel_gate_up_silu.py times CUDA kernels: it needs a CUDA GPU and triton (correctness: "
               "tests/ops/test_rms_norm_linear_silu.py)")
         return 1
+    gate_up_silu_op.GATE_UP_SILU_MAX_I = 1 << 30  # time the one kernel at every width (module docstring)
     rows = []
     print(f"{torch.cuda.get_device_name()} | bf16, one row, chained MLPs in one CUDA graph | us per layer")
     print(f"{'model':<14}{'H':>6}{'I':>7}{'L':>4} | {'unfused':>8} | {'fused':>7} {'default tile':>17} | "
