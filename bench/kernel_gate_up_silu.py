@@ -20,13 +20,10 @@ kernel is timed at every width, also above GATE_UP_SILU_MAX_I, where the op itse
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
 import torch
-from kernel_norm import git_info, time_calls  # the sibling script's timing and git state
+from kernel_norm import time_calls, write_gpu_report  # the sibling script's timing and JSON report
 
 from mini_infer.ops import rms_norm_linear_silu as gate_up_silu_op
 from mini_infer.ops._triton_support import triton  # None without triton
@@ -114,11 +111,7 @@ def main() -> int:
               f"{str(default):>17} | {times[best]:>7.2f} {str(best):>17} | {t_unfused - times[best]:>6.2f}")
         del layers
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            **git_info(), "date": time.strftime("%Y-%m-%d")}
-    (out / "kernel_gate_up_silu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_gpu_report(args.out, "kernel_gate_up_silu.json", {"rows": rows})
     return 0
 
 

@@ -14,15 +14,16 @@ table, writes JSON and a PNG bar chart to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kernel_norm import copy_bandwidth, git_info, time_calls  # the sibling script's timing and git state
+from kernel_norm import (  # the sibling script's timing and JSON report
+    copy_bandwidth,
+    time_calls,
+    write_gpu_report,
+)
 
 from mini_infer.ops._triton_support import triton  # None without triton
 from mini_infer.ops.linear import gemv_triton
@@ -127,11 +128,7 @@ def main() -> int:
     for model, step in steps.items():
         print(f"{model}: all weight GEMMs of one step: cuBLAS {step['cublas']:.3f} ms, best GEMV tile "
               f"{step['triton']:.3f} ms, copy-bandwidth floor {step['floor']:.3f} ms")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            **git_info(), "date": time.strftime("%Y-%m-%d"), "copy_Bps": bw}
-    (out / "kernel_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "step_ms": steps}, indent=2))
+    out = write_gpu_report(args.out, "kernel_gemv.json", {"rows": rows, "step_ms": steps}, copy_Bps=bw)
     try:
         import matplotlib
 
@@ -146,7 +143,7 @@ def main() -> int:
         ax.set_xticks(list(xs), [r["gemm"] for r in rows], fontsize=7)
         ax.set_ylabel("TB/s")
         ax.legend(fontsize=7)
-        ax.set_title(f"batch-1 GEMMs, {', '.join(models)} shapes ({meta['device']})", fontsize=9)
+        ax.set_title(f"batch-1 GEMMs, {', '.join(models)} shapes ({torch.cuda.get_device_name()})", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / "kernel_gemv.png", dpi=120)
     except ImportError:

@@ -21,12 +21,9 @@ puts them together. Prints a table and writes kernel_layer_chain.json to --out.
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
 import torch
-from kernel_norm import git_info, time_calls  # the sibling script's timing and git state
+from kernel_norm import time_calls, write_gpu_report  # the sibling script's timing and JSON report
 from kernel_paged_attention import decode_args  # one decode step's paged-attention arguments
 
 from mini_infer.ops._triton_support import triton  # None without triton
@@ -134,11 +131,7 @@ def main() -> int:
                   + "  (saved: " + ", ".join(f"{name} {s:.2f}" for name, s in saved.items()) + ")", flush=True)
             del variants
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            **git_info(), "date": time.strftime("%Y-%m-%d")}
-    (out / "kernel_layer_chain.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out = write_gpu_report(args.out, "kernel_layer_chain.json", {"rows": rows})
     try:
         import matplotlib
 

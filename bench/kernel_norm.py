@@ -229,6 +229,19 @@ def git_info() -> dict:
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or None, "dirty_files": dirty}
 
 
+def write_gpu_report(out: str | Path, name: str, payload: dict, **meta_extra) -> Path:
+    """Write {"meta": {device, torch, triton, git state, date, **meta_extra}, **payload} as JSON to out/name (out
+    created): the report of the GPU kernel scripts (kernel_gemv.py, kernel_silu_gemv.py, ...). Returns out."""
+    import triton
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            **git_info(), "date": time.strftime("%Y-%m-%d"), **meta_extra}
+    (out / name).write_text(json.dumps({"meta": meta, **payload}, indent=2))
+    return out
+
+
 def meta_info(args, device) -> dict:
     try:
         import triton

@@ -16,13 +16,10 @@ table and writes kernel_silu_gemv.json to --out. About 30 s a preset on an H200 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
 import torch
-from kernel_norm import git_info, time_calls  # the sibling script's timing and git state
+from kernel_norm import time_calls, write_gpu_report  # the sibling script's timing and JSON report
 
 from mini_infer.ops._triton_support import triton  # None without triton
 from mini_infer.ops.linear import GEMV_MAX_K
@@ -100,11 +97,7 @@ def main() -> int:
               f"{str(default):>16} | {times[best]:>7.2f} {str(best):>16}")
         del sets, act
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            **git_info(), "date": time.strftime("%Y-%m-%d")}
-    (out / "kernel_silu_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_gpu_report(args.out, "kernel_silu_gemv.json", {"rows": rows})
     return 0
 
 

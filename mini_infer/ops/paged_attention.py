@@ -33,9 +33,9 @@ Two implementations:
   * `paged_attention_triton`: a KV-write kernel, then one unified kernel whose grid depends only on
     shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
     `num_splits` key-range splits. A decode-shaped launch (one query row per tile, `decode_only`) has no write
-    kernel: each program of the unified kernel first writes the step's new k/v rows (of its kv head) that fall in
-    its key range, then a CTA barrier, then reads them back with the rest (several programs may write one row:
-    the same bytes); a token no sequence owns is written by its tile's first program. Prefill-shaped launches
+    kernel (unless `MINI_INFER_DECODE_KV_WRITE=separate`: DECODE_WRITE_IN_KERNEL): each program of the unified
+    kernel first writes the step's new k/v rows (of its kv head) that fall in its key range, then a CTA barrier,
+    then reads them back with the rest (several programs may write one row: the same bytes); a token no sequence owns is written by its tile's first program. Prefill-shaped launches
     keep the write kernel (a tile there reads keys that other tiles' rows own). Each program finds its sequence
     by binary search over `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA),
     and runs an online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
