@@ -242,8 +242,8 @@ def sweep_configs(case: Case):
     base = moe_tile_config(case.tokens, case.experts, case.top_k, case.hidden, case.inter)
     yield base
     if base.kind == "decode":
-        shapes = [(bm, 4, bn, bk, st, 1) for bm in (16, 32) for bn in (32, 64, 128) for bk in (128, 256)
-                  for st in (3, 4)]
+        shapes = [(bm, w, bn, bk, st, 1) for bm in (16, 32) for w in (4, 8) for bn in (32, 64, 128)
+                  for bk in (128, 256, 512) for st in (3, 4) if (bm, bk) != (32, 512)]
     else:
         shapes = [(bm, 4 if bm == 64 else 8, bn, bk, st, 8) for bm in (64, 128) for bn in (64, 128, 256)
                   for bk in (32, 64) for st in (3, 4)]

@@ -57,7 +57,7 @@ def test_dump_graph_with_fp8_weights_and_kv_cache(tmp_path, capsys):
     assert main(["dump-graph", "tiny-llama", "--out", str(out_dir), "--quantization", "fp8",
                  "--kv-cache-dtype", "fp8"]) == 0
     after = next(out_dir.glob("*_quantize_fp8.after.txt")).read_text()
-    assert after.count("torch.ops.mini_infer.fp8_w8a8_linear.default(") == 14
+    assert after.count("torch.ops.mini_infer.fp8_linear.default(") == 14
     printed = capsys.readouterr().out
     assert "14 linears to fp8" in printed and "fp8 KV cache" in printed
     assert "k_cache_0 [2, 16] float8_e4m3fn" in printed and "caches: 128 bytes per token" in printed

@@ -1,9 +1,14 @@
-"""QuantizeFP8: linears → `mini_infer.fp8_w8a8_linear` over float8_e4m3fn weights (`quantization="fp8"`).
+"""QuantizeFP8: linears → `quantize_per_token` + `mini_infer.fp8_linear` over float8_e4m3fn weights
+(`quantization="fp8"`).
 
 vLLM's online "fp8" scheme (dynamic W8A8-FP8): each weight `W [N, K]` becomes `w_q = W / w_scale` rounded to
 float8_e4m3fn with one fp32 scale per output channel, `w_scale[n] = max|W[n, :]| / 448` (the arithmetic of
 `quantize_per_token` in mini_infer/ops/quant.py, applied to the weight's rows); the activation is quantized per
-token at run time inside the op, and the GEMM accumulates in fp32 (`torch._scaled_mm` or Triton on CUDA, a
+token at run time by a `quantize_per_token(x, float8_e4m3fn)` node (one per distinct input: q/k/v share theirs;
+quantize_w8a8's `quantized_activation`, so both passes emit one pattern, which fuse_act_quant, merge_projections and
+fuse_gemv_norm then fuse as for int8 — until 2026-11-24 the pass emitted `fp8_w8a8_linear`, which quantizes inside
+the op, and none of those fusions applied: a qwen2.5-7b decode step was 406 launches against w8a8's 267), and the
+GEMM accumulates in fp32 (`torch._scaled_mm` or Triton on CUDA, a
 dequantizing reference on the CPU). No calibration data is needed. The quantized weight and its scales are new
 buffers of the graph and the original is no longer referenced: the pass manager drops it, so the compiled model
 holds one copy (a weight a skipped linear or the embedding still reads stays as it is).
@@ -32,7 +37,8 @@ from mini_infer.ops.fp8_linear import FP8_MIN_CAPABILITY, fp8_supported
 from mini_infer.ops.quant import quantize_per_token_reference
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.keep_float import kept_in_float
-from mini_infer.passes.pattern import aten, is_op
+from mini_infer.passes.pattern import aten, is_op, val
+from mini_infer.passes.quantize_w8a8 import quantized_activation
 
 ops = torch.ops.mini_infer
 FP8 = torch.float8_e4m3fn
@@ -60,7 +66,8 @@ def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 class QuantizeFP8(GraphPass):
-    """Parameter linears → fp8_w8a8_linear (e4m3 weights, per-channel scales, per-token activation scales)."""
+    """Parameter linears → quantize_per_token + fp8_linear (e4m3 weights, per-channel scales, per-token activation
+    scales)."""
 
     name = "quantize_fp8"
     stage = "quantization"
@@ -89,6 +96,7 @@ class QuantizeFP8(GraphPass):
         reasons = kept_in_float(gm, linears, self, self.skip, self.lm_head)
         kept: dict[str, int] = {}
         done: dict[str, tuple[fx.Node, fx.Node]] = {}  # weight attribute → its fp8 weight and scale nodes
+        act: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # x → (x_q, x_scale)
         n_quantized = 0
         for node in linears:
             reason = reasons.get(node)
@@ -108,7 +116,8 @@ class QuantizeFP8(GraphPass):
                                        PassContext.add_tensor(gm, f"{base}.weight_scale", w_scale, before=node))
             q_node, s_node = done[w_node.target]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            replace_with_call(gm, node, ops.fp8_w8a8_linear.default, (node.args[0], q_node, s_node, bias))
+            x_q, x_scale = quantized_activation(graph, act, node.args[0], FP8, node)
+            replace_with_call(gm, node, ops.fp8_linear.default, (x_q, x_scale, q_node, s_node, bias, val(node).dtype))
             n_quantized += 1
         note = f"{n_quantized} linears to fp8"
         if kept:

@@ -59,6 +59,19 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w_q, scale
 
 
+def quantized_activation(graph: fx.Graph, cache: dict[fx.Node, tuple[fx.Node, fx.Node]], x: fx.Node,
+                         dtype: torch.dtype, before: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The (x_q, x_scale) nodes of `quantize_per_token(x, dtype)`, inserted before `before` on x's first use and
+    taken from `cache` after that (one quantization per distinct input: q/k/v share theirs). quantize_w8a8 and
+    quantize_fp8 both emit their activations this way, so fuse_act_quant, merge_projections and the GEMV fusions
+    see one pattern."""
+    if x not in cache:
+        with graph.inserting_before(before):
+            q = graph.call_function(ops.quantize_per_token.default, (x, dtype))
+            cache[x] = (graph.call_function(operator.getitem, (q, 0)), graph.call_function(operator.getitem, (q, 1)))
+    return cache[x]
+
+
 @dataclass
 class _Linear:
     node: fx.Node
@@ -153,11 +166,7 @@ class QuantizeW8A8(GraphPass):
         after = 0
         for lin in chosen:
             x = lin.node.args[0]  # not lin.x: an input made by a linear rewritten above is now its int8_linear
-            if x not in act:
-                with graph.inserting_before(lin.node):
-                    q = graph.call_function(ops.quantize_per_token.default, (x, torch.int8))
-                    act[x] = (graph.call_function(operator.getitem, (q, 0)),
-                              graph.call_function(operator.getitem, (q, 1)))
+            x_q, x_scale = quantized_activation(graph, act, x, torch.int8, lin.node)
             w = PassContext.tensor_of(gm, lin.weight)
             if lin.node in cols or lin.node in rows:  # one fp32 copy at a time, freed once quantized
                 w_q, w_scale = quantize_weight_int8(_scaled(w, cols.get(lin.node), rows.get(lin.node)))
@@ -174,7 +183,7 @@ class QuantizeW8A8(GraphPass):
                 bias = ctx.add_tensor(gm, f"{lin.name}.bias", biases[lin.node], before=lin.node)
             out_dtype = val(lin.node).dtype
             replace_with_call(gm, lin.node, ops.int8_linear.default,
-                              (*act[x], wq_node, ws_node, bias, out_dtype))
+                              (x_q, x_scale, wq_node, ws_node, bias, out_dtype))
         emb_note = self._quantize_embeddings(gm, ctx, shared) if self.embeddings else ""
         note = f"{len(chosen)} of {len(linears)} linears int8 ({before / 1e6:.2f} -> {after / 1e6:.2f} MB)"
         return PassResult(len(chosen), "; ".join(n for n in (note, smooth_note, emb_note) if n))

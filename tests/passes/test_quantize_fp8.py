@@ -1,4 +1,5 @@
-"""QuantizeFP8 (`quantization="fp8"`): parameter linears → fp8_w8a8_linear over e4m3 weights, per-channel scales.
+"""QuantizeFP8 (`quantization="fp8"`): parameter linears → quantize_per_token + fp8_linear over e4m3 weights,
+per-channel scales (one activation quantization per distinct input, as quantize_w8a8 emits).
 
 Oracle: the eager HF model whose quantized linears are replaced by their fake-quantized version (weight rounded
 to e4m3 with its per-channel scale and dequantized; input quantized per token and dequantized; an fp32 GEMM):
@@ -108,7 +109,7 @@ def quantized(name: str, full: bool = False):
 @functools.cache
 def quantized_names(name: str) -> tuple[str, ...]:
     gm, _, _ = quantized(name)
-    return tuple(linear_name(n) for n in gm.graph.nodes if n.target is mi.fp8_w8a8_linear.default)
+    return tuple(linear_name(n) for n in gm.graph.nodes if n.target is mi.fp8_linear.default)
 
 
 def _logits(name, full, num, start):
@@ -125,10 +126,11 @@ def test_matches_kept_and_originals_dropped(name):
     gm, ctx, stats = quantized(name)
     n, kept, _ = EXPECTED[name]
     assert stats[0].num_matches == n and stats[0].note == f"{n} linears to fp8; kept: {kept}"
-    assert op_counts(gm)[mi.fp8_w8a8_linear.default] == n
-    nodes = [nd for nd in gm.graph.nodes if nd.target is mi.fp8_w8a8_linear.default]
+    assert op_counts(gm)[mi.fp8_linear.default] == n
+    nodes = [nd for nd in gm.graph.nodes if nd.target is mi.fp8_linear.default]
     for nd in nodes:
-        w_q, w_scale = (ctx.tensor_of(gm, a) for a in nd.args[1:3])
+        w_q, w_scale = (ctx.tensor_of(gm, a) for a in nd.args[2:4])
+        assert nd.args[0].args[0].target is mi.quantize_per_token.default and nd.args[0].args[0].args[1] == FP8
         assert w_q.dtype == FP8 and w_scale.dtype == torch.float32 and w_scale.shape == (w_q.shape[0],)
     params = dict(gm.named_parameters())
     assert not any(name_.endswith(q.replace(".", "_")) or name_.endswith(f"{q}.weight")
@@ -141,15 +143,15 @@ def test_full_pipeline_merges_fp8_weights_with_their_scales(name):
     gm, ctx, stats = quantized(name, full=True)
     rows = {s.name: s for s in stats}
     assert rows["quantize_fp8"].num_matches == EXPECTED[name][0]
-    assert op_counts(gm)[mi.fp8_w8a8_linear.default] == EXPECTED[name][2]
+    assert op_counts(gm)[mi.fp8_linear.default] == EXPECTED[name][2]
     if name in TINY_DENSE_PRESETS:  # q/k/v ((4 + 2 x 2) heads) and gate/up (2 x 128 rows) of each layer merged
-        merged = [n for n in gm.graph.nodes if n.target is mi.fp8_w8a8_linear.default
-                  and n.args[1].target.startswith("merged_")]
+        merged = [n for n in gm.graph.nodes if n.target is mi.fp8_linear.default
+                  and n.args[2].target.startswith("merged_")]
         head_dim = 32 if name == "tiny-qwen3" else 16
-        shapes = sorted((ctx.tensor_of(gm, n.args[1]).shape[0], ctx.tensor_of(gm, n.args[2]).shape[0])
+        shapes = sorted((ctx.tensor_of(gm, n.args[2]).shape[0], ctx.tensor_of(gm, n.args[3]).shape[0])
                         for n in merged)
         assert shapes == sorted([(8 * head_dim, 8 * head_dim), (256, 256)] * L)
-        assert all(ctx.tensor_of(gm, n.args[1]).dtype == FP8 for n in merged)
+        assert all(ctx.tensor_of(gm, n.args[2]).dtype == FP8 for n in merged)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["alone", "pipeline"])
@@ -176,8 +178,10 @@ def test_logits_within_fp8_error_of_the_unquantized_model(name):
 def test_graph_dump_and_summary_show_fp8(tmp_path):
     cm = compile_model(loaded("tiny-llama").model, device="cpu", quantization="fp8", dump_dir=tmp_path)
     after = next(tmp_path.glob("*_quantize_fp8.after.txt")).read_text()
-    assert after.count("mini_infer.fp8_w8a8_linear") == 14 and after.count("f8e4m3fn[") == 14
-    assert "fp8_w8a8_linear" not in next(tmp_path.glob("*_quantize_fp8.before.txt")).read_text()
+    assert after.count("mini_infer.fp8_linear.default(") == 14 and after.count("f8e4m3fn[") == 14 + 4 * L  # weights, activations
+    # one activation quantization per distinct input: q/k/v share one, gate/up one, o_proj and down_proj theirs
+    assert after.count("mini_infer.quantize_per_token.default(") == 4 * L
+    assert "fp8_linear" not in next(tmp_path.glob("*_quantize_fp8.before.txt")).read_text()
     summary = (tmp_path / "summary.txt").read_text()
     assert "14 linears to fp8; kept: lm_head x1" in summary and "14 linears to fp8" in cm.summary()
     plain = compile_model(loaded("tiny-llama").model, device="cpu")
@@ -264,7 +268,7 @@ def test_triton_kernels_in_the_graph():
     outs = {}
     for backend in ("reference", "triton"):
         bound, names = bound_copy(gm, backend)
-        assert f"fp8_w8a8_linear_{backend}" in names and f"paged_attention_{backend}_entry" in names
+        assert f"fp8_linear_{backend}" in names and f"paged_attention_{backend}_entry" in names
         outs[backend] = [graph_logits(bound, ctx, random_ids(n, n), positions(0, n), logits_indices=torch.arange(n))
                          for n in (37, 1)]
     for ref, tri in zip(outs["reference"], outs["triton"]):
