@@ -1,10 +1,10 @@
 """FuseGateUpSiluQuant and FuseQuantGemvNorm: the W8A8 / FP8 decode chain's quantizations in the GEMVs' launches.
 
-On every dense tiny preset, in the recommended CUDA pipeline for quantization "w8a8" and "fp8" (table-driven; both
-quantization passes emit quantize_per_token + a scaled linear): every
+On every dense tiny preset, in the recommended CUDA pipeline for quantization "w8a8" (table-driven; an fp8 graph has
+no split-out quantization for them to match today: quantize_fp8 emits fp8_w8a8_linear): every
 gate_up's scaled linear + split + silu_and_mul_quant becomes scaled_linear_silu_quant, every o_proj's
 quantize_per_token + scaled_linear_add_rms_norm_quant becomes quantize_linear_add_rms_norm_quant (counts asserted,
-no silu_and_mul_quant / quantize_per_token left), the logits stay within the mode's quantized tolerance of eager HF, and
+no silu_and_mul_quant / quantize_per_token left), the logits stay within the quantized tolerance of eager HF, and
 they equal the pipeline's without the two passes bit for bit: with the references (CPU) and, for a one-row step, with
 the Triton kernels under the interpreter (the fused kernels' case). Each pass alone leaves the other's pattern.
 Default: on for CUDA targets with a quantization mode, after fuse_gemv_norm and fuse_gate_up_silu.
@@ -34,7 +34,6 @@ from tests.passes.helpers import (
     run_passes,
 )
 from tests.passes.test_fuse_gemv_norm import CAL
-from tests.passes.test_quantize_fp8 import MAX_BOUND as FP8_REL
 from tests.passes.test_quantize_w8a8 import QUANT_REL
 
 L = NUM_LAYERS
@@ -67,7 +66,7 @@ def _check_counts(gm, mode: str, gate_up: int, o_proj: int) -> None:
     assert counts[other] == 0
 
 
-@pytest.mark.parametrize("mode", ["w8a8", "fp8"])
+@pytest.mark.parametrize("mode", ["w8a8"])  # fp8: test_fp8_pipeline_has_no_split_quantization
 @pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
 def test_fuses_each_layer_in_the_cuda_pipeline(name, mode):
     gm, ctx, stats = pipeline(name, mode)
@@ -82,7 +81,7 @@ def test_fuses_each_layer_in_the_cuda_pipeline(name, mode):
             assert node.args[-1] is qdtype and node.args[2].meta["val"].shape[0] == 2 * loaded(name).config.intermediate_size
         if node.target is mi.quantize_linear_add_rms_norm_quant.default:
             assert node.args[1].meta["val"].dtype is qdtype and node.args[0].meta["val"].dtype is torch.float32
-    check_against_eager(name, gm, ctx, 5, 3, seed=2, rel=QUANT_REL if mode == "w8a8" else FP8_REL)
+    check_against_eager(name, gm, ctx, 5, 3, seed=2, rel=QUANT_REL)
     unfused = pipeline(name, mode, PASSES)
     _check_counts(unfused[0], mode, 0, 0)
     ids, pos, rows_ = random_ids(7, 4), positions(3, 7), torch.arange(7)
@@ -90,7 +89,7 @@ def test_fuses_each_layer_in_the_cuda_pipeline(name, mode):
                        graph_logits(unfused[0], unfused[1], ids, pos, logits_indices=rows_))
 
 
-@pytest.mark.parametrize("mode", ["w8a8", "fp8"])
+@pytest.mark.parametrize("mode", ["w8a8"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])  # qwen2: biases on q/k/v
 def test_one_row_with_triton_kernels_equals_the_unfused_pipeline(name, mode):
     """Bound to the Triton kernels (interpreter): a one-row step runs both fused kernels and gives the unfused
@@ -109,6 +108,16 @@ def test_one_row_with_triton_kernels_equals_the_unfused_pipeline(name, mode):
 def test_each_pass_alone(without, gate_up, o_proj):
     gm, _, stats = pipeline("tiny-llama", "w8a8", without)
     _check_counts(gm, "w8a8", gate_up, o_proj)
+
+
+def test_fp8_pipeline_has_no_split_quantization():
+    """quantize_fp8 emits fp8_w8a8_linear (the activation quantized inside the op), so neither fuse_act_quant nor
+    fuse_gemv_norm nor these passes find their patterns in an fp8 graph today (the ops take fp8 operands: their
+    tests run both dtypes). Fails, on purpose, once quantize_fp8 splits the quantization out: then extend the
+    pipeline tests above to "fp8"."""
+    gm, _, stats = pipeline("tiny-llama", "fp8")
+    assert [(s.name, s.num_matches) for s in stats[-2:]] == [(p, 0) for p in PASSES]
+    assert op_counts(gm)[mi.fp8_w8a8_linear.default] == 4 * L
 
 
 def test_default_on_cuda_with_quantization_only():
