@@ -70,12 +70,6 @@ nothing from mini_infer outside this package.
 | scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
 |   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
 |   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
-| quantize_linear_add_rms_norm_quant(x, w_q, w_scale,   | (x_q, scale, s)     | scaled_linear_add_rms_norm_quant(*quantize_per_token( |
-|   bias, out_dtype, residual, norm_weight, eps, dtype) |                     | x, w_q.dtype), w_q, ...); x's quantization in the     |
-|                                                       |                     | GEMV's prologue for one row; the chain's bits         |
-| scaled_linear_silu_quant(x_q, x_scale, w_q, w_scale,  | (x_q [.., I], scale)| silu_and_mul_quant(g, u, dtype), g, u = the scaled    |
-|   bias, out_dtype, dtype)                             |                     | linear's halves (merged gate_up); activation and      |
-|                                                       |                     | quantization in the GEMV's launch for one row         |
 | all_reduce_sum(x, group_name)                         | Tensor              | sum of x over the process group's ranks: one-shot over|
 |                                                       |                     | symmetric memory for small CUDA messages, else        |
 |                                                       |                     | torch.distributed (all_reduce.py); a collective       |
@@ -107,11 +101,9 @@ from mini_infer.ops import paged_attention as _paged_attention_mod
 from mini_infer.ops import qk_rotary as _qk_rotary_mod
 from mini_infer.ops import qk_rotary_kv_write as _qk_rotary_kv_write_mod
 from mini_infer.ops import quant as _quant_mod
-from mini_infer.ops import quantize_linear_add_rms_norm_quant as _quantize_linear_add_rms_norm_quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
 from mini_infer.ops import rms_norm_linear_silu as _rms_norm_linear_silu_mod
-from mini_infer.ops import scaled_linear_silu_quant as _scaled_linear_silu_quant_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops import silu_mul_linear as _silu_mul_linear_mod
 from mini_infer.ops._triton_support import HAS_TRITON
@@ -136,8 +128,6 @@ _MODULE_OF = {
     "silu_mul_linear": _silu_mul_linear_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
-    "quantize_linear_add_rms_norm_quant": _quantize_linear_add_rms_norm_quant_mod,
-    "scaled_linear_silu_quant": _scaled_linear_silu_quant_mod,
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,

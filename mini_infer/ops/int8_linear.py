@@ -267,7 +267,6 @@ def w8a8_linear_reference(
 
 if HAS_TRITON:
     from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
-    from mini_infer.ops.quant import _quantize_values, row_scale
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
     _DOT_COLS = tl.constexpr(DOT_COLS)
@@ -308,24 +307,7 @@ if HAS_TRITON:
             return acc
 
     @triton.jit
-    def _x_chunk(x_ptr, cols, col_ok, x_inv, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, X_QMAX: tl.constexpr):
-        """The row's values at `cols` as the GEMV multiplies them, in ACC_DTYPE. X_QMAX 0 (or None): x_ptr holds the
-        quantized row (PACKED: int32 words of four int8s). Else x_ptr holds the float row, quantized here with
-        x_inv (quant.py's `row_scale`) by quant.py's rounding, so the values are the bytes `quantize_per_token` stores;
-        PACKED: four int8s packed into each int32 word in registers (byte j of word c: element 4c + j)."""
-        if X_QMAX:
-            if PACKED:
-                four = tl.arange(0, 4)
-                v = tl.load(x_ptr + cols[:, None] * 4 + four[None, :], mask=col_ok[:, None], other=0.0)
-                q = _quantize_values(v.to(tl.float32), x_inv, False).to(tl.int32)
-                return tl.xor_sum((q & 0xFF) << (four * 8)[None, :], axis=1)  # the bytes do not overlap: xor = or
-            v = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            return _quantize_values(v, x_inv, ACC_DTYPE == tl.float32).to(ACC_DTYPE)  # fp32: the e4m3 value, exact
-        return tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
-
-    @triton.jit
-    def _padded_row_dot(x_ptr, x_inv, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_QMAX: tl.constexpr):
+    def _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """x [K] . w[row] for the BLOCK_N weight rows, fp32, on tensor cores (fp8 operands: `FP8_GEMV` "dot"): the
         weight tile goes to `tl.dot` as it was loaded (no conversion; fp32 accumulation) and the one row x is
         padded with rows masked to zero (never read from memory). Which operand is which, by BLOCK_N: below
@@ -333,7 +315,7 @@ if HAS_TRITON:
         split of N; the zero rows cost the tensor cores and shared memory DOT_ROWS / BLOCK_N times the weight
         bytes); from DOT_ROWS on, the weights are A and x column 0 of a DOT_COLS-column B (w . x.T: little
         padding, but BLOCK_N rows a program). Either way the weights stream BLOCK_K columns a step, as
-        `gemv_step` streams them. X_QMAX: as `_x_chunk` (the float row quantized to e4m3 here)."""
+        `gemv_step` streams them."""
         if BLOCK_N < _DOT_ROWS:
             pad = tl.arange(0, _DOT_ROWS)[:, None] == 0
             acc = tl.zeros([_DOT_ROWS, BLOCK_N], tl.float32)
@@ -343,12 +325,8 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
+            x = tl.load(x_ptr + cols[None, :], mask=pad & col_ok[None, :], other=0.0)
             w = gemv_load(w_rows, row_ok, cols, col_ok)
-            if X_QMAX:  # on the e4m3 grid: the cast is exact
-                x = tl.where(pad, _x_chunk(x_ptr, cols, col_ok, x_inv, tl.float32, False, X_QMAX)[None, :],
-                             0.0).to(w.dtype)
-            else:
-                x = tl.load(x_ptr + cols[None, :], mask=pad & col_ok[None, :], other=0.0)
             if BLOCK_N < _DOT_ROWS:
                 acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
             else:
@@ -357,31 +335,10 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0) if BLOCK_N < _DOT_ROWS else tl.sum(acc, axis=1)
 
     @triton.jit
-    def scaled_row_dots(
-        x_ptr, x_inv, w_rows, row_ok, K, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
-        DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_QMAX: tl.constexpr,
-    ):  # fmt: skip
-        """x . w[row] for the BLOCK_N weight rows at w_rows (`gemv_rows`' pointers; any rows: the gate_up kernel of
-        scaled_linear_silu_quant.py takes gate and up rows), in ACC_DTYPE: `scaled_gemv_program`'s K loop."""
-        if DOT:
-            return _padded_row_dot(x_ptr, x_inv, w_rows, row_ok, K, BLOCK_N, BLOCK_K, X_QMAX)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], ACC_DTYPE)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = _x_chunk(x_ptr, cols, col_ok, x_inv, ACC_DTYPE, PACKED, X_QMAX)
-            if PACKED:
-                w = gemv_load(w_rows, row_ok, cols, col_ok)
-                acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
-            else:
-                acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
-        return tl.sum(acc, axis=1)
-
-    @triton.jit
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, X_QMAX: tl.constexpr = 0,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
@@ -389,18 +346,23 @@ if HAS_TRITON:
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
         and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`). X_QMAX (QMAX of the operand dtype as an int; 0: the quantized row): x_ptr is the unquantized float row, which
-        every program quantizes per token itself (quant.py's `row_scale`, then `_x_chunk` in the K loop:
-        quantize_per_token's bits), and x_scale_ptr is not read."""
+        (`_padded_row_dot`)."""
         await_producers(USE_GDC)
-        x_scale, x_inv = 1.0, 1.0
-        if X_QMAX:
-            x_scale, x_inv = row_scale(x_ptr, K * 4 if PACKED else K, X_QMAX * 1.0, BLOCK_K * 4 if PACKED else BLOCK_K)
-        rows, row_ok, w_rows, _ = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
-        dots = scaled_row_dots(x_ptr, x_inv, w_rows, row_ok, K, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, X_QMAX)
-        if not X_QMAX:
-            x_scale = tl.load(x_scale_ptr)
-        y = _dequantize(dots, x_scale, tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
+        if DOT:
+            dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_ok = cols < K
+                x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
+                if PACKED:
+                    w = gemv_load(w_rows, row_ok, cols, col_ok)
+                    acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
+                else:
+                    acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
+            dots = tl.sum(acc, axis=1)
+        y = _dequantize(dots, tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
                         b_ptr + rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
@@ -547,11 +509,10 @@ def takes_scaled_gemv(m: int, k: int, n: int) -> bool:
 
 
 def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether x [K] and int8 w [N, K] (unit stride along K) can be read as int32 words of four: K, w's row
-    stride and the start addresses multiples of 4 (the same for every call of a CUDA graph's captured tensors); x
-    int8, or a float row that the kernel quantizes and packs itself (any address)."""
-    return (w.dtype == torch.int8 and x.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
-            and (x.dtype != torch.int8 or x.data_ptr() % 4 == 0))
+    """Whether int8 x [K] and w [N, K] (unit stride along K) can be read as int32 words of four: K, w's row
+    stride and both start addresses multiples of 4 (the same for every call of a CUDA graph's captured tensors)."""
+    return (x.dtype == torch.int8 and x.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and x.data_ptr() % 4 == 0
+            and w.data_ptr() % 4 == 0)
 
 
 def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
@@ -604,26 +565,24 @@ def launch_scaled_gemv(
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
     [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing and
-    the fp8 products' units as `scaled_gemv_triton` describes, by w_q's dtype. A float x_q is the unquantized row
-    of a kernel launched with X_QMAX (it quantizes the row itself; x_scale is not read)."""
+    the fp8 products' units as `scaled_gemv_triton` describes."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
-    dot = fp8_gemv_dot(w_q.dtype, k, fp8_gemv)
+    dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
     if config is None:
-        config = scaled_gemv_config(w_q.dtype, k, fp8_gemv)
+        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
     bn, bk, warps, stages = config
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the fp8 dot GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power of "
                          f"two, got {config}")
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
-        xr = xr.view(torch.int32) if xr.dtype == torch.int8 else xr
-        w, k, bk = w.view(torch.int32), k // 4, max(bk // 4, 1)
+        xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
-                ACC_DTYPE=tl.int32 if w_q.dtype == torch.int8 else tl.float32, PACKED=packed,
+                ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
                 ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, **constexprs)
 
 

@@ -52,15 +52,12 @@ from mini_infer.ops.quant import (
 from mini_infer.ops.rms_norm import norm_tile
 
 __all__ = [
-    "launch_scaled_gemv_add_rms_norm_quant",
     "linear_add_rms_norm",
     "linear_add_rms_norm_reference",
     "linear_add_rms_norm_triton",
     "scaled_linear_add_rms_norm_quant",
     "scaled_linear_add_rms_norm_quant_reference",
     "scaled_linear_add_rms_norm_quant_triton",
-    "scaled_linear_of",
-    "scaled_gemv_norm_fuses",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -74,7 +71,7 @@ def _check_scaled(x_q, x_scale, w_q, w_scale, bias, dtype) -> None:
     check_quant_dtype(dtype)
 
 
-def scaled_linear_of(impl: str, x_q: torch.Tensor):
+def _scaled_linear(impl: str, x_q: torch.Tensor):
     """int8_linear's or fp8_linear's `impl` ("reference" / "triton") for x_q's operand dtype."""
     if x_q.dtype == torch.int8:
         return int8_linear_reference if impl == "reference" else int8_linear_triton
@@ -94,7 +91,7 @@ def scaled_linear_add_rms_norm_quant_reference(
     out_dtype: torch.dtype, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`fused_add_rms_norm_quant(scaled linear(x_q, ...), residual, norm_weight, eps, dtype)` in plain torch."""
-    y = scaled_linear_of("reference", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    y = _scaled_linear("reference", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     return fused_add_rms_norm_quant_reference(y, residual, norm_weight, eps, dtype)
 
 
@@ -130,10 +127,9 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        X_QMAX: tl.constexpr = 0,
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, X_QMAX)
+                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
@@ -173,26 +169,21 @@ def linear_add_rms_norm_triton(
     return out, s
 
 
-def scaled_gemv_norm_fuses(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype, residual: torch.Tensor,
-                           norm_weight: torch.Tensor) -> bool:
-    """Whether the one-launch kernel serves a scaled linear of x_q (quantized, or the float row the kernel quantizes)
-    and w_q [N, K] followed by the add + norm: one row (the scaled GEMV's case) that `_fusable` takes, on a device
-    that runs the operand dtype (else fp8_linear's error names the capability). Shapes, dtypes and the device only."""
-    n, k = w_q.shape
-    return (takes_scaled_gemv(x_q.numel() // k if k else 0, k, n)
-            and _fusable((*x_q.shape[:-1], n), residual, norm_weight, out_dtype)
-            and (w_q.dtype != FP8 or fp8_supported(x_q.device)))
-
-
-def launch_scaled_gemv_add_rms_norm_quant(
+def scaled_linear_add_rms_norm_quant_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype,
-    quantize_x: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The one-launch kernel where `scaled_gemv_norm_fuses`: (q, q_scale, s). `quantize_x`: x_q is the float row,
-    quantized per token to w_q's dtype in the kernel's prologue (`scaled_gemv_program`'s X_QMAX; x_scale unread)."""
-    n = w_q.shape[0]
+    """The CUDA path: one launch for a single row (the scaled GEMV's case), else the scaled linear then
+    `fused_add_rms_norm_quant` (their kernels)."""
+    _check_scaled(x_q, x_scale, w_q, w_scale, bias, dtype)
+    n, k = w_q.shape
     y_shape = (*x_q.shape[:-1], n)
+    fuses = (takes_scaled_gemv(x_q.numel() // k if k else 0, k, n) and _fusable(y_shape, residual, norm_weight,
+                                                                                 out_dtype)
+             and (x_q.dtype != FP8 or fp8_supported(x_q.device)))  # else fp8_linear's error names the capability
+    if not fuses:
+        y = _scaled_linear("triton", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+        return fused_add_rms_norm_quant_triton(y, residual, norm_weight, eps, dtype)
     y = torch.empty(n, dtype=out_dtype, device=x_q.device)
     s = torch.empty(y_shape, dtype=out_dtype, device=x_q.device)
     q = torch.empty(y_shape, dtype=dtype, device=x_q.device)
@@ -202,23 +193,9 @@ def launch_scaled_gemv_add_rms_norm_quant(
         _scaled_gemv_add_rms_norm_quant_kernel, x_q, x_scale, w_q, w_scale, bias, y,
         unit_stride_row(residual), norm_weight.contiguous(), q, q_scale, s, split_counters(x_q.device, 1), float(eps),
         NORM_DTYPE=_tl_dtype(torch.promote_types(norm_weight.dtype, out_dtype)), IS_FP8=dtype == FP8,
-        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, X_QMAX=int(QMAX[w_q.dtype]) if quantize_x else 0,
+        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
     )  # fmt: skip
     return q, q_scale, s
-
-
-def scaled_linear_add_rms_norm_quant_triton(
-    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-    out_dtype: torch.dtype, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The CUDA path: one launch for a single row (the scaled GEMV's case), else the scaled linear then
-    `fused_add_rms_norm_quant` (their kernels)."""
-    _check_scaled(x_q, x_scale, w_q, w_scale, bias, dtype)
-    if not scaled_gemv_norm_fuses(x_q, w_q, out_dtype, residual, norm_weight):
-        y = scaled_linear_of("triton", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-        return fused_add_rms_norm_quant_triton(y, residual, norm_weight, eps, dtype)
-    return launch_scaled_gemv_add_rms_norm_quant(x_q, x_scale, w_q, w_scale, bias, out_dtype, residual, norm_weight,
-                                                 eps, dtype)
 
 
 def _norm_fake(x: torch.Tensor, n: int, out_dtype: torch.dtype, residual: torch.Tensor) -> torch.Tensor:

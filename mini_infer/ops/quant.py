@@ -168,17 +168,6 @@ if HAS_TRITON:
         return tl.math.div_rn(amax, QMAX), tl.math.div_rn(amax * 0 + QMAX, amax)
 
     @triton.jit
-    def row_scale(x_ptr, n, QMAX: tl.constexpr, BLOCK: tl.constexpr):
-        """(scale, inv) of one row x [n] (unit stride), its amax found in BLOCK-element chunks (max is exact: the
-        bits of the kernels' scale): the prologue of a GEMV that quantizes its own input (int8_linear.py's
-        `scaled_gemv_program` with X_QMAX)."""
-        amax = tl.zeros([BLOCK], tl.float32)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)))
-        return _scale_and_inverse(tl.max(amax, axis=0), QMAX)
-
-    @triton.jit
     def _row_values(x_rows, u_rows, cols, mask, GATED: tl.constexpr):
         """A [rows, cols] chunk as fp32: x, or silu_and_mul's output (rounded to its dtype, as that op stores it)."""
         x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)

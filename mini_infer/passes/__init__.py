@@ -8,12 +8,10 @@ from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassConte
 from mini_infer.passes.cleanup import Cleanup
 from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_gate_up_silu import FuseGateUpSilu
-from mini_infer.passes.fuse_gate_up_silu_quant import FuseGateUpSiluQuant
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
 from mini_infer.passes.fuse_norm_gemv import FuseNormGemv
 from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
-from mini_infer.passes.fuse_quant_gemv_norm import FuseQuantGemvNorm
 from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
@@ -33,7 +31,7 @@ PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
                         PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu,
-                        FuseGateUpSiluQuant, FuseQuantGemvNorm, FuseSiluGemv, FuseNormGemv)
+                        FuseSiluGemv, FuseNormGemv)
 }
 
 

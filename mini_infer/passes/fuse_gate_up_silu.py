@@ -53,13 +53,12 @@ _PRODUCERS = {
 }
 
 
-def halves_split(act: fx.Node, n_args: int = 2) -> fx.Node | None:
-    """The `split_with_sizes` whose [0] and [1], read by nothing but `act`, are `act`'s first two arguments (gate, up;
-    `act` takes `n_args` positional arguments), when it splits its input's last dim into exactly two equal halves;
-    else None. Shared with fuse_gate_up_silu_quant."""
-    if act.kwargs or len(act.args) != n_args:
+def _halves_split(act: fx.Node) -> fx.Node | None:
+    """The `split_with_sizes` whose [0] and [1], read by nothing but `act`, are `act`'s (gate, up), when it splits
+    its input's last dim into exactly two equal halves; else None."""
+    if act.kwargs or len(act.args) != 2:
         return None
-    gate, up = act.args[:2]
+    gate, up = act.args
     if not (is_op(gate, operator.getitem) and is_op(up, operator.getitem) and only_user(gate, act)
             and only_user(up, act) and gate.args[0] is up.args[0] and (gate.args[1], up.args[1]) == (0, 1)):
         return None
@@ -99,7 +98,7 @@ class FuseGateUpSilu(GraphPass):
         counts = {name: 0 for _, name, _ in _PRODUCERS.values()}
         graph = gm.graph
         for act in list(graph.nodes):
-            if not is_op(act, ops.silu_and_mul.default) or (split := halves_split(act)) is None \
+            if not is_op(act, ops.silu_and_mul.default) or (split := _halves_split(act)) is None \
                     or (producer := _producer(split)) is None:
                 continue
             fused, name, _ = _PRODUCERS[producer.target]
