@@ -382,7 +382,8 @@ def test_decode_kernel_with_the_write_compiles_sm90():
     for case in report["cases"]:
         write, no_write = case["write"], case["no_write"]
         assert write["barriers"] == no_write["barriers"] + 1, case
-        assert write["nc_loads"] == 0 and "LOCAL:0 " in write["usage"], case
+        for built in (write, case["rotary"]):  # with the q/k norms and rotary in it too (rotary_paged_attention)
+            assert built["nc_loads"] == 0 and "LOCAL:0 " in built["usage"], case
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
