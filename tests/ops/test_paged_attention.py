@@ -22,7 +22,7 @@ from mini_infer.ops.paged_attention import (
     paged_attention_triton,
     write_kv_cache_reference,
 )
-from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, assert_close, record_kernel_launches, requires_triton, run_uninterpreted
 
 
 @dataclass
@@ -282,19 +282,7 @@ def kernel_launches(monkeypatch):
     """The names of paged_attention's write and attention kernels as the module launches them (each still runs)."""
     from mini_infer.ops import paged_attention as pa
 
-    launches = []
-
-    class Recorded:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.kernel[grid]
-
-    for name in ("_write_kv_kernel", "_paged_attn_kernel"):
-        monkeypatch.setattr(pa, name, Recorded(name, getattr(pa, name)))
-    return launches
+    return record_kernel_launches(monkeypatch, pa, "_write_kv_kernel", "_paged_attn_kernel")
 
 
 def spare_slot(case: Case) -> int:
