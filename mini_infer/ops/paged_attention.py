@@ -471,37 +471,27 @@ if HAS_TRITON:
                       KV_FP8, BLOCK_DV)
 
     @triton.jit
-    def _store_rotated_kv_rows(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, tok, slot, h, ok, block_size, head_d,
-        head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
-        KV_FP8: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ):  # fmt: skip
-        """`_store_kv_rows` with the k rows first put through qk_rotary's math (`_rotary.rotated_pairs`: k's RMSNorm
-        when HAS_K_NORM, then the rotary by cos / sin row tok) and rounded to k's dtype, as qk_rotary's output is."""
-        zero = h * 0
-        first, second, mask, o1, o2 = rotated_pairs(
-            k_ptr, (tok * s_kt + h * s_kh)[:, None], 1, cos_ptr, (tok * s_ct + zero)[:, None], s_cd, sin_ptr,
-            (tok * s_st + zero)[:, None], s_sd, kw_ptr, ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_K_NORM)
-        k_dtype = k_ptr.dtype.element_ty
-        _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco, s_kch,
-                          KV_FP8)
-        _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco, s_kch,
-                          KV_FP8)
-        _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
-                      KV_FP8, BLOCK_DV)
-
-    @triton.jit
     def _store_new_kv_rows(
         k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, tok, slot, h, ok, block_size, head_d,
         head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
         ROTARY: tl.constexpr, KV_FP8: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
-        """The attention kernel's write of a new token: `_store_rotated_kv_rows` with ROTARY, else `_store_kv_rows`."""
+        """The attention kernel's write of a new token: `_store_kv_rows`, with ROTARY the k rows first put through
+        qk_rotary's math (`_rotary.rotated_pairs`: k's RMSNorm when HAS_K_NORM, then the rotary by cos / sin row tok)
+        and rounded to k's dtype, as qk_rotary's output is."""
         if ROTARY:
-            _store_rotated_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, tok, slot, h,
-                                   ok, block_size, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd,
-                                   s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, HAS_K_NORM, BLOCK_D, BLOCK_DV)
+            zero = h * 0
+            first, second, mask, o1, o2 = rotated_pairs(
+                k_ptr, (tok * s_kt + h * s_kh)[:, None], 1, cos_ptr, (tok * s_ct + zero)[:, None], s_cd, sin_ptr,
+                (tok * s_st + zero)[:, None], s_sd, kw_ptr, ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_K_NORM)
+            k_dtype = k_ptr.dtype.element_ty
+            _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco, s_kch,
+                              KV_FP8)
+            _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco, s_kch,
+                              KV_FP8)
+            _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco,
+                          s_vch, KV_FP8, BLOCK_DV)
         else:
             _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
                            s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)

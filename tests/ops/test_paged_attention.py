@@ -309,22 +309,28 @@ FUSED_WRITE = {
 }
 
 
-@requires_triton
-@pytest.mark.parametrize("name", list(FUSED_WRITE))
-@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, name, dtype, fp8):
-    """A decode-shaped launch is the attention kernel alone: it leaves the cache bytes `write_kv_cache_reference`
-    writes (fp8 caches included; a padding token with a slot written, slot -1 not) and the reference's output."""
+def fused_write_case(name: str, dtype: torch.dtype, fp8: bool) -> tuple[Case, tuple, dict]:
+    """(the FUSED_WRITE case `name` in `dtype`, its cache scales (fp8: k_scale, v_scale; else none), its knobs). The
+    "padding" case's last row, owned by no sequence, gets a slot (a spare block's)."""
     case_kw, knobs = FUSED_WRITE[name]
     case = make_case(**case_kw, dtype=dtype, block_size=4, seed=7)
     if name == "padding":
         slots = case.slot_mapping.clone()
         slots[-1] = spare_slot(case)
         case = Case(**{**case.__dict__, "slot_mapping": slots})
-    scales = ()
-    if fp8:
-        case, ks, vs = fp8_case(case)
-        scales = (ks, vs)
+    if not fp8:
+        return case, (), knobs
+    case, ks, vs = fp8_case(case)
+    return case, (ks, vs), knobs
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(FUSED_WRITE))
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, name, dtype, fp8):
+    """A decode-shaped launch is the attention kernel alone: it leaves the cache bytes `write_kv_cache_reference`
+    writes (fp8 caches included; a padding token with a slot written, slot -1 not) and the reference's output."""
+    case, scales, knobs = fused_write_case(name, dtype, fp8)
     args = (*case.args(), *scales)
     out = paged_attention_triton(*args, **knobs)
     assert kernel_launches == ["_paged_attn_kernel"]

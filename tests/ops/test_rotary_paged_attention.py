@@ -25,13 +25,11 @@ from mini_infer.ops.rotary_paged_attention import (
 from tests.ops.helpers import assert_close, record_kernel_launches, requires_triton
 from tests.ops.test_paged_attention import (  # small_key_tiles: a fixture (16-key tiles, several splits)
     CASES,
-    FUSED_WRITE,
     Case,
-    fp8_case,
+    fused_write_case,
     make_case,
     same_bytes,
     small_key_tiles,  # noqa: F401
-    spare_slot,
 )
 
 EPS = 1e-6
@@ -61,20 +59,6 @@ def unfused_triton(rot: tuple, attn_args: tuple, **knobs) -> torch.Tensor:
     return pa.paged_attention_triton(*packed, *attn_args, **knobs)
 
 
-def _decode_case(name: str, dtype, fp8: bool):
-    case_kw, knobs = FUSED_WRITE[name]
-    case = make_case(**case_kw, dtype=dtype, block_size=4, seed=7)
-    if name == "padding":  # a row no sequence owns, with a slot: written (rotated) as the unfused write would
-        slots = case.slot_mapping.clone()
-        slots[-1] = spare_slot(case)
-        case = Case(**{**case.__dict__, "slot_mapping": slots})
-    scales = ()
-    if fp8:
-        case, ks, vs = fp8_case(case)
-        scales = (ks, vs)
-    return case, scales, knobs
-
-
 @pytest.fixture
 def launches(monkeypatch):
     """Launches of qk_rotary's kernel and paged_attention's write and attention kernels, in order."""
@@ -96,7 +80,7 @@ DECODE = [
 @pytest.mark.usefixtures("small_key_tiles")
 @pytest.mark.parametrize("name,dtype,fp8,norms", DECODE)
 def test_decode_launch_is_the_unfused_pair_bitwise(launches, name, dtype, fp8, norms):
-    case, scales, knobs = _decode_case(name, dtype, fp8)
+    case, scales, knobs = fused_write_case(name, dtype, fp8)
     rot = rotary_args(case, norms)
     args = case.args()
     out = rotary_paged_attention_triton(*rot, *args[3:], *scales, **knobs)

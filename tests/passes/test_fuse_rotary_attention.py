@@ -36,13 +36,10 @@ from tests.passes.helpers import (
     run_graph,
     run_passes,
 )
+from tests.passes.test_fuse_kv_write import EXPECTED, PREREQUISITES  # the same pairs, the same presets
 from tests.passes.test_paged_attention import _Cache, _step_inputs
 
 L = NUM_LAYERS
-PREREQUISITES = ["fuse_rmsnorm", "fuse_rotary", "fuse_qk_rotary", "paged_attention"]
-# preset -> layers fused (DeepSeek's MLA has no qk_rotary nor paged_attention: left alone)
-EXPECTED = {"tiny-llama": L, "tiny-qwen2": L, "tiny-qwen3": L, "tiny-mistral": L, "tiny-qwen3-moe": L,
-            "tiny-deepseek-v2": 0}
 NODES_PER_LAYER = 9  # qk_rotary, its 2 getitems, select + transpose of q, k and v, paged_attention → 1 node
 LENS = (11, 6)  # two sequences' prompts: step 1 prefills them, step 2 decodes one token of each
 
