@@ -56,6 +56,13 @@ captured (the route reads the step's lengths on the host, once per step) and for
 caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
 `paged_attention_<backend>_entry`, the op's body.
 
+`paged_attention_triton(..., rotary=Rotary(...))` is `rotary_paged_attention`'s decode launch
+(ops/rotary_paged_attention.py): q and the step's k arrive unrotated and the unified kernel, with its ROTARY switch,
+applies qk_rotary's math (`_rotary.rotated_pairs`: the optional per-head RMSNorms, then the neox rotary, rounded to
+q's / k's dtype as qk_rotary's outputs are) to its q rows before its dots and to the k rows it writes; only launches
+that write in the kernel and whose head tile is the head dim take it (`rotary_in_kernel`). Off, the kernel is as
+above.
+
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
 FuseKVWrite pass), the long-run route then reads a run's new keys from the cache with its context.
