@@ -46,6 +46,10 @@ nothing from mini_infer outside this package.
 | paged_attention_cached(q, k_cache, v_cache,           | Tensor [T, Hq, Dv]  | paged_attention's attention without its write, over   |
 |   block_tables, seq_lens, query_start_loc, scale,     |                     | caches already holding the step's keys (written by    |
 |   sliding_window, softcap, k_scale=None, v_scale=None)|                     | qk_rotary_kv_write); mutates nothing                  |
+| rotary_paged_attention(q, k, v, cos, sin, q_weight,   | Tensor [T, Hq, Dv]  | q2, k2 = qk_rotary(q, k, cos, sin, q_weight, k_weight,|
+|   k_weight, eps, k_cache!, v_cache!, slot_mapping,    |                     | eps); paged_attention(pack(q2), pack(k2), pack(v),    |
+|   block_tables, seq_lens, query_start_loc, scale,     |                     | ...), pack = [1, H, T, D] -> [T, H, D]; a decode      |
+|   sliding_window, softcap, k_scale=None, v_scale=None)|                     | step: one launch; mutates the caches                  |
 | mla_attention(q_nope, q_pe, c_kv, k_pe,               | Tensor [T, H, Dv]   | DeepSeek MLA: write cat(c_kv, k_pe) at slot_mapping   |
 |   latent_cache!, slot_mapping, block_tables,          |                     | into the latent cache, then causal attention with     |
 |   seq_lens, query_start_loc, w_uk, w_uv, scale)       |                     | k_h = cat(W_UK_h c, k_pe), v_h = W_UV_h c (absorbed   |
@@ -104,6 +108,7 @@ from mini_infer.ops import quant as _quant_mod
 from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
 from mini_infer.ops import rms_norm_linear_silu as _rms_norm_linear_silu_mod
+from mini_infer.ops import rotary_paged_attention as _rotary_paged_attention_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops import silu_mul_linear as _silu_mul_linear_mod
 from mini_infer.ops._triton_support import HAS_TRITON
@@ -119,6 +124,7 @@ _MODULE_OF = {
     "silu_and_mul": _silu_and_mul_mod,
     "paged_attention": _paged_attention_mod,
     "paged_attention_cached": _paged_attention_mod,
+    "rotary_paged_attention": _rotary_paged_attention_mod,
     "linear": _linear_mod,
     "linear_add": _linear_add_mod,
     "rms_norm_linear": _rms_norm_linear_mod,

@@ -1,7 +1,8 @@
 """The Triton rotary kernel and its launcher, shared by `apply_rotary` (neox layout) and `apply_rotary_interleaved`;
 its row body `rotate_rows` (an @triton.jit helper, with an optional RMSNorm of each row first) is also the body of
 `qk_rotary`'s kernel, and its math, `rotated_rows` (the rotated rows, not stored), that of `qk_rotary_kv_write`'s
-k rows, which go to the paged cache.
+k rows, which go to the paged cache; `rotated_pairs`, that math over rows given by their offsets, is what
+paged_attention's decode kernel applies to its q rows and new k rows (`rotary_paged_attention`).
 
 One kernel body rotates pairs of x's last dim; the INTERLEAVED constexpr picks which elements pair up and which
 cos/sin column each pair reads:
@@ -23,26 +24,17 @@ if HAS_TRITON:
     from mini_infer.ops.rms_norm import rms_inverse, weighted_norm
 
     @triton.jit
-    def rotated_rows(
-        x_ptr, cos_ptr, sin_ptr, w_ptr, row_block, n_rows, N1, N2, HALF, eps,
-        sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    def rotated_pairs(
+        x_ptr, xo, sx3, cos_ptr, co, sc3, sin_ptr, so, ss3, w_ptr, row_ok, HALF, eps,
+        BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
     ):  # fmt: skip
-        """Block `row_block` of BLOCK_R rows of x, rotated (fp32, not stored); with HAS_NORM, RMSNorm each row first
-        (weight at `w_ptr`, over its 2 * HALF elements), rounded where HF's norm rounds (rms_norm.py's
-        `weighted_norm`) and to the norm's output dtype, promote(x, w), before the rotation reads it. Returns
-        (i0, i1, i2: each row's indices in the 4-D view, [BLOCK_R] int64; first, second: the pairs' columns,
-        [1, BLOCK_H]; mask [BLOCK_R, BLOCK_H]; o1, o2: the rotated pairs, fp32 [BLOCK_R, BLOCK_H])."""
-        # rows enumerate the three leading dims (i0, i1, i2) of the 4-D view; columns the HALF pairs
-        rows = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        i2 = rows % N2
-        i1 = (rows // N2) % N1
-        i0 = rows // (N1 * N2)
+        """The rotation (and optional RMSNorm) of a block of rows given by their offsets: row i of x starts at
+        `x_ptr + xo[i]`, its cos / sin rows at `cos_ptr + co[i]` / `sin_ptr + so[i]` (xo, co, so [BLOCK_R, 1] int64;
+        column strides sx3, sc3, ss3), rows where not `row_ok` [BLOCK_R] read as zeros. The math of `rotated_rows`
+        (which calls it), for kernels that index their rows another way (paged_attention's decode tiles). Returns
+        (first, second: the pairs' columns, [1, BLOCK_H]; mask [BLOCK_R, BLOCK_H]; o1, o2: fp32 [BLOCK_R, BLOCK_H])."""
         p = tl.arange(0, BLOCK_H)
-        mask = (rows < n_rows)[:, None] & (p < HALF)[None, :]
-        xo = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
-        co = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
-        so = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
+        mask = row_ok[:, None] & (p < HALF)[None, :]
         if INTERLEAVED:  # pair p: (x[2p], x[2p+1])
             first = 2 * p[None, :]
             second = first + 1
@@ -74,6 +66,29 @@ if HAS_TRITON:
             s2 = tl.load(sin_ptr + so + second * ss3, mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
+        return first, second, mask, o1, o2
+
+    @triton.jit
+    def rotated_rows(
+        x_ptr, cos_ptr, sin_ptr, w_ptr, row_block, n_rows, N1, N2, HALF, eps,
+        sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):  # fmt: skip
+        """Block `row_block` of BLOCK_R rows of x, rotated (fp32, not stored); with HAS_NORM, RMSNorm each row first
+        (weight at `w_ptr`, over its 2 * HALF elements), rounded where HF's norm rounds (rms_norm.py's
+        `weighted_norm`) and to the norm's output dtype, promote(x, w), before the rotation reads it. Returns
+        (i0, i1, i2: each row's indices in the 4-D view, [BLOCK_R] int64; first, second: the pairs' columns,
+        [1, BLOCK_H]; mask [BLOCK_R, BLOCK_H]; o1, o2: the rotated pairs, fp32 [BLOCK_R, BLOCK_H])."""
+        # rows enumerate the three leading dims (i0, i1, i2) of the 4-D view; columns the HALF pairs
+        rows = (row_block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        i2 = rows % N2
+        i1 = (rows // N2) % N1
+        i0 = rows // (N1 * N2)
+        xo = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
+        co = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
+        so = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
+        first, second, mask, o1, o2 = rotated_pairs(x_ptr, xo, sx3, cos_ptr, co, sc3, sin_ptr, so, ss3, w_ptr,
+                                                    rows < n_rows, HALF, eps, BLOCK_H, INTERLEAVED, HAS_NORM)
         return i0, i1, i2, first, second, mask, o1, o2
 
     @triton.jit

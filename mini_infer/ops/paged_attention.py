@@ -56,6 +56,13 @@ captured (the route reads the step's lengths on the host, once per step) and for
 caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
 `paged_attention_<backend>_entry`, the op's body.
 
+`paged_attention_triton(..., rotary=Rotary(...))` is `rotary_paged_attention`'s decode launch
+(ops/rotary_paged_attention.py): q and the step's k arrive unrotated and the unified kernel, with its ROTARY switch,
+applies qk_rotary's math (`_rotary.rotated_pairs`: the optional per-head RMSNorms, then the neox rotary, rounded to
+q's / k's dtype as qk_rotary's outputs are) to its q rows before its dots and to the k rows it writes; only launches
+that write in the kernel and whose head tile is the head dim take it (`rotary_in_kernel`). Off, the kernel is as
+above.
+
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
 FuseKVWrite pass), the long-run route then reads a run's new keys from the cache with its context.
@@ -64,6 +71,7 @@ FuseKVWrite pass), the long-run route then reads a run's new keys from the cache
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -422,6 +430,7 @@ def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_star
 
 if HAS_TRITON:
     # the fp8 rounding and the per-row scale of the activation quantization (the KV write; q of the "fp8" dots)
+    from mini_infer.ops._rotary import rotated_pairs
     from mini_infer.ops.quant import _quantize_values, _scale_and_inverse, round_to_fp8_e4m3
 
 
@@ -433,6 +442,27 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _store_cache_rows(
+        c_ptr, scale_ptr, x, slot, h, cols, m, block_size, s_cb, s_co, s_ch, KV_FP8: tl.constexpr,
+    ):  # fmt: skip
+        """x (rows of kv heads h, a vector, at columns `cols` [1, C]; only where m) into flat slot `slot` (int64; any
+        value where not m) of a cache, as `_to_cache_values` converts it."""
+        slot = tl.maximum(slot, 0)
+        dst = c_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_co + h[:, None] * s_ch + cols
+        tl.store(dst, _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _store_v_rows(
+        v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
+        KV_FP8: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        """Packed token tok's v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`."""
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        m = ok[:, None] & (dv < head_dv)
+        x = tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0)
+        _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, KV_FP8)
+
+    @triton.jit
     def _store_kv_rows(
         k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
         s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
@@ -440,21 +470,38 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Packed token tok's k and v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`
         (int64; any value where not ok), as `_to_cache_values` converts them: the KV write of both kernels."""
-        slot = tl.maximum(slot, 0)
-        blk = slot // block_size
-        off = slot % block_size
-        d = tl.arange(0, BLOCK_D)
-        m = ok[:, None] & (d < head_d)[None, :]
-        x = _to_cache_values(tl.load(k_ptr + tok * s_kt + h[:, None] * s_kh + d[None, :], mask=m, other=0.0),
-                             ks_ptr, KV_FP8)
-        dst = kc_ptr + blk * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
-        tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=m)
-        dvr = tl.arange(0, BLOCK_DV)
-        m = ok[:, None] & (dvr < head_dv)[None, :]
-        x = _to_cache_values(tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dvr[None, :], mask=m, other=0.0),
-                             vs_ptr, KV_FP8)
-        dst = vc_ptr + blk * s_vcb + off * s_vco + h[:, None] * s_vch + dvr[None, :]
-        tl.store(dst, x.to(vc_ptr.dtype.element_ty), mask=m)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        m = ok[:, None] & (d < head_d)
+        x = tl.load(k_ptr + tok * s_kt + h[:, None] * s_kh + d, mask=m, other=0.0)
+        _store_cache_rows(kc_ptr, ks_ptr, x, slot, h, d, m, block_size, s_kcb, s_kco, s_kch, KV_FP8)
+        _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
+                      KV_FP8, BLOCK_DV)
+
+    @triton.jit
+    def _store_new_kv_rows(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, tok, slot, h, ok, block_size, head_d,
+        head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        ROTARY: tl.constexpr, KV_FP8: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        """The attention kernel's write of a new token: `_store_kv_rows`, with ROTARY the k rows first put through
+        qk_rotary's math (`_rotary.rotated_pairs`: k's RMSNorm when HAS_K_NORM, then the rotary by cos / sin row tok)
+        and rounded to k's dtype, as qk_rotary's output is."""
+        if ROTARY:
+            zero = h * 0
+            first, second, mask, o1, o2 = rotated_pairs(
+                k_ptr, (tok * s_kt + h * s_kh)[:, None], 1, cos_ptr, (tok * s_ct + zero)[:, None], s_cd, sin_ptr,
+                (tok * s_st + zero)[:, None], s_sd, kw_ptr, ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_K_NORM)
+            k_dtype = k_ptr.dtype.element_ty
+            _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco, s_kch,
+                              KV_FP8)
+            _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco, s_kch,
+                              KV_FP8)
+            _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco,
+                          s_vch, KV_FP8, BLOCK_DV)
+        else:
+            _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
+                           s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
 
     @triton.jit
     def _write_kv_kernel(
@@ -493,11 +540,11 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr,
-        n_tokens, n_seqs, scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
+        bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+        n_tokens, n_seqs, scale, softcap, sliding_window, eps, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
-        s_wms, s_wmt, s_was, s_wat, s_wah, s_kt, s_kh, s_vt, s_vh,
-        WRITE_KV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+        s_wms, s_wmt, s_was, s_wat, s_wah, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd,
+        WRITE_KV: tl.constexpr, ROTARY: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
@@ -527,9 +574,10 @@ if HAS_TRITON:
                 ztok = tile.to(tl.int64) + wh * 0
                 zown = (ztok >= tl.load(qsl_ptr + n_seqs)) & (ztok < n_tokens)
                 zslot = tl.load(slot_ptr + ztok, mask=zown, other=-1).to(tl.int64)
-                _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ztok, zslot, wh, zslot >= 0, BLOCK_SIZE,
-                               head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
-                               KV_FP8, BLOCK_D, BLOCK_DV)
+                _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, ztok, zslot,
+                                   wh, zslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd,
+                                   s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8, HAS_K_NORM,
+                                   BLOCK_D, BLOCK_DV)
         # key range of the tile: [k_lo, k_hi), then this program's split of it; with the fused merge only the
         # non-empty splits work (the others exit here), else every split writes its partials for the reduce
         k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
@@ -550,9 +598,10 @@ if HAS_TRITON:
                 for wpos in range(tl.maximum(k_lo, new0), k_hi):
                     wtok = (q_beg + wpos - new0).to(tl.int64)
                     wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
-                    _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, wtok, wslot, wh, wslot >= 0,
-                                   BLOCK_SIZE, head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb,
-                                   s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
+                    _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok,
+                                       wslot, wh, wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh,
+                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8,
+                                       HAS_K_NORM, BLOCK_D, BLOCK_DV)
                 tl.debug_barrier()
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
@@ -561,10 +610,17 @@ if HAS_TRITON:
             q_pos = ctx - qlen + q_idx
             d = tl.arange(0, BLOCK_D)
             d_ok = d < head_d
-            qv = tl.load(
-                q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-            )  # fmt: skip
+            if ROTARY:  # (BLOCK_D == head_d) qk_rotary's math on the q rows, rounded to q's dtype as its output is
+                _, _, _, o1, o2 = rotated_pairs(
+                    q_ptr, (tok * s_qt + head * s_qh)[:, None], 1, cos_ptr, (tok * s_ct)[:, None], s_cd, sin_ptr,
+                    (tok * s_st)[:, None], s_sd, qw_ptr, row_ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_Q_NORM)
+                # the halves side by side: [BLOCK_R, 2, D/2] -> [BLOCK_R, D], column c of o2 at D/2 + c
+                qv = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_R, BLOCK_D)).to(q_ptr.dtype.element_ty)
+            else:
+                qv = tl.load(
+                    q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                )  # fmt: skip
             if DOT_FP32:
                 qv = qv.to(tl.float32)
             elif FP8_DOT == 3:  # fp8 dots: each score row's q on the e4m3 grid, q ~= q8 * q_scale (quant.py's way)
@@ -740,9 +796,12 @@ def paged_attention_triton(
     decode_only: bool | None = None,
     num_splits: int | None = None,
     fused_merge: bool = True,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
     """Triton paged attention (writes k/v into the caches first: inside the attention launch when it is
     decode-shaped, `decode_only`, else by `write_kv_cache_triton`'s kernel before it). See the module docstring.
+    `rotary` (only where `rotary_in_kernel` says so): q and k are unrotated, and the launch applies qk_rotary to
+    them itself (`Rotary`).
 
     Every knob choice gives the same result for every batch; the knobs only choose tile shapes, and all
     choices are made from shapes and arguments, never tensor values (CUDA-graph safe, no host sync):
@@ -767,17 +826,62 @@ def paged_attention_triton(
         raise RuntimeError("paged_attention_triton needs triton")
     return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
                              softcap, k_scale, v_scale, new_kv=(k, v, slot_mapping), decode_only=decode_only,
-                             num_splits=num_splits, fused_merge=fused_merge)
+                             num_splits=num_splits, fused_merge=fused_merge, rotary=rotary)
+
+
+class Rotary(NamedTuple):
+    """qk_rotary's other operands, for a decode-shaped launch that applies it itself (`rotary_paged_attention`): q
+    and the step's k are then unrotated, and the kernel runs qk_rotary's math (`_rotary.rotated_pairs`: the head
+    norms when weights are given, then the neox rotary) on its q rows and on the k rows it writes, rounding both to
+    their own dtype as qk_rotary's outputs (callers check that those have q's and k's dtypes)."""
+
+    cos: torch.Tensor  # [T, D]: packed token r's angles in row r (any strides: stride 0 where broadcast)
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None  # [D] each, or None: no norm
+    k_weight: torch.Tensor | None
+    eps: float
+
+
+def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None) -> bool:
+    """Whether a launch writes the step's keys in the attention kernel (decode-shaped: DECODE_WRITE_IN_KERNEL)."""
+    decode_only = t <= n_seqs if decode_only is None else decode_only
+    return DECODE_WRITE_IN_KERNEL and new_rows > 0 and decode_only and t > 0 and n_seqs > 0
+
+
+def _dot_plan(q: torch.Tensor, d: int, kv_fp8: bool, decode_only: bool) -> tuple[str, int, bool, int]:
+    """(the _CONFIG kind, the fp8 dot way, fp32 dots?, BLOCK_D) of an attention launch."""
+    block_d = max(16, next_pow2(d))
+    name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
+    fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
+    # the interpreter's bf16 dot is wrong (its fp16 dot is right: fp32 products and sums)
+    dot_fp32 = q.dtype == torch.float32 or (not q.is_cuda and fp8_dot == 0)
+    if dot_fp32:  # fp32 dots whatever the way
+        fp8_dot = 0
+    elif fp8_dot == _FP8_DOT["fp8"]:
+        block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)
+    return name, fp8_dot, dot_fp32, block_d
+
+
+def rotary_in_kernel(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     kv_fp8: bool, decode_only: bool | None = None) -> bool:
+    """Whether `paged_attention_triton(..., rotary=...)` takes these shapes (packed q [T, Hq, D], k [T, Hkv, D]):
+    a launch that writes the step's keys in the attention kernel, whose head tile is the head dim (D a power of two,
+    16 or more), so that the rotated halves of a q row, laid side by side, are the row as the kernel's dots read it."""
+    t, _, d = q.shape
+    if not _writes_in_kernel(k.shape[0], t, seq_lens.shape[0], decode_only):
+        return False
+    return _dot_plan(q, d, kv_fp8, t <= seq_lens.shape[0] if decode_only is None else decode_only)[3] == d
 
 
 def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
                       sliding_window: int, softcap: float, k_scale, v_scale, *, new_kv: tuple | None = None,
                       decode_only: bool | None = None, num_splits: int | None = None,
-                      fused_merge: bool = True) -> torch.Tensor:
+                      fused_merge: bool = True, rotary: Rotary | None = None) -> torch.Tensor:
     """The unified attention kernel (and, with splits and not `fused_merge`, the split-K reduce kernel) over the
     caches. `new_kv` (k, v, slot_mapping): the step's keys to write first, by the attention kernel itself when the
     launch is decode-shaped (one query row per tile: no launch between the write and the reads), else by
-    `write_kv_cache_triton` before it; None: the caches already hold them."""
+    `write_kv_cache_triton` before it; None: the caches already hold them. `rotary`: q and new_kv's k unrotated,
+    rotated in the kernel (ROTARY; raises ValueError where `rotary_in_kernel` is False)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     dv = v_cache.shape[3]
@@ -789,7 +893,11 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         decode_only = t <= n_seqs
     if new_kv is not None and new_kv[0].shape[0] == 0:  # no keys to write (mla_attention's expanded path wrote its own)
         new_kv = None
-    write_kv = DECODE_WRITE_IN_KERNEL and new_kv is not None and decode_only and t > 0 and n_seqs > 0
+    if rotary is not None and (new_kv is None or not rotary_in_kernel(q, new_kv[0], k_cache, seq_lens, kv_fp8,
+                                                                      decode_only)):
+        raise ValueError(f"paged_attention: the rotary runs in decode-shaped launches that write the step's keys, "
+                         f"with a power-of-two head dim of 16 or more (q {tuple(q.shape)}, {n_seqs} sequences)")
+    write_kv = new_kv is not None and _writes_in_kernel(new_kv[0].shape[0], t, n_seqs, decode_only)
     if new_kv is not None and not write_kv:
         k, v, slot_mapping = new_kv
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -805,16 +913,15 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     else:  # placeholders, never read (WRITE_KV off)
         k, v, slot_mapping = q, q, seq_lens
-    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    name = ("decode" if decode_only else "prefill") + ("_fp8" if kv_fp8 else "")
-    fp8_dot = _FP8_DOT[_CONFIG[name]["fp8_dot"]] if kv_fp8 else 0
-    # the interpreter's bf16 dot is wrong (its fp16 dot is right: fp32 products and sums)
-    dot_fp32 = q.dtype == torch.float32 or (not q.is_cuda and fp8_dot == 0)
-    if dot_fp32:  # fp32 dots whatever the way
-        fp8_dot = 0
-    elif fp8_dot == _FP8_DOT["fp8"]:
+    name, fp8_dot, dot_fp32, block_d = _dot_plan(q, d, kv_fp8, decode_only)
+    block_dv = max(16, next_pow2(dv))
+    if fp8_dot == _FP8_DOT["fp8"]:
         _check_fp8_dots(q)
-        block_d = max(32, block_d)  # an e4m3 dot reduces over 32 or more (q8 K^T over D, p8 V over BLOCK_N)
+    if rotary is not None:
+        rot_args = (rotary.cos, rotary.sin, *(w if w is not None else q for w in (rotary.q_weight, rotary.k_weight)))
+        rot_strides, eps = (*rotary.cos.stride(), *rotary.sin.stride()), float(rotary.eps)
+    else:  # placeholders, never read (ROTARY off)
+        rot_args, rot_strides, eps = (q, q, q, q), (0, 0, 0, 0), 0.0
     block_size = k_cache.shape[1]
     if num_splits is None:
         num_splits = (
@@ -840,13 +947,14 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
                 block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens), k, v, slot_mapping,
-                t, n_seqs, float(scale), float(softcap), int(sliding_window), block_size, d, dv,
+                *rot_args, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                WRITE_KV=write_kv, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *rot_strides,
+                WRITE_KV=write_kv, ROTARY=rotary is not None, HAS_Q_NORM=rotary is not None and rotary.q_weight is not None,
+                HAS_K_NORM=rotary is not None and rotary.k_weight is not None, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
                 # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
                 # so batches of changing size do not each compile a new kernel

@@ -15,6 +15,7 @@ from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
 from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
+from mini_infer.passes.fuse_rotary_attention import FuseRotaryAttention
 from mini_infer.passes.fuse_silu_gemv import FuseSiluGemv
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
 from mini_infer.passes.gemv_linear import GemvLinear
@@ -30,8 +31,8 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
-                        PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu,
-                        FuseSiluGemv, FuseNormGemv)
+                        PagedAttention, FuseRotaryAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm,
+                        FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }
 
 

@@ -31,45 +31,14 @@ devices the op runs qk_rotary's and the write's references one after the other.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op, only_user
+from mini_infer.passes.pattern import is_op, rotary_attention
 
 ops = torch.ops.mini_infer
-
-
-def _unpacked(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(src, the select) when `x` is `transpose(select(src, 0, 0), 0, 1)` (the paged_attention pass's packing of a
-    [1, H, T, D] tensor), else None."""
-    if not is_op(x, aten.transpose.int) or sorted(x.args[1:3]) != [0, 1]:
-        return None
-    sel = x.args[0]
-    if not is_op(sel, aten.select.int) or tuple(sel.args[1:3]) != (0, 0):
-        return None
-    return sel.args[0], sel
-
-
-def _rotary_of_k(attn: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(the qk_rotary node, its q output's getitem) when the attention's k is the rotary's k output, packed, and
-    neither it nor its views have another reader; else None."""
-    k_packed = attn.args[1]
-    found = _unpacked(k_packed)
-    if found is None or attn.args[0] is k_packed or attn.args[2] is k_packed or not only_user(k_packed, attn):
-        return None
-    k_rot, sel = found
-    if not (only_user(sel, k_packed) and only_user(k_rot, sel) and is_op(k_rot, operator.getitem)
-            and k_rot.args[1] == 1 and is_op(k_rot.args[0], ops.qk_rotary.default)):
-        return None
-    rot = k_rot.args[0]
-    q_rot = [u for u in rot.users if u is not k_rot]
-    if len(q_rot) != 1 or not is_op(q_rot[0], operator.getitem) or q_rot[0].args[1] != 0:
-        return None
-    return rot, q_rot[0]
 
 
 class FuseKVWrite(GraphPass):
@@ -89,14 +58,10 @@ class FuseKVWrite(GraphPass):
         order = {n: i for i, n in enumerate(graph.nodes)}
         fused = 0
         for attn in [n for n in graph.nodes if is_op(n, ops.paged_attention.default)]:
-            pair = _rotary_of_k(attn)
-            v = _unpacked(attn.args[2])
-            if pair is None or v is None or attn.kwargs:
+            match = rotary_attention(attn, order)
+            if match is None:
                 continue
-            (rot, q_rot), v = pair, v[0]
-            anchor = max(rot, v, key=order.__getitem__)
-            if any(order[u] <= order[anchor] for u in q_rot.users):  # q_rot is read before v exists
-                continue
+            rot, q_rot, v, anchor = match.rot, match.q_rot, match.v, match.anchor
             q, k, cos, sin, q_w, k_w, eps = rot.args
             k_cache, v_cache, slot_mapping, block_tables, seq_lens, qsl, scale, window, softcap = attn.args[3:12]
             scales = tuple(attn.args[12:14])

@@ -6,7 +6,8 @@ Only inspection helpers live here; no pass logic and no graph edits.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -93,6 +94,51 @@ def repeat_kv_source(node: Any) -> fx.Node | None:
         if is_op(e, aten.expand.default) and is_op(e.args[0], aten.unsqueeze.default) and e.args[0].args[1] == 2:
             return e.args[0].args[0]
     return None
+
+
+def unpacked(x: Any) -> tuple[fx.Node, fx.Node] | None:
+    """(src, the select) when `x` is `transpose(select(src, 0, 0), 0, 1)` (the paged_attention pass's packing of a
+    [1, H, T, D] tensor into [T, H, D]), else None."""
+    if not is_op(x, aten.transpose.int) or sorted(x.args[1:3]) != [0, 1]:
+        return None
+    sel = x.args[0]
+    if not is_op(sel, aten.select.int) or tuple(sel.args[1:3]) != (0, 0):
+        return None
+    return sel.args[0], sel
+
+
+class RotaryAttention(NamedTuple):
+    """A `qk_rotary` whose k output reaches a `paged_attention`'s k (see `rotary_attention`)."""
+
+    rot: fx.Node  # the qk_rotary node
+    q_rot: fx.Node  # its q output (getitem 0)
+    k_rot: fx.Node  # its k output (getitem 1), read only by the attention's packing of it
+    v: fx.Node  # the 4-D node the attention's v packs
+    anchor: fx.Node  # the later of rot and v in graph order: where a node reading both may go
+
+
+def rotary_attention(attn: fx.Node, order: dict[fx.Node, int]) -> RotaryAttention | None:
+    """The qk_rotary feeding `attn` (a positional-only `paged_attention` call, `order` its graph's node positions)
+    when its k output is the attention's k, packed (`unpacked`), neither it nor those views read by anything else,
+    its q output is a getitem that nothing reads before v exists, and v is such a packing of a 4-D node; else
+    None. What FuseKVWrite and FuseRotaryAttention both replace."""
+    k_packed = attn.args[1]
+    found, v = unpacked(k_packed), unpacked(attn.args[2])
+    if found is None or v is None or attn.kwargs or attn.args[0] is k_packed or attn.args[2] is k_packed \
+            or not only_user(k_packed, attn):
+        return None
+    k_rot, sel = found
+    if not (only_user(sel, k_packed) and only_user(k_rot, sel) and is_op(k_rot, operator.getitem)
+            and k_rot.args[1] == 1 and is_op(k_rot.args[0], torch.ops.mini_infer.qk_rotary.default)):
+        return None
+    rot = k_rot.args[0]
+    q_rot = [u for u in rot.users if u is not k_rot]
+    if len(q_rot) != 1 or not is_op(q_rot[0], operator.getitem) or q_rot[0].args[1] != 0:
+        return None
+    anchor = max(rot, v[0], key=order.__getitem__)
+    if any(order[u] <= order[anchor] for u in q_rot[0].users):  # q_rot is read before v exists
+        return None
+    return RotaryAttention(rot, q_rot[0], k_rot, v[0], anchor)
 
 
 # per-row ops that may follow lm_head before the output (scaling, softcapping, casts)

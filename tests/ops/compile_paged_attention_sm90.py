@@ -1,5 +1,6 @@
 """Compile paged_attention's unified kernel (`_paged_attn_kernel`) for sm_90 as a decode-shaped launch builds it, with
-and without the KV write inside it (WRITE_KV), no GPU needed; print one JSON line.
+and without the KV write inside it (WRITE_KV), and with the write and the q/k norms + rotary (ROTARY, HAS_Q_NORM,
+HAS_K_NORM: rotary_paged_attention's launch), no GPU needed; print one JSON line.
 
 Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1), and an fp8 cache in one
 split under a sliding window (qwen2.5-7b's group of 7), each at `_CONFIG`'s decode shape. For each: cuobjdump's
@@ -23,7 +24,7 @@ POINTERS = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "cn
             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_ptr": "*i64"}
 
 
-def build(write: bool, fp8: bool, g: int, splits: int, window: bool):
+def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False):
     """The kernel as `_triton_attention` launches it for a decode step (head dim 128, block 16, a bf16 q)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -34,10 +35,10 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool):
     cfg = pa._CONFIG["decode_fp8" if fp8 else "decode"]
     pointers = {**POINTERS, **({"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} if fp8 else {})}
     sig = {arg: "constexpr" if p.is_constexpr else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
-           else "fp32" if arg in ("scale", "softcap") else "i32" for arg, p in zip(kernel.arg_names, kernel.params)}
+           else "fp32" if arg in ("scale", "softcap", "eps") else "i32" for arg, p in zip(kernel.arg_names, kernel.params)}
     block_g = 1 << (g - 1).bit_length()
     constexprs = dict(
-        BLOCK_SIZE=16, WRITE_KV=write, G=g, BLOCK_Q=1, BLOCK_G=block_g, BLOCK_R=max(16, block_g),
+        BLOCK_SIZE=16, WRITE_KV=write, ROTARY=rotary, HAS_Q_NORM=rotary, HAS_K_NORM=rotary, G=g, BLOCK_Q=1, BLOCK_G=block_g, BLOCK_R=max(16, block_g),
         BLOCK_N=cfg["block_n"], BLOCK_D=128, BLOCK_DV=128, NUM_SPLITS=splits, FUSED_MERGE=splits > 1, SEARCH_STEPS=4,
         USE_WINDOW=window, USE_SOFTCAP=False, DOT_FP32=False, KV_FP8=fp8,
         FP8_DOT=pa._FP8_DOT[cfg["fp8_dot"]] if fp8 else 0, ROUND_P_EXACTLY=False, USE_GDC=True,
@@ -49,10 +50,10 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool):
 
 def report(name: str, fp8: bool, g: int, splits: int, window: bool) -> dict:
     out = {"name": name}
-    for write in (False, True):
-        compiled = build(write, fp8, g, splits, window)
+    for key, write, rotary in (("no_write", False, False), ("write", True, False), ("rotary", True, True)):
+        compiled = build(write, fp8, g, splits, window, rotary)
         ptx = compiled.asm["ptx"]
-        out["write" if write else "no_write"] = {
+        out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),
             "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
             "nc_loads": len(re.findall(r"\bld\.global\.nc\b", ptx)),

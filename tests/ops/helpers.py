@@ -42,6 +42,24 @@ def record_gemv_launches(monkeypatch: pytest.MonkeyPatch, module) -> list:
     return calls
 
 
+def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str, launches: list | None = None) -> list:
+    """The names of `module`'s Triton kernels `names` as it launches them from now on (each still runs), appended to
+    `launches` (a new list if None, so that several modules can share one record), in order."""
+    launches = [] if launches is None else launches
+
+    class Recorded:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorded(name, getattr(module, name)))
+    return launches
+
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA_BACKEND = 77  # a child's exit status when Triton cannot compile for CUDA here (no NVIDIA backend / ptxas)
 

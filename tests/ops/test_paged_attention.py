@@ -22,7 +22,7 @@ from mini_infer.ops.paged_attention import (
     paged_attention_triton,
     write_kv_cache_reference,
 )
-from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, assert_close, record_kernel_launches, requires_triton, run_uninterpreted
 
 
 @dataclass
@@ -282,19 +282,7 @@ def kernel_launches(monkeypatch):
     """The names of paged_attention's write and attention kernels as the module launches them (each still runs)."""
     from mini_infer.ops import paged_attention as pa
 
-    launches = []
-
-    class Recorded:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.kernel[grid]
-
-    for name in ("_write_kv_kernel", "_paged_attn_kernel"):
-        monkeypatch.setattr(pa, name, Recorded(name, getattr(pa, name)))
-    return launches
+    return record_kernel_launches(monkeypatch, pa, "_write_kv_kernel", "_paged_attn_kernel")
 
 
 def spare_slot(case: Case) -> int:
@@ -321,22 +309,28 @@ FUSED_WRITE = {
 }
 
 
-@requires_triton
-@pytest.mark.parametrize("name", list(FUSED_WRITE))
-@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, name, dtype, fp8):
-    """A decode-shaped launch is the attention kernel alone: it leaves the cache bytes `write_kv_cache_reference`
-    writes (fp8 caches included; a padding token with a slot written, slot -1 not) and the reference's output."""
+def fused_write_case(name: str, dtype: torch.dtype, fp8: bool) -> tuple[Case, tuple, dict]:
+    """(the FUSED_WRITE case `name` in `dtype`, its cache scales (fp8: k_scale, v_scale; else none), its knobs). The
+    "padding" case's last row, owned by no sequence, gets a slot (a spare block's)."""
     case_kw, knobs = FUSED_WRITE[name]
     case = make_case(**case_kw, dtype=dtype, block_size=4, seed=7)
     if name == "padding":
         slots = case.slot_mapping.clone()
         slots[-1] = spare_slot(case)
         case = Case(**{**case.__dict__, "slot_mapping": slots})
-    scales = ()
-    if fp8:
-        case, ks, vs = fp8_case(case)
-        scales = (ks, vs)
+    if not fp8:
+        return case, (), knobs
+    case, ks, vs = fp8_case(case)
+    return case, (ks, vs), knobs
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(FUSED_WRITE))
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, name, dtype, fp8):
+    """A decode-shaped launch is the attention kernel alone: it leaves the cache bytes `write_kv_cache_reference`
+    writes (fp8 caches included; a padding token with a slot written, slot -1 not) and the reference's output."""
+    case, scales, knobs = fused_write_case(name, dtype, fp8)
     args = (*case.args(), *scales)
     out = paged_attention_triton(*args, **knobs)
     assert kernel_launches == ["_paged_attn_kernel"]
@@ -382,7 +376,8 @@ def test_decode_kernel_with_the_write_compiles_sm90():
     for case in report["cases"]:
         write, no_write = case["write"], case["no_write"]
         assert write["barriers"] == no_write["barriers"] + 1, case
-        assert write["nc_loads"] == 0 and "LOCAL:0 " in write["usage"], case
+        for built in (write, case["rotary"]):  # with the q/k norms and rotary in it too (rotary_paged_attention)
+            assert built["nc_loads"] == 0 and "LOCAL:0 " in built["usage"], case
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
