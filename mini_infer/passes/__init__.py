@@ -16,6 +16,7 @@ from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
 from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
+from mini_infer.passes.fuse_router_topk import FuseRouterTopk
 from mini_infer.passes.fuse_silu_gemv import FuseSiluGemv
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
 from mini_infer.passes.gemv_linear import GemvLinear
@@ -32,7 +33,7 @@ PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
                         PagedAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm, FuseMoeNorm,
-                        FuseGateUpSilu,
+                        FuseRouterTopk, FuseGateUpSilu,
                         FuseSiluGemv, FuseNormGemv)
 }
 

@@ -16,8 +16,9 @@ fuse_norm_gemv. It leaves alone: an experts output with any other reader (or bot
 the norm through anything else (a shared expert's sum, as Qwen2-MoE and DeepSeek add; tensor parallel's
 all-reduce), a residual of another dtype, a plain (residual-less) norm and the quantizing norms.
 
-Default: on for MoE models (route_moe's `is_moe_config`) on CUDA targets, where it removes one launch per MoE layer;
-off for other devices, where the fused op is the two references run one after the other and saves nothing.
+Default: on for MoE models on CUDA targets (route_moe's `moe_lowering_default`), where it removes one launch per
+MoE layer; off for other devices, where the fused op is the two references run one after the other and saves
+nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.fx as fx
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
 from mini_infer.passes.pattern import aten, dtype, is_op, only_user, same_shape
-from mini_infer.passes.route_moe import is_moe_config
+from mini_infer.passes.route_moe import moe_lowering_default
 
 ops = torch.ops.mini_infer
 
@@ -75,7 +76,7 @@ class FuseMoeNorm(GraphPass):
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        return cls() if ctx.device.type == "cuda" and is_moe_config(ctx.config) else None
+        return cls() if moe_lowering_default(ctx) else None
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
