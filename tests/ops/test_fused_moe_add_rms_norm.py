@@ -3,7 +3,7 @@ launch. Under the interpreter the fused kernel gives the unfused kernels' bits (
 fused_add_rms_norm_triton) at decode shapes (T = 1, 2; pair-per-block mode), at a multi-program prefill shape (the
 norm tile's rows, a masked tail), with dropped slots and an expert map; shapes without a slot sum (k == 1, the
 decode GEMV path) run the unfused kernels, and the test checks which ran. On CPU the registered op runs the two
-references; its fake gives the residual's shape."""
+references; its fake gives the residual's shape. The chain's fused kernels compile for sm_90 without spills."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from mini_infer.ops.fused_moe_add_rms_norm import (
     fused_moe_add_rms_norm_reference,
     fused_moe_add_rms_norm_triton,
 )
-from tests.ops.helpers import DEVICE, requires_triton
+from tests.ops.helpers import DEVICE, requires_triton, run_uninterpreted
 
 mi = torch.ops.mini_infer
 EPS = 1e-6
@@ -120,3 +120,14 @@ def test_fake_and_bad_shapes():
         fused_moe_add_rms_norm_reference(x, w, ids, w13, w2, residual[:, :2], nw, EPS)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_moe_add_rms_norm_reference(x, w, ids, w13, w2, residual, nw[:-1], EPS)
+
+
+@requires_triton
+def test_moe_chain_kernels_compile_for_sm90_without_spills():
+    """Compiled for sm_90 at qwen3-30b-a3b's batch-1 launches (no GPU needed; tests/ops/compile_moe_chain_sm90.py):
+    the slot sum + add + norm kernel and the router GEMV + routing kernel build, as do the unfused kernels whose
+    bodies they share, with no register spills."""
+    report = run_uninterpreted(["-m", "tests.ops.compile_moe_chain_sm90"])
+    assert [c["kernel"] for c in report["cases"]] == ["moe_sum", "moe_sum_add_rms_norm", "moe_topk", "gemv_moe_topk"]
+    for case in report["cases"]:
+        assert "LOCAL:0 " in case["usage"], case
