@@ -46,7 +46,9 @@ Two implementations:
          epilogue: intermediate [T*k, I];
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
-      4. the sum over the k slots (skipping slots with no expert).
+      4. the sum over the k slots (skipping slots with no expert): `slot_sum_rows`, whose kernel here is
+         `_moe_sum_kernel`; fused_moe_add_rms_norm.py runs steps 1-3 (`moe_expert_rows`) and a kernel of its
+         own that also adds the residual and normalizes.
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). For very few (token, slot) pairs
     (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,

@@ -36,6 +36,8 @@ with fp contraction off so no FMA changes the rounding. Logits below -87 give si
 gives smaller denormals there). Against HF's own routers, ids can therefore differ only where HF's scores tie
 or lie within a few ulp of each other.
 
+The kernel runs one program per token over `topk_row`, the routing of one row, which linear_moe_topk.py's router
+GEMV runs in its last program too (`topk_row_args` gives both launches its arguments).
 Must not import anything from mini_infer outside `mini_infer.ops`.
 """
 
