@@ -3,7 +3,8 @@
 Decode-shaped launches (one query row per tile; paged_attention's cases with runs of up to three new tokens, GQA,
 splits with the fused merge and with the reduce kernel, a sliding window, rows no sequence owns, one with a slot)
 launch `_paged_attn_kernel` alone, no `_qk_rotary_kernel`, and leave the output and the cache bytes of
-`qk_rotary_triton` then `paged_attention_triton` bit for bit (interpreter; fp32 and bf16, with and without Qwen3's
+`qk_rotary_triton` then `paged_attention_triton` bit for bit (interpreter; on a GPU within the dtype's tolerance,
+whose compiler contracts fp32 arithmetic its own way; fp32 and bf16, with and without Qwen3's
 head norms, an fp8 cache), close to the two references (but for the fp8 cache: the interpreter's bf16 truncation of
 the rotated k moves some keys a whole e4m3 step); a prefill-shaped launch, and a head dim that is no power of two,
 run the unfused kernels. The
@@ -22,7 +23,7 @@ from mini_infer.ops.rotary_paged_attention import (
     rotary_paged_attention_reference_entry,
     rotary_paged_attention_triton,
 )
-from tests.ops.helpers import assert_close, record_kernel_launches, requires_triton
+from tests.ops.helpers import TOL, assert_close, record_kernel_launches, requires_triton
 from tests.ops.test_paged_attention import (  # small_key_tiles: a fixture (16-key tiles, several splits)
     CASES,
     Case,
@@ -76,6 +77,19 @@ DECODE = [
 ]
 
 
+def _assert_gpu_close(out, want, caches, want_caches, dtype) -> None:
+    """On a GPU: the output within the dtype's tolerance, each 16-bit cache too, and an fp8 cache's bytes equal but
+    for at most 2% of them (an ulp of the rotated k can move a key one e4m3 step)."""
+    assert_close(out, want, dtype)
+    for got, ref in zip(caches, want_caches):
+        if got.dtype == torch.float8_e4m3fn:
+            differ = (got.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item()
+            assert differ <= 0.02, differ
+        else:  # unwritten slots hold NaN in both
+            atol, rtol = TOL[dtype]
+            torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol, equal_nan=True)
+
+
 @requires_triton
 @pytest.mark.usefixtures("small_key_tiles")
 @pytest.mark.parametrize("name,dtype,fp8,norms", DECODE)
@@ -89,8 +103,11 @@ def test_decode_launch_is_the_unfused_pair_bitwise(launches, name, dtype, fp8, n
     want_args = case.args()
     want = unfused_triton(rot, (*want_args[3:], *scales), **knobs)
     assert launches[0] == "_qk_rotary_kernel"
-    assert torch.equal(out, want)
-    assert same_bytes(args[3], want_args[3]) and same_bytes(args[4], want_args[4])
+    if out.is_cuda:  # the GPU compiler contracts the norm's and rotary's fp32 arithmetic its own way: an ulp apart
+        _assert_gpu_close(out, want, args[3:5], want_args[3:5], dtype)
+    else:
+        assert torch.equal(out, want)
+        assert same_bytes(args[3], want_args[3]) and same_bytes(args[4], want_args[4])
     if name == "padding":  # the padding row's slot holds its rotated k (the unfused kernels' bytes, checked above)
         slot = int(case.slot_mapping[-1])
         assert not args[3].float()[slot // 4, slot % 4].isnan().any()
