@@ -9,34 +9,18 @@ the model's own layer count of distinct weights, so weights come from HBM as in 
     without the silu_and_mul launch (the down GEMV reads the gate half instead: timing only, not the model's math).
   * attention: norm + qkv GEMV (+ bias), `qk_rotary`, the KV write, decode attention over --ctx keys, o_proj GEMV +
     residual; and the same without the rotary, without the write, and without both.
-  * MoE (MoE presets, in place of the MLP): router GEMV (`linear`), `moe_topk`, `fused_moe` (at T = 1: its grouped
-    GEMMs and slot sum) and the residual add + next norm (`fused_add_rms_norm`); the same with the add + norm in the
-    slot sum's launch (`fused_moe_add_rms_norm`), with the routing in the router GEMV's launch (`linear_moe_topk`, at
-    its default warps and at 4), and with both. These are the model's math, each fused variant's outputs equal to
-    the unfused chain's: what each fusion saves. Each layer has its own router and norm weights and, as far as
-    --moe-memory of the free GPU memory holds them, its own expert stack (qwen3-30b-a3b: 1.2 GB a layer; the stacks
-    are reused in turn past that).
 The differences are the upper bounds of folding those kernels away. It times the ops' Triton functions directly
 (`write_kv_cache_triton` then the attention kernel for the write, whatever the op's own default is).
---tiny runs the MoE chains once at toy sizes on the CPU under the Triton interpreter and checks that every fused
-variant gives the unfused chain's outputs bit for bit (no timing; a check of the script itself).
 The two halves ran as one-off probes on an H200 on 2026-11-24 (bench/RESULTS.md, twelfth session); this script
 puts them together. Prints a table and writes kernel_layer_chain.json to --out.
 
     python bench/kernel_layer_chain.py                                    # qwen3-0.6b and qwen2.5-7b, 256 keys
     python bench/kernel_layer_chain.py --model llama-3.1-8b --ctx 1024
-    python bench/kernel_layer_chain.py --model qwen3-30b-a3b                # MoE and attention blocks
-    python bench/kernel_layer_chain.py --tiny                               # CPU check of the MoE chains
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-if "--tiny" in sys.argv:  # before the first import of triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from kernel_norm import time_calls, write_gpu_report  # the sibling script's timing and JSON report
@@ -48,7 +32,7 @@ EPS = 1e-6
 
 
 def _rand(gen, *shape, scale=1.0, shift=0.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=gen.device, generator=gen) * scale + shift).bfloat16()
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale + shift).bfloat16()
 
 
 def mlp_variants(c, layers: int) -> dict:
@@ -123,95 +107,23 @@ def attention_variants(c, layers: int, ctx: int) -> dict:
             "neither": chain(False, False)}
 
 
-def moe_variants(c, layers: int, device: str = "cuda", memory: float = 0.6) -> dict:
-    """{variant: one chain over the layers' MoE blocks at one token}: "full" (router GEMV, moe_topk, fused_moe, add +
-    next norm) and the fused variants (module docstring). A chain returns the last layer's (normed, residual)."""
-    from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_triton
-    from mini_infer.ops.fused_moe import fused_moe_triton
-    from mini_infer.ops.fused_moe_add_rms_norm import fused_moe_add_rms_norm_triton
-    from mini_infer.ops.linear import linear_triton
-    from mini_infer.ops.linear_moe_topk import linear_moe_topk_triton
-    from mini_infer.ops.moe_topk import moe_topk_triton
-    from mini_infer.passes.route_moe import FAMILIES, routing_for
-
-    family = next(f for f in FAMILIES.values() if f.model_type == c.model_type)
-    r = routing_for(c, family)
-    h, inter, e = c.hidden_size, getattr(c, family.inter_field), r.num_experts
-    routing = dict(top_k=r.top_k, scoring=r.scoring, renormalize=r.renormalize, routed_scaling_factor=r.scale,
-                   n_group=r.n_group, topk_group=r.topk_group,
-                   weights_dtype=torch.bfloat16 if family.weights_in_logits_dtype else None)
-    gen = torch.Generator(device=device).manual_seed(2)
-    stack_bytes = 3 * e * inter * h * 2
-    free = torch.cuda.mem_get_info()[0] if device == "cuda" else stack_bytes * layers
-    stacks = [(_rand(gen, e, 2 * inter, h, scale=h**-0.5), _rand(gen, e, h, inter, scale=inter**-0.5))
-              for _ in range(max(1, min(layers, int(memory * free // stack_bytes))))]
-    ws = [(_rand(gen, e, h, scale=h**-0.5), _rand(gen, h, scale=0.1, shift=1.0), *stacks[i % len(stacks)])
-          for i in range(layers)]
-    h0, r0 = _rand(gen, 1, h), _rand(gen, 1, h)
-
-    def block(x, res, wr, nw, w13, w2, fused_norm: bool, fused_router: bool, router_warps: int | None):
-        if fused_router:
-            tw, ti = linear_moe_topk_triton(x, wr, None, **routing, num_warps=router_warps)
-        else:
-            tw, ti = moe_topk_triton(linear_triton(x, wr, None), **routing)
-        if fused_norm:
-            return fused_moe_add_rms_norm_triton(x, tw, ti, w13, w2, res, nw, EPS)
-        return fused_add_rms_norm_triton(res, fused_moe_triton(x, tw, ti, w13, w2), nw, EPS)
-
-    def chain(fused_norm: bool, fused_router: bool, router_warps: int | None = None):
-        def run():
-            x, res = h0, r0
-            for w in ws:
-                x, res = block(x, res, *w, fused_norm, fused_router, router_warps)
-            return x, res
-        return run
-
-    return {"full": chain(False, False), "fused add+norm": chain(True, False), "fused router top-k": chain(False, True),
-            "fused router top-k (4 warps)": chain(False, True, 4), "both": chain(True, True)}
-
-
-def check_tiny() -> int:
-    """--tiny: the MoE chains at toy sizes (two layers, 16 experts, top-4: the slot sum runs) on the CPU under the
-    interpreter; every variant's outputs must equal the unfused chain's bit for bit."""
-    from mini_infer.models.presets import preset_config
-
-    c = preset_config("qwen3-30b-a3b")
-    for field, value in dict(hidden_size=64, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
-                             num_hidden_layers=2).items():
-        setattr(c, field, value)
-    outs = {name: fn() for name, fn in moe_variants(c, c.num_hidden_layers, device="cpu").items()}
-    bad = [name for name, out in outs.items() if not all(torch.equal(a, b) for a, b in zip(out, outs["full"]))]
-    print(f"--tiny (interpreter): {len(outs)} MoE chains, {'all equal' if not bad else 'differ: ' + ', '.join(bad)}")
-    return 1 if bad else 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", default=None,
-                    help="preset(s) (qwen3-0.6b, qwen2.5-7b); a MoE preset (qwen3-30b-a3b) times its MoE block")
+    ap.add_argument("--model", action="append", default=None, help="dense preset(s) (qwen3-0.6b, qwen2.5-7b)")
     ap.add_argument("--ctx", type=int, default=256, help="keys each decode attention reads (256)")
-    ap.add_argument("--moe-memory", type=float, default=0.6,
-                    help="fraction of the free GPU memory for distinct expert stacks (0.6)")
-    ap.add_argument("--tiny", action="store_true", help="check the MoE chains on the CPU (interpreter) and exit")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
-    if args.tiny:
-        return check_tiny()
     if not torch.cuda.is_available() or triton is None:
         print("bench/kernel_layer_chain.py times CUDA kernels: it needs a CUDA GPU and triton")
         return 1
     from mini_infer.models.presets import preset_config
-    from mini_infer.passes.route_moe import is_moe_config
 
     rows = []
     print(f"{torch.cuda.get_device_name()} | bf16, batch 1, a model's blocks chained in one CUDA graph | us per layer")
     for model in args.model or ["qwen3-0.6b", "qwen2.5-7b"]:
         c = preset_config(model)
         layers = c.num_hidden_layers
-        ffn = ("moe", moe_variants, (c, layers, "cuda", args.moe_memory)) if is_moe_config(c) else (
-            "mlp", mlp_variants, (c, layers))
-        for block, make, make_args in (ffn, ("attention", attention_variants, (c, layers, args.ctx))):
-            variants = make(*make_args)
+        for block, variants in (("mlp", mlp_variants(c, layers)), ("attention", attention_variants(c, layers, args.ctx))):
             us = {name: time_calls([fn], 20.0, 5)[0] * 1e3 / layers for name, fn in variants.items()}
             saved = {name: us["full"] - t for name, t in us.items() if name != "full"}
             rows.append({"model": model, "block": block, "layers": layers, "ctx": args.ctx, "us": us, "saved_us": saved})

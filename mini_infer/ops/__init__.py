@@ -57,15 +57,9 @@ nothing from mini_infer outside this package.
 | moe_topk(router_logits, top_k, scoring, renormalize,  | (Tensor fp32 or     | MoE routing of HF's Mixtral / Qwen-MoE / DeepSeek-V2  |
 |   routed_scaling_factor, n_group, topk_group,         |  weights_dtype,     | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
 |   correction_bias, weights_dtype=None)                |  Tensor int32)      | renormalize, scale; ties: lower expert index          |
-| linear_moe_topk(x, weight, bias, top_k, scoring,      | (as moe_topk)       | moe_topk(linear(x, weight, bias), ...); the routing in|
-|   renormalize, routed_scaling_factor, n_group,        |                     | the router GEMV's last program for one row (softmax)  |
-|   topk_group, correction_bias, weights_dtype=None)    |                     |                                                       |
 | fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
 |   activation, expert_map=None)                        |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
 |                                                       |                     | expert_map: e = map[ids[t,j]], -1 = another rank's    |
-| fused_moe_add_rms_norm(hidden, topk_weights, topk_ids,| (Tensor, Tensor)    | fused_add_rms_norm(residual, fused_moe(...).view(     |
-|   w13, w2, residual, norm_weight, eps, activation,    |  shaped like        | residual.shape), norm_weight, eps); the add + norm in |
-|   expert_map=None)                                    |  residual           | the slot sum's launch (grouped path, k > 1)           |
 | quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
 | rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
 | fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |
@@ -101,12 +95,10 @@ from mini_infer.ops import apply_rotary_interleaved as _apply_rotary_interleaved
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
-from mini_infer.ops import fused_moe_add_rms_norm as _fused_moe_add_rms_norm_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
 from mini_infer.ops import linear_add as _linear_add_mod
 from mini_infer.ops import linear_add_rms_norm as _linear_add_rms_norm_mod
-from mini_infer.ops import linear_moe_topk as _linear_moe_topk_mod
 from mini_infer.ops import mla_attention as _mla_attention_mod
 from mini_infer.ops import moe_topk as _moe_topk_mod
 from mini_infer.ops import paged_attention as _paged_attention_mod
@@ -144,9 +136,7 @@ _MODULE_OF = {
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
-    "linear_moe_topk": _linear_moe_topk_mod,
     "fused_moe": _fused_moe_mod,
-    "fused_moe_add_rms_norm": _fused_moe_add_rms_norm_mod,
     "quantize_per_token": _quant_mod,
     "rms_norm_quant": _quant_mod,
     "fused_add_rms_norm_quant": _quant_mod,

@@ -46,9 +46,7 @@ Two implementations:
          epilogue: intermediate [T*k, I];
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
-      4. the sum over the k slots (skipping slots with no expert): `slot_sum_rows`, whose kernel here is
-         `_moe_sum_kernel`; fused_moe_add_rms_norm.py runs steps 1-3 (`moe_expert_rows`) and a kernel of its
-         own that also adds the residual and normalizes.
+      4. the sum over the k slots (skipping slots with no expert).
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). For very few (token, slot) pairs
     (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
@@ -88,11 +86,8 @@ __all__ = [
     "fused_moe",
     "fused_moe_reference",
     "fused_moe_triton",
-    "flat_ids",
-    "launch_moe_sum",
     "local_expert_ids",
     "moe_align_triton",
-    "moe_expert_rows",
     "moe_tile_config",
     "padded_rows",
     "pair_block_rows",
@@ -411,34 +406,20 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def slot_sum_rows(src_ptr, ids_ptr, rows, cols, n_rows, n_cols, num_experts, map_ptr, num_global,
-                      TOP_K: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
-        """The slot sum of token rows `rows` (int64, those >= n_rows masked off) at columns `cols`: sum over the
-        TOP_K rows t*TOP_K + j of src in fp32, in slot order, skipping slots whose id is not a (local) expert
-        (their rows were never written). Returns (sum [rows, cols] fp32, mask). Elementwise: any tile of rows
-        and columns gives the same bits (`_moe_sum_kernel`; fused_moe_add_rms_norm.py's kernel)."""
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
-        for j in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + rows * TOP_K + j, mask=row_ok, other=-1).to(tl.int32)
-            expert = map_expert(expert, row_ok, map_ptr, num_global, HAS_MAP)
-            used = (expert >= 0) & (expert < num_experts)
-            row = tl.load(src_ptr + (rows * TOP_K + j)[:, None] * n_cols + cols[None, :],
-                          mask=mask & used[:, None], other=0.0).to(tl.float32)
-            acc += row
-        return acc, mask
-
-    @triton.jit
-    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_rows, n_cols, num_experts, map_ptr, num_global,
-                        TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
-        """out[t] = `slot_sum_rows` of token t, one program per (token, BLOCK columns)."""
+    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+        """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
+        expert (their rows were never written)."""
         await_producers(USE_GDC)
-        rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1).to(tl.int64)
+        t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        acc, mask = slot_sum_rows(src_ptr, ids_ptr, rows, cols, n_rows, n_cols, num_experts, map_ptr, num_global,
-                                  TOP_K, HAS_MAP)
-        tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        ok = cols < n_cols
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOP_K):
+            expert = map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+            row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
+        tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -581,30 +562,34 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
     return rows[:-1], rows[-1:]
 
 
-def moe_expert_rows(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
-                    config: MoeTileConfig | MoeGemvConfig | None = None,
-                    pair_blocks: bool | None = None) -> tuple[torch.Tensor, bool]:
-    """`fused_moe_triton` up to its slot sum: (the output [T, H], True) when its kernels produce it themselves (the
-    decode GEMV path, k == 1, T == 0), else (the weighted per-slot rows [T*k, H] (rows of dropped slots never
-    written), False) for a slot sum (`launch_moe_sum`, or a kernel built on `slot_sum_rows`)."""
+def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                     config: MoeTileConfig | MoeGemvConfig | None = None,
+                     pair_blocks: bool | None = None) -> torch.Tensor:
+    """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
+    the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
+    weights of unit last stride), else `moe_tile_config`. The grouped GEMMs run in pair-per-block mode (no align
+    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
     if t == 0:
-        return hidden.new_empty(0, h), True
+        return hidden.new_empty(0, h)
     num_global = e if expert_map is None else expert_map.shape[0]
     if config is None and w13.stride(2) == 1 and w2.stride(2) == 1:
         config = moe_gemv_config(t, k, h, inter)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weights = topk_weights.reshape(-1)
     weights = weights if weights.is_contiguous() else weights.contiguous()
-    ids = flat_ids(topk_ids)
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
     if isinstance(config, MoeGemvConfig):
         emap, n_global = _map_args(ids, expert_map)
         w13, w2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13, w2))  # only with a given config
-        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config), True
+        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config)
     cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
+    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
+    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
     num_pairs = t * k
     if pair_blocks is None:
         pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(t, k, num_global)
@@ -618,44 +603,15 @@ def moe_expert_rows(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
                   cfg.gate_up, raw_ids)
-    # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert): zeros
-    per_slot = (torch.zeros if k == 1 else torch.empty)(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
+    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids)
-    return per_slot, k == 1
-
-
-def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
-    """topk_ids [T, k] as the contiguous [T*k] vector the kernels index."""
-    ids = topk_ids.reshape(-1)
-    return ids if ids.is_contiguous() else ids.contiguous()
-
-
-def launch_moe_sum(per_slot: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                   expert_map: torch.Tensor | None) -> torch.Tensor:
-    """The slot sum of `moe_expert_rows`' per-slot rows: out [T, H] in their dtype."""
-    t, k = topk_ids.shape
-    h = per_slot.shape[1]
-    out = per_slot.new_empty(t, h)
-    ids = flat_ids(topk_ids)
-    block = min(1024, next_pow2(h))
-    emap, n_global = _map_args(ids, expert_map)
-    _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, t, h, num_experts, emap, n_global, TOP_K=k,
-                                                BLOCK=block, HAS_MAP=expert_map is not None, num_warps=4,
-                                                **pdl_args(per_slot))
+    if k > 1:
+        block = min(1024, next_pow2(h))
+        emap, n_global = _map_args(ids, expert_map)
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block,
+                                                    HAS_MAP=expert_map is not None, num_warps=4, **pdl_args(per_slot))
     return out
-
-
-def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
-                     config: MoeTileConfig | MoeGemvConfig | None = None,
-                     pair_blocks: bool | None = None) -> torch.Tensor:
-    """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
-    the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
-    weights of unit last stride), else `moe_tile_config`. The grouped GEMMs run in pair-per-block mode (no align
-    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
-    rows, done = moe_expert_rows(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, config, pair_blocks)
-    return rows if done else launch_moe_sum(rows, topk_ids, w13.shape[0], expert_map)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,8 +36,6 @@ with fp contraction off so no FMA changes the rounding. Logits below -87 give si
 gives smaller denormals there). Against HF's own routers, ids can therefore differ only where HF's scores tie
 or lie within a few ulp of each other.
 
-The kernel runs one program per token over `topk_row`, the routing of one row, which linear_moe_topk.py's router
-GEMV runs in its last program too (`topk_row_args` gives both launches its arguments).
 Must not import anything from mini_infer outside `mini_infer.ops`.
 """
 
@@ -65,9 +63,6 @@ __all__ = [
     "moe_topk_reference",
     "moe_topk_triton",
     "portable_sigmoid",
-    "topk_num_warps",
-    "topk_outputs",
-    "topk_row_args",
 ]
 
 SCORINGS = ("softmax", "sigmoid")
@@ -222,15 +217,14 @@ if HAS_TRITON:
         return tl.math.div_rn(tl.full(r.shape, 1.0, tl.float32), 1.0 + p * two_n)
 
     @triton.jit
-    def topk_row(
-        logits_ptr, bias_ptr, w_ptr, ids_ptr, row, stride_t, n_group, group_size, topk_group, scale, eps,
+    def _moe_topk_kernel(
+        logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, n_group, group_size, topk_group, scale, eps,
         TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
-        """The routing of token `row` (int64): its logits at logits_ptr + row * stride_t, its top_k weights and ids
-        stored at row * TOP_K of w_ptr / ids_ptr. The body of `_moe_topk_kernel` (one program per row) and of the
-        router GEMV's last program (linear_moe_topk.py)."""
+        await_producers(USE_GDC)
         # Scores as a [group, expert-in-group] tile; expert index = g * group_size + s.
+        row = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]
         s = tl.arange(0, BLOCK_S)[None, :]
         expert = g * group_size + s
@@ -281,16 +275,6 @@ if HAS_TRITON:
         # weights_dtype: rounded to nearest on a GPU, as torch casts (the CPU interpreter truncates fp32 -> bf16)
         tl.store(w_ptr + row * TOP_K + slot, slot_w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
 
-    @triton.jit
-    def _moe_topk_kernel(
-        logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, n_group, group_size, topk_group, scale, eps,
-        TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-    ):  # fmt: skip
-        await_producers(USE_GDC)
-        topk_row(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0).to(tl.int64), stride_t, n_group, group_size,
-                 topk_group, scale, eps, TOP_K, SIGMOID, GROUPED, RENORMALIZE, BLOCK_G, BLOCK_S, BLOCK_K)
-
 
 def topk_num_warps(num_experts: int) -> int:
     """Warps of `_moe_topk_kernel`'s one program per token, by expert count. One warp up to 256 experts: its
@@ -313,35 +297,22 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
     if not HAS_TRITON or e > KERNEL_MAX_EXPERTS or top_k > KERNEL_MAX_TOP_K:
         return moe_topk_reference(router_logits, top_k, scoring, renormalize, routed_scaling_factor, n_group,
                                   topk_group, correction_bias, weights_dtype)
-    weights, ids = topk_outputs(t, top_k, weights_dtype, router_logits.device)
+    weights = torch.empty(t, top_k, dtype=_weights_dtype(weights_dtype), device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     bias = correction_bias.contiguous() if correction_bias is not None else logits
-    scalars, constexprs = topk_row_args(e, top_k, scoring, renormalize, routed_scaling_factor, n_group, topk_group)
+    group_size = e // n_group
     _moe_topk_kernel[(t,)](
-        logits, bias, weights, ids, logits.stride(0), *scalars, **constexprs,
+        logits, bias, weights, ids, logits.stride(0), n_group, group_size, topk_group,
+        float(routed_scaling_factor), _RENORM_EPS[scoring],
+        TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
+        BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k),
         num_warps=topk_num_warps(e), **pdl_args(logits),
         enable_fp_fusion=False,  # no FMA: portable_sigmoid must round exactly as the reference does
     )  # fmt: skip
     return weights, ids
-
-
-def topk_outputs(t: int, top_k: int, weights_dtype: torch.dtype | None,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized (topk_weights [t, top_k] in the weights' dtype, topk_ids [t, top_k] int32)."""
-    return (torch.empty(t, top_k, dtype=_weights_dtype(weights_dtype), device=device),
-            torch.empty(t, top_k, dtype=torch.int32, device=device))
-
-
-def topk_row_args(num_experts: int, top_k: int, scoring: str, renormalize: bool, routed_scaling_factor: float,
-                  n_group: int, topk_group: int) -> tuple[tuple, dict]:
-    """`topk_row`'s arguments after the row's stride: (n_group, group_size, topk_group, scale, eps) and its
-    constexprs (TOP_K .. BLOCK_K), for the arguments `check_moe_topk_args` accepted."""
-    group_size = num_experts // n_group
-    return ((n_group, group_size, topk_group, float(routed_scaling_factor), _RENORM_EPS[scoring]),
-            dict(TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
-                 BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,14 +10,12 @@ from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_gate_up_silu import FuseGateUpSilu
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
-from mini_infer.passes.fuse_moe_norm import FuseMoeNorm
 from mini_infer.passes.fuse_norm_gemv import FuseNormGemv
 from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
 from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
 from mini_infer.passes.fuse_rmsnorm import FuseRMSNorm
 from mini_infer.passes.fuse_rotary import FuseRotary
 from mini_infer.passes.fuse_rotary_attention import FuseRotaryAttention
-from mini_infer.passes.fuse_router_topk import FuseRouterTopk
 from mini_infer.passes.fuse_silu_gemv import FuseSiluGemv
 from mini_infer.passes.fuse_silu_mul import FuseSiluMul
 from mini_infer.passes.gemv_linear import GemvLinear
@@ -34,7 +32,7 @@ PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
                         PagedAttention, FuseRotaryAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm,
-                        FuseMoeNorm, FuseRouterTopk, FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
+                        FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }
 
 

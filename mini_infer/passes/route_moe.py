@@ -129,12 +129,6 @@ def is_moe_config(config) -> bool:
     return num_routed_experts(config) is not None
 
 
-def moe_lowering_default(ctx: PassContext) -> bool:
-    """Whether the MoE launch fusions after this pass (fuse_moe_norm, fuse_router_topk) run by default: for MoE
-    models on CUDA targets; elsewhere their fused ops run the two references one after the other, saving nothing."""
-    return ctx.device.type == "cuda" and is_moe_config(ctx.config)
-
-
 def _positive_int(config, field: str) -> int:
     v = getattr(config, field, None)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
-from mini_infer.ops.linear_moe_topk import linear_moe_topk_triton
 from mini_infer.ops.moe_topk import moe_topk_reference, moe_topk_triton, portable_sigmoid
 from tests.ops.helpers import DEVICE, requires_triton
 
@@ -60,27 +59,13 @@ def routing_cases(draw):
     return logits, bias, case
 
 
-def _routed_by_router_gemv(logits: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_moe_topk_triton row by row (its fused launch takes one row) on the router x = [1], W = the row's logits
-    as a column: the GEMV's logits are exactly the given ones (x 1, no other term)."""
-    one = torch.ones(1, 1, dtype=logits.dtype, device=logits.device)
-    rows = [linear_moe_topk_triton(one, row[:, None].contiguous(), None, **kw) for row in logits]
-    return torch.cat([w for w, _ in rows]), torch.cat([i for _, i in rows])
-
-
-ROUTINGS = {"moe_topk": moe_topk_triton, "linear_moe_topk": _routed_by_router_gemv}
-
-
 @requires_triton
-@pytest.mark.parametrize("kernel", ROUTINGS)
 @settings(derandomize=True, deadline=None, max_examples=40)
 @given(routing_cases())
-def test_kernel_matches_reference_on_ties(kernel, args):
-    """The routing kernel, and the router GEMV with the routing in its last program (softmax; sigmoid runs the two
-    kernels), equal the reference's ids; the weights within fp32 rounding."""
+def test_kernel_matches_reference_on_ties(args):
     logits, bias, case = args
     w_ref, ids_ref = moe_topk_reference(logits, correction_bias=bias, **case)
-    w, ids = ROUTINGS[kernel](logits.to(DEVICE), correction_bias=None if bias is None else bias.to(DEVICE), **case)
+    w, ids = moe_topk_triton(logits.to(DEVICE), correction_bias=None if bias is None else bias.to(DEVICE), **case)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == (logits.shape[0], case["top_k"])
     assert torch.equal(ids.cpu(), ids_ref), (logits, ids, ids_ref)
     torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-5, atol=1e-6)
