@@ -16,7 +16,8 @@ its long-run route included in the registered op's body). The Triton path runs O
 `_paged_attn_kernel` with its ROTARY switch (the q rows and the k rows it writes go through `_rotary.rotated_pairs`,
 qk_rotary's math and roundings: the same bits as the two kernels), where `paged_attention.rotary_in_kernel` takes the
 launch (decode-shaped, so the attention kernel writes the step's keys itself; a power-of-two head dim of 16 or
-more), the long-run route declines the step, and qk_rotary's outputs keep q's and k's dtypes. Every other step runs
+more), the long-run route declines the step, qk_rotary's outputs keep q's and k's dtypes, and the query group is at
+most ROTARY_MAX_GROUP heads (the measurements are beside it: larger groups lost). Every other step runs
 `qk_rotary_triton`, then paged_attention's Triton body: the values of the unfused pair, in two launches or more.
 Imports nothing from mini_infer outside `mini_infer.ops`.
 """
@@ -31,10 +32,19 @@ from mini_infer.ops._triton_support import HAS_TRITON, use_triton
 from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference, qk_rotary_triton
 
 __all__ = [
+    "ROTARY_MAX_GROUP",
     "rotary_paged_attention",
     "rotary_paged_attention_reference",
     "rotary_paged_attention_triton",
 ]
+
+
+# The one-kernel path only for query groups (query heads per kv head) up to this size. A program rotates (and, with
+# Qwen3's head norms, normalizes) every q head of its group before its key loop; on an H200 (2026-11-24, bf16,
+# batch 1, `bench/latency.py --without fuse_rotary_attention`, each pair in one run) that won where the group is
+# small and lost where it is large: qwen3-0.6b (group 2, head norms) 1,258.0 tok/s vs 1,245.6 unfused; qwen2.5-7b
+# (group 7) 249.1 vs 249.0; qwen3-30b-a3b (group 8, head norms) 339.4 vs 345.3. Larger groups run the two kernels.
+ROTARY_MAX_GROUP = 2
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +75,14 @@ def rotary_paged_attention_reference(
 
 def _in_kernel(q, k, v, cos, sin, q_weight, k_weight, k_cache, v_cache, seq_lens, k_scale, v_scale,
                decode_only) -> bool:  # fmt: skip
-    """Whether the attention launch can apply the rotary itself: `pa.rotary_in_kernel`'s shapes, and qk_rotary's
-    outputs in q's and k's own dtypes (the kernel rounds the rotated rows to those)."""
+    """Whether the attention launch applies the rotary itself: `pa.rotary_in_kernel`'s shapes, qk_rotary's outputs
+    in q's and k's own dtypes (the kernel rounds the rotated rows to those), and a query group of at most
+    ROTARY_MAX_GROUP heads (where it was measured to win)."""
     if q.dim() != 4 or q.shape[0] != 1 or k.dim() != 4 or v.dim() != 4:
         return False
     if _out_dtype(q, q_weight, cos, sin) != q.dtype or _out_dtype(k, k_weight, cos, sin) != k.dtype:
+        return False
+    if q.shape[1] > ROTARY_MAX_GROUP * k.shape[1]:
         return False
     kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return pa.rotary_in_kernel(_pack(q), _pack(k), k_cache, seq_lens, kv_fp8, decode_only)

@@ -22,8 +22,12 @@ before fuse_kv_write, which then finds nothing where this pass matched. The grap
 paged_attention declared.
 
 Default: on for CUDA targets, where a decode step's attention launch absorbs the qk_rotary launch (1.2 to 1.5 us a
-layer on the critical path by bench/kernel_layer_chain.py on an H200: the gain this pass is for; not yet measured
-end to end). Off elsewhere: there the op runs the two references one after the other and saves nothing.
+layer on the critical path by bench/kernel_layer_chain.py on an H200: the gain this pass is for). End to end on an
+H200 (2026-11-24, bf16, batch 1, with / without this pass in one run) it won at small query groups and lost at large
+ones: qwen3-0.6b (2 q heads a kv head) 1,258.0 vs 1,245.6 tok/s, qwen2.5-7b (7) 249.1 vs 249.0, qwen3-30b-a3b (8)
+339.4 vs 345.3; so the op keeps the one-kernel path to groups of at most ops/rotary_paged_attention.py's
+ROTARY_MAX_GROUP (2) and runs the two kernels for larger ones. Off on other devices: there the op runs the two
+references one after the other and saves nothing.
 """
 
 from __future__ import annotations

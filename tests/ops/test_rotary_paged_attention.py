@@ -7,8 +7,9 @@ launch `_paged_attn_kernel` alone, no `_qk_rotary_kernel`, and leave the output 
 whose compiler contracts fp32 arithmetic its own way; fp32 and bf16, with and without Qwen3's
 head norms, an fp8 cache), close to the two references (but for the fp8 cache: the interpreter's bf16 truncation of
 the rotated k moves some keys a whole e4m3 step); a prefill-shaped launch, and a head dim that is no power of two,
-run the unfused kernels. The
-registered op's fake and opcheck; the reference entry equals the references in sequence.
+run the unfused kernels, as does a query group above ROTARY_MAX_GROUP (the decode cases lift the limit to test the
+kernel's math at every group). The registered op's fake and opcheck; the reference entry equals the references in
+sequence.
 """
 
 import pytest
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mini_infer.ops import paged_attention as pa
 from mini_infer.ops import qk_rotary as qr
+from mini_infer.ops import rotary_paged_attention as rpa
 from mini_infer.ops.qk_rotary import qk_rotary_reference, qk_rotary_triton
 from mini_infer.ops.rotary_paged_attention import (
     rotary_paged_attention_reference,
@@ -93,7 +95,8 @@ def _assert_gpu_close(out, want, caches, want_caches, dtype) -> None:
 @requires_triton
 @pytest.mark.usefixtures("small_key_tiles")
 @pytest.mark.parametrize("name,dtype,fp8,norms", DECODE)
-def test_decode_launch_is_the_unfused_pair_bitwise(launches, name, dtype, fp8, norms):
+def test_decode_launch_is_the_unfused_pair_bitwise(launches, monkeypatch, name, dtype, fp8, norms):
+    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP", 64)  # the kernel's math at every group size (g4 included)
     case, scales, knobs = fused_write_case(name, dtype, fp8)
     rot = rotary_args(case, norms)
     args = case.args()
@@ -129,6 +132,20 @@ def test_prefill_launch_runs_the_unfused_kernels(launches):
     want_args = case.args()
     assert torch.equal(out, unfused_triton(rot, want_args[3:]))
     assert same_bytes(args[3], want_args[3]) and same_bytes(args[4], want_args[4])
+
+
+@requires_triton
+@pytest.mark.usefixtures("small_key_tiles")
+def test_group_above_the_limit_runs_the_unfused_kernels(launches):
+    """A decode step whose query group (4 heads a kv head) exceeds ROTARY_MAX_GROUP: the two kernels, same values."""
+    assert rpa.ROTARY_MAX_GROUP < 4
+    case, scales, knobs = fused_write_case("qlen2_one_split_g4", torch.bfloat16, False)
+    rot = rotary_args(case, norms=True)
+    args = case.args()
+    out = rotary_paged_attention_triton(*rot, *args[3:], *scales, **knobs)
+    assert launches == ["_qk_rotary_kernel", "_paged_attn_kernel"]
+    want_args = case.args()
+    assert torch.equal(out, unfused_triton(rot, (*want_args[3:], *scales), **knobs))
 
 
 @requires_triton
