@@ -59,6 +59,26 @@ def test_one_row_equals_linear_then_add(launches, dtype, residual_dtype, n, k, b
     _assert_same_sum(s, gemv_triton(x, w, b) + r)
 
 
+def test_preload_width_covers_k_in_one_two_or_four_chunks():
+    assert [mod.preload_width(k) for k in (96, 512, 1500, 2048, 2500, 3072)] == [512, 512, 2048, 2048, 4096, 4096]
+    assert mod.preload_width(mod.PRELOAD_MAX_K + 1) == 0
+    assert mod.preload_width(3000, config=(2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
+
+
+@requires_triton
+@pytest.mark.parametrize("k", [96, 1500, 4000])  # one, two and four K chunks preloaded (4000: four non-empty ones)
+def test_preloaded_rows_equal_the_k_loop(launches, monkeypatch, k):
+    """Rows loaded whole before the PDL wait (`PRELOAD_MAX_K`) give the K loop's sums: its chunks added in its order."""
+    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 4096)
+    x, w, b, r = _inputs(1, 24, k, torch.float32, True, seed=k)
+    assert mod.preload_width(k) > 0
+    s = linear_add_triton(x, w, b, r)
+    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 0)
+    assert mod.preload_width(k) == 0
+    assert torch.equal(s, linear_add_triton(x, w, b, r))
+    assert launches == [mod._gemv_add_kernel] * 2
+
+
 @requires_triton
 @pytest.mark.parametrize(("rows", "k", "residual_rows"), [(3, 96, 3), (1, GEMV_MAX_K + 1, 1), (1, 96, 0)])
 def test_other_shapes_run_linear_then_add(launches, rows, k, residual_rows):
