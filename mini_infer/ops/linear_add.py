@@ -68,16 +68,18 @@ if HAS_TRITON:
         ((c0 + c1) + c2) + c3, the order in which `gemv_accumulate`'s loop adds them, so that the row sums are the
         loop's bit for bit."""
         n: tl.constexpr = p.shape[1] // BLOCK_K
-        if n == 1:
-            return p
-        q = tl.permute(tl.reshape(p, [BLOCK_N, n, BLOCK_K]), [0, 2, 1])  # [BLOCK_N, BLOCK_K, n]
-        if n == 2:
-            c0, c1 = tl.split(q)
-            return c0 + c1
-        even, odd = tl.split(tl.reshape(q, [BLOCK_N, BLOCK_K, 2, 2]))  # chunks 0, 2 and 1, 3
-        c0, c2 = tl.split(even)
-        c1, c3 = tl.split(odd)
-        return ((c0 + c1) + c2) + c3
+        if n == 1:  # constexpr branches, no early return: Triton compiles the code after a returning branch too
+            out = p
+        elif n == 2:
+            c0, c1 = tl.split(tl.permute(tl.reshape(p, [BLOCK_N, 2, BLOCK_K]), [0, 2, 1]))
+            out = c0 + c1
+        else:
+            q = tl.permute(tl.reshape(p, [BLOCK_N, 2, 2, BLOCK_K]), [0, 3, 1, 2])  # [.., BLOCK_K, c // 2, c % 2]
+            even, odd = tl.split(q)  # chunks 0, 2 and 1, 3
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            out = ((c0 + c1) + c2) + c3
+        return out
 
     @triton.jit
     def _gemv_add_kernel(
