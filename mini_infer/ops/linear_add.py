@@ -9,13 +9,14 @@ layer's o_proj / down_proj output feeds the residual add whose norm goes on into
 Why: at batch-1 decode the add is a one-row elementwise kernel whose cost is almost all launch; the GEMV already
 holds its rows' outputs in registers. On CUDA, for one row that the GEMV takes (linear.py's `takes_gemv`), one
 kernel on linear.py's GEMV tiling (its K loop `gemv_accumulate`, launched by `launch_gemv` with its default tile)
-computes each program's BLOCK_N outputs and stores those rows of the sum, nothing else: no atomics, no program
-waits for another (unlike linear_add_rms_norm.py's last-program norm, which serializes a whole-row tail after the
-GEMV). Rows of at most PRELOAD_MAX_K elements are loaded whole before the kernel's PDL wait (weights are never
-written by an earlier kernel), their K chunks then added in the loop's order (`_chunk_sums`): the same sums (bit for
-bit under the interpreter; a GPU compiler may contract the loop's multiply-adds differently). Anything else (several rows: prefill, batches; rows the GEMV does not take; a residual of another shape)
-runs `linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On
-CPU the reference is `F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
+computes each program's BLOCK_N outputs and stores those rows of the sum, nothing else: no atomics, no program waits
+for another (unlike linear_add_rms_norm.py's last-program norm, which serializes a whole-row tail after the GEMV).
+Rows of at most PRELOAD_MAX_K elements (off by default: see it) are loaded whole before the kernel's PDL wait
+(weights are never written by an earlier kernel), their K chunks then added in the loop's order (`_chunk_sums`): the
+same sums (bit for bit under the interpreter; a GPU compiler may contract the loop's multiply-adds differently).
+Anything else (several rows: prefill, batches; rows the GEMV does not take; a residual of another shape) runs
+`linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
+reference is `F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ __all__ = ["PRELOAD_MAX_K", "linear_add", "linear_add_reference", "linear_add_tr
 # Rows of at most this many elements are loaded whole before the PDL wait (MINI_INFER_GEMV_PRELOAD_MAX_K; 0: never):
 # the programs already resident while the kernel before this one runs (at batch 1 a latency-bound decode attention
 # or a small gate_up GEMV leaves most SMs idle) stream their weights then, instead of after it. On an H200
-# (2026-11-24, bf16, batch 1, `bench/latency.py`, processes alternated in one lease): qwen3-0.6b (o_proj K 2,048,
-# down_proj K 3,072) 1,354.7 / 1,355.0 tok/s preloaded vs 1,252.0 / 1,252.8; qwen2.5-7b (o_proj K 3,584; down_proj's
-# 18,944 too long) 249.8 / 249.7 vs 250.2 / 250.1 with rows up to 4,096 preloaded: hence 3,072.
-PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "3072"))
+# (2026-11-24, bf16, batch 1, `bench/latency.py`, processes alternated in one lease) a first version (one tl.sum over
+# the whole row: other bits than the loop's) gave qwen3-0.6b (o_proj K 2,048, down_proj K 3,072) 1,354.7 / 1,355.0
+# tok/s vs 1,252.0 / 1,252.8, and qwen2.5-7b (o_proj K 3,584; down_proj's 18,944 too long) 249.8 / 249.7 vs 250.2 /
+# 250.1 with rows up to 4,096: so 3,072 is the limit to use. OFF by default until this version (`_chunk_sums`: the
+# loop's bits) has passed bench/gpu_check.py on a GPU: the session's device time ran out after a first build of it
+# failed to compile there (fixed since, checked only under the interpreter). To try it:
+# MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
+PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "0"))
 
 
 def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

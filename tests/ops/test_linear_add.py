@@ -59,7 +59,8 @@ def test_one_row_equals_linear_then_add(launches, dtype, residual_dtype, n, k, b
     _assert_same_sum(s, gemv_triton(x, w, b) + r)
 
 
-def test_preload_width_covers_k_in_one_two_or_four_chunks():
+def test_preload_width_covers_k_in_one_two_or_four_chunks(monkeypatch):
+    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 3072)
     assert [mod.preload_width(k) for k in (96, 512, 1500, 2048, 2500, 3072)] == [512, 512, 2048, 2048, 4096, 4096]
     assert mod.preload_width(mod.PRELOAD_MAX_K + 1) == 0
     assert mod.preload_width(3000, config=(2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
