@@ -45,7 +45,8 @@ __all__ = ["PRELOAD_MAX_K", "linear_add", "linear_add_reference", "linear_add_tr
 # tok/s vs 1,252.0 / 1,252.8, and qwen2.5-7b (o_proj K 3,584; down_proj's 18,944 too long) 249.8 / 249.7 vs 250.2 /
 # 250.1 with rows up to 4,096: so 3,072 is the limit to use. OFF by default until this version (`_chunk_sums`: the
 # loop's bits) has passed bench/gpu_check.py on a GPU: the session's device time ran out after a first build of it
-# failed to compile there (fixed since, checked only under the interpreter). To try it:
+# failed to compile there (fixed since; checked under the interpreter and built for sm_90 on a CPU without spills,
+# tests/ops/compile_linear_add_sm90.py, which reproduces the first build's failure). To try it:
 # MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
 PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "0"))
 

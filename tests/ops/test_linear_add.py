@@ -10,7 +10,7 @@ import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import linear_add as mod
 from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton
 from mini_infer.ops.linear_add import linear_add_reference, linear_add_triton
-from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton, run_uninterpreted
 
 mi = torch.ops.mini_infer
 # (N, K): no N a multiple of the GEMV's rows per program, no K a multiple of its K step; K >= 1024 takes the long tile
@@ -78,6 +78,15 @@ def test_preloaded_rows_equal_the_k_loop(launches, monkeypatch, k):
     assert mod.preload_width(k) == 0
     assert torch.equal(s, linear_add_triton(x, w, b, r))
     assert launches == [mod._gemv_add_kernel] * 2
+
+
+def test_preload_kernel_compiles_for_sm90():
+    """The one-row kernel with one, two and four chunks preloaded (and without) builds for sm_90 with no spills
+    (tests/ops/compile_linear_add_sm90.py; skipped without Triton's CUDA backend)."""
+    report = run_uninterpreted(["-m", "tests.ops.compile_linear_add_sm90"])
+    assert [c["preload_k"] for c in report["cases"]] == [512, 2048, 4096, 0]
+    for case in report["cases"]:
+        assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
 
 
 @requires_triton
