@@ -10,7 +10,10 @@ depends only on shapes, so a CUDA graph captured for one batch size keeps its ke
 `gemv_program`, the kernel itself) and a launcher (`launch_gemv`) that other single-row kernels build on
 (rms_norm_linear.py: the norm as the GEMV's prologue; linear_add.py: the residual add in its epilogue;
 linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
-weights into an int32 or fp32 accumulator). Imports nothing from mini_infer outside
+weights into an int32 or fp32 accumulator). The weight preload before the PDL wait lives here too (`PRELOAD_MAX_K`,
+off by default pending a GPU check; `preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`,
+`gemv_after_wait`): rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers`, then their K
+chunks are added in the K loop's order, so the sums are the loop's. Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
 
@@ -21,10 +24,18 @@ import os
 import torch
 import torch.nn.functional as F
 
-from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 
-__all__ = ["GEMV_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference", "linear_triton", "takes_gemv",
-           "unit_stride_row"]
+__all__ = ["GEMV_MAX_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
+           "linear_triton", "preload_width", "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
 # In isolation cuBLAS and the GEMV tie on the long rows (qwen2.5-7b down_proj 37.0 vs 38.1 us, llama-3.1-8b 30.8 vs
@@ -46,6 +57,19 @@ GEMV_CONFIG_XLONG_K = (2, 1024, 4, 4)  # rows over 8192: the best tile of qwen2.
 GEMV_CONFIG_SHORT_K = (4, 512, 4, 1)
 GEMV_CONFIG_WIDE_1K = (4, 512, 4, 2)
 WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
+# Rows of at most this many elements are loaded whole before the PDL wait (MINI_INFER_GEMV_PRELOAD_MAX_K, read once,
+# at import; 0: never): the programs already resident while the kernel before this one runs (at batch 1 a
+# latency-bound decode attention or a small gate_up GEMV leaves most SMs idle) stream their weights then, instead of
+# after it. Weights are never written by an earlier kernel, so reading them before the wait is safe. On an H200
+# (2026-11-24, bf16, batch 1, `bench/latency.py`, processes alternated in one lease) a first version in linear_add.py
+# only (o_proj / down_proj; one tl.sum over the whole row: other bits than the loop's) gave qwen3-0.6b (o_proj K
+# 2,048, down_proj K 3,072) 1,354.7 / 1,355.0 tok/s vs 1,252.0 / 1,252.8, and qwen2.5-7b (o_proj K 3,584; down_proj's
+# 18,944 too long) 249.8 / 249.7 vs 250.2 / 250.1 with rows up to 4,096: so 3,072 is the limit to try. OFF by default
+# until this version (`chunk_sums`: the loop's bits), now in every one-row float GEMV (gemv_program, linear_add,
+# rms_norm_linear, rms_norm_linear_silu, linear_add_rms_norm), has passed bench/gpu_check.py on a GPU: it is checked
+# under the interpreter and built for sm_90 on a CPU without spills (tests/ops/compile_gemv_preload_sm90.py,
+# tests/ops/compile_linear_add_sm90.py). To try it: MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
+PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "0"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,15 +125,66 @@ if HAS_TRITON:
         return rows, row_ok, acc
 
     @triton.jit
+    def chunk_sums(p, BLOCK_K: tl.constexpr):
+        """p [R, n * BLOCK_K] (n = 1, 2 or 4) -> [R, BLOCK_K]: the K chunks added one after the other,
+        ((c0 + c1) + c2) + c3, the order in which `gemv_accumulate`'s loop adds them, so that the row sums are the
+        loop's bit for bit (R: BLOCK_N weight rows, or 1 for a row's squares: rms_norm_linear.py)."""
+        R: tl.constexpr = p.shape[0]
+        n: tl.constexpr = p.shape[1] // BLOCK_K
+        if n == 1:  # constexpr branches, no early return: Triton compiles the code after a returning branch too
+            out = p
+        elif n == 2:
+            c0, c1 = tl.split(tl.permute(tl.reshape(p, [R, 2, BLOCK_K]), [0, 2, 1]))
+            out = c0 + c1
+        else:
+            q = tl.permute(tl.reshape(p, [R, 2, 2, BLOCK_K]), [0, 3, 1, 2])  # [.., BLOCK_K, c // 2, c % 2]
+            even, odd = tl.split(q)  # chunks 0, 2 and 1, 3
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            out = ((c0 + c1) + c2) + c3
+        return out
+
+    @triton.jit
+    def gemv_preload(w_rows, row_ok, K, PRELOAD_K: tl.constexpr):
+        """The weight rows `w_rows` (their pointers) whole, [BLOCK_N, PRELOAD_K >= K], zero past K and where a row
+        does not exist: what a program loads BEFORE its PDL wait (weights are never written by an earlier kernel),
+        with the columns (cols, col_ok) the input is then loaded at."""
+        cols = tl.arange(0, PRELOAD_K)
+        col_ok = cols < K
+        return gemv_load(w_rows, row_ok, cols, col_ok), cols, col_ok
+
+    @triton.jit
+    def preloaded_acc(w, x, BLOCK_K: tl.constexpr):
+        """The K loop's accumulator [BLOCK_N, BLOCK_K] from preloaded rows w [BLOCK_N, PRELOAD_K] and the input x
+        (fp32, [PRELOAD_K], zero past K): `gemv_step`'s products, their K chunks added in the loop's order."""
+        return chunk_sums(w.to(tl.float32) * x[None, :], BLOCK_K)
+
+    @triton.jit
+    def gemv_after_wait(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRELOAD_K: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+        """`await_producers` then `gemv_accumulate`'s (rows, row_ok, acc [BLOCK_N, BLOCK_K]); with PRELOAD_K
+        (`preload_width`) the whole rows are loaded before the wait and summed after it in the loop's order (the
+        same acc)."""
+        if PRELOAD_K:
+            rows, row_ok, w_rows, _ = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
+            w, cols, col_ok = gemv_preload(w_rows, row_ok, K, PRELOAD_K)
+            await_producers(USE_GDC)
+            acc = preloaded_acc(w, tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), BLOCK_K)
+        else:
+            await_producers(USE_GDC)
+            rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
+        return rows, row_ok, acc
+
+    @triton.jit
     def gemv_program(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        PRELOAD_K: tl.constexpr = 0,
     ):  # fmt: skip
         """The GEMV kernel (launched as `_gemv_kernel`; kernels that do more after it call it as their first part:
         linear_add_rms_norm.py): y at this program's BLOCK_N rows = x . w[row] (+ bias), fp32 sums. USE_GDC: a
-        programmatic dependent launch (`await_producers`)."""
-        await_producers(USE_GDC)
-        rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
+        programmatic dependent launch (`await_producers`); PRELOAD_K: the rows loaded before it (`gemv_after_wait`)."""
+        rows, row_ok, acc = gemv_after_wait(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, PRELOAD_K, USE_GDC)
         gemv_store(acc, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
     _gemv_kernel = gemv_program
@@ -129,6 +204,15 @@ def gemv_config(k: int, n: int = 0) -> tuple[int, int, int, int]:
     if k > 8192:
         return GEMV_CONFIG_XLONG_K
     return GEMV_CONFIG_WIDE_1K if k < 2048 and n >= WIDE_N else GEMV_CONFIG_LONG_K
+
+
+def preload_width(k: int, config: tuple[int, int, int, int]) -> int:
+    """PRELOAD_K for a one-row kernel of tile `config` over rows of K elements: the width it loads before its PDL wait,
+    a power of two covering K and a multiple of the tile's BLOCK_K by 1, 2 or 4 (the chunks `chunk_sums` adds in the
+    K loop's order); 0 (the K loop after the wait) for rows longer than PRELOAD_MAX_K or more chunks."""
+    block_k = config[1]
+    width = max(next_pow2(k), block_k)
+    return width if k <= PRELOAD_MAX_K and width // block_k in (1, 2, 4) else 0
 
 
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
@@ -154,8 +238,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    config = config or gemv_config(k, n)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, HAS_BIAS=bias is not None)
+                config=config, HAS_BIAS=bias is not None, PRELOAD_K=preload_width(k, config))
     return y
 
 

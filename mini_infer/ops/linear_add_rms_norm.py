@@ -11,9 +11,10 @@ o_proj / down_proj output feeds only the residual add + norm. Functional: never 
 
 Why: at batch-1 decode the norm is a one-program kernel whose cost is almost all launch. On CUDA, for one row that
 the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one launch does both: every program
-runs the GEMV's body (`gemv_program` / int8_linear.py's `scaled_gemv_program`) and stores its slice of the linear's
-output row, then counts itself in a counter (`_split_k.split_counters` and `arrives_last`: a
-`tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the program that
+runs the GEMV's body (`gemv_program`, with linear.py's weight preload before the PDL wait for rows of at most
+PRELOAD_MAX_K elements, off by default pending a GPU check; int8_linear.py's `scaled_gemv_program`, no preload) and
+stores its slice of the linear's output row, then counts itself in a counter (`_split_k.split_counters` and
+`arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the program that
 arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole row (rms_norm.py's `rms_norm_rows`,
 with quant.py's `store_quantized_norm` for the quantizing variant) on the tile of the unfused norm kernel
 (`norm_tile`). So the linear's output is the GEMV kernel's, and the norm reads the same stored values with the same
@@ -41,7 +42,15 @@ from mini_infer.ops.int8_linear import (
     launch_scaled_gemv,
     takes_scaled_gemv,
 )
-from mini_infer.ops.linear import launch_gemv, linear_reference, linear_triton, takes_gemv, unit_stride_row
+from mini_infer.ops.linear import (
+    gemv_config,
+    launch_gemv,
+    linear_reference,
+    linear_triton,
+    preload_width,
+    takes_gemv,
+    unit_stride_row,
+)
 from mini_infer.ops.quant import (
     QMAX,
     _tl_dtype,
@@ -113,9 +122,9 @@ if HAS_TRITON:
     def _gemv_add_rms_norm_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, r_ptr, nw_ptr, out_ptr, s_ptr, cnt_ptr, eps,
         HAS_BIAS: tl.constexpr, NORM_BLOCK_M: tl.constexpr, NORM_BLOCK_N: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PRELOAD_K: tl.constexpr = 0,
     ):  # fmt: skip
-        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_GDC)
+        gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_GDC, PRELOAD_K)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -160,11 +169,13 @@ def linear_add_rms_norm_triton(
     s = torch.empty(y_shape, dtype=x.dtype, device=x.device)
     out = torch.empty(y_shape, dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
     block_m, block_n, _ = norm_tile(n)
+    config = gemv_config(k, n)
     launch_gemv(
         _gemv_add_rms_norm_kernel, w,
         xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
         unit_stride_row(residual), norm_weight.contiguous(), out, s, split_counters(x.device, 1), float(eps),
-        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, config=config,
+        PRELOAD_K=preload_width(k, config),
     )  # fmt: skip
     return out, s
 
