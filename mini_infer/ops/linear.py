@@ -115,7 +115,7 @@ if HAS_TRITON:
     @triton.jit
     def gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The GEMV's K loop over this program's rows: (rows, which exist, the fp32 accumulator [BLOCK_N, BLOCK_K]
-        of x . w[row], to be summed along K), for kernels that finish the rows otherwise (linear_add.py)."""
+        of x . w[row], to be summed along K), for kernels that finish the rows otherwise (`gemv_after_wait`)."""
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -219,8 +219,8 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
                 **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
-    programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and starts with
-    `await_producers`)."""
+    programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and calls `await_producers` before it
+    reads anything an earlier kernel writes; with PRELOAD_K (`preload_width`) it loads its weight rows before that)."""
     bn, bk, warps, stages = config or gemv_config(weight.shape[1], weight.shape[0])
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)

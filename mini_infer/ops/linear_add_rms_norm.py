@@ -14,9 +14,9 @@ the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one 
 runs the GEMV's body (`gemv_program`, with linear.py's weight preload before the PDL wait for rows of at most
 PRELOAD_MAX_K elements, off by default pending a GPU check; int8_linear.py's `scaled_gemv_program`, no preload) and
 stores its slice of the linear's output row, then counts itself in a counter (`_split_k.split_counters` and
-`arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the program that
-arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole row (rms_norm.py's `rms_norm_rows`,
-with quant.py's `store_quantized_norm` for the quantizing variant) on the tile of the unfused norm kernel
+`arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the
+program that arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole
+row (rms_norm.py's `rms_norm_rows`, with quant.py's `store_quantized_norm` for the quantizing variant) on the tile of the unfused norm kernel
 (`norm_tile`). So the linear's output is the GEMV kernel's, and the norm reads the same stored values with the same
 tile: under the Triton interpreter the outputs equal the unfused pair's bit for bit. On a GPU the fused kernel
 runs the norm with the GEMV's warps (4): the same as the norm kernel's for rows up to 4,096 columns; longer rows

@@ -26,8 +26,8 @@ Triton interpreter the fused op equals the producer then silu_and_mul bit for bi
 products' summation order follows the tile's register layout, as between two GEMV tiles. Anything else (several
 rows: prefill, batches; rows the GEMV does not take; halves wider than GATE_UP_SILU_MAX_I; mixed dtypes) runs
 the unfused kernels (the producer, then silu_and_mul's); the choice depends only on shapes and dtypes: CUDA-graph
-safe, no host syncs. Rows of at most linear.py's PRELOAD_MAX_K elements (off by default pending a GPU check) have a program's gate AND up
-rows loaded whole before the PDL wait; after it the input (with the norm: rms_norm_linear.py's
+safe, no host syncs. Rows of at most linear.py's PRELOAD_MAX_K elements (off by default pending a GPU check) have
+a program's gate AND up rows loaded whole before the PDL wait; after it the input (with the norm: rms_norm_linear.py's
 `preloaded_norm_input`) is read whole and each accumulator's K chunks are added in the loop's order (`chunk_sums`):
 the loop's bits under the interpreter. On CPU the reference is the unfused references. Imports nothing from
 mini_infer outside `mini_infer.ops`.

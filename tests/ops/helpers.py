@@ -60,6 +60,21 @@ def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str,
     return launches
 
 
+def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, module, run) -> tuple:
+    """`run()`'s result with linear.py's weight preload before the PDL wait on (PRELOAD_MAX_K 8192) and off (0), and
+    the PRELOAD_K of each launch `module` made through its `launch_gemv` meanwhile (each still runs), in order."""
+    from mini_infer.ops import linear
+
+    widths = []
+    real = module.launch_gemv
+    monkeypatch.setattr(module, "launch_gemv",
+                        lambda kernel, *a, **kw: widths.append(kw.get("PRELOAD_K")) or real(kernel, *a, **kw))
+    monkeypatch.setattr(linear, "PRELOAD_MAX_K", 8192)
+    on = run()
+    monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)
+    return on, run(), widths
+
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA_BACKEND = 77  # a child's exit status when Triton cannot compile for CUDA here (no NVIDIA backend / ptxas)
 

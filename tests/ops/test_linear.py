@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import linear as linear_mod
 from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton, linear_reference, linear_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, preloaded_and_looped, requires_triton, run_uninterpreted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -82,6 +82,42 @@ def test_registered_op_and_fake():
         out = torch.ops.mini_infer.linear(torch.empty(1, 7, 64, dtype=torch.bfloat16),
                                           torch.empty(96, 64, dtype=torch.bfloat16), None)
     assert out.shape == (1, 7, 96) and out.dtype == torch.bfloat16
+
+
+def test_preload_width_covers_k_in_one_two_or_four_chunks(monkeypatch):
+    """A power of two covering K, 1, 2 or 4 of the tile's BLOCK_K; 0 past PRELOAD_MAX_K or with more chunks."""
+    monkeypatch.setattr(linear_mod, "PRELOAD_MAX_K", 3072)
+    long, short = linear_mod.GEMV_CONFIG_LONG_K, linear_mod.GEMV_CONFIG_SHORT_K
+    assert [linear_mod.preload_width(k, long) for k in (96, 512, 1500, 2048, 2500, 3072)] == [1024, 1024, 2048, 2048,
+                                                                                               4096, 4096]
+    assert [linear_mod.preload_width(k, short) for k in (96, 1000, 2048, 3072)] == [512, 1024, 2048, 0]
+    assert linear_mod.preload_width(3073, long) == 0
+    assert linear_mod.preload_width(3000, (2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
+
+
+@requires_triton
+@pytest.mark.parametrize(("k", "config", "width"), [(96, None, 512), (1000, linear_mod.GEMV_CONFIG_WIDE_1K, 1024),
+                                                     (1500, None, 2048), (4000, None, 4096)])
+def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, config, width):
+    """gemv_program with its rows loaded whole before the PDL wait: the K loop's bits, in one, two (the wide tile's
+    two steps of 512 too) and four chunks."""
+    torch.manual_seed(k)
+    w, b = torch.randn(21, k, device=DEVICE) / k**0.5, torch.randn(21, device=DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    on, off, widths = preloaded_and_looped(monkeypatch, linear_mod, lambda: gemv_triton(x, w, b, config))
+    assert widths == [width, 0]
+    assert torch.equal(on, off)
+
+
+def test_preload_kernels_compile_for_sm90():
+    """Every one-row kernel that takes the weight preload builds for sm_90 with one, two and four chunks preloaded
+    (and without) and no spills (tests/ops/compile_gemv_preload_sm90.py; skipped without Triton's CUDA backend)."""
+    report = run_uninterpreted(["-m", "tests.ops.compile_gemv_preload_sm90"])
+    preloads = {}
+    for case in report["cases"]:
+        preloads.setdefault(case["kernel"], []).append(case["preload_k"] // case["block_k"])
+        assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
+    assert len(preloads) == 5 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in preloads.values())
 
 
 def test_opcheck():

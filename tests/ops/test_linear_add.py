@@ -10,7 +10,13 @@ import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import linear_add as mod
 from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton
 from mini_infer.ops.linear_add import linear_add_reference, linear_add_triton
-from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton, run_uninterpreted
+from tests.ops.helpers import (
+    DEVICE,
+    assert_close,
+    preloaded_and_looped,
+    record_gemv_launches,
+    requires_triton,
+)
 
 mi = torch.ops.mini_infer
 # (N, K): no N a multiple of the GEMV's rows per program, no K a multiple of its K step; K >= 1024 takes the long tile
@@ -59,34 +65,15 @@ def test_one_row_equals_linear_then_add(launches, dtype, residual_dtype, n, k, b
     _assert_same_sum(s, gemv_triton(x, w, b) + r)
 
 
-def test_preload_width_covers_k_in_one_two_or_four_chunks(monkeypatch):
-    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 3072)
-    assert [mod.preload_width(k) for k in (96, 512, 1500, 2048, 2500, 3072)] == [512, 512, 2048, 2048, 4096, 4096]
-    assert mod.preload_width(mod.PRELOAD_MAX_K + 1) == 0
-    assert mod.preload_width(3000, config=(2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
-
-
 @requires_triton
-@pytest.mark.parametrize("k", [96, 1500, 4000])  # one, two and four K chunks preloaded (4000: four non-empty ones)
-def test_preloaded_rows_equal_the_k_loop(launches, monkeypatch, k):
-    """Rows loaded whole before the PDL wait (`PRELOAD_MAX_K`) give the K loop's sums: its chunks added in its order."""
-    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 4096)
+@pytest.mark.parametrize(("k", "width"), [(96, 512), (1500, 2048), (4000, 4096)])  # one, two and four K chunks
+def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
+    """Rows loaded whole before the PDL wait (linear.py's `PRELOAD_MAX_K`) give the K loop's sums: its chunks added
+    in its order (4000: four non-empty chunks)."""
     x, w, b, r = _inputs(1, 24, k, torch.float32, True, seed=k)
-    assert mod.preload_width(k) > 0
-    s = linear_add_triton(x, w, b, r)
-    monkeypatch.setattr(mod, "PRELOAD_MAX_K", 0)
-    assert mod.preload_width(k) == 0
-    assert torch.equal(s, linear_add_triton(x, w, b, r))
-    assert launches == [mod._gemv_add_kernel] * 2
-
-
-def test_preload_kernel_compiles_for_sm90():
-    """The one-row kernel with one, two and four chunks preloaded (and without) builds for sm_90 with no spills
-    (tests/ops/compile_linear_add_sm90.py; skipped without Triton's CUDA backend)."""
-    report = run_uninterpreted(["-m", "tests.ops.compile_linear_add_sm90"])
-    assert [c["preload_k"] for c in report["cases"]] == [512, 2048, 4096, 0]
-    for case in report["cases"]:
-        assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
+    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: linear_add_triton(x, w, b, r))
+    assert widths == [width, 0]
+    assert torch.equal(on, off)
 
 
 @requires_triton

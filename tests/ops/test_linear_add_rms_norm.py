@@ -21,7 +21,7 @@ from mini_infer.ops.linear_add_rms_norm import (
     scaled_linear_add_rms_norm_quant_triton,
 )
 from mini_infer.ops.quant import fused_add_rms_norm_quant_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, preloaded_and_looped, requires_triton
 
 mi = torch.ops.mini_infer
 FP8 = torch.float8_e4m3fn
@@ -91,6 +91,18 @@ def test_one_row_equals_the_unfused_kernels(fused_launches, dtype, n, k, bias):
         assert torch.equal(out, out_ref)
     else:
         assert_close(out, out_ref)
+    assert _counter_is_zero()
+
+
+@requires_triton
+@pytest.mark.parametrize(("k", "width"), [(96, 512), (1500, 2048), (4000, 4096)])  # one, two and four K chunks
+def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
+    """The GEMV part with its rows loaded whole before the PDL wait (linear.py's `PRELOAD_MAX_K`): the K loop's bits,
+    so the norm after it too; the counter is zero after both."""
+    x, w, b, r, nw = _inputs(1, 26, k, torch.float32, bias=True, seed=k)
+    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: linear_add_rms_norm_triton(x, w, b, r, nw, EPS))
+    assert widths == [width, 0]
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
     assert _counter_is_zero()
 
 
