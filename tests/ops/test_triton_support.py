@@ -35,8 +35,10 @@ def _jit_functions() -> dict[str, ast.FunctionDef]:
     return found
 
 
-# what may run before the wait: index arithmetic, and loads of the weights (`w_ptr`), which no kernel writes
+# what may run before the wait: index arithmetic, and loads of the weights (addresses built on `w_ptr` and what is
+# derived from it, also through jit helpers), which no kernel writes
 _PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum"}
+WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
 
 
 def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
@@ -44,45 +46,68 @@ def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
     return fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
 
 
-def _weights_only(call: ast.Call) -> bool:
-    """A call that may run before the wait: tl.<index op>, tl.load from an address built on w_ptr alone (the
-    pointers it names), or a method such as `.to(...)` on such values."""
-    func = call.func
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "tl":
-        if func.attr not in _PRE_WAIT_TL:
-            return False
-        if func.attr == "load":
-            ptrs = {n.id for n in ast.walk(call.args[0]) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
-            return ptrs == {"w_ptr"}
-        return True
-    return isinstance(func, ast.Attribute)  # x.to(...), a[:, None] ... on values computed here
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def _reaches_wait(stmts: list[ast.stmt], jit: dict[str, ast.FunctionDef]) -> bool:
-    """Whether these statements call `await_producers` (directly or in a jit function they call first) before
-    anything but weight loads and index arithmetic; an `if` must reach it on both branches."""
+def _weight_address(expr: ast.AST, weights: set[str]) -> bool:
+    """An address built on the weights: it names one of them and no other pointer (`*_ptr`)."""
+    names = _names(expr)
+    return bool(names & weights) and not {n for n in names if n.endswith("_ptr")} - weights
+
+
+def _before_wait(stmts: list[ast.stmt], jit: dict[str, ast.FunctionDef], weights: set[str]) -> str:
+    """WAITS if these statements call `await_producers` (directly or inside a jit function they call) before
+    anything but index arithmetic and weight loads; PURE if they end (or return) having done only those; else
+    UNSAFE. An `if` (a constexpr branch) must be WAITS on both sides, or PURE on both."""
     for stmt in stmts:
         if isinstance(stmt, ast.If):
-            return _reaches_wait(stmt.body, jit) and _reaches_wait(stmt.orelse, jit)
+            sides = {_before_wait(stmt.body, jit, weights), _before_wait(stmt.orelse, jit, weights)}
+            if sides == {WAITS}:
+                return WAITS
+            if sides != {PURE}:
+                return UNSAFE
+            continue
+        if isinstance(stmt, ast.Return):
+            return PURE if stmt.value is None or all(_call_ok(c, jit, weights) == PURE for c in _calls(stmt.value)) \
+                else UNSAFE
         if not isinstance(stmt, (ast.Expr, ast.Assign, ast.AnnAssign)) or stmt.value is None:
-            return False
-        calls = [n for n in ast.walk(stmt.value) if isinstance(n, ast.Call)]
-        named = [c.func.id for c in calls if isinstance(c.func, ast.Name)]
-        if "await_producers" in named:
-            return True
-        for name in named:
-            if name not in jit:
-                return False
-            if _reaches_wait(_body(jit[name]), jit):
-                return True  # a jit body that waits (after weight loads at most) before anything else
-            return False
-        if not all(_weights_only(c) for c in calls):
-            return False
-    return False
+            return UNSAFE
+        results = {_call_ok(c, jit, weights) for c in _calls(stmt.value)}
+        if UNSAFE in results:
+            return UNSAFE
+        if WAITS in results:
+            return WAITS
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and _names(stmt.value) & weights:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            weights = weights | {n for t in targets for n in _names(t)}
+    return PURE
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _call_ok(call: ast.Call, jit: dict[str, ast.FunctionDef], weights: set[str]) -> str:
+    func = call.func
+    if isinstance(func, ast.Name):
+        if func.id == "await_producers":
+            return WAITS
+        if func.id not in jit:
+            return UNSAFE
+        fn = jit[func.id]
+        params = [a.arg for a in fn.args.args]
+        inner = {p for p, arg in zip(params, call.args) if _weight_address(arg, weights)}
+        return _before_wait(_body(fn), jit, inner)
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "tl":
+        if func.attr not in _PRE_WAIT_TL:
+            return UNSAFE
+        return PURE if func.attr != "load" or _weight_address(call.args[0], weights) else UNSAFE
+    return PURE if isinstance(func, ast.Attribute) else UNSAFE  # x.to(...) on values computed here
 
 
 def _waits_first(name: str, jit: dict[str, ast.FunctionDef]) -> bool:
-    return _reaches_wait(_body(jit[name]), jit)
+    return _before_wait(_body(jit[name]), jit, {"w_ptr"}) == WAITS
 
 
 def test_every_kernel_with_use_gdc_waits_first():
