@@ -68,7 +68,7 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 # until this version (`chunk_sums`: the loop's bits), now in every one-row float GEMV (gemv_program, linear_add,
 # rms_norm_linear, rms_norm_linear_silu, linear_add_rms_norm), has passed bench/gpu_check.py on a GPU: it is checked
 # under the interpreter and built for sm_90 on a CPU without spills (tests/ops/compile_gemv_preload_sm90.py,
-# tests/ops/compile_linear_add_sm90.py). To try it: MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
+# which reproduces the compile failure the H200 hit with the first build). To try it: MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
 PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "0"))
 
 
