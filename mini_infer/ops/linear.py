@@ -216,12 +216,16 @@ def preload_width(k: int, config: tuple[int, int, int, int]) -> int:
 
 
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-                **constexprs) -> None:
+                preload: bool = False, **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
     programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and calls `await_producers` before it
-    reads anything an earlier kernel writes; with PRELOAD_K (`preload_width`) it loads its weight rows before that)."""
-    bn, bk, warps, stages = config or gemv_config(weight.shape[1], weight.shape[0])
+    reads anything an earlier kernel writes). `preload`: the kernel takes PRELOAD_K, which this sets to
+    `preload_width` of the weight's K and the tile (its weight rows loaded before the wait where that is not 0)."""
+    tile = config or gemv_config(weight.shape[1], weight.shape[0])
+    bn, bk, warps, stages = tile
+    if preload:
+        constexprs["PRELOAD_K"] = preload_width(weight.shape[1], tile)
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 
@@ -238,9 +242,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    config = config or gemv_config(k, n)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, HAS_BIAS=bias is not None, PRELOAD_K=preload_width(k, config))
+                config=config, preload=True, HAS_BIAS=bias is not None)
     return y
 
 

@@ -26,11 +26,9 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
 from mini_infer.ops.linear import (
-    gemv_config,
     launch_gemv,
     linear_reference,
     linear_triton,
-    preload_width,
     takes_gemv,
     unit_stride_row,
 )
@@ -82,9 +80,8 @@ def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     s = torch.empty(y_shape, dtype=_sum_dtype(x, residual), device=x.device)
-    config = config or gemv_config(k, n)
     launch_gemv(_gemv_add_kernel, w, xr, w, bias if bias is not None else w, unit_stride_row(residual), s.view(n),
-                n, k, w.stride(0), config=config, HAS_BIAS=bias is not None, PRELOAD_K=preload_width(k, config))
+                n, k, w.stride(0), config=config, preload=True, HAS_BIAS=bias is not None)
     return s
 
 

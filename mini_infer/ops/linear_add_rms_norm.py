@@ -43,11 +43,9 @@ from mini_infer.ops.int8_linear import (
     takes_scaled_gemv,
 )
 from mini_infer.ops.linear import (
-    gemv_config,
     launch_gemv,
     linear_reference,
     linear_triton,
-    preload_width,
     takes_gemv,
     unit_stride_row,
 )
@@ -169,13 +167,11 @@ def linear_add_rms_norm_triton(
     s = torch.empty(y_shape, dtype=x.dtype, device=x.device)
     out = torch.empty(y_shape, dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
     block_m, block_n, _ = norm_tile(n)
-    config = gemv_config(k, n)
     launch_gemv(
         _gemv_add_rms_norm_kernel, w,
         xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
         unit_stride_row(residual), norm_weight.contiguous(), out, s, split_counters(x.device, 1), float(eps),
-        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, config=config,
-        PRELOAD_K=preload_width(k, config),
+        HAS_BIAS=bias is not None, NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, preload=True,
     )  # fmt: skip
     return out, s
 

@@ -41,7 +41,6 @@ from mini_infer.ops.linear import (
     launch_gemv,
     linear_reference,
     linear_triton,
-    preload_width,
     takes_gemv,
     unit_stride_row,
 )
@@ -146,8 +145,7 @@ def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[
         _rms_norm_gemv_kernel, w,
         xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
         norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K,
-        PRELOAD_K=preload_width(k, GEMV_CONFIG_SHORT_K),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K, preload=True,
     )  # fmt: skip
     return y, s
 

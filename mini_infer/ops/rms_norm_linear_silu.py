@@ -44,7 +44,6 @@ from mini_infer.ops.linear import (
     launch_gemv,
     linear_reference,
     linear_triton,
-    preload_width,
     takes_gemv,
     unit_stride_row,
 )
@@ -165,13 +164,12 @@ def _launch_gate_up_silu(x, norm_weight, eps, weight, bias, config) -> torch.Ten
     out = torch.empty((*x.shape[:-1], half), dtype=out_dtype, device=x.device)
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    config = config or gate_up_silu_config(k, n, norm_weight is not None)
     launch_gemv(
         _gate_up_silu_kernel, w[:half],  # the grid: one program per BLOCK_N gate rows (each takes its up rows too)
         xr, norm_weight.contiguous() if norm_weight is not None else xr, w, bias if bias is not None else w,
         out.view(half), half, k, w.stride(0), float(eps),
-        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, config=config,
-        PRELOAD_K=preload_width(k, config),
+        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        config=config or gate_up_silu_config(k, n, norm_weight is not None), preload=True,
     )  # fmt: skip
     return out
 

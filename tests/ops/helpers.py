@@ -60,15 +60,14 @@ def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str,
     return launches
 
 
-def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, module, run) -> tuple:
+def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, run) -> tuple:
     """`run()`'s result with linear.py's weight preload before the PDL wait on (PRELOAD_MAX_K 8192) and off (0), and
-    the PRELOAD_K of each launch `module` made through its `launch_gemv` meanwhile (each still runs), in order."""
+    the PRELOAD_K `launch_gemv` gave each preloading launch meanwhile (`preload_width`'s results), in order."""
     from mini_infer.ops import linear
 
     widths = []
-    real = module.launch_gemv
-    monkeypatch.setattr(module, "launch_gemv",
-                        lambda kernel, *a, **kw: widths.append(kw.get("PRELOAD_K")) or real(kernel, *a, **kw))
+    real = linear.preload_width
+    monkeypatch.setattr(linear, "preload_width", lambda *a: widths.append(real(*a)) or widths[-1])
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 8192)
     on = run()
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)

@@ -104,7 +104,7 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, config, width):
     torch.manual_seed(k)
     w, b = torch.randn(21, k, device=DEVICE) / k**0.5, torch.randn(21, device=DEVICE)
     x = torch.randn(1, k, device=DEVICE)
-    on, off, widths = preloaded_and_looped(monkeypatch, linear_mod, lambda: gemv_triton(x, w, b, config))
+    on, off, widths = preloaded_and_looped(monkeypatch, lambda: gemv_triton(x, w, b, config))
     assert widths == [width, 0]
     assert torch.equal(on, off)
 

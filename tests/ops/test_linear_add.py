@@ -71,7 +71,7 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
     """Rows loaded whole before the PDL wait (linear.py's `PRELOAD_MAX_K`) give the K loop's sums: its chunks added
     in its order (4000: four non-empty chunks)."""
     x, w, b, r = _inputs(1, 24, k, torch.float32, True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: linear_add_triton(x, w, b, r))
+    on, off, widths = preloaded_and_looped(monkeypatch, lambda: linear_add_triton(x, w, b, r))
     assert widths == [width, 0]
     assert torch.equal(on, off)
 

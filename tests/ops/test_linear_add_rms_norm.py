@@ -100,7 +100,7 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
     """The GEMV part with its rows loaded whole before the PDL wait (linear.py's `PRELOAD_MAX_K`): the K loop's bits,
     so the norm after it too; the counter is zero after both."""
     x, w, b, r, nw = _inputs(1, 26, k, torch.float32, bias=True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: linear_add_rms_norm_triton(x, w, b, r, nw, EPS))
+    on, off, widths = preloaded_and_looped(monkeypatch, lambda: linear_add_rms_norm_triton(x, w, b, r, nw, EPS))
     assert widths == [width, 0]
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
     assert _counter_is_zero()

@@ -119,7 +119,7 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width, residual):
     """Weight rows loaded whole before the PDL wait, the norm's input after it (linear.py's `PRELOAD_MAX_K`): the
     one-pass loop's bits, the dot products' and the squares' chunks added in its order; the residual sum too."""
     x, r, nw, w, b = _inputs(1, 22, k, torch.float32, bias=True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: _run(residual, x, r, nw, w, b, "triton"))
+    on, off, widths = preloaded_and_looped(monkeypatch, lambda: _run(residual, x, r, nw, w, b, "triton"))
     assert widths == [width, 0]
     assert torch.equal(on[0], off[0])
     if residual:

@@ -166,6 +166,6 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, norm, k, width):
     """Each program's gate and up rows loaded whole before the PDL wait, the input (and the norm) after it (linear.py's
     `PRELOAD_MAX_K`): the K loop's bits, both accumulators' chunks (and the squares') added in its order."""
     x, nw, w, b = _inputs(1, 13, k, torch.float32, bias=True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, mod, lambda: _fused(norm, x, nw, w, b))
+    on, off, widths = preloaded_and_looped(monkeypatch, lambda: _fused(norm, x, nw, w, b))
     assert widths == [width, 0]
     assert torch.equal(on, off)
