@@ -35,10 +35,9 @@ from tests.passes.helpers import (
     run_passes,
     run_toy,
 )
+from tests.passes.test_fuse_silu_gemv import CUDA_TAIL, PREREQUISITES  # the same pipeline parts
 
 L = NUM_LAYERS
-PREREQUISITES = ["fuse_rmsnorm", "merge_projections", "fuse_silu_mul", "gemv_linear"]
-CUDA_TAIL = ["fuse_residual_gemvs", "fuse_gemv_norm"]  # CUDA's pipeline runs them after gemv_linear, before this pass
 # pipeline -> (rms_norm_linear_silu, linear_silu) on every dense preset
 EXPECTED = {"prerequisites": (0, L), "pipeline": (L, 0)}
 # MoE presets in the CUDA pipeline -> (rms_norm_linear_silu, linear_silu, silu_and_mul left): DeepSeek's dense first
