@@ -11,10 +11,11 @@ depends only on shapes, so a CUDA graph captured for one batch size keeps its ke
 (rms_norm_linear.py: the norm as the GEMV's prologue; linear_add.py: the residual add in its epilogue;
 linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
 weights into an int32 or fp32 accumulator). The weight preload before the PDL wait lives here too (`PRELOAD_MAX_K`,
-off by default pending a GPU check; `preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`,
-`gemv_after_wait`): rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers`, then their K
-chunks are added in the K loop's order, so the sums are the loop's. Imports nothing from mini_infer outside
-`mini_infer.ops`.
+`preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`, `gemv_after_wait`), taken by the GEMVs that follow
+a kernel leaving SMs idle (linear_add.py, linear_add_rms_norm.py: o_proj after attention, down_proj after gate_up):
+rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers`, then their K chunks are added in
+the K loop's order, so the sums are the loop's (bit for bit under the interpreter; on a GPU the compiler may contract
+the loop's multiply-adds into FMAs, the preload's not). Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -57,19 +58,20 @@ GEMV_CONFIG_XLONG_K = (2, 1024, 4, 4)  # rows over 8192: the best tile of qwen2.
 GEMV_CONFIG_SHORT_K = (4, 512, 4, 1)
 GEMV_CONFIG_WIDE_1K = (4, 512, 4, 2)
 WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
-# Rows of at most this many elements are loaded whole before the PDL wait (MINI_INFER_GEMV_PRELOAD_MAX_K, read once,
-# at import; 0: never): the programs already resident while the kernel before this one runs (at batch 1 a
-# latency-bound decode attention or a small gate_up GEMV leaves most SMs idle) stream their weights then, instead of
-# after it. Weights are never written by an earlier kernel, so reading them before the wait is safe. On an H200
-# (2026-11-24, bf16, batch 1, `bench/latency.py`, processes alternated in one lease) a first version in linear_add.py
-# only (o_proj / down_proj; one tl.sum over the whole row: other bits than the loop's) gave qwen3-0.6b (o_proj K
-# 2,048, down_proj K 3,072) 1,354.7 / 1,355.0 tok/s vs 1,252.0 / 1,252.8, and qwen2.5-7b (o_proj K 3,584; down_proj's
-# 18,944 too long) 249.8 / 249.7 vs 250.2 / 250.1 with rows up to 4,096: so 3,072 is the limit to try. OFF by default
-# until this version (`chunk_sums`: the loop's bits), now in every one-row float GEMV (gemv_program, linear_add,
-# rms_norm_linear, rms_norm_linear_silu, linear_add_rms_norm), has passed bench/gpu_check.py on a GPU: it is checked
-# under the interpreter and built for sm_90 on a CPU without spills (tests/ops/compile_gemv_preload_sm90.py,
-# which reproduces the compile failure the H200 hit with the first build). To try it: MINI_INFER_GEMV_PRELOAD_MAX_K=3072.
-PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "0"))
+# Rows of at most this many elements are loaded whole before the PDL wait by the launches that ask for it
+# (`launch_gemv(preload=True)`: linear_add, linear_add_rms_norm): the programs already resident while the kernel before
+# this one runs (at batch 1 a latency-bound decode attention before o_proj, a gate_up GEMV before down_proj) stream
+# their weights then, instead of after it. Weights are never written by an earlier kernel, so reading them before the
+# wait is safe. Measured on an H200 (bf16, batch 1, `bench/latency.py`, processes alternated in one lease):
+# - 2026-11-24, first build (linear_add only, one tl.sum): qwen3-0.6b 1,354.7 / 1,355.0 tok/s vs 1,252.0 / 1,252.8
+#   off; qwen2.5-7b (o_proj K 3,584, preloaded up to 4,096) 249.8 / 249.7 vs 250.2 / 250.1: so rows up to 3,072.
+# - 2026-11-25 (`chunk_sums`: the loop's bits), per kernel at qwen3-0.6b, two rounds: off 1,254.2 / 1,254.1;
+#   linear_add 1,335.0 / 1,335.6; + linear_add_rms_norm 1,336.4 / 1,337.2; + rms_norm_linear (qkv) 1,284.6 /
+#   1,283.9; + rms_norm_linear_silu (gate_up) 1,254.5 / 1,254.9; + gemv_program (lm_head) 1,309.5 / 1,308.7; every
+#   kernel 1,162.7 / 1,175.4. The GEMVs after a full-GPU GEMV lose (their preloaded rows hold registers and compete
+#   for bandwidth with the kernel they overlap), so only the two after idle-SM kernels preload.
+# MINI_INFER_GEMV_PRELOAD_MAX_K (read once, at import) overrides the limit; 0 turns the preload off.
+PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "3072"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -243,7 +245,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, preload=True, HAS_BIAS=bias is not None)
+                config=config, HAS_BIAS=bias is not None)
     return y
 
 

@@ -11,7 +11,7 @@ holds its rows' outputs in registers. On CUDA, for one row that the GEMV takes (
 kernel on linear.py's GEMV tiling (its K loop `gemv_accumulate`, launched by `launch_gemv` with its default tile)
 computes each program's BLOCK_N outputs and stores those rows of the sum, nothing else: no atomics, no program waits
 for another (unlike linear_add_rms_norm.py's last-program norm, which serializes a whole-row tail after the GEMV).
-Rows of at most linear.py's PRELOAD_MAX_K elements (off by default pending a GPU check: see it) are loaded whole
+Rows of at most linear.py's PRELOAD_MAX_K elements (measurements there) are loaded whole
 before the kernel's PDL wait (`gemv_after_wait`; weights are never written by an earlier kernel), their K chunks
 then added in the loop's order (`chunk_sums`): the same sums (bit for bit under the interpreter; a GPU compiler may
 contract the loop's multiply-adds differently).

@@ -21,10 +21,7 @@ normalized row never exists, so it is never rounded to the model dtype (rms_norm
 then `nw * that` to the output dtype, as HF does); only y is rounded. In fp32 the result equals the unfused pair
 to fp32 rounding; in bf16 it is closer to the exact value than the unfused pair, and not bit-equal to it (relative
 error against an fp32 reference 1.7e-3 on an H200: y's bf16 rounding). The sum of squares is also added up in
-another order than rms_norm's kernel. Rows of at most linear.py's PRELOAD_MAX_K elements (off by default pending a GPU
-check) have their weights loaded whole before the PDL wait; after it the norm's input is read whole and both the
-dot products and the squares are added chunk by chunk in the K loop's order (`chunk_sums`): the loop's bits under
-the interpreter. Anything else (several rows: prefill, batches; longer rows; mixed dtypes)
+another order than rms_norm's kernel. Anything else (several rows: prefill, batches; longer rows; mixed dtypes)
 runs the unfused ops' kernels, HF's roundings included, so prefill keeps its speed and its numbers. The choice
 depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the reference is the two unfused
 references. Imports nothing from mini_infer outside `mini_infer.ops`.
@@ -72,7 +69,7 @@ def fused_add_rms_norm_linear_reference(
 
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import add_bias, chunk_sums, gemv_preload, gemv_rows, gemv_step, preloaded_acc
+    from mini_infer.ops.linear import add_bias, gemv_rows, gemv_step
     from mini_infer.ops.rms_norm import norm_input, rms_inverse
 
     @triton.jit
@@ -88,37 +85,22 @@ if HAS_TRITON:
         return x * x, x * nw
 
     @triton.jit
-    def preloaded_norm_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL: tl.constexpr,
-                             BLOCK_K: tl.constexpr):  # fmt: skip
-        """`norm_gemv_input` over the whole row `cols` at once (after the PDL wait, for weights preloaded before it):
-        (the one-pass loop's sum of squares [BLOCK_K], its chunks added in the loop's order (`chunk_sums`), the GEMV's
-        input `x * nw` [PRELOAD_K] for `preloaded_acc`). Also rms_norm_linear_silu.py's."""
-        x_sq, x_nw = norm_gemv_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL)
-        return tl.reshape(chunk_sums(tl.reshape(x_sq, [1, x_sq.shape[0]]), BLOCK_K), [BLOCK_K]), x_nw
-
-    @triton.jit
     def _rms_norm_gemv_kernel(
         x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, eps,
         HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_GDC: tl.constexpr, PRELOAD_K: tl.constexpr = 0,
+        USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
         # one pass: the GEMV of (x * norm weight) and the row's sum of squares side by side (the 1 / rms scale is
         # the same for every column, so it multiplies the dot products at the end); program 0 stores the sum
-        if PRELOAD_K:  # the whole weight rows loaded before the wait (weights no kernel writes), x after it
-            w, cols, col_ok = gemv_preload(w_rows, row_ok, K, PRELOAD_K)
-            await_producers(USE_GDC)
-            sq, x_nw = preloaded_norm_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL, BLOCK_K)
-            acc = preloaded_acc(w, x_nw, BLOCK_K)
-        else:
-            await_producers(USE_GDC)
-            sq = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                col_ok = cols < K
-                x_sq, x_nw = norm_gemv_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL)
-                sq += x_sq
-                acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x_nw)
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x_sq, x_nw = norm_gemv_input(x_ptr, r_ptr, s_ptr, nw_ptr, cols, col_ok, HAS_RESIDUAL)
+            sq += x_sq
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x_nw)
         y = add_bias(tl.sum(acc, axis=1) * rms_inverse(tl.sum(sq, axis=0), K, eps), b_ptr, rows, row_ok, HAS_BIAS)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
@@ -145,7 +127,7 @@ def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[
         _rms_norm_gemv_kernel, w,
         xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
         norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K, preload=True,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=GEMV_CONFIG_SHORT_K,
     )  # fmt: skip
     return y, s
 

@@ -26,11 +26,7 @@ Triton interpreter the fused op equals the producer then silu_and_mul bit for bi
 products' summation order follows the tile's register layout, as between two GEMV tiles. Anything else (several
 rows: prefill, batches; rows the GEMV does not take; halves wider than GATE_UP_SILU_MAX_I; mixed dtypes) runs
 the unfused kernels (the producer, then silu_and_mul's); the choice depends only on shapes and dtypes: CUDA-graph
-safe, no host syncs. Rows of at most linear.py's PRELOAD_MAX_K elements (off by default pending a GPU check) have
-a program's gate AND up rows loaded whole before the PDL wait; after it the input (with the norm: rms_norm_linear.py's
-`preloaded_norm_input`) is read whole and each accumulator's K chunks are added in the loop's order (`chunk_sums`):
-the loop's bits under the interpreter. On CPU the reference is the unfused references. Imports nothing from
-mini_infer outside `mini_infer.ops`.
+safe, no host syncs. On CPU the reference is the unfused references. Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -79,9 +75,9 @@ def linear_silu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import add_bias, gemv_preload, gemv_rows, gemv_step, preloaded_acc
+    from mini_infer.ops.linear import add_bias, gemv_rows, gemv_step
     from mini_infer.ops.rms_norm import rms_inverse
-    from mini_infer.ops.rms_norm_linear import norm_gemv_input, preloaded_norm_input
+    from mini_infer.ops.rms_norm_linear import norm_gemv_input
     from mini_infer.ops.silu_and_mul import silu_mul
 
     @triton.jit
@@ -95,36 +91,24 @@ if HAS_TRITON:
     def _gate_up_silu_kernel(
         x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, HALF, K, stride_wn, eps,
         HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_GDC: tl.constexpr, PRELOAD_K: tl.constexpr = 0,
+        USE_GDC: tl.constexpr,
     ):  # fmt: skip
+        await_producers(USE_GDC)
         # this program's BLOCK_N gate rows and the BLOCK_N up rows HALF further down, one shared input chunk per step
         rows, row_ok, w_gate, acc_g = gemv_rows(w_ptr, HALF, stride_wn, BLOCK_N, BLOCK_K)
         w_up = w_ptr + (rows[:, None] + HALF).to(tl.int64) * stride_wn
-        if PRELOAD_K:  # both halves' rows loaded whole before the wait (weights no kernel writes), the input after it
-            wg, cols, col_ok = gemv_preload(w_gate, row_ok, K, PRELOAD_K)
-            wu, cols, col_ok = gemv_preload(w_up, row_ok, K, PRELOAD_K)
-            await_producers(USE_GDC)
-            if HAS_NORM:  # rms_norm_linear's prologue over the whole row (no residual: the sum is not asked for)
-                sq, xk = preloaded_norm_input(x_ptr, x_ptr, x_ptr, nw_ptr, cols, col_ok, False, BLOCK_K)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            if HAS_NORM:  # rms_norm_linear's one-pass prologue (no residual: the sum is not asked for)
+                x_sq, xk = norm_gemv_input(x_ptr, x_ptr, x_ptr, nw_ptr, cols, col_ok, False)
+                sq += x_sq
             else:
-                sq = tl.zeros([BLOCK_K], tl.float32)
                 xk = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc_g = preloaded_acc(wg, xk, BLOCK_K)
-            acc_u = preloaded_acc(wu, xk, BLOCK_K)
-        else:
-            await_producers(USE_GDC)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            sq = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                col_ok = cols < K
-                if HAS_NORM:  # rms_norm_linear's one-pass prologue (no residual: the sum is not asked for)
-                    x_sq, xk = norm_gemv_input(x_ptr, x_ptr, x_ptr, nw_ptr, cols, col_ok, False)
-                    sq += x_sq
-                else:
-                    xk = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                acc_g = gemv_step(acc_g, w_gate, row_ok, cols, col_ok, xk)
-                acc_u = gemv_step(acc_u, w_up, row_ok, cols, col_ok, xk)
+            acc_g = gemv_step(acc_g, w_gate, row_ok, cols, col_ok, xk)
+            acc_u = gemv_step(acc_u, w_up, row_ok, cols, col_ok, xk)
         scale = rms_inverse(tl.sum(sq, axis=0), K, eps) if HAS_NORM else 1.0
         g = _stored_half(acc_g, scale, b_ptr, rows, row_ok, out_ptr, HAS_BIAS)
         u = _stored_half(acc_u, scale, b_ptr, rows + HALF, row_ok, out_ptr, HAS_BIAS)
@@ -169,7 +153,7 @@ def _launch_gate_up_silu(x, norm_weight, eps, weight, bias, config) -> torch.Ten
         xr, norm_weight.contiguous() if norm_weight is not None else xr, w, bias if bias is not None else w,
         out.view(half), half, k, w.stride(0), float(eps),
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        config=config or gate_up_silu_config(k, n, norm_weight is not None), preload=True,
+        config=config or gate_up_silu_config(k, n, norm_weight is not None),
     )  # fmt: skip
     return out
 

@@ -74,6 +74,24 @@ def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, run) -> tuple:
     return on, run(), widths
 
 
+def without_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear.py's weight preload off for the rest of the test: the K loop's sums, so a one-row kernel's bits can be
+    compared with gemv_triton's (which waits first) on a GPU too (see `assert_loop_sums`)."""
+    from mini_infer.ops import linear
+
+    monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)
+
+
+def assert_loop_sums(preloaded: torch.Tensor, looped: torch.Tensor) -> None:
+    """The preload's sums against the K loop's: the same bits under the interpreter (`chunk_sums` adds the chunks in
+    the loop's order); on a GPU within fp32 rounding, since the compiler contracts the loop's multiply-adds into FMAs
+    (one rounding) where the preload multiplies, then adds."""
+    if DEVICE == "cpu":
+        assert torch.equal(preloaded, looped)
+    else:
+        torch.testing.assert_close(preloaded, looped, atol=1e-5, rtol=1e-5)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA_BACKEND = 77  # a child's exit status when Triton cannot compile for CUDA here (no NVIDIA backend / ptxas)
 

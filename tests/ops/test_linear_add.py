@@ -13,9 +13,11 @@ from mini_infer.ops.linear_add import linear_add_reference, linear_add_triton
 from tests.ops.helpers import (
     DEVICE,
     assert_close,
+    assert_loop_sums,
     preloaded_and_looped,
     record_gemv_launches,
     requires_triton,
+    without_preload,
 )
 
 mi = torch.ops.mini_infer
@@ -56,9 +58,11 @@ def _assert_same_sum(s: torch.Tensor, s_ref: torch.Tensor) -> None:
                                                        (torch.bfloat16, None), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_row_equals_linear_then_add(launches, dtype, residual_dtype, n, k, bias):
+def test_one_row_equals_linear_then_add(monkeypatch, launches, dtype, residual_dtype, n, k, bias):
     """One launch of the epilogue kernel, and the bits of gemv_triton then torch's add (the linear's output in x's
-    dtype, the sum in the promoted dtype: an fp32 residual makes an fp32 sum)."""
+    dtype, the sum in the promoted dtype: an fp32 residual makes an fp32 sum). The K loop both ways (the preload's
+    sums: test_preloaded_rows_equal_the_k_loop)."""
+    without_preload(monkeypatch)
     x, w, b, r = _inputs(1, n, k, dtype, bias, residual_dtype, seed=n + k)
     s = linear_add_triton(x, w, b, r)
     assert launches == [mod._gemv_add_kernel]
@@ -73,7 +77,7 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
     x, w, b, r = _inputs(1, 24, k, torch.float32, True, seed=k)
     on, off, widths = preloaded_and_looped(monkeypatch, lambda: linear_add_triton(x, w, b, r))
     assert widths == [width, 0]
-    assert torch.equal(on, off)
+    assert_loop_sums(on, off)
 
 
 @requires_triton

@@ -21,7 +21,14 @@ from mini_infer.ops.linear_add_rms_norm import (
     scaled_linear_add_rms_norm_quant_triton,
 )
 from mini_infer.ops.quant import fused_add_rms_norm_quant_triton
-from tests.ops.helpers import DEVICE, assert_close, preloaded_and_looped, requires_triton
+from tests.ops.helpers import (
+    DEVICE,
+    assert_close,
+    assert_loop_sums,
+    preloaded_and_looped,
+    requires_triton,
+    without_preload,
+)
 
 mi = torch.ops.mini_infer
 FP8 = torch.float8_e4m3fn
@@ -78,9 +85,11 @@ def _counter_is_zero() -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_row_equals_the_unfused_kernels(fused_launches, dtype, n, k, bias):
+def test_one_row_equals_the_unfused_kernels(monkeypatch, fused_launches, dtype, n, k, bias):
     """One launch, and the bits of gemv_triton then fused_add_rms_norm_triton (within a few ulps on a GPU, where the
-    norm's fp32 sum may be ordered differently; bitwise under the interpreter); the counter is zero after it."""
+    norm's fp32 sum may be ordered differently; bitwise under the interpreter); the counter is zero after it. The K
+    loop both ways (the preload's sums: test_preloaded_rows_equal_the_k_loop)."""
+    without_preload(monkeypatch)
     x, w, b, r, nw = _inputs(1, n, k, dtype, bias, seed=n + k)
     out, s = linear_add_rms_norm_triton(x, w, b, r, nw, EPS)
     assert fused_launches == [mod._gemv_add_rms_norm_kernel]
@@ -102,7 +111,8 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
     x, w, b, r, nw = _inputs(1, 26, k, torch.float32, bias=True, seed=k)
     on, off, widths = preloaded_and_looped(monkeypatch, lambda: linear_add_rms_norm_triton(x, w, b, r, nw, EPS))
     assert widths == [width, 0]
-    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    assert_loop_sums(on[0], off[0])
+    assert_loop_sums(on[1], off[1])
     assert _counter_is_zero()
 
 

@@ -16,7 +16,7 @@ from mini_infer.ops.rms_norm_linear import (
     rms_norm_linear_reference,
     rms_norm_linear_triton,
 )
-from tests.ops.helpers import DEVICE, assert_close, preloaded_and_looped, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, requires_triton
 
 mi = torch.ops.mini_infer
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -110,20 +110,6 @@ def test_single_row_against_the_unfused_kernels(dtype):
         bound = eps * (exact.abs() + y_unfused.double().abs()) + (FP32_SUMS + (2 * eps if dtype != torch.float32
                                                                                else 0)) * scale
         assert ((y.double() - y_unfused.double()).abs() <= bound).all()
-
-
-@requires_triton
-@pytest.mark.parametrize(("k", "width"), [(96, 512), (1000, 1024), (2000, 2048)])  # one, two and four K chunks
-@pytest.mark.parametrize("residual", [False, True])
-def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width, residual):
-    """Weight rows loaded whole before the PDL wait, the norm's input after it (linear.py's `PRELOAD_MAX_K`): the
-    one-pass loop's bits, the dot products' and the squares' chunks added in its order; the residual sum too."""
-    x, r, nw, w, b = _inputs(1, 22, k, torch.float32, bias=True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, lambda: _run(residual, x, r, nw, w, b, "triton"))
-    assert widths == [width, 0]
-    assert torch.equal(on[0], off[0])
-    if residual:
-        assert torch.equal(on[1], off[1])
 
 
 @requires_triton

@@ -17,13 +17,7 @@ from mini_infer.ops.rms_norm_linear_silu import (
     rms_norm_linear_silu_triton,
 )
 from mini_infer.ops.silu_and_mul import silu_and_mul_triton
-from tests.ops.helpers import (
-    DEVICE,
-    assert_close,
-    preloaded_and_looped,
-    record_gemv_launches,
-    requires_triton,
-)
+from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
 
 mi = torch.ops.mini_infer
 EPS = 1e-6
@@ -157,15 +151,3 @@ def test_fake_impl_and_opcheck():
     x, nw, w, b = (t.cpu() for t in _inputs(3, 8, 16, torch.float32, True))
     torch.library.opcheck(mi.rms_norm_linear_silu.default, (x, nw, EPS, w, b))
     torch.library.opcheck(mi.linear_silu.default, (x, w, b))
-
-
-@requires_triton
-@pytest.mark.parametrize(("norm", "k", "width"), [(True, 96, 512), (True, 1000, 1024), (True, 2000, 2048),
-                                                  (False, 1500, 2048)])  # one, two, four; the plain GEMV's long tile
-def test_preloaded_rows_equal_the_k_loop(monkeypatch, norm, k, width):
-    """Each program's gate and up rows loaded whole before the PDL wait, the input (and the norm) after it (linear.py's
-    `PRELOAD_MAX_K`): the K loop's bits, both accumulators' chunks (and the squares') added in its order."""
-    x, nw, w, b = _inputs(1, 13, k, torch.float32, bias=True, seed=k)
-    on, off, widths = preloaded_and_looped(monkeypatch, lambda: _fused(norm, x, nw, w, b))
-    assert widths == [width, 0]
-    assert torch.equal(on, off)
