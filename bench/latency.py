@@ -19,6 +19,7 @@ remove the prefill from the rate.
     python bench/latency.py --model qwen3-30b-a3b --peers hf-static   # MoE: the active-parameter floor
     python bench/latency.py --quantization none,fp8 --peers none          # fp8 weights vs bf16, same run
     python bench/latency.py --kv-cache-dtype auto,fp8 --peers none        # fp8 KV cache vs the model dtype
+    python bench/latency.py --quantization none,w8a8 --quantize-lm-head --peers none   # also with an int8 lm_head
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
     python bench/latency.py --model qwen3-0.6b --peers none --with fuse_kv_write  # an opt-in pass's
@@ -162,6 +163,8 @@ def main() -> None:
                     help="comma list of passes: one more engine, the first one's pipeline without them (their gain)")
     ap.add_argument("--with", dest="with_", default=None,
                     help="comma list of opt-in passes: one more engine, the first one's pipeline plus them, appended")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="one more engine per quantized one: its pipeline with the lm_head quantized too (lm_head=True)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="TTFT of this many prompts of --prompt-len in the same engine (the last one decodes)")
     ap.add_argument("--out", default="bench/out")
@@ -174,6 +177,14 @@ def main() -> None:
     for q in args.quantization.split(","):
         for kv in args.kv_cache_dtype.split(","):
             engines.append(measure_engine(args, bw, None if q == "none" else q, kv))
+    if args.quantize_lm_head:
+        from mini_infer.passes import PASSES
+
+        for e in [e for e in engines if e["quantization"]]:
+            name = f"quantize_{e['quantization']}"
+            passes = [PASSES[name](lm_head=True) if p == name else p for p in e["passes"]]
+            engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes))
+            engines[-1]["tag"] = ",lm_head"
     if args.without:
         off = args.without.split(",")
         first = engines[0]

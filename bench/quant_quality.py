@@ -14,6 +14,8 @@ Prints a markdown table ready for bench/RESULTS.md and writes JSON to --out.
     python bench/quant_quality.py                       # CPU, the embedded SmolLM2, 20 prompts x 64 tokens
     python bench/quant_quality.py --device cuda         # the same through the Triton kernels and CUDA graphs
     python bench/quant_quality.py --device cuda --dtype bfloat16
+    python bench/quant_quality.py --lm-head             # also with the lm_head quantized (what bench/latency.py's
+                                                        # --quantize-lm-head times)
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20, help="how many of the 20 prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="one more variant: w8a8 + SmoothQuant with the lm_head quantized too (lm_head=True)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
 
@@ -81,8 +85,10 @@ def main() -> None:
     ref_ppl = perplexity(ref, text_ids)
     dtype = ref.context.dtype
     rows = []
-    for label, quantize_args in (("w8a8 + SmoothQuant", dict(alpha=args.alpha)),
-                                 ("w8a8, no SmoothQuant", dict(smoothquant=False))):
+    variants = [("w8a8 + SmoothQuant", dict(alpha=args.alpha)), ("w8a8, no SmoothQuant", dict(smoothquant=False))]
+    if args.lm_head:
+        variants.append(("w8a8 + SmoothQuant, int8 lm_head", dict(alpha=args.alpha, lm_head=True)))
+    for label, quantize_args in variants:
         start = time.perf_counter()
         llm = LLM(args.model, quantization="w8a8", passes=w8a8_passes(ref.config, args.device, dtype, **quantize_args),
                   **common)

@@ -164,6 +164,57 @@ def check_against_eager(name: str, gm: fx.GraphModule, ctx: PassContext, num: in
     assert_logits_close(graph_logits(gm, ctx, ids, pos, **overrides), eager_logits(name, ids, pos), rel=rel)
 
 
+CACHE_BLOCK = 4  # the block size of the hand-built paged caches below
+
+
+class PagedCache:
+    """Every declared cache tensor (NaN in every slot not yet written) and a shuffled block allocator."""
+
+    def __init__(self, ctx, num_blocks, seed):
+        self.caches = {t.name: torch.full((num_blocks, CACHE_BLOCK, *t.shape), float("nan"), dtype=t.dtype)
+                       for s in ctx.cache_specs for t in s.tensors()}
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def table(self, num_tokens):
+        return [self.free.pop() for _ in range(math.ceil(num_tokens / CACHE_BLOCK))]
+
+
+def step_inputs(ids, pos, chunks, tables, cache):
+    """Inputs for one step: `chunks` = [(context length before, new tokens)] per sequence, in packing order."""
+    width = max(len(t) for t in tables) + 1  # a padding column of -1 that must never be read
+    block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
+    slots, seq_lens, qsl = [], [], [0]
+    for s, ((done, new), table) in enumerate(zip(chunks, tables)):
+        block_tables[s, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots += [table[p // CACHE_BLOCK] * CACHE_BLOCK + p % CACHE_BLOCK for p in range(done, done + new)]
+        seq_lens.append(done + new)
+        qsl.append(qsl[-1] + new)
+    return {"input_ids": ids, "position_ids": pos, "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+            "block_tables": block_tables, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(qsl, dtype=torch.int32), **cache.caches}
+
+
+PREFILL_LENS = (11, 6)  # prefill_then_decode's two prompts: step 1 prefills them, step 2 decodes one token of each
+
+
+def prefill_then_decode(gm: fx.GraphModule, ctx: PassContext, seed: int = 5):
+    """Step 1 prefills two sequences (PREFILL_LENS) into NaN-filled paged caches (block size 4, shuffled blocks),
+    step 2 decodes one more token of each (a decode-shaped launch: T = S = 2) reading step 1's keys: (step 1's
+    logits at each prompt's last row, step 2's logits [1, 2, V], the two sequences' (ids, positions))."""
+    lens = PREFILL_LENS
+    cache = PagedCache(ctx, 12, seed)
+    seqs = [(random_ids(n + 1, seed + i), positions(3 * i, n + 1)) for i, n in enumerate(lens)]
+    tables = [cache.table(n + 1) for n in lens]
+    outs = []
+    for part, chunks, rows in ((slice(0, -1), [(0, n) for n in lens], [lens[0] - 1, sum(lens) - 1]),
+                               (slice(-1, None), [(n, 1) for n in lens], [0, 1])):
+        ids, pos = (torch.cat([x[:, part] for x in xs], 1) for xs in zip(*seqs))
+        inputs = {**ctx.example_inputs(ids, pos), **step_inputs(ids, pos, chunks, tables, cache)}
+        out = run_graph(gm, {**inputs, "logits_indices": torch.tensor(rows)})
+        outs.append(out if out.shape[1] == 2 else out[:, rows])  # graphs without select_logits: every row
+    return outs[0], outs[1], seqs
+
+
 def variant_model(preset: str, seed: int = 1, **fields) -> torch.nn.Module:
     """A tiny preset's model (fp32, CPU, random weights) with some config fields changed."""
     from transformers import AutoConfig

@@ -31,34 +31,13 @@ from tests.passes.helpers import (
     loaded,
     mi,
     op_counts,
-    positions,
-    random_ids,
-    run_graph,
+    prefill_then_decode,
     run_passes,
 )
 from tests.passes.test_fuse_kv_write import EXPECTED, PREREQUISITES  # the same pairs, the same presets
-from tests.passes.test_paged_attention import _Cache, _step_inputs
 
 L = NUM_LAYERS
 NODES_PER_LAYER = 9  # qk_rotary, its 2 getitems, select + transpose of q, k and v, paged_attention → 1 node
-LENS = (11, 6)  # two sequences' prompts: step 1 prefills them, step 2 decodes one token of each
-
-
-def prefill_then_decode(gm, ctx, seed: int = 5):
-    """Step 1 prefills two sequences (LENS) into NaN-filled paged caches, step 2 decodes one more token of each
-    (a decode-shaped launch: T = S = 2) reading step 1's keys: (step 1's logits at each prompt's last row, step 2's
-    logits [1, 2, V], the two sequences' (ids, positions))."""
-    cache = _Cache(ctx, 12, seed)
-    seqs = [(random_ids(n + 1, seed + i), positions(3 * i, n + 1)) for i, n in enumerate(LENS)]
-    tables = [cache.table(n + 1) for n in LENS]
-    outs = []
-    for part, chunks, rows in ((slice(0, -1), [(0, n) for n in LENS], [LENS[0] - 1, sum(LENS) - 1]),
-                               (slice(-1, None), [(n, 1) for n in LENS], [0, 1])):
-        ids, pos = (torch.cat([x[:, part] for x in xs], 1) for xs in zip(*seqs))
-        inputs = {**ctx.example_inputs(ids, pos), **_step_inputs(ids, pos, chunks, tables, cache)}
-        out = run_graph(gm, {**inputs, "logits_indices": torch.tensor(rows)})
-        outs.append(out if out.shape[1] == 2 else out[:, rows])  # graphs without select_logits: every row
-    return outs[0], outs[1], seqs
 
 
 def cuda_names(name: str, without: tuple[str, ...] = ()) -> list[str]:

@@ -32,10 +32,12 @@ from mini_infer.runtime.engine import EngineConfig, LLMEngine
 from mini_infer.sampling_params import SamplingParams
 from tests import _model_cache as mc
 from tests.passes.helpers import (
+    CACHE_BLOCK,
     CPU,
     FEW,
     METADATA_INPUTS,
     NUM_LAYERS,
+    PagedCache,
     assert_logits_close,
     aten,
     bound_copy,
@@ -54,9 +56,9 @@ from tests.passes.helpers import (
     run_passes,
     single_pass,
     start_pos,
+    step_inputs,
     variant_model,
 )
-from tests.passes.test_paged_attention import BLOCK, _Cache, _step_inputs
 from tests.runtime.test_engine import assert_no_leak, hf_ref, random_prompts, record_schedules, run
 
 MLA = ("tiny-deepseek-v2", "tiny-deepseek-v3")
@@ -149,7 +151,7 @@ def test_full_pipeline_equals_eager(name, num, start):
 
 def _step(cache, ids, pos, chunks, tables):
     """Inputs for one step (`chunks` = [(context before, new tokens)] per sequence), logits at every row."""
-    return {**_step_inputs(ids, pos, chunks, tables, cache), "logits_indices": torch.arange(ids.shape[1])}
+    return {**step_inputs(ids, pos, chunks, tables, cache), "logits_indices": torch.arange(ids.shape[1])}
 
 
 @pytest.mark.parametrize("name", MLA)
@@ -158,14 +160,14 @@ def test_two_steps_share_the_latent_cache(name, prompt, new):
     gm, ctx, _ = single_pass(name, "mla_latent_cache")
     total = prompt + new
     ids, pos = random_ids(total, seed=prompt * 5 + new), positions(7, total)
-    cache = _Cache(ctx, math.ceil(total / BLOCK) + 2, seed=total)
+    cache = PagedCache(ctx, math.ceil(total / CACHE_BLOCK) + 2, seed=total)
     assert sorted(cache.caches) == [f"latent_cache_{i}" for i in range(L)]
     table = cache.table(total)
     first = run_graph(gm, _step(cache, ids[:, :prompt], pos[:, :prompt], [(0, prompt)], [table]))
     second = run_graph(gm, _step(cache, ids[:, prompt:], pos[:, prompt:], [(prompt, new)], [table]))
     assert_logits_close(first, eager_logits(name, ids[:, :prompt], pos[:, :prompt]))
     assert_logits_close(second, eager_logits(name, ids, pos)[:, prompt:])
-    written = torch.cat([c.view(-1, DC + DR)[[table[p // BLOCK] * BLOCK + p % BLOCK for p in range(total)]]
+    written = torch.cat([c.view(-1, DC + DR)[[table[p // CACHE_BLOCK] * CACHE_BLOCK + p % CACHE_BLOCK for p in range(total)]]
                          for c in cache.caches.values()])
     assert torch.isfinite(written).all()
 
@@ -246,7 +248,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 def _engine(name, **kw):
     kw.setdefault("num_kv_blocks", 64)
-    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("block_size", CACHE_BLOCK)
     return LLMEngine(EngineConfig(model=name, device="cpu", async_scheduling=False, **kw), loaded=mc.loaded(name),
                      compiled=mc.compiled(name))
 
@@ -264,12 +266,12 @@ def test_engine_cache_bytes_summary_and_startup_log(name, caplog):
     assert sorted(tensors) == [f"latent_cache_{i}" for i in range(L)]
     per_token = sum(t[0, 0].numel() * t.element_size() for t in tensors.values())
     assert per_token == (DC + DR) * 4 * L == engine.memory.kv_bytes_per_token
-    assert all(t.shape == (64, BLOCK, DC + DR) for t in tensors.values())
+    assert all(t.shape == (64, CACHE_BLOCK, DC + DR) for t in tensors.values())
     summary = engine.compiled.summary()  # the pass's note (before and after) and the caches the graph declared
     assert f"caches: {per_token} bytes per token over {L} layer caches" in summary
     assert f"KV cache {per_token} B/token" in summary and f"instead of {FULL_BYTES} B/token" in summary
     logged = caplog.text
-    assert f"{64 * BLOCK} tokens, {per_token} bytes per token" in logged
+    assert f"{64 * CACHE_BLOCK} tokens, {per_token} bytes per token" in logged
     assert f"mla_latent_cache: {L} layers; KV cache {per_token} B/token" in logged and str(FULL_BYTES) in logged
 
 
@@ -328,7 +330,7 @@ def test_triton_kernels_in_the_graph(name):
         bound, names = bound_copy(gm, backend)
         assert f"mla_attention_{backend}" in names and f"apply_rotary_interleaved_{backend}" in names
         ids, pos = random_ids(10, 9), positions(2, 10)
-        cache = _Cache(ctx, 6, seed=1)
+        cache = PagedCache(ctx, 6, seed=1)
         table = cache.table(10)
         first = run_graph(bound, _step(cache, ids[:, :9], pos[:, :9], [(0, 9)], [table]))
         second = run_graph(bound, _step(cache, ids[:, 9:], pos[:, 9:], [(9, 1)], [table]))

@@ -20,9 +20,11 @@ from mini_infer.models.presets import preset_config
 from mini_infer.passes.paged_attention import layer_sliding_window
 from tests.passes.helpers import (
     ARCHS,
+    CACHE_BLOCK,
     FEW,
     METADATA_INPUTS,
     NUM_LAYERS,
+    PagedCache,
     assert_logits_close,
     aten,
     check_against_eager,
@@ -38,6 +40,7 @@ from tests.passes.helpers import (
     run_graph,
     single_pass,
     start_pos,
+    step_inputs,
 )
 
 L = NUM_LAYERS
@@ -58,7 +61,6 @@ assert set(SPECS) == set(ARCHS)
 CACHE_INPUTS = [f"{kv}_cache_{i}" for i in range(L) for kv in ("k", "v")]
 # In the full pipeline DeepSeek's attention goes to mla_latent_cache instead (tests/passes/test_mla_latent_cache.py)
 NOT_MLA = [a for a in ARCHS if not a.startswith("tiny-deepseek")]
-BLOCK = 4
 
 
 def _check_graph(name, gm, ctx, num_matches):
@@ -130,40 +132,13 @@ def test_sliding_window_per_layer_from_real_configs():
 # -- hand-built metadata ----------------------------------------------------------------------------------
 
 
-class _Cache:
-    """Every declared cache tensor (NaN in every slot not yet written) and a shuffled block allocator."""
-
-    def __init__(self, ctx, num_blocks, seed):
-        self.caches = {t.name: torch.full((num_blocks, BLOCK, *t.shape), float("nan"), dtype=t.dtype)
-                       for s in ctx.cache_specs for t in s.tensors()}
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-
-    def table(self, num_tokens):
-        return [self.free.pop() for _ in range(math.ceil(num_tokens / BLOCK))]
-
-
-def _step_inputs(ids, pos, chunks, tables, cache):
-    """Inputs for one step: `chunks` = [(context length before, new tokens)] per sequence, in packing order."""
-    width = max(len(t) for t in tables) + 1  # a padding column of -1 that must never be read
-    block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
-    slots, seq_lens, qsl = [], [], [0]
-    for s, ((done, new), table) in enumerate(zip(chunks, tables)):
-        block_tables[s, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(done, done + new)]
-        seq_lens.append(done + new)
-        qsl.append(qsl[-1] + new)
-    return {"input_ids": ids, "position_ids": pos, "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-            "block_tables": block_tables, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "query_start_loc": torch.tensor(qsl, dtype=torch.int32), **cache.caches}
-
-
 def _pack(lens, starts, ctx, seed):
-    cache = _Cache(ctx, sum(math.ceil(n / BLOCK) for n in lens) + 3, seed)
+    cache = PagedCache(ctx, sum(math.ceil(n / CACHE_BLOCK) for n in lens) + 3, seed)
     seqs = [(random_ids(n, seed + i), positions(s, n)) for i, (n, s) in enumerate(zip(lens, starts))]
     ids = torch.cat([i for i, _ in seqs], 1)
     pos = torch.cat([p for _, p in seqs], 1)
     tables = [cache.table(n) for n in lens]
-    return seqs, _step_inputs(ids, pos, [(0, n) for n in lens], tables, cache)
+    return seqs, step_inputs(ids, pos, [(0, n) for n in lens], tables, cache)
 
 
 lens3 = st.lists(st.integers(1, 24), min_size=3, max_size=3)
@@ -194,10 +169,10 @@ def test_two_steps_share_the_cache(name, prompt, new, start):
     gm, ctx, _ = single_pass(name, "paged_attention")
     total = prompt + new
     ids, pos = random_ids(total, seed=prompt * 5 + new), positions(start, total)
-    cache = _Cache(ctx, math.ceil(total / BLOCK) + 2, seed=total)
+    cache = PagedCache(ctx, math.ceil(total / CACHE_BLOCK) + 2, seed=total)
     table = cache.table(total)
-    first = run_graph(gm, _step_inputs(ids[:, :prompt], pos[:, :prompt], [(0, prompt)], [table], cache))
-    second = run_graph(gm, _step_inputs(ids[:, prompt:], pos[:, prompt:], [(prompt, new)], [table], cache))
+    first = run_graph(gm, step_inputs(ids[:, :prompt], pos[:, :prompt], [(0, prompt)], [table], cache))
+    second = run_graph(gm, step_inputs(ids[:, prompt:], pos[:, prompt:], [(prompt, new)], [table], cache))
     ref = eager_logits(name, ids, pos)
     assert_logits_close(first, eager_logits(name, ids[:, :prompt], pos[:, :prompt]))
     assert_logits_close(second, ref[:, prompt:])
@@ -210,18 +185,18 @@ def test_full_pipeline_mixed_batch(name):
     (DeepSeek's attention is mla_latent_cache's there: one latent cache per layer)."""
     gm, ctx, _ = full_pipeline(name)
     lens = [15, 9, 18]
-    cache = _Cache(ctx, 20, seed=3)
+    cache = PagedCache(ctx, 20, seed=3)
     seqs = [(random_ids(n, 40 + i), positions(3 * i, n)) for i, n in enumerate(lens)]
     tables = [cache.table(n) for n in lens]
     # step 1: prefill the first 14 tokens of seq 0 and the first 10 of seq 2 (seq 1 not yet scheduled)
-    step1 = _step_inputs(torch.cat([seqs[0][0][:, :14], seqs[2][0][:, :10]], 1),
+    step1 = step_inputs(torch.cat([seqs[0][0][:, :14], seqs[2][0][:, :10]], 1),
                          torch.cat([seqs[0][1][:, :14], seqs[2][1][:, :10]], 1),
                          [(0, 14), (0, 10)], [tables[0], tables[2]], cache)
     run_graph(gm, {**step1, "logits_indices": torch.tensor([13, 23])})
     # step 2: decode seq 0, prefill all of seq 1, the remaining 8 tokens of seq 2
     ids = torch.cat([seqs[0][0][:, 14:], seqs[1][0], seqs[2][0][:, 10:]], 1)
     pos = torch.cat([seqs[0][1][:, 14:], seqs[1][1], seqs[2][1][:, 10:]], 1)
-    step2 = _step_inputs(ids, pos, [(14, 1), (0, 9), (10, 8)], tables, cache)
+    step2 = step_inputs(ids, pos, [(14, 1), (0, 9), (10, 8)], tables, cache)
     out = run_graph(gm, {**step2, "logits_indices": torch.tensor([0, 9, 17])})
     assert out.shape == (1, 3, out.shape[2])
     for i, (sid, spos) in enumerate(seqs):
@@ -243,15 +218,15 @@ def test_no_attention_no_match():
 
 def test_caches_are_written_in_place():
     gm, ctx, _ = single_pass("tiny-llama", "paged_attention")
-    cache = _Cache(ctx, 4, seed=0)
+    cache = PagedCache(ctx, 4, seed=0)
     before = copy.deepcopy(cache.caches)
-    inputs = _step_inputs(random_ids(6, 0), positions(0, 6), [(0, 6)], [cache.table(6)], cache)
+    inputs = step_inputs(random_ids(6, 0), positions(0, 6), [(0, 6)], [cache.table(6)], cache)
     run_graph(gm, inputs)
     slots = inputs["slot_mapping"]
     for name, c in cache.caches.items():
         written = c.view(-1, *c.shape[2:])[slots]
         assert torch.isfinite(written).all(), name
-        untouched = torch.ones(c.shape[0] * BLOCK, dtype=torch.bool)
+        untouched = torch.ones(c.shape[0] * CACHE_BLOCK, dtype=torch.bool)
         untouched[slots] = False
         assert torch.isnan(c.view(-1, *c.shape[2:])[untouched]).all()
         assert torch.isnan(before[name]).all()
