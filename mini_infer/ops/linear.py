@@ -65,7 +65,7 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 # wait is safe. Measured on an H200 (bf16, batch 1, `bench/latency.py`, processes alternated in one lease):
 # - 2026-11-24, first build (linear_add only, one tl.sum): qwen3-0.6b 1,354.7 / 1,355.0 tok/s vs 1,252.0 / 1,252.8
 #   off; qwen2.5-7b (o_proj K 3,584, preloaded up to 4,096) 249.8 / 249.7 vs 250.2 / 250.1: so rows up to 3,072.
-# - 2026-11-25 (`chunk_sums`: the loop's bits), per kernel at qwen3-0.6b, two rounds: off 1,254.2 / 1,254.1;
+# - 2026-11-24, later (`chunk_sums`: the loop's bits), per kernel at qwen3-0.6b, two rounds: off 1,254.2 / 1,254.1;
 #   linear_add 1,335.0 / 1,335.6; + linear_add_rms_norm 1,336.4 / 1,337.2; + rms_norm_linear (qkv) 1,284.6 /
 #   1,283.9; + rms_norm_linear_silu (gate_up) 1,254.5 / 1,254.9; + gemv_program (lm_head) 1,309.5 / 1,308.7; every
 #   kernel 1,162.7 / 1,175.4. The GEMVs after a full-GPU GEMV lose (their preloaded rows hold registers and compete
