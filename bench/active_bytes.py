@@ -1,10 +1,11 @@
 """Weight bytes one decode token reads from a compiled graph: the numerator of the batch-1 bandwidth floor.
 
-A dense model reads every weight each step (the embedding table aside: one row per token). A MoE model routed by
-`route_moe` reads, per `fused_moe` node, only its top_k experts' slices of the stacked w13 / w2 (at batch 1, k
-distinct experts), beside everything else: attention, router, shared experts, dense layers, lm_head. So
+A dense model reads every weight each step (the embedding table and the position tables of `rotary_table` aside:
+one row of each per token). A MoE model routed by `route_moe` reads, per `fused_moe` node, only its top_k experts'
+slices of the stacked w13 / w2 (at batch 1, k distinct experts), beside everything else: attention, router, shared
+experts, dense layers, lm_head. So
 
-    active = all graph tensors except the embedding  -  sum over fused_moe nodes of (w13 + w2 bytes) * (E - k) / E
+    active = all graph tensors except the embedding and position tables  -  sum over fused_moe nodes of (w13 + w2 bytes) * (E - k) / E
 
 Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config.
 Used by bench/latency.py; runs on any device (no GPU needed to count).
@@ -23,7 +24,8 @@ import torch.fx as fx
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """Weight bytes of a compiled graph: all it holds (embedding excluded) and what one decode token reads."""
+    """Weight bytes of a compiled graph: all it holds (embedding and position tables excluded) and what one decode
+    token reads."""
 
     total: int
     active: int
@@ -48,7 +50,8 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     from mini_infer.passes import PassContext
 
     fused_moe = torch.ops.mini_infer.fused_moe.default
-    total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()] if "embed_tokens" not in n])
+    total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+                          if "embed_tokens" not in n and not n.startswith("position_table_")])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or fused_moe not in (node.target, node.meta.get("op")):

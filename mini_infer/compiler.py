@@ -137,15 +137,16 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
                   device: torch.device | str | None = None, model_name: str = "", *,
                   quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None,
                   rank: int = 0, world_size: int = 1, expert_parallel: bool = False,
-                  tokenizer: Any = None) -> CompiledModel:
+                  tokenizer: Any = None, max_positions: int | None = None) -> CompiledModel:
     """Capture `model` (a transformers causal LM) and rewrite it with `passes`.
 
     `passes` holds pass names and `GraphPass` instances with arguments (e.g. `QuantizeFP8(skip=["lm_head"])`),
     in stage order (capture → cleanup → sharding → quantization → fusion → attention → lowering; an out-of-order
     list, a repeated pass or a missing prerequisite is a ValueError naming the pass, before capture).
     `passes=None` runs the recommended pipeline for the model and options. `quantization`, `kv_cache_dtype`,
-    `rank`, `world_size`, `expert_parallel` (MoE experts split whole over the ranks) and `tokenizer` (for passes
-    that calibrate on text) reach the passes through the `PassContext`. `dump_dir` gets each pass's graph before
+    `rank`, `world_size`, `expert_parallel` (MoE experts split whole over the ranks), `tokenizer` (for passes
+    that calibrate on text) and `max_positions` (positions fed at run time are below it: the engine passes its
+    max_model_len; None: the config's max_position_embeddings) reach the passes through the `PassContext`. `dump_dir` gets each pass's graph before
     and after plus a summary table. `verify=True` runs the eager model and the graph after every pass on the same
     tokens and raises PassError naming the first pass whose logits diverge beyond tolerance.
     The graph shares the model's weights until a pass replaces one; the caller should drop the model after
@@ -158,7 +159,7 @@ def compile_model(model: torch.nn.Module, passes: Sequence[str | GraphPass] | No
     device = torch.device(device) if device is not None else first.device
     ctx = PassContext(config=model.config, device=device, dtype=first.dtype, rank=rank, world_size=world_size,
                       expert_parallel=expert_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer, max_positions=max_positions)
     pass_objs = recommended_passes(ctx) if passes is None else resolve_passes(passes)
     check_pass_order(pass_objs)  # an ordering mistake fails before the (slow) capture
     for p in pass_objs:  # and so does a config a pass cannot serve

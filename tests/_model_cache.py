@@ -44,7 +44,12 @@ def compiled(name: str | None):
 
 
 def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None, model_name="", **options):
-    """`compile_model`, memoized by model, passes, device and options (quantization, kv_cache_dtype, ...)."""
+    """`compile_model`, memoized by model, passes, device and options (quantization, kv_cache_dtype, ...).
+
+    `max_positions` (the engine's max_model_len) is dropped: position tables then cover the config's
+    max_position_embeddings, which every max_model_len preflight lets through fits, and engines with different
+    max_model_len share one compile."""
+    options.pop("max_positions", None)
     if dump_dir is not None or verify:
         return compile_model(model, passes=passes, dump_dir=dump_dir, verify=verify, device=device,
                              model_name=model_name, **options)

@@ -31,7 +31,7 @@ from tests.passes.helpers import (
 )
 
 PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_rotary", "fuse_qk_rotary", "merge_projections",
-            "fuse_silu_mul", "paged_attention", "gemv_linear"]
+            "fuse_silu_mul", "paged_attention", "rotary_table", "gemv_linear"]
 # MoE models route their experts (route_moe, before merge_projections); DeepSeek's latent attention gets its own
 # attention pass, before paged_attention (which then matches nothing)
 MOE_PIPELINE = [*PIPELINE[:5], "route_moe", *PIPELINE[5:]]

@@ -137,3 +137,7 @@ ATTENTION_METADATA = (SLOT_MAPPING, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC)
 # in `PassContext.info[UNCAPTURED_QUERY_ROWS]` the run length from which that happens: the runtime runs steps
 # holding a query run at least that long uncaptured.
 UNCAPTURED_QUERY_ROWS = "uncaptured_query_rows"
+
+# A pass whose graph has an answer only for positions below n (rotary_table: rows of a table computed at compile
+# time) declares n in `PassContext.info[MAX_POSITIONS]`: the engine refuses a max_model_len above it.
+MAX_POSITIONS = "max_positions"

@@ -24,6 +24,7 @@ from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.quantize_fp8 import QuantizeFP8
 from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
+from mini_infer.passes.rotary_table import RotaryTable
 from mini_infer.passes.route_moe import RouteMoe
 from mini_infer.passes.select_logits import SelectLogits
 from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
@@ -31,7 +32,7 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
-                        PagedAttention, FuseRotaryAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm,
+                        PagedAttention, RotaryTable, FuseRotaryAttention, FuseKVWrite, GemvLinear, FuseResidualGemvs, FuseGemvNorm,
                         FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }
 

@@ -4,9 +4,10 @@ A pass is a small object with a `name`, a `stage`, optional constructor argument
 and `apply(gm, ctx) -> PassResult`; it rewrites the GraphModule in place and reports how many places it matched.
 The context is the pass's window on everything beyond the graph: the model config, target device and dtype,
 the distributed rank and world size (and whether MoE experts are split by expert parallelism), the
-quantization mode and KV-cache dtype the user asked for, parameters by node, and the declarations the
-runtime reads as data — the graph inputs a pass adds (`InputSpec`) and the caches its ops use (`CacheSpec`,
-see `mini_infer.contract`). Passes never import the runtime.
+quantization mode and KV-cache dtype the user asked for, how many positions the runtime may feed
+(`max_positions`), parameters by node, and the declarations the runtime reads as data — the graph inputs a
+pass adds (`InputSpec`) and the caches its ops use (`CacheSpec`, see `mini_infer.contract`). Passes never import
+the runtime.
 """
 
 from __future__ import annotations
@@ -55,12 +56,20 @@ class PassContext:
     quantization: str | None = None  # "w8a8", "fp8" or None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     tokenizer: Any = None  # the model's tokenizer, if it has one (calibration prompts are text)
+    # positions the runtime may feed are below this (the engine's max_model_len); None: the config's
+    # max_position_embeddings, filled in when the context is made (still None if the config has none)
+    max_positions: int | None = None
     input_specs: dict[str, InputSpec] = field(default_factory=lambda: {s.name: s for s in (INPUT_IDS, POSITION_IDS)})
     cache_specs: list[CacheSpec] = field(default_factory=list)
     declared_by: dict[str, str] = field(default_factory=dict)  # input or cache name -> pass that declared it
     applied: list[str] = field(default_factory=list)
     current_pass: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_positions is None:
+            text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+            self.max_positions = getattr(text, "max_position_embeddings", None)
 
     @property
     def cache_dtype(self) -> torch.dtype:

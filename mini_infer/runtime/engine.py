@@ -30,7 +30,7 @@ import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
 from mini_infer.contract import attention_window
-from mini_infer.contract.inputs import UNCAPTURED_QUERY_ROWS
+from mini_infer.contract.inputs import MAX_POSITIONS, UNCAPTURED_QUERY_ROWS
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
 from mini_infer.runtime import distributed
@@ -200,19 +200,27 @@ class LLMEngine:
         text_cfg = self.model_config.get_text_config()
         self.vocab_size = text_cfg.vocab_size
         self.load_seconds = time.perf_counter() - t0
+        # the longest context a sequence may reach (lowered below if the KV cache holds less); position tables
+        # (the rotary_table pass) are built for it
+        self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
         t1 = time.perf_counter()
         self.compiled = compiled or compile_model(
             self.loaded.model, passes=config.passes, device=self.device, model_name=self.loaded.name,
             quantization=config.quantization, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
             rank=self.parallel.rank if self.parallel else 0, world_size=config.tensor_parallel_size,
-            expert_parallel=config.enable_expert_parallel, tokenizer=self.tokenizer)
+            expert_parallel=config.enable_expert_parallel, tokenizer=self.tokenizer,
+            max_positions=self.max_model_len)
+        positions = self.compiled.context.info.get(MAX_POSITIONS)
+        if positions is not None and self.max_model_len > positions:  # a compiled model given with shorter tables
+            raise ValueError(f"max_model_len={self.max_model_len}, but the compiled model answers only positions "
+                             f"below {positions} (tables built at compile time): compile it with "
+                             f"max_positions >= max_model_len")
         self.compile_seconds = time.perf_counter() - t1
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
         self.generation_config = getattr(self.loaded.model, "generation_config", None)
         self.loaded = dataclasses.replace(self.loaded, model=None)
         release_host_memory()
-        self.max_model_len = config.max_model_len or getattr(text_cfg, "max_position_embeddings", 4096)
         # vLLM's defaults: a larger token budget on a GPU (fewer, fuller prefill steps), 2048 elsewhere
         default_batched = 8192 if self.device.type == "cuda" else 2048
         max_batched = config.max_num_batched_tokens or max(default_batched, config.max_num_seqs)

@@ -32,9 +32,11 @@ GB = 1e9
 
 def padding_step(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
     """A step of `num_tokens` tokens and `num_seqs` sequences that reads and writes no cache: every token is
-    padding (slot -1, owned by no sequence), every sequence has length 0, one logits row per sequence."""
+    padding (slot -1, owned by no sequence, position 0: the token budget may exceed max_model_len, and a graph
+    may look positions up in a table of max_model_len rows), every sequence has length 0, one logits row per
+    sequence."""
     return StepBatch(
-        token_ids=np.zeros(num_tokens, dtype=np.int64), positions=np.arange(num_tokens, dtype=np.int64),
+        token_ids=np.zeros(num_tokens, dtype=np.int64), positions=np.zeros(num_tokens, dtype=np.int64),
         slot_mapping=np.full(num_tokens, -1, dtype=np.int64), seq_lens=np.zeros(num_seqs, dtype=np.int32),
         query_start_loc=np.zeros(num_seqs + 1, dtype=np.int32), block_tables=np.zeros((num_seqs, 1), np.int32),
         logits_indices=np.zeros(num_seqs, dtype=np.int64), block_size=block_size)

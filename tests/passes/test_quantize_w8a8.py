@@ -118,7 +118,7 @@ def test_full_pipeline_graph(name):
     gm, ctx, stats = full(name)
     assert [s.name for s in stats] == ["select_logits", "quantize_w8a8", "fuse_rmsnorm", "fuse_rotary",
                                        "fuse_qk_rotary", "merge_projections", "fuse_silu_mul", "fuse_act_quant",
-                                       "paged_attention", "gemv_linear"]
+                                       "paged_attention", "rotary_table", "gemv_linear"]
     assert row(stats, "quantize_w8a8").num_matches == 7 * L
     assert row(stats, "merge_projections").num_matches == 2 * L  # int8 q/k/v and gate/up
     assert row(stats, "fuse_act_quant").note == "1 rms_norm, 3 fused_add_rms_norm, 2 silu_and_mul"

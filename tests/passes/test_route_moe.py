@@ -261,15 +261,21 @@ def test_non_contiguous_experts_are_stacked_once():
 # -- weights and the summary -----------------------------------------------------------------------------------
 
 
+def _position_table_bytes(gm):
+    return sum(t.numel() * t.element_size() for n, t in gm.named_buffers() if n.startswith("position_table_"))
+
+
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-deepseek-v3"])
 def test_weight_bytes_and_summary(name):
     """transformers 5.x holds experts stacked already: the rewrite keeps exactly the bytes of the captured graph
-    (no copy beside the originals), alone and in the full pipeline."""
+    (no copy beside the originals), alone and in the full pipeline (where rotary_table's position tables replace
+    inv_freq)."""
     model = mc.loaded(name).model
     captured = mc.cached_compile(model, passes=["cleanup"], device="cpu").weight_bytes
     assert mc.cached_compile(model, passes=["cleanup", "route_moe"], device="cpu").weight_bytes == captured
     cm = mc.compiled(name)
-    assert cm.weight_bytes == captured
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert cm.weight_bytes == captured - inv_freq.numel() * 4 + _position_table_bytes(cm.graph_module)
     blocks, block_class, _ = MOE[name]
     summary = cm.summary()
     row = next(line for line in summary.splitlines() if line.startswith("route_moe"))
@@ -290,7 +296,8 @@ def test_bench_active_bytes_counts_top_k_experts():
         gm = mc.compiled(name).graph_module
         counted = module.token_bytes(gm)
         embed = mc.loaded(name).model.model.embed_tokens.weight
-        assert counted.total == mc.compiled(name).weight_bytes - embed.numel() * 4
+        # the embedding and the position tables aside: a token reads one row of each
+        assert counted.total == mc.compiled(name).weight_bytes - embed.numel() * 4 - _position_table_bytes(gm)
         experts = sum(_hf_layer(name, i).mlp.experts.gate_up_proj.numel() * 3 // 2 * 4 for i in _moe_layers(name)) \
             if name in MOE else 0
         assert counted.active == counted.total - experts // 2  # top-2 of 4 experts
