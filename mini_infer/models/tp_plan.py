@@ -9,7 +9,11 @@ is a partial sum. With expert parallelism (`expert_parallel=True`, vLLM's `--ena
 stacked weights are split along the experts instead: rank r keeps experts r*E/N .. (r+1)*E/N - 1 whole
 (`local_experts`), and the experts module's output is again a partial sum. Nothing is guessed: a config without
 a plan, or with an entry this project cannot shard (latent attention, expert-parallel and other styles), or
-experts the ranks do not divide under expert parallelism, is a ValueError naming the field. The sharding pass
+experts the ranks do not divide under expert parallelism, is a ValueError naming the field. One completion, from
+transformers' own metadata: a config whose `base_model_tp_plan` names no experts module (transformers 5.17's
+Qwen2-MoE) but whose `base_model_ep_plan` marks one "moe_tp_experts" with its stacked `gate_up_proj` and
+`down_proj` gets those three entries (packed_colwise, rowwise, moe_tp_experts: the stacked layout every 5.x MoE
+family shares); a model with routed experts that neither plan names is refused. The sharding pass
 and the start-up checks both read the plan from here, so a model is refused before any weight loads. This module
 reads configs only: it never touches a graph, a tensor or a process group.
 """
@@ -106,6 +110,19 @@ class TensorParallelPlan:
         return None
 
 
+def experts_from_ep_plan(text) -> dict[str, str]:
+    """Experts entries completed from a config's `base_model_ep_plan`: for an experts module pattern it marks
+    "moe_tp_experts" and whose `.gate_up_proj` and `.down_proj` it lists too, those three as the tp plan names
+    them (packed_colwise, rowwise, moe_tp_experts); {} when it has none."""
+    ep_plan = getattr(text, "base_model_ep_plan", None) or {}
+    out: dict[str, str] = {}
+    for module, style in ep_plan.items():
+        if style == EXPERTS_STYLE and f"{module}.gate_up_proj" in ep_plan and f"{module}.down_proj" in ep_plan:
+            out |= {f"{module}.gate_up_proj": "packed_colwise", f"{module}.down_proj": "rowwise",
+                    module: EXPERTS_STYLE}
+    return out
+
+
 def _pattern_regex(pattern: str) -> re.Pattern:
     """transformers' plan patterns ('*' is one layer index) matched at the end of a dotted module path."""
     body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in pattern.split("."))
@@ -158,6 +175,13 @@ def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False)
         if isinstance(value, int) and value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} does not divide {field}={value}")
     styles = {k: v for k, v in plan.items() if v in SHARDED_STYLES}
+    if experts is not None and EXPERTS_STYLE not in styles.values():
+        styles |= experts_from_ep_plan(text)  # from base_model_ep_plan, where the tp plan leaves the experts out
+    if experts is not None and EXPERTS_STYLE not in styles.values():
+        raise ValueError(f"tensor_parallel_size={world_size}: the {model_type!r} config's base_model_tp_plan and "
+                         f"base_model_ep_plan name no experts module ('moe_tp_experts') for its {experts[1]} routed "
+                         f"experts ({experts[0]}), so mini-infer cannot tell how to split them; use a transformers "
+                         "release whose plan names them, or tensor_parallel_size=1")
     return TensorParallelPlan(world_size, styles, heads, kv_heads, head_dim, text.vocab_size, expert_parallel,
                               experts[1] if experts is not None else 0)
 

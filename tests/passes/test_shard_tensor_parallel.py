@@ -248,6 +248,31 @@ def test_expert_parallel_refusals():
         EngineConfig(enable_expert_parallel=1)
 
 
+# Qwen2MoeConfig's class plans in transformers 5.17 (the device image's release): the tp plan leaves the experts
+# out, the ep plan names them
+PLANS_5_17 = dict(
+    base_model_tp_plan={k: v for k, v in preset_config("tiny-qwen2-moe").base_model_tp_plan.items() if "experts" not in k},
+    base_model_ep_plan={"layers.*.mlp.gate": "ep_router", "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+                        "layers.*.mlp.experts.down_proj": "grouped_gemm", "layers.*.mlp.experts": "moe_tp_experts"})
+
+
+def test_experts_completed_from_the_ep_plan():
+    """A tp plan without the experts gets them from the ep plan (both ways of splitting them); a model with routed
+    experts that neither plan names is refused, naming both plans (route_moe could not match its rank's graph)."""
+    experts = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+               "layers.*.mlp.experts": "moe_tp_experts"}
+    for expert_parallel in (False, True):
+        plan = tensor_parallel_plan(_config("tiny-qwen2-moe", **PLANS_5_17), 2, expert_parallel=expert_parallel)
+        assert plan.styles == {**PLANS_5_17["base_model_tp_plan"], **experts}
+        assert plan.slices("model.model.layers.3.mlp.experts", "gate_up_proj")
+    bare = _config("tiny-qwen2-moe", base_model_tp_plan=PLANS_5_17["base_model_tp_plan"], base_model_ep_plan=None)
+    for expert_parallel in (False, True):
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2: the 'qwen2_moe' config's base_model_tp_plan "
+                                             r"and base_model_ep_plan name no experts module \('moe_tp_experts'\) "
+                                             r"for its 4 routed experts \(num_experts\)"):
+            tensor_parallel_plan(bare, 2, expert_parallel=expert_parallel)
+
+
 def test_plan_arithmetic():
     plan = tensor_parallel_plan(_config("tiny-llama", num_key_value_heads=1, vocab_size=511), 2)
     assert (plan.heads_per_rank, plan.kv_heads_per_rank, plan.kv_replicated) == (2, 1, True)
@@ -298,10 +323,12 @@ VARIANTS = {name: (name, {}) for name in TP_PRESETS}
 VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1, vocab_size=511))
 VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
 VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
+VARIANTS["tiny-qwen2-moe transformers 5.17 plans"] = ("tiny-qwen2-moe", PLANS_5_17)  # experts only in the ep plan
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
-EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0"]
+EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0",
+               "tiny-qwen2-moe transformers 5.17 plans"]
 
 
 def _errors(rank: int, world_size: int) -> dict:
