@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -64,12 +67,20 @@ def test_llm_greedy_equals_tp1_then_a_dead_rank_fails_fast(tp1_tokens):
         llm.engine.close()
 
 
-def test_close_stops_the_ranks(tp1_tokens):
+def test_close_stops_the_ranks_and_frees_the_engine(tp1_tokens):
+    """A closed engine is freed once the caller drops it: nothing (the exit hook, the group state) keeps its
+    compiled model, and so its weights and CUDA graphs, alive."""
     llm = LLM("tiny-qwen3", tensor_parallel_size=2, **LLM_OPTIONS)
     (worker,) = llm.engine.parallel.workers
     assert greedy_tokens(llm)[:1] == tp1_tokens[:1]
+    # what `attach` keeps on a GPU (none here): the CUDA-graph runner, which holds the compiled model and the KV cache
+    llm.engine.parallel._graphs = SimpleNamespace(graphs={}, compiled=llm.engine.compiled)
+    refs = [weakref.ref(x) for x in (llm.engine, llm.engine.parallel, llm.engine.compiled.graph_module)]
     llm.engine.close()
     assert worker.exitcode == 0
+    del llm
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
 
 
 def _tokens(r: httpx.Response) -> list[int]:
