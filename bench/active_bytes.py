@@ -48,10 +48,11 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     """`TokenBytes` of `gm` (a compiled graph, before or after `bind_kernels`)."""
     from mini_infer.compiler import tensor_bytes
     from mini_infer.passes import PassContext
+    from mini_infer.passes.rotary_table import TABLE_PREFIX
 
     fused_moe = torch.ops.mini_infer.fused_moe.default
     total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
-                          if "embed_tokens" not in n and not n.startswith("position_table_")])
+                          if "embed_tokens" not in n and not n.startswith(TABLE_PREFIX)])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or fused_moe not in (node.target, node.meta.get("op")):

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, dtype, is_op, same_shape, val
+from mini_infer.passes.pattern import CASTS, aten, dtype, is_op, same_shape, val
 
 _ASSERTS = (
     aten._assert_tensor_metadata.default,
@@ -48,7 +48,7 @@ def _inline_wrapper(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def _is_noop_cast(node: fx.Node) -> bool:
-    if not is_op(node, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device):
+    if not is_op(node, *CASTS):
         return False
     src, out = val(node.args[0]), val(node)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):

@@ -15,6 +15,8 @@ import torch.fx as fx
 aten = torch.ops.aten
 # the ops that only re-view a tensor's elements (same values, same order)
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# the ops that cast a tensor (dtype, layout or device)
+CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
 
 
 def is_op(node: Any, *targets: Any) -> bool:

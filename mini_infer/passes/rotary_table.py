@@ -42,15 +42,15 @@ import torch.fx as fx
 
 from mini_infer.contract.inputs import MAX_POSITIONS
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op, val
+from mini_infer.passes.pattern import CASTS, aten, is_op, val
 
 # ops whose output is their one tensor input's values re-viewed (no arithmetic): walked through to the math
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor,
           aten.select.int, aten.transpose.int, aten.permute.default, aten.alias.default, aten.view_as_real.default,
           aten.view_as_complex.default, aten.unflatten.int, aten.flatten.using_ints)
-_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
 _PROBE_DRAW = 61  # positions in the random probe (with repeats)
+TABLE_PREFIX = "position_table_"  # the tables' names in the graph (buffers): what counts a token's one row of each
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -63,7 +63,7 @@ class _Table:
 
 
 def _is_cast(node: fx.Node) -> bool:
-    return is_op(node, *_CASTS)
+    return is_op(node, *CASTS)
 
 
 def _re_views(node: fx.Node) -> bool:
@@ -279,7 +279,7 @@ class RotaryTable(GraphPass):
         """One embedding of the table by position_ids ([1, T, F]), reshaped to the roots' shape, for each root."""
         graph = gm.graph
         first = table.roots[0]
-        weight = ctx.add_tensor(gm, f"position_table_{first.name}", table.rows, before=first)
+        weight = ctx.add_tensor(gm, f"{TABLE_PREFIX}{first.name}", table.rows, before=first)
         with graph.inserting_before(first):
             out = graph.call_function(aten.embedding.default, (weight, pos))  # [1, T, F]
             if not table.after:

@@ -22,6 +22,7 @@ from mini_infer.models.presets import TINY_PRESETS
 from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassManager, PassStats
+from mini_infer.passes.rotary_table import TABLE_PREFIX
 
 aten = torch.ops.aten
 mi = torch.ops.mini_infer
@@ -109,6 +110,11 @@ def bound_copy(gm: fx.GraphModule, backend: str) -> tuple[fx.GraphModule, set[st
 
 def op_counts(gm: fx.GraphModule) -> Counter:
     return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def position_tables(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """rotary_table's tables in a graph, by buffer name."""
+    return {n: b for n, b in gm.named_buffers() if n.startswith(TABLE_PREFIX)}
 
 
 def placeholder_names(gm: fx.GraphModule) -> list[str]:

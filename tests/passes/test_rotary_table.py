@@ -40,6 +40,7 @@ from tests.passes.helpers import (
     num_tokens,
     op_counts,
     placeholder_names,
+    position_tables,
     random_ids,
     run_graph,
     run_passes,
@@ -61,10 +62,6 @@ def _expected(name):
     return 2, 2, width, torch.float32
 
 
-def _tables(gm):
-    return {n: b for n, b in gm.named_buffers() if n.startswith("position_table_")}
-
-
 def _row(stats):
     (row,) = [s for s in stats if s.name == "rotary_table"]
     return row
@@ -82,7 +79,7 @@ def _check_rewritten(name, gm, row, ref_gm):
     assert row.num_matches == matches
     kind = f"[{P}, {width}] {str(dtype).removeprefix('torch.')}"
     assert row.note.startswith(f"{tables} table{'s' if tables > 1 else ''} {kind}, "), row.note
-    found = _tables(gm)
+    found = position_tables(gm)
     assert len(found) == tables and all(t.shape == (P, width) and t.dtype == dtype for t in found.values())
     assert not any("inv_freq" in n for n, _ in gm.named_buffers())  # dropped with the sub-graph that read it
     assert any("inv_freq" in n for n, _ in ref_gm.named_buffers())
@@ -228,7 +225,7 @@ def test_rope_scaling_variants(variant):
     ref, ref_ctx = copy_gm(gm), PassContext(config=model.config, device=CPU, dtype=torch.float32)
     PassManager([p for p in passes if p.name != "rotary_table"]).run(ref, ref_ctx)
     row = _row(PassManager(passes).run(gm, ctx))
-    assert row.num_matches == 2 and len(_tables(gm)) == 2
+    assert row.num_matches == 2 and len(position_tables(gm)) == 2
 
     def eager(ids, pos):
         with torch.no_grad():
@@ -295,7 +292,7 @@ class _TwoCopies(torch.nn.Module):
 def test_equal_tables_shared():
     gm, stats, _ = _run_toy(_TwoCopies())
     assert stats[0].num_matches == 2 and stats[0].note == "1 table [64, 16] float32, 4.1 KB"
-    assert len(_tables(gm)) == 1 and op_counts(gm)[aten.embedding.default] == 2  # the tokens' and the table's
+    assert len(position_tables(gm)) == 1 and op_counts(gm)[aten.embedding.default] == 2  # the tokens' and the table's
 
 
 def test_table_too_large_or_length_unknown():
@@ -329,7 +326,7 @@ class _ViewsOnly(torch.nn.Module):
 @pytest.mark.parametrize("body", [_NoPositions, _NotPerPosition, _ViewsOnly])
 def test_left_alone(body):
     gm, stats, _ = _run_toy(body())
-    assert stats[0].num_matches == 0 and not _tables(gm)
+    assert stats[0].num_matches == 0 and not position_tables(gm)
     assert stats[0].note == ("left to (not per position)" if body is _NotPerPosition else "")
 
 
@@ -347,7 +344,7 @@ def test_table_length_from_the_engine(monkeypatch):
     monkeypatch.setattr(compiler, "capture", lambda model: copy_gm(captured("tiny-llama")))
     lm = loaded("tiny-llama")
     cm = compile_model(lm.model, max_positions=64)
-    assert cm.context.info[MAX_POSITIONS] == 64 and {tuple(t.shape) for t in _tables(cm.graph_module).values()} \
+    assert cm.context.info[MAX_POSITIONS] == 64 and {tuple(t.shape) for t in position_tables(cm.graph_module).values()} \
         == {(64, 16)}
     ids = random_ids(4, 0)
     assert_logits_close(cm(**cm.example_inputs(ids, torch.arange(60, 64)[None])),

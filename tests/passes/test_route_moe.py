@@ -43,6 +43,7 @@ from tests.passes.helpers import (
     mi,
     num_tokens,
     op_counts,
+    position_tables,
     positions,
     random_ids,
     run_graph,
@@ -262,7 +263,7 @@ def test_non_contiguous_experts_are_stacked_once():
 
 
 def _position_table_bytes(gm):
-    return sum(t.numel() * t.element_size() for n, t in gm.named_buffers() if n.startswith("position_table_"))
+    return sum(t.numel() * t.element_size() for t in position_tables(gm).values())
 
 
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-deepseek-v3"])
