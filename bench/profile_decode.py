@@ -1,10 +1,15 @@
 """Where a batch-1 decode step's time goes: host work (schedule, input prep, sampling, bookkeeping) versus
 the GPU replay of the captured graph, measured with CUDA events around the replay over many steps, and the
 kernels one replay launches. With `--prefill N`, instead: one N-token prompt's prefill (chunked as the engine
-chunks it), its time to first token and the kernels it spends it in.
+chunks it), its time to first token and the kernels it spends it in. With `--timeline N`, also: N engine steps
+under the profiler, read back as a GPU timeline (`timeline.py`): the GPU's work between two replays, and the
+replay's kernels in order with their start, duration and the time each adds to the critical path (its end minus
+the previous kernel's end: under programmatic dependent launch kernels overlap, so a kernel's own duration says
+little), summed by kernel name.
 
     python bench/profile_decode.py [--model qwen2.5-7b] [--steps 200] [--quantization w8a8]
     python bench/profile_decode.py --model qwen3-0.6b --prefill 10000
+    python bench/profile_decode.py --model qwen3-0.6b --timeline 6 [--trace-out trace.json]
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--quantization", default=None, help="w8a8 or fp8 (default: none)")
     ap.add_argument("--without", default=None, help="comma list of passes left out of the recommended pipeline")
+    ap.add_argument("--timeline", type=int, default=0, help="also profile this many engine steps as a GPU timeline")
+    ap.add_argument("--trace-out", default=None, help="write the --timeline steps' chrome trace here")
     args = ap.parse_args()
     if args.prefill:
         profile_prefill(args.model, args.prefill)
@@ -81,6 +88,15 @@ def main() -> None:
     print(f"kernels per decode step (one replay): {len(kernels)}; host time per step outside the replay: "
           f"{step_ms - gpu_ms:.2f} ms")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    if args.timeline:
+        from timeline import print_timeline
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.timeline):
+                eng.step()
+            torch.cuda.synchronize()
+        print_timeline(prof, trace_out=args.trace_out)
 
 
 def profile_prefill(model: str, tokens: int) -> None:
