@@ -63,6 +63,18 @@ q's / k's dtype as qk_rotary's outputs are) to its q rows before its dots and to
 that write in the kernel and whose head tile is the head dim take it (`rotary_in_kernel`). Off, the kernel is as
 above.
 
+Before the wait (programmatic dependent launch: `await_producers`). Every program first reads what no kernel of the
+step writes: its sequence's lengths (`query_start_loc`, `seq_lens`) and block-table entries, inputs copied before the
+step's graph runs. Split decode launches (`num_splits` > 1 over a 16-bit cache: a small batch, where the attention is a
+chain of dependent loads with idle SMs around it) also load their first key tile's cached keys and values there, the
+positions older than the step's own keys (written by an earlier step's kernels: a kernel starts only after the one
+before it has passed its wait, so anything two kernels back is done); the step's keys in that tile are loaded after
+the in-kernel write, as before. Only loads move; every store stays after the wait. Those launches take the
+"decode_split" shape (64 keys a step, 8 warps: with 128 keys and 4 warps the preloaded tiles spill). H200, qwen3-0.6b
+batch 1, engines alternated over two rounds: 1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the shape
+alone, 1,349.8 / 1,362.4 with the "decode" shape as before (bench/RESULTS.md, sixteenth session).
+`MINI_INFER_ATTN_PRELOAD=0` keeps the shape and loads after the wait.
+
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
 FuseKVWrite pass), the long-run route then reads a run's new keys from the cache with its context.
@@ -109,6 +121,7 @@ _REF_QUERY_CHUNK = 256
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
+    "decode_split": {"block_n": 64, "num_warps": 8, "num_stages": 2},
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16_vregs"},
     "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
 }
@@ -138,6 +151,10 @@ _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 # layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
 # --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
 DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
+# Split decode launches (small batches over a 16-bit cache: "decode_split") load their first key tile's cached
+# keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
+# it, as every other launch does. Read at launch.
+ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -538,6 +555,46 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _tile_scores(
+        qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale, softcap, sliding_window,
+        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        FP8_DOT: tl.constexpr,
+    ):  # fmt: skip
+        """One key tile kt [BLOCK_N, D] (as stored) against the score rows qv: the tile's scores in log2 units,
+        hidden where invisible, folded into the running softmax: (p, alpha, m_i, l_i) of `online_softmax_step`."""
+        if DOT_FP32:
+            sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
+        elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
+            sc = tl.dot(qv, tl.trans(kt))
+        else:
+            sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
+        # scores in log2 units (softmax with exp2)
+        if USE_SOFTCAP:
+            sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
+        else:
+            sc = sc * (qk_scale * _split_k.LOG2E)
+        sc = _split_k.hide_invisible(sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW)
+        return _split_k.online_softmax_step(sc, m_i, l_i)
+
+    @triton.jit
+    def _tile_values(p, vt, qv, vc_ptr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+                     ROUND_P_EXACTLY: tl.constexpr):
+        """p @ vt for one tile: the probabilities p [rows, BLOCK_N] times the value tile vt [BLOCK_N, Dv] (as
+        stored), in the dtype each way of dots takes."""
+        if DOT_FP32:
+            pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
+        elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
+            p8 = p * 256.0
+            if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
+                p8 = round_to_fp8_e4m3(p8)
+            pv = tl.dot(p8.to(vt.dtype), vt)
+        elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
+            pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
+        else:
+            pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
+        return pv
+
+    @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
@@ -548,15 +605,18 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
-        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, USE_GDC: tl.constexpr,
+        FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
-        await_producers(USE_GDC)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        # Before the wait (module docstring, "Before the wait"): the step's lengths and block table are inputs no
+        # kernel of the step writes, and with PRELOAD the first key tile's cached positions (older than the step's
+        # keys) are loaded too; nothing is stored before the wait.
         s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
             tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
         )
+        n_owned = tl.load(qsl_ptr + n_seqs)  # rows from here on belong to no sequence
         # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
         r = tl.arange(0, BLOCK_R)
         qi = r // BLOCK_G
@@ -564,52 +624,48 @@ if HAS_TRITON:
         head = kvh * G + g
         dv = tl.arange(0, BLOCK_DV)
         dv_ok = dv < head_dv
-        if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
-            zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
-            unowned = (qi < BLOCK_Q) & (g < G) & (zrow >= tl.load(qsl_ptr + n_seqs)) & (zrow < n_tokens)
-            tl.store(out_ptr + zrow[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
-                     tl.zeros([BLOCK_R, BLOCK_DV], out_ptr.dtype.element_ty), mask=unowned[:, None] & dv_ok[None, :])
-            if WRITE_KV:  # (BLOCK_Q == 1) token `tile`, if no sequence owns it, is written as _write_kv_kernel would
-                wh = kvh + tl.arange(0, 1)  # this program's kv head, as a vector
-                ztok = tile.to(tl.int64) + wh * 0
-                zown = (ztok >= tl.load(qsl_ptr + n_seqs)) & (ztok < n_tokens)
-                zslot = tl.load(slot_ptr + ztok, mask=zown, other=-1).to(tl.int64)
-                _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, ztok, zslot,
-                                   wh, zslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd,
-                                   s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8, HAS_K_NORM,
-                                   BLOCK_D, BLOCK_DV)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_d
         # key range of the tile: [k_lo, k_hi), then this program's split of it; with the fused merge only the
-        # non-empty splits work (the others exit here), else every split writes its partials for the reduce
+        # non-empty splits work (the others exit below), else every split writes its partials for the reduce
         k_hi = ctx - qlen + tl.minimum(q_off + BLOCK_Q, qlen)
         k_lo = k_hi * 0
         if USE_WINDOW:
             k_lo = tl.maximum(ctx - qlen + q_off - sliding_window + 1, 0)
         n_used = _split_k.used_splits(k_lo, k_hi, NUM_SPLITS, BLOCK_N) if FUSED_MERGE else NUM_SPLITS
-        if (q_off < qlen) & (split < n_used):
-            k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
-            if WRITE_KV:  # (decode-shaped launch) the step's new tokens of s that this program reads: write, then read
-                # s's new tokens sit at positions ctx - qlen .. ctx - 1, packed rows q_beg .. q_beg + qlen - 1. Row
-                # q_off's key range holds its own position, so each new token is written by at least its own row's
-                # program; several programs may write one token (its later rows, the other query heads' programs
-                # under GQA: same bytes, same addresses), and each reads only what it wrote or what was cached
-                # before the launch. bar.sync then makes every thread's stores visible to the CTA's key loads.
-                new0 = ctx - qlen
-                wh = kvh + tl.arange(0, 1)
-                for wpos in range(tl.maximum(k_lo, new0), k_hi):
-                    wtok = (q_beg + wpos - new0).to(tl.int64)
-                    wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
-                    _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok,
-                                       wslot, wh, wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh,
-                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8,
-                                       HAS_K_NORM, BLOCK_D, BLOCK_DV)
-                tl.debug_barrier()
+        works = (q_off < qlen) & (split < n_used)
+        k_lo, k_hi = _split_k.split_key_range(k_lo, k_hi, split, NUM_SPLITS, BLOCK_N)
+        new0 = ctx - qlen  # the step's keys of s sit at positions new0 .. ctx - 1
+        bt_row = bt_ptr + s.to(tl.int64) * s_bt
+        if PRELOAD:  # the first tile's keys older than the step's: in the cache since an earlier step
+            kpos0, k_ok0, pblk0, koff0 = _split_k.key_tile(bt_row, k_lo, tl.where(works, k_hi, k_lo), BLOCK_SIZE,
+                                                           BLOCK_N)
+            old0 = k_ok0 & (kpos0 < new0)
+            kt0 = tl.load(kc_ptr + pblk0[:, None] * s_kcb + koff0[:, None] * s_kco + kvh * s_kch + d[None, :],
+                          mask=old0[:, None] & d_ok[None, :], other=0.0)
+            vt0 = tl.load(vc_ptr + pblk0[:, None] * s_vcb + koff0[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                          mask=old0[:, None] & dv_ok[None, :], other=0.0)
+        await_producers(USE_GDC)
+        if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
+            zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
+            unowned = (qi < BLOCK_Q) & (g < G) & (zrow >= n_owned) & (zrow < n_tokens)
+            tl.store(out_ptr + zrow[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_DV], out_ptr.dtype.element_ty), mask=unowned[:, None] & dv_ok[None, :])
+            if WRITE_KV:  # (BLOCK_Q == 1) token `tile`, if no sequence owns it, is written as _write_kv_kernel would
+                wh = kvh + tl.arange(0, 1)  # this program's kv head, as a vector
+                ztok = tile.to(tl.int64) + wh * 0
+                zown = (ztok >= n_owned) & (ztok < n_tokens)
+                zslot = tl.load(slot_ptr + ztok, mask=zown, other=-1).to(tl.int64)
+                _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, ztok, zslot,
+                                   wh, zslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd,
+                                   s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8, HAS_K_NORM,
+                                   BLOCK_D, BLOCK_DV)
+        if works:
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
             tok0 = (q_beg + q_off).to(tl.int64)  # the tile's first query row
             tok = tok0 + qi
             q_pos = ctx - qlen + q_idx
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < head_d
             if ROTARY:  # (BLOCK_D == head_d) qk_rotary's math on the q rows, rounded to q's dtype as its output is
                 _, _, _, o1, o2 = rotated_pairs(
                     q_ptr, (tok * s_qt + head * s_qh)[:, None], 1, cos_ptr, (tok * s_ct)[:, None], s_cd, sin_ptr,
@@ -621,6 +677,21 @@ if HAS_TRITON:
                     q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0,
                 )  # fmt: skip
+            if WRITE_KV:  # (decode-shaped launch) the step's new tokens of s that this program reads: write, then read
+                # s's new tokens sit at positions ctx - qlen .. ctx - 1, packed rows q_beg .. q_beg + qlen - 1. Row
+                # q_off's key range holds its own position, so each new token is written by at least its own row's
+                # program; several programs may write one token (its later rows, the other query heads' programs
+                # under GQA: same bytes, same addresses), and each reads only what it wrote or what was cached
+                # before the launch. bar.sync then makes every thread's stores visible to the CTA's key loads.
+                wh = kvh + tl.arange(0, 1)
+                for wpos in range(tl.maximum(k_lo, new0), k_hi):
+                    wtok = (q_beg + wpos - new0).to(tl.int64)
+                    wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
+                    _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok,
+                                       wslot, wh, wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh,
+                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8,
+                                       HAS_K_NORM, BLOCK_D, BLOCK_DV)
+                tl.debug_barrier()
             if DOT_FP32:
                 qv = qv.to(tl.float32)
             elif FP8_DOT == 3:  # fp8 dots: each score row's q on the e4m3 grid, q ~= q8 * q_scale (quant.py's way)
@@ -642,44 +713,34 @@ if HAS_TRITON:
             m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-            bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            for start in range(k_lo, k_hi, BLOCK_N):
+            k_from = k_lo
+            if PRELOAD:  # the first tile: its older keys as loaded before the wait, the step's keys (written above) now
+                new_ok = k_ok0 & (kpos0 >= new0)
+                kt = tl.where(new_ok[:, None], tl.load(
+                    kc_ptr + pblk0[:, None] * s_kcb + koff0[:, None] * s_kco + kvh * s_kch + d[None, :],
+                    mask=new_ok[:, None] & d_ok[None, :], other=0.0), kt0)
+                p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, k_lo, kpos0, k_ok0, q_pos, first_q_pos, qk_scale,
+                                                  softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
+                                                  FP8_DOT)
+                vt = tl.where(new_ok[:, None], tl.load(
+                    vc_ptr + pblk0[:, None] * s_vcb + koff0[:, None] * s_vco + kvh * s_vch + dv[None, :],
+                    mask=new_ok[:, None] & dv_ok[None, :], other=0.0), vt0)
+                acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
+                k_from = k_lo + BLOCK_N
+            for start in range(k_from, k_hi, BLOCK_N):
                 kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
                 kt = tl.load(
                     kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0,
                 )  # fmt: skip
-                if DOT_FP32:
-                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, tl.float32, False)), input_precision="ieee")
-                elif FP8_DOT == 3:  # e4m3 x e4m3, fp32 accumulation (the products are exact)
-                    sc = tl.dot(qv, tl.trans(kt))
-                else:
-                    sc = tl.dot(qv, tl.trans(_dot_tile(kt, qv.dtype, False)))
-                # scores in log2 units (softmax with exp2)
-                if USE_SOFTCAP:
-                    sc = (softcap * _split_k.LOG2E) * _tanh(sc * (qk_scale / softcap))
-                else:
-                    sc = sc * (qk_scale * _split_k.LOG2E)
-                sc = _split_k.hide_invisible(
-                    sc, start, kpos, k_ok, q_pos, first_q_pos, sliding_window, BLOCK_N, USE_WINDOW
-                )
-                p, alpha, m_i, l_i = _split_k.online_softmax_step(sc, m_i, l_i)
+                p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale,
+                                                  softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
+                                                  FP8_DOT)
                 vt = tl.load(
                     vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
                 )  # fmt: skip
-                if DOT_FP32:
-                    pv = tl.dot(p, _dot_tile(vt, tl.float32, False), input_precision="ieee")
-                elif FP8_DOT == 3:  # p * 256 (exact, <= 256 < 448) in e4m3: 3 mantissa bits, normal down to p = 2**-14
-                    p8 = p * 256.0
-                    if ROUND_P_EXACTLY:  # the interpreter's own fp32 -> fp8 cast is wrong (quant.py)
-                        p8 = round_to_fp8_e4m3(p8)
-                    pv = tl.dot(p8.to(vt.dtype), vt)
-                elif KV_FP8:  # fp8 -> the dots' 16-bit dtype is exact; p in fp8 would lose too much
-                    pv = tl.dot(p.to(qv.dtype), _dot_tile(vt, qv.dtype, FP8_DOT == 2))
-                else:
-                    pv = tl.dot(p.to(vc_ptr.dtype.element_ty), vt)
-                acc = acc * alpha[:, None] + pv
+                acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
@@ -929,6 +990,9 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         )
     num_splits = max(1, int(num_splits))
     fused_merge = fused_merge and num_splits > 1
+    preload = False
+    if name == "decode" and num_splits > 1:  # a small batch over a 16-bit cache: latency-bound (module docstring)
+        name, preload = "decode_split", ATTN_PRELOAD
     # the kernel zeroes the rows no sequence owns: out needs no memset
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
                                                                  writes_every_row=True)
@@ -960,7 +1024,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, num_warps=num_warps,
+                num_stages=num_stages, **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape

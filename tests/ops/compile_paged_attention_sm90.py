@@ -2,7 +2,8 @@
 and without the KV write inside it (WRITE_KV), and with the write and the q/k norms + rotary (ROTARY, HAS_Q_NORM,
 HAS_K_NORM: rotary_paged_attention's launch), no GPU needed; print one JSON line.
 
-Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1), and an fp8 cache in one
+Each is built as launched (the bf16 split case at "decode_split" with its first key tile loaded before the wait,
+PRELOAD) and, for the rotary build, also without PRELOAD. Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1), and an fp8 cache in one
 split under a sliding window (qwen2.5-7b's group of 7), each at `_CONFIG`'s decode shape. For each: cuobjdump's
 resource line (LOCAL: spill bytes) and, from the PTX, the barriers (`bar.sync` / `barrier.sync`) and the loads through
 the non-coherent path (`ld.global.nc`, which need not see the CTA's own stores to the cache).
@@ -24,15 +25,19 @@ POINTERS = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "cn
             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_ptr": "*i64"}
 
 
-def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False):
-    """The kernel as `_triton_attention` launches it for a decode step (head dim 128, block 16, a bf16 q)."""
+def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False, preload: bool | None = None):
+    """The kernel as `_triton_attention` launches it for a decode step (head dim 128, block 16, a bf16 q): split
+    launches over a bf16 cache at the "decode_split" shape with the first key tile loaded before the wait (PRELOAD;
+    `preload=False`: the same shape without it), others at "decode" / "decode_fp8" without it."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from mini_infer.ops import paged_attention as pa
 
     kernel = pa._paged_attn_kernel
-    cfg = pa._CONFIG["decode_fp8" if fp8 else "decode"]
+    split_shape = not fp8 and splits > 1
+    preload = split_shape if preload is None else preload
+    cfg = pa._CONFIG["decode_fp8" if fp8 else "decode_split" if split_shape else "decode"]
     pointers = {**POINTERS, **({"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} if fp8 else {})}
     sig = {arg: "constexpr" if p.is_constexpr else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
            else "fp32" if arg in ("scale", "softcap", "eps") else "i32" for arg, p in zip(kernel.arg_names, kernel.params)}
@@ -41,7 +46,7 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: boo
         BLOCK_SIZE=16, WRITE_KV=write, ROTARY=rotary, HAS_Q_NORM=rotary, HAS_K_NORM=rotary, G=g, BLOCK_Q=1, BLOCK_G=block_g, BLOCK_R=max(16, block_g),
         BLOCK_N=cfg["block_n"], BLOCK_D=128, BLOCK_DV=128, NUM_SPLITS=splits, FUSED_MERGE=splits > 1, SEARCH_STEPS=4,
         USE_WINDOW=window, USE_SOFTCAP=False, DOT_FP32=False, KV_FP8=fp8,
-        FP8_DOT=pa._FP8_DOT[cfg["fp8_dot"]] if fp8 else 0, ROUND_P_EXACTLY=False, USE_GDC=True,
+        FP8_DOT=pa._FP8_DOT[cfg["fp8_dot"]] if fp8 else 0, ROUND_P_EXACTLY=False, PRELOAD=preload, USE_GDC=True,
     )  # fmt: skip
     stages = min(cfg["num_stages"], 2) if splits > 1 else cfg["num_stages"]
     return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
@@ -50,8 +55,9 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: boo
 
 def report(name: str, fp8: bool, g: int, splits: int, window: bool) -> dict:
     out = {"name": name}
-    for key, write, rotary in (("no_write", False, False), ("write", True, False), ("rotary", True, True)):
-        compiled = build(write, fp8, g, splits, window, rotary)
+    for key, write, rotary, preload in (("no_write", False, False, None), ("write", True, False, None),
+                                        ("rotary", True, True, None), ("rotary_no_preload", True, True, False)):
+        compiled = build(write, fp8, g, splits, window, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),
