@@ -405,26 +405,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def check_device(script: str, check: bool) -> str:
+    """Where a kernel script with a `--check` mode runs: "cuda" with a GPU; "cpu" when only --check was asked and
+    there is none, with TRITON_INTERPRET=1 set (before mini_infer.ops imports triton: triton.jit reads it). Exits
+    with a message without a GPU and --check, with TRITON_INTERPRET set on a GPU, or when triton does not import."""
     on_gpu = torch.cuda.is_available()
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if not on_gpu and not args.check:
-        raise SystemExit("bench/kernel_norm.py needs a CUDA GPU (torch.cuda.is_available() is False here): it times "
-                         "Triton kernels on the device. Without one, `python bench/kernel_norm.py --check` runs the "
-                         "launch path once under TRITON_INTERPRET=1 and compares it with the torch reference.")
-    if on_gpu and interpreted:
+    if not on_gpu and not check:
+        raise SystemExit(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False here): it times Triton "
+                         f"kernels on the device. Without one, `python {script} --check` runs the launch path once "
+                         "under TRITON_INTERPRET=1 and compares it with the torch reference.")
+    if on_gpu and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to run the kernels on the GPU")
     if not on_gpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before mini_infer.ops imports triton (triton.jit reads it)
+        os.environ["TRITON_INTERPRET"] = "1"
     from mini_infer.ops import HAS_TRITON
 
     if not HAS_TRITON:
         raise SystemExit("triton is not importable: nothing to benchmark")
+    return "cuda" if on_gpu else "cpu"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = check_device("bench/kernel_norm.py", args.check)
+    on_gpu = device == "cuda"
     if not on_gpu and not args.no_compile:
         print("(on CPU, torch.compile goes through Inductor's C++ backend, not the GPU one)")
     impls = Impls(use_compile=not args.no_compile)
-    device = "cuda" if on_gpu else "cpu"
     if args.check:
         return run_check(impls, args, device)
 

@@ -74,6 +74,9 @@ nothing from mini_infer outside this package.
 | scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
 |   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
 |   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
+| argmax_rows(x)                                        | Tensor int64 [R]    | torch.argmax(x, dim=-1) of [R, V] x: first index of   |
+|                                                       |                     | the maximum, NaN the largest (the greedy sampler's;   |
+|                                                       |                     | one launch, the row split over programs)              |
 | all_reduce_sum(x, group_name)                         | Tensor              | sum of x over the process group's ranks: one-shot over|
 |                                                       |                     | symmetric memory for small CUDA messages, else        |
 |                                                       |                     | torch.distributed (all_reduce.py); a collective       |
@@ -92,6 +95,7 @@ their one-row (decode) kernel, `fp8_supported(device)`
 from mini_infer.ops import all_reduce as _all_reduce_mod
 from mini_infer.ops import apply_rotary as _apply_rotary_mod  # (importing a module registers its ops)
 from mini_infer.ops import apply_rotary_interleaved as _apply_rotary_interleaved_mod
+from mini_infer.ops import argmax as _argmax_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
@@ -146,6 +150,7 @@ _MODULE_OF = {
     "fp8_linear": _fp8_linear_mod,
     "fp8_w8a8_linear": _fp8_linear_mod,
     "all_reduce_sum": _all_reduce_mod,
+    "argmax_rows": _argmax_mod,
 }
 OPS = tuple(_MODULE_OF)
 

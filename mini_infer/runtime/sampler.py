@@ -10,7 +10,8 @@ Order of operations, per row:
 1. penalties on the raw logits (greedy rows too): repetition (prompt + output tokens, vLLM/CTRL style: positive
    logits divided, negative ones multiplied), then frequency and presence (output tokens only, OpenAI style);
 2. `min_tokens`: EOS and `stop_token_ids` set to -inf while the row has fewer than `min_tokens` output tokens;
-3. greedy rows (temperature < 1e-5 or top_k == 1): argmax, done;
+3. greedy rows (temperature < 1e-5 or top_k == 1): argmax, done (torch.argmax's ids: on CUDA the Triton
+   `argmax_rows` kernel, one launch, where torch's reduce takes a memset and a longer kernel; else torch's);
 4. other rows: divide by temperature, top-k, top-p (smallest set of most likely tokens whose mass >= top_p,
    computed after top-k), min-p (drop tokens whose probability < min_p * the largest probability), softmax;
 5. draw with the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with probability
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mini_infer.ops.argmax import greedy_argmax
 from mini_infer.runtime.transfer import to_device, to_device_many
 from mini_infer.sampling_params import SamplingParams
 
@@ -336,7 +338,7 @@ class Sampler:
 
         processed = logits
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_argmax(logits)
         else:
             scaled = logits / batch.temperature[:, None]
             scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.top_k_max)
@@ -344,7 +346,7 @@ class Sampler:
             probs = scaled.softmax(dim=-1)
             token_ids = _exponential_race(probs, batch.generators)
             if not batch.all_random:
-                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, greedy_argmax(logits), token_ids)
                 processed = torch.where(batch.greedy[:, None], logits, scaled)
             else:
                 processed = scaled

@@ -389,3 +389,53 @@ def test_cuda_no_host_sync_and_seeded_rows():
     assert out.token_ids[0].item() == logits[0].float().argmax().item()
     steps = [torch.randn(vocab, device=dev, dtype=torch.bfloat16) for _ in range(4)]
     assert seeded_draws(0, 1, steps) == seeded_draws(5, 8, steps)
+
+
+def _greedy_ties_logits(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Logits with equal maxima far apart in each row (the first must win), a NaN row and a -inf row."""
+    torch.manual_seed(5)
+    x = torch.randn(rows, vocab)
+    for r in range(rows):
+        x[r, [vocab - 1 - r, 3 * vocab // 4, vocab // 3 + r]] = 9.0
+    x[1, vocab // 2] = float("nan")
+    x[2] = float("-inf")
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_greedy_rows_take_the_argmax_kernel(monkeypatch, mixed):
+    """The greedy rows' ids are torch.argmax's through the Triton `argmax_rows` launcher: on a GPU as the engine
+    runs it; here with `use_triton` patched to say yes, so the kernel runs on CPU tensors under the interpreter."""
+    from mini_infer.ops import HAS_TRITON
+    from mini_infer.ops import argmax as argmax_mod
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(argmax_mod, "use_triton", lambda t: True)
+    calls = []
+    real = argmax_mod.argmax_rows_triton
+    monkeypatch.setattr(argmax_mod, "argmax_rows_triton", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    rows, vocab = 4, 9000  # 3 programs a row: the in-launch merge runs
+    logits = _greedy_ties_logits(rows, vocab, torch.bfloat16, device)
+    params = [SamplingParams(temperature=0.0)] * rows
+    if mixed:  # rows 1 and 3 sampled, rows 0 and 2 greedy (the mixed path's argmax is over float32 logits)
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9)] * (rows // 2)
+    batch = SamplingBatch.build(params, [((), ())] * rows, None, vocab, device)
+    ids = Sampler()(logits, batch).token_ids
+    want = logits.float().cpu().argmax(-1)
+    greedy = torch.tensor([p.greedy for p in params])
+    assert torch.equal(ids.cpu()[greedy], want[greedy])
+    assert want.tolist()[:3] == [vocab // 3, vocab // 2, 0]
+    assert calls == [(rows, vocab)]
+
+
+def test_greedy_on_cpu_is_torch_argmax(monkeypatch):
+    """On CPU tensors (no patch) the sampler's argmax is torch's own: the kernel is never called."""
+    from mini_infer.ops import argmax as argmax_mod
+
+    monkeypatch.setattr(argmax_mod, "argmax_rows_triton", lambda *a: pytest.fail("Triton argmax on CPU tensors"))
+    logits = _greedy_ties_logits(4, 500, torch.float32, "cpu")
+    ids = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 4, vocab=500)).token_ids
+    assert torch.equal(ids, logits.argmax(-1))
