@@ -4,8 +4,9 @@ A kernel launched with `pdl_args` may start before the kernel ahead of it has fi
 its very start makes that safe (and keeps the chain transitive: a kernel that could finish before its producer
 would release the next one too early). These tests read the ops' source: every @triton.jit kernel with a USE_GDC
 parameter must wait first (directly, or through a jit body such as `gemv_program` that waits first; before the
-wait only index arithmetic and loads of the weights, `w_ptr`, which no kernel writes: linear_add's preload), and
-every launch that passes `pdl_args` must target such a kernel. On the CPU the arguments switch PDL off.
+wait only index arithmetic and loads of the weights, `w_ptr`, which no kernel writes: linear_add's preload, or of
+what a kernel declares in PRE_WAIT_POINTERS below), and every launch that passes `pdl_args` must target such a
+kernel. On the CPU the arguments switch PDL off.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ def _jit_functions() -> dict[str, ast.FunctionDef]:
     return found
 
 
-# what may run before the wait: index arithmetic, and loads of the weights (addresses built on `w_ptr` and what is
-# derived from it, also through jit helpers), which no kernel writes
-_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum"}
+# what may run before the wait: index arithmetic (loops of it too), and loads of the weights (addresses built on
+# `w_ptr` and what is derived from it, also through jit helpers), which no kernel writes
+_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where"}
+# pointers besides w_ptr that a kernel loads before its wait, and why no kernel of the step writes what it loads:
+PRE_WAIT_POINTERS = {
+    # the step's lengths and block tables are inputs copied before the step's graph; of the caches, only key
+    # positions older than the step's keys (kpos < new0: an earlier step's writes) are loaded there, which the op
+    # tests check by value (a preloaded new key would be stale), not this source check
+    "_paged_attn_kernel": {"qsl_ptr", "seq_lens_ptr", "bt_ptr", "kc_ptr", "vc_ptr"},
+}
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
 
 
@@ -66,6 +74,11 @@ def _before_wait(stmts: list[ast.stmt], jit: dict[str, ast.FunctionDef], weights
             if sides == {WAITS}:
                 return WAITS
             if sides != {PURE}:
+                return UNSAFE
+            continue
+        if isinstance(stmt, ast.For):  # a loop of index arithmetic and allowed loads (no wait inside a loop)
+            bounds = [c for c in _calls(stmt.iter) if getattr(c.func, "id", "") != "range"]
+            if _before_wait(stmt.body, jit, weights) != PURE or any(_call_ok(c, jit, weights) != PURE for c in bounds):
                 return UNSAFE
             continue
         if isinstance(stmt, ast.Return):
@@ -103,11 +116,14 @@ def _call_ok(call: ast.Call, jit: dict[str, ast.FunctionDef], weights: set[str])
         if func.attr not in _PRE_WAIT_TL:
             return UNSAFE
         return PURE if func.attr != "load" or _weight_address(call.args[0], weights) else UNSAFE
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.attr in jit:
+        return _call_ok(ast.Call(func=ast.Name(id=func.attr), args=call.args, keywords=call.keywords), jit,
+                        weights)  # a helper of another ops module (`_split_k.key_tile(...)`): checked as one
     return PURE if isinstance(func, ast.Attribute) else UNSAFE  # x.to(...) on values computed here
 
 
 def _waits_first(name: str, jit: dict[str, ast.FunctionDef]) -> bool:
-    return _before_wait(_body(jit[name]), jit, {"w_ptr"}) == WAITS
+    return _before_wait(_body(jit[name]), jit, {"w_ptr", *PRE_WAIT_POINTERS.get(name, ())}) == WAITS
 
 
 def test_every_kernel_with_use_gdc_waits_first():
@@ -138,6 +154,43 @@ def early(x_ptr, w_ptr, USE_GDC: tl.constexpr):
 """
     jit = {f.name: f for f in ast.parse(src).body}
     assert _waits_first("ok", jit) and not _waits_first("early", jit)
+
+
+def test_declared_inputs_and_helpers_before_the_wait():
+    """A pointer a kernel declares in PRE_WAIT_POINTERS may be loaded before the wait, also in a loop and through a
+    jit helper named through its module; an undeclared one may not, even through such a helper; a store may not."""
+    src = """
+@triton.jit
+def find(lens_ptr, n):
+    lo = n * 0
+    for _ in range(4):
+        lo = tl.where(tl.load(lens_ptr + lo) < n, lo + 1, lo)
+    return lo
+
+@triton.jit
+def _paged_attn_kernel(lens_ptr, x_ptr, n, USE_GDC: tl.constexpr):
+    lo = _split_k.find(lens_ptr, n)
+    await_producers(USE_GDC)
+
+@triton.jit
+def undeclared(lens_ptr, x_ptr, n, USE_GDC: tl.constexpr):
+    lo = _split_k.find(x_ptr, n)
+    await_producers(USE_GDC)
+
+@triton.jit
+def stores(lens_ptr, x_ptr, n, USE_GDC: tl.constexpr):
+    tl.store(lens_ptr, n)
+    await_producers(USE_GDC)
+"""
+    jit = {f.name: f for f in ast.parse(src).body}
+    declared = dict(PRE_WAIT_POINTERS)
+    try:
+        PRE_WAIT_POINTERS.update(_paged_attn_kernel={"lens_ptr"}, undeclared={"lens_ptr"}, stores={"lens_ptr"})
+        assert _waits_first("_paged_attn_kernel", jit)
+        assert not _waits_first("undeclared", jit) and not _waits_first("stores", jit)
+    finally:
+        PRE_WAIT_POINTERS.clear()
+        PRE_WAIT_POINTERS.update(declared)
 
 
 def test_every_pdl_launch_targets_a_waiting_kernel():
