@@ -55,11 +55,34 @@ Two implementations:
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
     a dense fp32 bmm at decode sizes and ~0.02x at T=2048 (bench/kernel_moe.py --dtype fp32).
 
+Before the wait (programmatic dependent launch: `await_producers`). OPT-IN, pending a GPU measurement: MOE_PRELOAD
+(MINI_INFER_MOE_PRELOAD=1; off by default, read at each call). A kernel's programs run code before their wait only
+once the kernel before them has passed its own wait, that is once the kernel two back has finished: what that one
+and earlier ones wrote may be loaded before the wait, what the kernel just before writes may not, and nothing is
+stored before it. The kernel just before the down GEMM is the gate/up GEMM of the same call (nothing is launched
+between them), which writes `act`, the down GEMM's A, and nothing else. Everything else the down GEMM reads is older:
+w2 (a weight), the routing weights and, in pair-per-block mode, the block experts (moe_topk's outputs, or their
+contiguous copies made before the gate/up GEMM), the pair rows, block experts and padded count of the sorted path
+(align's, launched before the gate/up GEMM) or of pair-per-block mode (the constant `pair_block_rows`), and the
+expert map (a constant). So with MOE_PRELOAD, at "decode" tiles whose B tile has at most _PRELOAD_MAX_TILE
+elements, each down-GEMM program loads these before its wait: the padded count, its block's pair rows and expert
+(mapped and checked in pair-per-block mode), its rows' routing weights, and its last K step's B tile. A block that
+will exit masks those loads off, and the exits come after the wait, which every program reaches. After the wait
+the program loads the last step's A tile, runs the K loop over the other steps, then does the last step on the
+preloaded tile. The dots are the same and in the same order, so the output is the same to the bit. The peeled step
+is the last one, not the first: peeled first, its A load would sit between the wait and the loop's first loads,
+and the sm_90 PTX then issues the loop's cp.async only once that A tile has arrived. The slot sum that follows
+(at "decode" tiles, up to 63 slots) loads its token's slot ids, and their expert-map entries, before its own wait;
+the routing wrote them three kernels back. On sm_90 at qwen3-30b-a3b's decode tiles (tests/ops/compile_fused_moe_sm90.py) the down GEMM takes
+72 registers with the preload and 48 without at T = 1 (a 128 x 32 B tile), and 126 against 64 at T = 2
+(128 x 64), with no spills. The 128 x 128 tile of T = 4 (176 against 104 registers) is left out by the size limit.
+
 Must not import anything from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -331,6 +354,35 @@ if HAS_TRITON:
                            BLOCK, HAS_MAP)
 
     @triton.jit
+    def _a_tile(a_ptrs, row_ok, k_ok, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        """One K step's A tile (its K columns `k_ok` unless EVEN_K), as the dot takes it."""
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+        return a
+
+    @triton.jit
+    def _b_tile(b_ptrs, col_ok, k_ok, EVEN_K: tl.constexpr):
+        """One K step's B tile [BLOCK_K, BLOCK_N] (its columns `col_ok`, its K rows `k_ok` unless EVEN_K)."""
+        if EVEN_K:
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        return b
+
+    @triton.jit
+    def _dot_step(a, b, acc, DOT_FP32: tl.constexpr):
+        """acc + a @ b (IEEE fp32 products with DOT_FP32: `a` is fp32 already)."""
+        if DOT_FP32:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
@@ -338,7 +390,7 @@ if HAS_TRITON:
         num_experts, map_ptr, num_global,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr,
+        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -346,8 +398,12 @@ if HAS_TRITON:
         (fp32 inputs, and the CPU interpreter, whose bf16 dot multiplies the raw bits as integers).
         PAIR_BLOCKS (no align step): block_expert holds the router ids (one pair per block); the block maps its
         id (expert_map when HAS_MAP) and exits when it names no expert in [0, num_experts). Otherwise those
-        three arguments are unused."""
-        await_producers(USE_GDC)
+        three arguments are unused.
+        PRELOAD (module docstring, "Before the wait"; only where the kernel before this one writes A alone): the
+        block's rows, pairs, expert, routing weights and last K step's B tile(s) are loaded before the PDL wait,
+        masked off in a block that will exit; the exits come after the wait, then the last step's A tile is loaded,
+        the K loop runs the other steps and the last step, peeled, takes the preloaded tile: the steps in the same
+        order as without it (the same bits), and nothing between the wait and the loop's first loads."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -355,70 +411,104 @@ if HAS_TRITON:
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (pid % in_group) % group_rows
         pid_n = (pid % in_group) // group_rows
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # past the padded end: this launch was sized for the worst case
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + rows)
-        row_ok = pair < num_pairs
-        a_row = (pair // rows_per_a).to(tl.int64)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if PAIR_BLOCKS:
-            expert = map_expert(expert.to(tl.int32), True, map_ptr, num_global, HAS_MAP)
-            if (expert < 0) | (expert >= num_experts):
-                return  # a slot with no (local) expert: its rows stay unwritten, as align leaves them out
-        expert = expert.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_out
         ks = tl.arange(0, BLOCK_K)
+        k_end = k_in  # the K loop's end
+        if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
+            padded_end = tl.load(num_padded_ptr)  # a multiple of BLOCK_M: a block's rows are all before it or none
+            live = pid_m * BLOCK_M < padded_end  # past the padded end: exits after the wait
+            pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)
+            expert = tl.load(block_expert_ptr + pid_m, mask=live, other=0)
+            if PAIR_BLOCKS:
+                expert = map_expert(expert.to(tl.int32), live, map_ptr, num_global, HAS_MAP)
+                live = live & (expert >= 0) & (expert < num_experts)
+            expert = tl.where(live, expert, 0).to(tl.int64)
+            row_ok = pair < num_pairs
+            if MUL_WEIGHT:
+                row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+            # the last K step (k_in >= 1), not the first: peeled before the loop, the first step would hold the
+            # loop's first loads back until its A tile arrived; after the loop, it waits on nothing
+            k_end = (k_in - 1) // BLOCK_K * BLOCK_K
+            last_ok = ks < k_in - k_end
+            # col_ok & live as one compare: the interpreter's `&` of a vector and a scalar gives ints, not a mask
+            col_live = cols < tl.where(live, n_out, 0)
+            b_last = _b_tile(b_ptrs + k_end * stride_bk, col_live, last_ok, EVEN_K)
+            if GATED:
+                b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K)
+        await_producers(USE_GDC)
+        if PRELOAD:
+            if not live:
+                return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert
+        else:
+            if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+                return  # past the padded end: this launch was sized for the worst case
+            pair = tl.load(sorted_ptr + rows)
+            row_ok = pair < num_pairs
+            expert = tl.load(block_expert_ptr + pid_m)
+            if PAIR_BLOCKS:
+                expert = map_expert(expert.to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+                if (expert < 0) | (expert >= num_experts):
+                    return  # a slot with no (local) expert: its rows stay unwritten, as align leaves them out
+            expert = expert.to(tl.int64)
+            b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+        a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
-        b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-            else:
-                k_ok = ks < k_in - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        if PRELOAD:  # the last K step's A tile, loaded with the loop's first ones
+            a_last = _a_tile(a_ptrs + k_end, row_ok, last_ok, EVEN_K, DOT_FP32)
+        for k0 in range(0, k_end, BLOCK_K):
+            k_ok = ks < k_in - k0
+            a = _a_tile(a_ptrs, row_ok, k_ok, EVEN_K, DOT_FP32)
+            acc = _dot_step(a, _b_tile(b_ptrs, col_ok, k_ok, EVEN_K), acc, DOT_FP32)
             if GATED:
-                if EVEN_K:
-                    b_up = tl.load(b_ptrs + up_offset, mask=col_ok[None, :], other=0.0)
-                else:
-                    b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                if DOT_FP32:
-                    acc_up = tl.dot(a, b_up.to(tl.float32), acc_up, input_precision="ieee")
-                else:
-                    acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = _dot_step(a, _b_tile(b_ptrs + up_offset, col_ok, k_ok, EVEN_K), acc_up, DOT_FP32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
+        if PRELOAD:  # the last K step, peeled: its B tile(s) loaded before the wait
+            acc = _dot_step(a_last, b_last, acc, DOT_FP32)
+            if GATED:
+                acc_up = _dot_step(a_last, b_up_last, acc_up, DOT_FP32)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         if MUL_WEIGHT:
-            acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            if not PRELOAD:
+                row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            acc = acc * row_weight[:, None]
         c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr,
+                        USE_GDC: tl.constexpr):  # fmt: skip
         """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
-        expert (their rows were never written)."""
-        await_producers(USE_GDC)
+        expert (their rows were never written). PRELOAD (TOP_K <= 63; module docstring, "Before the wait"): the
+        token's slot ids, mapped and checked, are loaded before the PDL wait as a bit set (BLOCK_K: TOP_K's
+        power of two), read slot by slot after it; the rows and the sum as without it."""
         t = tl.program_id(0).to(tl.int64)
+        if PRELOAD:  # the routing's ids: written before the grouped GEMMs, so two kernels back at least
+            slot = tl.arange(0, BLOCK_K)
+            slot_ok = slot < TOP_K
+            experts = map_expert(tl.load(ids_ptr + t * TOP_K + slot, mask=slot_ok, other=-1).to(tl.int32), slot_ok,
+                                 map_ptr, num_global, HAS_MAP)
+            used = slot_ok & (experts >= 0) & (experts < num_experts)
+            used_bits = tl.sum(tl.where(used, tl.full([BLOCK_K], 1, tl.int64) << slot.to(tl.int64), 0), axis=0)
+        await_producers(USE_GDC)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
         acc = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOP_K):
-            expert = map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+            if PRELOAD:
+                slot_used = ((used_bits >> j) & 1) != 0
+            else:
+                expert = map_expert(tl.load(ids_ptr + t * TOP_K + j).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+                slot_used = (expert >= 0) & (expert < num_experts)
             row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
+            acc += tl.where(slot_used, row, 0.0)
         tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -498,13 +588,14 @@ class _RawIds:
 
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
-                  tile: GemmTile, raw_ids: _RawIds | None = None) -> None:
+                  tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
-    mode, one block per pair)."""
+    mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
+    stream writes none of its arguments but `a` (module docstring, "Before the wait")."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
-    key = (a.dtype, gated, n_out, k_in, block_m, tile)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         try:
@@ -516,7 +607,7 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a),
+                PRELOAD=preload, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -534,6 +625,16 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
 PAIR_BLOCKS_BY_DEFAULT = True
 _PAIR_BLOCKS_MAX_PAIRS = 16
 _PAIR_BLOCKS_REPEAT_DIV = 16
+
+
+# Loads before the PDL wait at decode tiles (module docstring, "Before the wait"): opt-in until measured on a GPU.
+# Read at each call, so a benchmark can set fused_moe.MOE_PRELOAD between engines (before capturing their graphs).
+MOE_PRELOAD = os.environ.get("MINI_INFER_MOE_PRELOAD", "0") == "1"
+# The down GEMM preloads a B tile of at most this many elements, held in registers through its K loop: qwen3-30b-a3b's
+# tiles at T = 1 and 2 (32 and 64 columns of 128), not the 128 x 128 of T = 4 (176 registers against 104 without
+# it at 4 warps on sm_90: two programs per SM where shared memory allows three; module docstring).
+_PRELOAD_MAX_TILE = 128 * 64
+_SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of one int64
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -603,14 +704,21 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
                   cfg.gate_up, raw_ids)
+    # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
+    # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
+    # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
+    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
     per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
-                  cfg.block_m, cfg.down, raw_ids)
+                  cfg.block_m, cfg.down, raw_ids,
+                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE)
     if k > 1:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
-        _moe_sum_kernel[(t, triton.cdiv(h, block))](per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block,
-                                                    HAS_MAP=expert_map is not None, num_warps=4, **pdl_args(per_slot))
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](
+            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
+            HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
+            **pdl_args(per_slot))
     return out
 
 

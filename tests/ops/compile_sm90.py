@@ -23,15 +23,17 @@ from tests.ops.helpers import NO_CUDA_BACKEND
 def build_sm90(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4, num_stages: int = 1,
                divisible: tuple[str, ...] = ()):
     """`kernel` (a `triton.jit` function) compiled for sm_90, as a launch builds it: its constexpr parameters from
-    `constexprs`, pointers (`*_ptr`) bf16 unless `pointers` names another type, `eps` fp32, other scalars i32; the
-    arguments named in `divisible` marked multiples of 16 (what a launch specializes to for 16-byte aligned tensors
-    and integers divisible by 16)."""
+    `constexprs` (and any other parameter `constexprs` names: what a launch makes of an integer argument equal to
+    1), pointers (`*_ptr`) bf16 unless `pointers` names another type, `eps` fp32, other scalars i32; the arguments
+    named in `divisible` marked multiples of 16 (what a launch specializes to for 16-byte aligned tensors and
+    integers divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     pointers = pointers or {}
-    sig = {arg: "constexpr" if param.is_constexpr else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
-           else "fp32" if arg == "eps" else "i32" for arg, param in zip(kernel.arg_names, kernel.params)}
+    sig = {arg: "constexpr" if param.is_constexpr or arg in constexprs
+           else pointers.get(arg, "*bf16") if arg.endswith("_ptr") else "fp32" if arg == "eps" else "i32"
+           for arg, param in zip(kernel.arg_names, kernel.params)}
     attrs = {(kernel.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in divisible}
     return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
