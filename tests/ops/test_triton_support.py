@@ -38,13 +38,19 @@ def _jit_functions() -> dict[str, ast.FunctionDef]:
 
 # what may run before the wait: index arithmetic (loops of it too), and loads of the weights (addresses built on
 # `w_ptr` and what is derived from it, also through jit helpers), which no kernel writes
-_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where"}
+_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where", "sum"}
 # pointers besides w_ptr that a kernel loads before its wait, and why no kernel of the step writes what it loads:
 PRE_WAIT_POINTERS = {
     # the step's lengths and block tables are inputs copied before the step's graph; of the caches, only key
     # positions older than the step's keys (kpos < new0: an earlier step's writes) are loaded there, which the op
     # tests check by value (a preloaded new key would be stale), not this source check
     "_paged_attn_kernel": {"qsl_ptr", "seq_lens_ptr", "bt_ptr", "kc_ptr", "vc_ptr"},
+    # (opt-in MOE_PRELOAD, launched so only for the down GEMM and the slot sum) the routing's outputs, the align
+    # step's pair rows / block experts / padded count and the expert map: two or more kernels back (the kernel just
+    # before a down GEMM is its call's gate/up GEMM, which writes only the A operand; before a slot sum, the down
+    # GEMM, which writes only its src); b_ptr is the expert weights
+    "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr"},
+    "_moe_sum_kernel": {"ids_ptr", "map_ptr"},
 }
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
 
