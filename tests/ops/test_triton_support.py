@@ -45,7 +45,7 @@ PRE_WAIT_POINTERS = {
     # positions older than the step's keys (kpos < new0: an earlier step's writes) are loaded there, which the op
     # tests check by value (a preloaded new key would be stale), not this source check
     "_paged_attn_kernel": {"qsl_ptr", "seq_lens_ptr", "bt_ptr", "kc_ptr", "vc_ptr"},
-    # (opt-in MOE_PRELOAD, launched so only for the down GEMM and the slot sum) the routing's outputs, the align
+    # (MOE_PRELOAD, launched so only for the down GEMM and the slot sum) the routing's outputs, the align
     # step's pair rows / block experts / padded count and the expert map: two or more kernels back (the kernel just
     # before a down GEMM is its call's gate/up GEMM, which writes only the A operand; before a slot sum, the down
     # GEMM, which writes only its src); b_ptr is the expert weights
