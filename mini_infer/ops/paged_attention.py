@@ -114,9 +114,11 @@ __all__ = [
 # Longest run of query rows the reference attends in one matmul (bounds its fp32 score buffer).
 _REF_QUERY_CHUNK = 256
 
-# Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches). "rows": (query row, head)
-# pairs per prefill tile; block_n: keys per inner step; fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT).
-# Tuned on an H200 (bf16, head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep;
+# Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches; "decode_split": decode launches
+# cut into key splits over a 16-bit cache, the small batches, which load their first tile before the PDL wait: module
+# docstring, "Before the wait"). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
+# fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT). Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
+# bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
