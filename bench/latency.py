@@ -23,6 +23,8 @@ remove the prefill from the rate.
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
     python bench/latency.py --model qwen3-0.6b --peers none --with fuse_kv_write  # an opt-in pass's
+    python bench/latency.py --model qwen3-0.6b --peers none --switch paged_attention.ATTN_PRELOAD=0 --rounds 2
+                                                      # a kernel switch's, engines alternated over two rounds
     python bench/latency.py --prompt-len 32000 --new-tokens 16 --peers none --repeat 2  # TTFT cold, then warm
 
 `--repeat N`: the TTFT of N prompts of --prompt-len (other random ids each, so no prefix-cache hit; the last is
@@ -33,6 +35,8 @@ prefill route, allocator growth) against what the next one pays.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import time
 from pathlib import Path
@@ -151,6 +155,23 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     return result
 
 
+@contextlib.contextmanager
+def switched(assignment: str):
+    """`module.ATTR=int` set on mini_infer.ops.<module> (cast to the attribute's type) for the block, then restored:
+    a kernel switch read at launch, for an engine built (and its graphs captured) inside the block."""
+    name, _, value = assignment.partition("=")
+    mod_name, _, attr = name.rpartition(".")
+    if not mod_name or not value:
+        raise SystemExit(f"--switch takes module.ATTR=int, got {assignment!r}")
+    module = importlib.import_module(f"mini_infer.ops.{mod_name}")
+    old = getattr(module, attr)
+    setattr(module, attr, type(old)(int(value)))
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -165,6 +186,12 @@ def main() -> None:
                     help="comma list of opt-in passes: one more engine, the first one's pipeline plus them, appended")
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="one more engine per quantized one: its pipeline with the lm_head quantized too (lm_head=True)")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0): one more "
+                         "engine, the first one's, built with that switch set (restored after); repeatable")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --switch: build and time the first engine and the switched ones this many times, "
+                         "alternated")
     ap.add_argument("--repeat", type=int, default=1,
                     help="TTFT of this many prompts of --prompt-len in the same engine (the last one decodes)")
     ap.add_argument("--out", default="bench/out")
@@ -197,6 +224,15 @@ def main() -> None:
         engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
                                       [*first["passes"], *on]))
         engines[-1]["tag"] = f",with={'+'.join(on)}"
+    first = engines[0]
+    for rnd in range(args.rounds if args.switch else 0):
+        if rnd:  # the first engine again, alternated with the switched ones
+            engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"]))
+            engines[-1]["tag"] = f",round={rnd + 1}"
+        for switch in args.switch:
+            with switched(switch):
+                engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"]))
+            engines[-1]["tag"] = f",{switch}" + (f",round={rnd + 1}" if rnd else "")
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:

@@ -1,0 +1,26 @@
+"""bench/latency.py's `--switch`: a kernel switch set for one engine's build and restored after (the timings
+themselves run on a GPU only)."""
+
+from pathlib import Path
+
+import pytest
+
+
+def test_switch_sets_and_restores(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import fused_moe, paged_attention
+
+    before = paged_attention.ATTN_PRELOAD, fused_moe.MOE_PRELOAD
+    with latency.switched("paged_attention.ATTN_PRELOAD=0"):
+        assert paged_attention.ATTN_PRELOAD is False
+        with latency.switched(f"fused_moe.MOE_PRELOAD={int(not before[1])}"):
+            assert fused_moe.MOE_PRELOAD is (not before[1])
+    assert (paged_attention.ATTN_PRELOAD, fused_moe.MOE_PRELOAD) == before
+    with pytest.raises(RuntimeError), latency.switched("paged_attention.ATTN_PRELOAD=0"):
+        raise RuntimeError("an engine that failed to build")
+    assert paged_attention.ATTN_PRELOAD == before[0]  # restored on the way out of a failure too
+    for bad in ("ATTN_PRELOAD=0", "paged_attention.ATTN_PRELOAD"):
+        with pytest.raises(SystemExit), latency.switched(bad):
+            pass
