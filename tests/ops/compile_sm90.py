@@ -24,13 +24,14 @@ def build_sm90(kernel, constexprs: dict, pointers: dict | None = None, num_warps
                divisible: tuple[str, ...] = ()):
     """`kernel` (a `triton.jit` function) compiled for sm_90, as a launch builds it: its constexpr parameters from
     `constexprs` (and any other parameter `constexprs` names: what a launch makes of an integer argument equal to
-    1), pointers (`*_ptr`) bf16 unless `pointers` names another type, `eps` fp32, other scalars i32; the arguments
+    1; a constexpr parameter it does not name takes its default, as in a launch that does not pass it), pointers (`*_ptr`) bf16 unless `pointers` names another type, `eps` fp32, other scalars i32; the arguments
     named in `divisible` marked multiples of 16 (what a launch specializes to for 16-byte aligned tensors and
     integers divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     pointers = pointers or {}
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {arg: "constexpr" if param.is_constexpr or arg in constexprs
            else pointers.get(arg, "*bf16") if arg.endswith("_ptr") else "fp32" if arg == "eps" else "i32"
            for arg, param in zip(kernel.arg_names, kernel.params)}
