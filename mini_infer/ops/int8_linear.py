@@ -116,8 +116,10 @@ FP8_GEMV_LONG_K = 8192
 # 67.9 MB); to measure, alternate processes in one lease:
 #   for limit in 0 4096 0 4096; do MINI_INFER_SCALED_GEMV_PRELOAD_MAX_K=$limit \
 #       python bench/latency.py --model qwen2.5-7b --quantization w8a8,fp8 --peers none; done
-# (fp8 is the control: it never preloads). Read from the environment at import; launches read this module attribute,
-# so a benchmark can also set it between engines (before their graphs are captured).
+# (fp8 is the control: it never preloads), or in one process: `python bench/latency.py --model qwen2.5-7b
+# --quantization w8a8 --peers none --switch int8_linear.SCALED_GEMV_PRELOAD_MAX_K=4096 --rounds 2`. Read from the
+# environment at import; launches read this module attribute, so a benchmark can also set it between engines (before
+# their graphs are captured).
 SCALED_GEMV_PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_SCALED_GEMV_PRELOAD_MAX_K", "0"))
 # How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
 # "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
