@@ -256,15 +256,20 @@ def split_outputs(
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 counters of `finish_rows`, zero between launches
+# Counters replaced by a larger set are kept: a CUDA graph captured with them still counts in them at every replay
+# (a later caller outside the graphs, such as the sampler's argmax with more rows, may grow the set).
+_RETIRED: list[torch.Tensor] = []
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n zeroed int32 counters for `finish_rows` on `device`, kept per device; each launch leaves them
     zero. Grown on first need (to at least 4,096): make the first call of each shape before capturing a CUDA
-    graph, as for Triton's compile. Launches on several streams at once must not share them (the engine uses
-    one stream)."""
+    graph, as for Triton's compile (a set replaced by a larger one stays allocated for the graphs that captured
+    it). Launches on several streams at once must not share them (the engine uses one stream)."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < n:
+        if cnt is not None:
+            _RETIRED.append(cnt)
         cnt = torch.zeros(max(n, 4096, 2 * cnt.numel() if cnt is not None else 0), dtype=torch.int32, device=device)
         _COUNTERS[device] = cnt
     return cnt

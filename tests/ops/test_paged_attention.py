@@ -265,6 +265,21 @@ def test_triton_split_k_decode(small_key_tiles):
     assert not _split_k.split_counters(case.q.device, 1).any()
 
 
+def test_grown_counters_keep_the_old_set_alive(monkeypatch):
+    """A CUDA graph captured with one set of counters keeps counting in it; a later call asking for more (the
+    sampler's argmax with more rows than any captured launch) gets a new set, and the old one stays allocated."""
+    from mini_infer.ops import _split_k
+
+    monkeypatch.setattr(_split_k, "_COUNTERS", {})
+    monkeypatch.setattr(_split_k, "_RETIRED", [])
+    device = torch.device("cpu")
+    first = _split_k.split_counters(device, 10)
+    assert _split_k.split_counters(device, 4096) is first  # no growth: the same set
+    grown = _split_k.split_counters(device, 5000)
+    assert grown is not first and grown.numel() >= 5000 and not grown.any()
+    assert any(t is first for t in _split_k._RETIRED)
+
+
 @requires_triton
 @pytest.mark.parametrize("seqs,window", [([(30, 9), (60, 1), (0, 4)], 0), ([(50, 1), (21, 3)], 19)])
 def test_triton_fused_merge_prefill_tiles(small_key_tiles, seqs, window):
