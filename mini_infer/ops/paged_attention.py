@@ -557,6 +557,13 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _cache_tile(c_ptr, pblk, koff, h, cols, mask, s_cb, s_co, s_ch):
+        """Rows (cache block pblk, offset koff) of kv head h of a cache, at columns `cols`, as stored: a key or value
+        tile [BLOCK_N, C], zero where not `mask`."""
+        return tl.load(c_ptr + pblk[:, None] * s_cb + koff[:, None] * s_co + h * s_ch + cols[None, :], mask=mask,
+                       other=0.0)
+
+    @triton.jit
     def _tile_scores(
         qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale, softcap, sliding_window,
         BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -643,10 +650,8 @@ if HAS_TRITON:
             kpos0, k_ok0, pblk0, koff0 = _split_k.key_tile(bt_row, k_lo, tl.where(works, k_hi, k_lo), BLOCK_SIZE,
                                                            BLOCK_N)
             old0 = k_ok0 & (kpos0 < new0)
-            kt0 = tl.load(kc_ptr + pblk0[:, None] * s_kcb + koff0[:, None] * s_kco + kvh * s_kch + d[None, :],
-                          mask=old0[:, None] & d_ok[None, :], other=0.0)
-            vt0 = tl.load(vc_ptr + pblk0[:, None] * s_vcb + koff0[:, None] * s_vco + kvh * s_vch + dv[None, :],
-                          mask=old0[:, None] & dv_ok[None, :], other=0.0)
+            kt0 = _cache_tile(kc_ptr, pblk0, koff0, kvh, d, old0[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch)
+            vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
         await_producers(USE_GDC)
         if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
             zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
@@ -718,30 +723,22 @@ if HAS_TRITON:
             k_from = k_lo
             if PRELOAD:  # the first tile: its older keys as loaded before the wait, the step's keys (written above) now
                 new_ok = k_ok0 & (kpos0 >= new0)
-                kt = tl.where(new_ok[:, None], tl.load(
-                    kc_ptr + pblk0[:, None] * s_kcb + koff0[:, None] * s_kco + kvh * s_kch + d[None, :],
-                    mask=new_ok[:, None] & d_ok[None, :], other=0.0), kt0)
+                kt = tl.where(new_ok[:, None], _cache_tile(kc_ptr, pblk0, koff0, kvh, d, new_ok[:, None] & d_ok[None, :],
+                                                           s_kcb, s_kco, s_kch), kt0)
                 p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, k_lo, kpos0, k_ok0, q_pos, first_q_pos, qk_scale,
                                                   softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
                                                   FP8_DOT)
-                vt = tl.where(new_ok[:, None], tl.load(
-                    vc_ptr + pblk0[:, None] * s_vcb + koff0[:, None] * s_vco + kvh * s_vch + dv[None, :],
-                    mask=new_ok[:, None] & dv_ok[None, :], other=0.0), vt0)
+                vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
+                                                           new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch), vt0)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
                 k_from = k_lo + BLOCK_N
             for start in range(k_from, k_hi, BLOCK_N):
                 kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
-                kt = tl.load(
-                    kc_ptr + pblk[:, None] * s_kcb + koff[:, None] * s_kco + kvh * s_kch + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0,
-                )  # fmt: skip
+                kt = _cache_tile(kc_ptr, pblk, koff, kvh, d, k_ok[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch)
                 p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale,
                                                   softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
                                                   FP8_DOT)
-                vt = tl.load(
-                    vc_ptr + pblk[:, None] * s_vcb + koff[:, None] * s_vco + kvh * s_vch + dv[None, :],
-                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0,
-                )  # fmt: skip
+                vt = _cache_tile(vc_ptr, pblk, koff, kvh, dv, k_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
