@@ -290,7 +290,7 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
+    from mini_infer.ops.linear import gemv_load, gemv_preload, gemv_rows, gemv_step
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
     _DOT_COLS = tl.constexpr(DOT_COLS)
@@ -367,9 +367,7 @@ if HAS_TRITON:
         PRELOAD_K after it: the int32 accumulator [BLOCK_N, BLOCK_K] the K loop would hold after those columns (their
         BLOCK_K-column chunks added; exact int32, so the same sums in any order), zero past K."""
         rows, row_ok, w_rows, _ = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
-        cols = tl.arange(0, PRELOAD_K)
-        col_ok = cols < K
-        w = gemv_load(w_rows, row_ok, cols, col_ok)
+        w, cols, col_ok = gemv_preload(w_rows, row_ok, K, PRELOAD_K)
         await_producers(USE_GDC)
         x = tl.load(x_ptr + cols, mask=col_ok, other=0).to(tl.int32)
         if PACKED:

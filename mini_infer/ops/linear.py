@@ -148,9 +148,10 @@ if HAS_TRITON:
 
     @triton.jit
     def gemv_preload(w_rows, row_ok, K, PRELOAD_K: tl.constexpr):
-        """The weight rows `w_rows` (their pointers) whole, [BLOCK_N, PRELOAD_K >= K], zero past K and where a row
-        does not exist: what a program loads BEFORE its PDL wait (weights are never written by an earlier kernel),
-        with the columns (cols, col_ok) the input is then loaded at."""
+        """The first PRELOAD_K columns of the weight rows `w_rows` (their pointers; whole rows where PRELOAD_K >= K,
+        as linear.py's kernels take it; int8_linear.py's may take a prefix), [BLOCK_N, PRELOAD_K], zero past K and
+        where a row does not exist: what a program loads BEFORE its PDL wait (weights are never written by an
+        earlier kernel), with the columns (cols, col_ok) the input is then loaded at."""
         cols = tl.arange(0, PRELOAD_K)
         col_ok = cols < K
         return gemv_load(w_rows, row_ok, cols, col_ok), cols, col_ok
