@@ -109,23 +109,24 @@ def _calls(node: ast.AST) -> list[ast.Call]:
 
 def _call_ok(call: ast.Call, jit: dict[str, ast.FunctionDef], weights: set[str]) -> str:
     func = call.func
-    if isinstance(func, ast.Name):
-        if func.id == "await_producers":
-            return WAITS
-        if func.id not in jit:
-            return UNSAFE
-        fn = jit[func.id]
-        params = [a.arg for a in fn.args.args]
-        inner = {p for p, arg in zip(params, call.args) if _weight_address(arg, weights)}
-        return _before_wait(_body(fn), jit, inner)
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "tl":
         if func.attr not in _PRE_WAIT_TL:
             return UNSAFE
         return PURE if func.attr != "load" or _weight_address(call.args[0], weights) else UNSAFE
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.attr in jit:
-        return _call_ok(ast.Call(func=ast.Name(id=func.attr), args=call.args, keywords=call.keywords), jit,
-                        weights)  # a helper of another ops module (`_split_k.key_tile(...)`): checked as one
-    return PURE if isinstance(func, ast.Attribute) else UNSAFE  # x.to(...) on values computed here
+    if isinstance(func, ast.Name):
+        name = func.id
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.attr in jit:
+        name = func.attr  # a helper of another ops module (`_split_k.key_tile(...)`)
+    else:
+        return PURE if isinstance(func, ast.Attribute) else UNSAFE  # x.to(...) on values computed here
+    if name == "await_producers":
+        return WAITS
+    if name not in jit:
+        return UNSAFE
+    fn = jit[name]
+    params = [a.arg for a in fn.args.args]
+    inner = {p for p, arg in zip(params, call.args) if _weight_address(arg, weights)}
+    return _before_wait(_body(fn), jit, inner)
 
 
 def _waits_first(name: str, jit: dict[str, ast.FunctionDef]) -> bool:
