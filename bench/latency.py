@@ -158,18 +158,19 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
 @contextlib.contextmanager
 def switched(assignment: str):
     """`module.ATTR=int` set on mini_infer.ops.<module> (cast to the attribute's type) for the block, then restored:
-    a kernel switch read at launch, for an engine built (and its graphs captured) inside the block."""
-    name, _, value = assignment.partition("=")
-    mod_name, _, attr = name.rpartition(".")
-    if not mod_name or not value:
-        raise SystemExit(f"--switch takes module.ATTR=int, got {assignment!r}")
-    module = importlib.import_module(f"mini_infer.ops.{mod_name}")
-    old = getattr(module, attr)
-    setattr(module, attr, type(old)(int(value)))
-    try:
+    a kernel switch read at launch, for an engine built (and its graphs captured) inside the block. Several
+    switches for one engine are joined by commas: `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
+    with contextlib.ExitStack() as stack:
+        for one in assignment.split(","):
+            name, _, value = one.partition("=")
+            mod_name, _, attr = name.rpartition(".")
+            if not mod_name or not value:
+                raise SystemExit(f"--switch takes module.ATTR=int[,module.ATTR=int...], got {assignment!r}")
+            module = importlib.import_module(f"mini_infer.ops.{mod_name}")
+            old = getattr(module, attr)
+            setattr(module, attr, type(old)(int(value)))
+            stack.callback(setattr, module, attr, old)
         yield
-    finally:
-        setattr(module, attr, old)
 
 
 def main() -> None:

@@ -21,6 +21,12 @@ def test_switch_sets_and_restores(monkeypatch):
     with pytest.raises(RuntimeError), latency.switched("paged_attention.ATTN_PRELOAD=0"):
         raise RuntimeError("an engine that failed to build")
     assert paged_attention.ATTN_PRELOAD == before[0]  # restored on the way out of a failure too
+    with latency.switched("paged_attention.ATTN_PRELOAD=0,fused_moe.MOE_PRELOAD=0"):  # two for one engine
+        assert (paged_attention.ATTN_PRELOAD, fused_moe.MOE_PRELOAD) == (False, False)
+    assert (paged_attention.ATTN_PRELOAD, fused_moe.MOE_PRELOAD) == before
+    with pytest.raises(SystemExit), latency.switched("paged_attention.ATTN_PRELOAD=0,MOE_PRELOAD=0"):
+        pass
+    assert paged_attention.ATTN_PRELOAD == before[0]  # the first one restored when the second is refused
     for bad in ("ATTN_PRELOAD=0", "paged_attention.ATTN_PRELOAD"):
         with pytest.raises(SystemExit), latency.switched(bad):
             pass

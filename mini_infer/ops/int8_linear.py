@@ -25,9 +25,6 @@ Shared with fp8_linear.py (float8_e4m3fn operands, fp32 accumulation): the Trito
 (`scaled_linear_triton`, the choice by M, over `scaled_gemv_triton` and `scaled_mm_triton`), the argument checks (`check_scaled_linear`), the plain-torch reference
 (`scaled_linear_reference`: checks, the operand dtype's accumulation, the fp32 epilogue), the fakes, and
 `define_scaled_linear_op` / `define_quantized_linear_op`, which register an operand dtype's pair of ops.
-Opt-in, off by default: the int8 GEMV's weight preload before the PDL wait (SCALED_GEMV_PRELOAD_MAX_K,
-`scaled_preload_width`, `_preloaded_int8_acc`), taken only by linear_add_rms_norm.py's fused o_proj / down_proj
-launch; exact int32 sums, so the same bits; not yet measured on a GPU.
 Limits: K <= INT8_MAX_K (131072), so int32 cannot overflow. Imports nothing from mini_infer outside
 `mini_infer.ops`.
 """
@@ -55,8 +52,6 @@ __all__ = [
     "SCALED_GEMV_CONFIG_FP8_DOT",
     "SCALED_GEMV_CONFIG_FP8_LONG_K",
     "scaled_gemv_config",
-    "SCALED_GEMV_PRELOAD_MAX_K",
-    "scaled_preload_width",
     "SMALL_M",
     "check_scaled_linear",
     "define_quantized_linear_op",
@@ -102,25 +97,6 @@ SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
 FP8_GEMV_LONG_K = 8192
-# The int8 one-row GEMV's weight preload before the PDL wait, for the launches that ask for it (`launch_scaled_gemv(
-# preload=True)`: only linear_add_rms_norm.py's `_scaled_gemv_add_rms_norm_quant_kernel`, the W8A8 chain's o_proj and
-# down_proj, which follow small kernels (the attention output's `_quant_rows_kernel`, gate_up's `_chunk_quant_kernel`)
-# that leave SMs idle; qkv and gate_up follow full-GPU GEMVs, where linear.py's bf16 preload lost). A program resident
-# while the kernel before it runs loads the first `scaled_preload_width` weight elements of each of its rows (at most
-# this many: BLOCK_K times a power of two, whole rows where they fit, else that prefix, the rest streamed by the K loop
-# after the wait), waits, then loads x and adds the preloaded products into the loop's accumulator. Safe: no kernel
-# writes the weights, and nothing else is read before the wait. The same bits: the int8 sums are exact int32, so
-# any grouping gives the loop's sum. int8 only: the fp8 GEMV sums fp32 (in tensor-core dots for short rows), whose
-# order the preload would have to keep. OFF (0) by default pending a GPU measurement (H200 timeline of qwen2.5-7b
-# w8a8, bench/results/s16_timeline7b_w8a8_h200.txt: o_proj exposes 8.0 us for 12.8 MB, down_proj 21.6 us for
-# 67.9 MB); to measure, alternate processes in one lease:
-#   for limit in 0 4096 0 4096; do MINI_INFER_SCALED_GEMV_PRELOAD_MAX_K=$limit \
-#       python bench/latency.py --model qwen2.5-7b --quantization w8a8,fp8 --peers none; done
-# (fp8 is the control: it never preloads), or in one process: `python bench/latency.py --model qwen2.5-7b
-# --quantization w8a8 --peers none --switch int8_linear.SCALED_GEMV_PRELOAD_MAX_K=4096 --rounds 2`. Read from the
-# environment at import; launches read this module attribute, so a benchmark can also set it between engines (before
-# their graphs are captured).
-SCALED_GEMV_PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_SCALED_GEMV_PRELOAD_MAX_K", "0"))
 # How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
 # "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
 # so the GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step
@@ -290,7 +266,7 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import gemv_load, gemv_preload, gemv_rows, gemv_step
+    from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
     _DOT_COLS = tl.constexpr(DOT_COLS)
@@ -359,29 +335,10 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0) if BLOCK_N < _DOT_ROWS else tl.sum(acc, axis=1)
 
     @triton.jit
-    def _preloaded_int8_acc(x_ptr, w_ptr, N, K, stride_wn, PACKED: tl.constexpr, ASM: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD_K: tl.constexpr,
-                            USE_GDC: tl.constexpr):  # fmt: skip
-        """The int8 GEMV's first PRELOAD_K columns (int32 words of four with PACKED) of this program's BLOCK_N weight
-        rows (`gemv_rows`), loaded BEFORE `await_producers` (weights: no kernel writes them), then times x's first
-        PRELOAD_K after it: the int32 accumulator [BLOCK_N, BLOCK_K] the K loop would hold after those columns (their
-        BLOCK_K-column chunks added; exact int32, so the same sums in any order), zero past K."""
-        rows, row_ok, w_rows, _ = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
-        w, cols, col_ok = gemv_preload(w_rows, row_ok, K, PRELOAD_K)
-        await_producers(USE_GDC)
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0).to(tl.int32)
-        if PACKED:
-            p = _dot4(tl.zeros([BLOCK_N, PRELOAD_K], tl.int32), w, tl.broadcast_to(x[None, :], (BLOCK_N, PRELOAD_K)),
-                      ASM)
-        else:
-            p = w.to(tl.int32) * x[None, :]
-        return tl.sum(tl.reshape(p, [BLOCK_N, PRELOAD_K // BLOCK_K, BLOCK_K]), axis=1)
-
-    @triton.jit
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PRELOAD_K: tl.constexpr = 0,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
@@ -389,19 +346,13 @@ if HAS_TRITON:
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
         and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`). PRELOAD_K (int8 only, a multiple of BLOCK_K: `scaled_preload_width`): the first
-        PRELOAD_K columns of the rows loaded before `await_producers` (`_preloaded_int8_acc`), the K loop then starting
-        after them; the same int32 sums."""
+        (`_padded_row_dot`)."""
+        await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
-        if PRELOAD_K:
-            acc = _preloaded_int8_acc(x_ptr, w_ptr, N, K, stride_wn, PACKED, ASM, BLOCK_N, BLOCK_K, PRELOAD_K,
-                                      USE_GDC)
-        else:
-            await_producers(USE_GDC)
         if DOT:
             dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
         else:
-            for k0 in range(PRELOAD_K, K, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_ok = cols < K
                 x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
@@ -584,20 +535,6 @@ def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) 
     return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
 
 
-def scaled_preload_width(k: int, block_k: int, per_unit: int = 1) -> int:
-    """PRELOAD_K for the int8 GEMV over rows of K units (int8 elements, or int32 words of `per_unit` = 4 of them when
-    packed) with a K step of `block_k` units: the columns loaded before the PDL wait, BLOCK_K times the smallest power
-    of two covering K or the largest within SCALED_GEMV_PRELOAD_MAX_K elements, whichever is smaller (read at the
-    call); 0 (no preload) when not even one BLOCK_K step fits the limit."""
-    limit = SCALED_GEMV_PRELOAD_MAX_K // per_unit
-    if limit < block_k:
-        return 0
-    width = block_k
-    while width < k and 2 * width <= limit:
-        width *= 2
-    return width
-
-
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
@@ -624,12 +561,11 @@ def scaled_gemv_triton(
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-    pack_int8: bool = True, fp8_gemv: str | None = None, preload: bool = False, **constexprs,
+    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
     [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing and
-    the fp8 products' units as `scaled_gemv_triton` describes. `preload`: the kernel takes PRELOAD_K, which this sets
-    to `scaled_preload_width` for int8 operands (0 for fp8: see SCALED_GEMV_PRELOAD_MAX_K)."""
+    the fp8 products' units as `scaled_gemv_triton` describes."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
@@ -644,9 +580,6 @@ def launch_scaled_gemv(
     packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
-    if preload:
-        is_int8 = x_q.dtype == torch.int8
-        constexprs["PRELOAD_K"] = scaled_preload_width(k, bk, 4 if packed else 1) if is_int8 else 0
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,

@@ -70,8 +70,14 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 #   1,283.9; + rms_norm_linear_silu (gate_up) 1,254.5 / 1,254.9; + gemv_program (lm_head) 1,309.5 / 1,308.7; every
 #   kernel 1,162.7 / 1,175.4. The GEMVs after a full-GPU GEMV lose (their preloaded rows hold registers and compete
 #   for bandwidth with the kernel they overlap), so only the two after idle-SM kernels preload.
+# - 2026-11-24, rows up to 4,096 (o_proj preloaded at K 4,096): qwen3-30b-a3b 341.1 vs 344.4, llama-3.1-8b 226.8 /
+#   226.8 vs 227.8 / 227.9: kept at 3,072.
+# - 2026-11-25, after the decode attention before o_proj took its "decode_split" shape and its own preload
+#   (`bench/latency.py --switch linear.PRELOAD_MAX_K=4096`, engines in one process): mistral-7b 248.5 vs 246.4,
+#   llama-3.1-8b 236.8 vs 235.4, qwen3-30b-a3b 372.0 vs 369.2 (both with the rotary in the attention launch at
+#   groups up to 8): so rows up to 4,096 (o_proj of every model here but the 0.6B's, whose rows were already in).
 # MINI_INFER_GEMV_PRELOAD_MAX_K (read once, at import) overrides the limit; 0 turns the preload off.
-PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "3072"))
+PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "4096"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -148,10 +154,9 @@ if HAS_TRITON:
 
     @triton.jit
     def gemv_preload(w_rows, row_ok, K, PRELOAD_K: tl.constexpr):
-        """The first PRELOAD_K columns of the weight rows `w_rows` (their pointers; whole rows where PRELOAD_K >= K,
-        as linear.py's kernels take it; int8_linear.py's may take a prefix), [BLOCK_N, PRELOAD_K], zero past K and
-        where a row does not exist: what a program loads BEFORE its PDL wait (weights are never written by an
-        earlier kernel), with the columns (cols, col_ok) the input is then loaded at."""
+        """The weight rows `w_rows` (their pointers) whole, [BLOCK_N, PRELOAD_K >= K], zero past K and where a row
+        does not exist: what a program loads BEFORE its PDL wait (weights are never written by an earlier kernel),
+        with the columns (cols, col_ok) the input is then loaded at."""
         cols = tl.arange(0, PRELOAD_K)
         col_ok = cols < K
         return gemv_load(w_rows, row_ok, cols, col_ok), cols, col_ok

@@ -12,8 +12,7 @@ o_proj / down_proj output feeds only the residual add + norm. Functional: never 
 Why: at batch-1 decode the norm is a one-program kernel whose cost is almost all launch. On CUDA, for one row that
 the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one launch does both: every program
 runs the GEMV's body (`gemv_program`, with linear.py's weight preload before the PDL wait for rows of at most
-PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, with its int8-only preload of up to
-SCALED_GEMV_PRELOAD_MAX_K weight columns before the wait, off by default pending a GPU measurement) and
+PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, no preload) and
 stores its slice of the linear's output row, then counts itself in a counter (`_split_k.split_counters` and
 `arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the
 program that arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole
@@ -135,10 +134,9 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PRELOAD_K: tl.constexpr = 0,
     ):  # fmt: skip
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, PRELOAD_K)
+                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC)
         if arrives_last(cnt_ptr, tl.num_programs(0)):
             # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
             out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
@@ -202,7 +200,7 @@ def scaled_linear_add_rms_norm_quant_triton(
         _scaled_gemv_add_rms_norm_quant_kernel, x_q, x_scale, w_q, w_scale, bias, y,
         unit_stride_row(residual), norm_weight.contiguous(), q, q_scale, s, split_counters(x_q.device, 1), float(eps),
         NORM_DTYPE=_tl_dtype(torch.promote_types(norm_weight.dtype, out_dtype)), IS_FP8=dtype == FP8,
-        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, preload=True,
+        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
     )  # fmt: skip
     return q, q_scale, s
 

@@ -17,8 +17,9 @@ its long-run route included in the registered op's body). The Triton path runs O
 qk_rotary's math and roundings: the same bits as the two kernels), where `paged_attention.rotary_in_kernel` takes the
 launch (decode-shaped, so the attention kernel writes the step's keys itself; a power-of-two head dim of 16 or
 more), the long-run route declines the step, qk_rotary's outputs keep q's and k's dtypes, and the query group is at
-most ROTARY_MAX_GROUP heads (the measurements are beside it: larger groups lost). Every other step runs
-`qk_rotary_triton`, then paged_attention's Triton body: the values of the unfused pair, in two launches or more.
+most `max_group` heads (ROTARY_MAX_GROUP_SPLIT for split launches, ROTARY_MAX_GROUP for one-split ones; the
+measurements are beside them). Every other step runs `qk_rotary_triton`, then paged_attention's Triton body: the
+values of the unfused pair, in two launches or more.
 Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
@@ -26,25 +27,36 @@ from __future__ import annotations
 
 import torch
 
-from mini_infer.ops import _prefill_sdpa
+from mini_infer.ops import _prefill_sdpa, _split_k
 from mini_infer.ops import paged_attention as pa
 from mini_infer.ops._triton_support import HAS_TRITON, use_triton
 from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference, qk_rotary_triton
 
 __all__ = [
     "ROTARY_MAX_GROUP",
+    "ROTARY_MAX_GROUP_SPLIT",
+    "max_group",
     "rotary_paged_attention",
     "rotary_paged_attention_reference",
     "rotary_paged_attention_triton",
 ]
 
 
-# The one-kernel path only for query groups (query heads per kv head) up to this size. A program rotates (and, with
-# Qwen3's head norms, normalizes) every q head of its group before its key loop; on an H200 (2026-11-24, bf16,
-# batch 1, `bench/latency.py --without fuse_rotary_attention`, each pair in one run) that won where the group is
-# small and lost where it is large: qwen3-0.6b (group 2, head norms) 1,258.0 tok/s vs 1,245.6 unfused; qwen2.5-7b
-# (group 7) 249.1 vs 249.0; qwen3-30b-a3b (group 8, head norms) 339.4 vs 345.3. Larger groups run the two kernels.
+# The one-kernel path only for query groups (query heads per kv head) up to these sizes. A program rotates (and, with
+# Qwen3's head norms, normalizes) every q head of its group before its key loop. H200, bf16, batch 1:
+# - 2026-11-24 (`bench/latency.py --without fuse_rotary_attention`, each pair in one run; decode launches then 128
+#   keys / 4 warps): it won where the group is small and lost where it is large: qwen3-0.6b (group 2, head norms)
+#   1,258.0 tok/s vs 1,245.6 unfused; qwen2.5-7b (group 7) 249.1 vs 249.0; qwen3-30b-a3b (group 8, head norms)
+#   339.4 vs 345.3.
+# - 2026-11-25, after split launches took the "decode_split" shape (64 keys / 8 warps, first tile loaded before the
+#   PDL wait), `bench/latency.py --switch rotary_paged_attention.ROTARY_MAX_GROUP=...`, engines in one process:
+#   qwen3-30b-a3b (8) 369.2 vs 361.7; llama-3.1-8b (4) 234.4 / 234.4 vs 233.4 / 233.1 (two rounds); mistral-7b (4)
+#   245.0 / 245.0 vs 244.3 / 244.2, and 247.0 vs 246.4 in another run; qwen2.5-7b (7) 254.3 vs 253.6.
+# So split launches (small batches: fewer sequence x kv-head programs than SMs, `_split_k.splits_pay`) take groups
+# up to ROTARY_MAX_GROUP_SPLIT; one-split launches (large batches; not measured with larger groups) keep the first
+# limit. Larger groups run the two kernels.
 ROTARY_MAX_GROUP = 2
+ROTARY_MAX_GROUP_SPLIT = 8
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +85,24 @@ def rotary_paged_attention_reference(
                                                       k_scale, v_scale))
 
 
+def max_group(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, num_splits: int | None) -> int:
+    """The largest query group the one-kernel path takes for this launch (q [1, Hq, T, D], k [1, Hkv, T, D]):
+    ROTARY_MAX_GROUP_SPLIT where the attention launch splits its key ranges (`num_splits` > 1, or by default a small
+    batch: `_split_k.splits_pay`), else ROTARY_MAX_GROUP."""
+    split = num_splits > 1 if num_splits is not None else _split_k.splits_pay(q, seq_lens.shape[0], k.shape[1])
+    return ROTARY_MAX_GROUP_SPLIT if split else ROTARY_MAX_GROUP
+
+
 def _in_kernel(q, k, v, cos, sin, q_weight, k_weight, k_cache, v_cache, seq_lens, k_scale, v_scale,
-               decode_only) -> bool:  # fmt: skip
+               decode_only, num_splits=None) -> bool:  # fmt: skip
     """Whether the attention launch applies the rotary itself: `pa.rotary_in_kernel`'s shapes, qk_rotary's outputs
     in q's and k's own dtypes (the kernel rounds the rotated rows to those), and a query group of at most
-    ROTARY_MAX_GROUP heads (where it was measured to win)."""
+    `max_group` heads (where it was measured to win)."""
     if q.dim() != 4 or q.shape[0] != 1 or k.dim() != 4 or v.dim() != 4:
         return False
     if _out_dtype(q, q_weight, cos, sin) != q.dtype or _out_dtype(k, k_weight, cos, sin) != k.dtype:
         return False
-    if q.shape[1] > ROTARY_MAX_GROUP * k.shape[1]:
+    if q.shape[1] > max_group(q, k, seq_lens, num_splits) * k.shape[1]:
         return False
     kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return pa.rotary_in_kernel(_pack(q), _pack(k), k_cache, seq_lens, kv_fp8, decode_only)
@@ -110,7 +130,7 @@ def rotary_paged_attention_triton(
     meta = (k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
             k_scale, v_scale)
     if _in_kernel(q, k, v, cos, sin, q_weight, k_weight, k_cache, v_cache, seq_lens, k_scale, v_scale,
-                  knobs.get("decode_only")):
+                  knobs.get("decode_only"), knobs.get("num_splits")):
         return pa.paged_attention_triton(*_packed_args(q, k, v, *meta), **knobs,
                                          rotary=_rotary(q, cos, sin, q_weight, k_weight, eps))
     q2, k2 = qk_rotary_triton(q, k, cos, sin, q_weight, k_weight, eps)

@@ -27,7 +27,6 @@ from tests.ops.helpers import (
     assert_loop_sums,
     preloaded_and_looped,
     requires_triton,
-    run_uninterpreted,
     without_preload,
 )
 
@@ -185,106 +184,6 @@ def test_fp8_dot_gemv_one_row_equals_the_unfused_kernels(fused_launches, monkeyp
     assert dots == [True, True]
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.cpu().view(torch.uint8))
     assert torch.equal(scale, scale_ref) and torch.equal(s, s_ref)
-
-
-@pytest.fixture
-def int8_preload(monkeypatch):
-    """Runs a call with int8_linear.py's weight preload before the PDL wait at a limit (SCALED_GEMV_PRELOAD_MAX_K) and
-    records, per launch, the PRELOAD_K the kernel got (None: the launch does not take it) and how many programs ran
-    the preload (`_preloaded_int8_acc`: one call per program under the interpreter)."""
-    from mini_infer.ops import int8_linear as il
-
-    widths, programs = [], []
-    real_launch, real_acc = il.launch_gemv, il._preloaded_int8_acc
-    monkeypatch.setattr(il, "launch_gemv", lambda *a, **kw: widths.append(kw.get("PRELOAD_K")) or real_launch(*a, **kw))
-    monkeypatch.setattr(il, "_preloaded_int8_acc", lambda *a, **kw: programs.append(1) or real_acc(*a, **kw))
-
-    def run(limit, call):
-        monkeypatch.setattr(il, "SCALED_GEMV_PRELOAD_MAX_K", limit)
-        programs.clear()
-        return call(), len(programs)
-
-    run.widths = widths
-    return run
-
-
-def _same_bits(got, ref) -> bool:
-    """(q, scale, s) equal bit for bit (q compared as bytes: fp8 NaNs and signed zeros too)."""
-    return all(torch.equal(g.cpu().view(torch.uint8) if g.element_size() == 1 else g, e.cpu().view(torch.uint8)
-                           if e.element_size() == 1 else e) for g, e in zip(got, ref))
-
-
-@requires_triton
-@pytest.mark.parametrize(("n", "k", "width"), [
-    (42, 96, 256),       # packed (int32 words): a row shorter than one K step, preloaded whole
-    (13, 4096, 1024),    # packed, at the limit: the whole row
-    (30, 4100, 1024),    # packed, just above it: a 1,024-word prefix, one word streamed after the wait
-    (10, 9000, 1024),    # packed: the prefix, then five K steps after the wait
-    (21, 1023, 1024),    # K not a multiple of 4: byte by byte (BLOCK_K 1,024 elements), the whole row
-    (9, 5001, 4096),     # byte by byte: a 4,096-element prefix, the rest after the wait
-])  # fmt: skip
-@pytest.mark.parametrize("bias", [False, True])
-def test_int8_preload_equals_the_k_loop(int8_preload, n, k, width, bias):
-    """The int8 GEMV with the first columns of its rows loaded before the PDL wait (limit 4,096 elements) gives the K
-    loop's bits (exact int32 sums), so the add, norm and quantization after it too; every program ran the preload;
-    the counter is zero after both."""
-    x_q, x_scale, w_q, w_scale, b, r, nw = _quantized(1, n, k, torch.int8, bias=bias, seed=n + k)
-
-    def call():
-        return scaled_linear_add_rms_norm_quant_triton(x_q, x_scale, w_q, w_scale, b, torch.bfloat16, r, nw, EPS,
-                                                       torch.int8)
-
-    on, programs_on = int8_preload(4096, call)
-    off, programs_off = int8_preload(0, call)
-    assert int8_preload.widths == [width, 0]
-    assert programs_on == (n + 3) // 4 and programs_off == 0  # SCALED_GEMV_CONFIG's 4 rows per program
-    assert _same_bits(on, off)
-    assert _counter_is_zero()
-
-
-@requires_triton
-def test_only_the_fused_int8_launch_preloads(int8_preload, monkeypatch):
-    """fp8 operands never preload (their fp32 sums' order: see SCALED_GEMV_PRELOAD_MAX_K), on either fp8 GEMV path,
-    and the standalone GEMV (qkv, gate_up: after full-GPU GEMVs) does not take the preload at all."""
-    from mini_infer.ops import int8_linear as il
-
-    x_q, x_scale, w_q, w_scale, b, r, nw = _quantized(1, 30, 520, FP8, bias=True, seed=3)
-    for mode in ("cuda-cores", "dot"):
-        monkeypatch.setattr(il, "FP8_GEMV", mode)
-        _, programs = int8_preload(4096, lambda: scaled_linear_add_rms_norm_quant_triton(
-            x_q, x_scale, w_q, w_scale, b, torch.bfloat16, r, nw, EPS, FP8))
-        assert programs == 0
-    x_q, x_scale, w_q, w_scale, b, *_ = _quantized(1, 30, 520, torch.int8, bias=True, seed=3)
-    _, programs = int8_preload(4096, lambda: int8_linear_triton(x_q, x_scale, w_q, w_scale, b, torch.bfloat16))
-    assert programs == 0
-    assert int8_preload.widths == [0, 0, None]
-
-
-@pytest.mark.parametrize(("k", "block_k", "unit", "limit", "width"), [
-    (896, 256, 4, 4096, 1024),   # qwen2.5-7b's o_proj in words: whole
-    (4736, 256, 4, 4096, 1024),  # its down_proj: the prefix
-    (896, 256, 4, 3072, 512),    # a limit between powers of two rounds down
-    (896, 256, 4, 1023, 0),      # not one K step (256 words = 1,024 elements) within the limit
-    (24, 256, 4, 4096, 256),     # short rows take one K step
-    (3584, 1024, 1, 4096, 4096),  # byte by byte
-    (896, 256, 4, 0, 0),         # off
-])  # fmt: skip
-def test_scaled_preload_width(monkeypatch, k, block_k, unit, limit, width):
-    from mini_infer.ops import int8_linear as il
-
-    monkeypatch.setattr(il, "SCALED_GEMV_PRELOAD_MAX_K", limit)
-    assert il.scaled_preload_width(k, block_k, unit) == width
-
-
-def test_int8_preload_compiles_for_sm90():
-    """The fused int8 kernel builds for sm_90 at qwen2.5-7b's o_proj and down_proj shapes with the preload (whole rows
-    and a prefix) and without, with no spills, and the preload's loads stay before the PTX's griddepcontrol.wait
-    (tests/ops/compile_scaled_gemv_preload_sm90.py; skipped without Triton's CUDA backend)."""
-    report = run_uninterpreted(["-m", "tests.ops.compile_scaled_gemv_preload_sm90"])
-    assert {case["preload_k"] // case["block_k"] for case in report["cases"]} == {0, 4, 8}
-    for case in report["cases"]:
-        assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
-        assert (case["loads_before_wait"] > 0) == (case["preload_k"] > 0), case
 
 
 @requires_triton

@@ -7,8 +7,8 @@ launch `_paged_attn_kernel` alone, no `_qk_rotary_kernel`, and leave the output 
 whose compiler contracts fp32 arithmetic its own way; fp32 and bf16, with and without Qwen3's
 head norms, an fp8 cache), close to the two references (but for the fp8 cache: the interpreter's bf16 truncation of
 the rotated k moves some keys a whole e4m3 step); a prefill-shaped launch, and a head dim that is no power of two,
-run the unfused kernels, as does a query group above ROTARY_MAX_GROUP (the decode cases lift the limit to test the
-kernel's math at every group). The registered op's fake and opcheck; the reference entry equals the references in
+run the unfused kernels, as does a query group above the launch's limit (ROTARY_MAX_GROUP for one-split launches,
+ROTARY_MAX_GROUP_SPLIT for split ones; the decode cases lift the limit to test the kernel's math at every group). The registered op's fake and opcheck; the reference entry equals the references in
 sequence.
 """
 
@@ -97,6 +97,7 @@ def _assert_gpu_close(out, want, caches, want_caches, dtype) -> None:
 @pytest.mark.parametrize("name,dtype,fp8,norms", DECODE)
 def test_decode_launch_is_the_unfused_pair_bitwise(launches, monkeypatch, name, dtype, fp8, norms):
     monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP", 64)  # the kernel's math at every group size (g4 included)
+    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP_SPLIT", 64)
     case, scales, knobs = fused_write_case(name, dtype, fp8)
     rot = rotary_args(case, norms)
     args = case.args()
@@ -146,6 +147,38 @@ def test_group_above_the_limit_runs_the_unfused_kernels(launches):
     assert launches == ["_qk_rotary_kernel", "_paged_attn_kernel"]
     want_args = case.args()
     assert torch.equal(out, unfused_triton(rot, (*want_args[3:], *scales), **knobs))
+
+
+@requires_triton
+@pytest.mark.usefixtures("small_key_tiles")
+@pytest.mark.parametrize("split_limit,want", [(8, ["_paged_attn_kernel"]), (2, ["_qk_rotary_kernel", "_paged_attn_kernel"])])
+def test_split_launch_takes_groups_up_to_the_split_limit(launches, monkeypatch, split_limit, want):
+    """The same group of 4 in a split launch (num_splits=2): one kernel up to ROTARY_MAX_GROUP_SPLIT, two above it;
+    the same values either way."""
+    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP_SPLIT", split_limit)
+    case, scales, _ = fused_write_case("qlen2_one_split_g4", torch.bfloat16, False)
+    rot = rotary_args(case, norms=True)
+    args = case.args()
+    out = rotary_paged_attention_triton(*rot, *args[3:], num_splits=2)
+    assert launches == want
+    launches.clear()
+    want_args = case.args()
+    expected = unfused_triton(rot, want_args[3:], num_splits=2)
+    if out.is_cuda:
+        _assert_gpu_close(out, expected, args[3:5], want_args[3:5], torch.bfloat16)
+    else:
+        assert torch.equal(out, expected)
+
+
+def test_max_group_by_launch():
+    """Split launches (forced, or a small batch on a GPU) take ROTARY_MAX_GROUP_SPLIT, one-split ones ROTARY_MAX_GROUP;
+    off a GPU the default launch never splits."""
+    q, k, lens = torch.zeros(1, 8, 1, 16), torch.zeros(1, 2, 1, 16), torch.ones(1, dtype=torch.int32)
+    assert rpa.max_group(q, k, lens, 2) == rpa.ROTARY_MAX_GROUP_SPLIT
+    assert rpa.max_group(q, k, lens, 1) == rpa.ROTARY_MAX_GROUP
+    assert rpa.max_group(q, k, lens, None) == rpa.ROTARY_MAX_GROUP  # CPU tensors: default_num_splits is 1
+    if torch.cuda.is_available():
+        assert rpa.max_group(q.cuda(), k.cuda(), lens.cuda(), None) == rpa.ROTARY_MAX_GROUP_SPLIT  # 2 programs
 
 
 @requires_triton
