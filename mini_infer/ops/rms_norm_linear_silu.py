@@ -35,7 +35,6 @@ import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
 from mini_infer.ops.linear import (
-    GEMV_CONFIG_SHORT_K,
     gemv_config,
     launch_gemv,
     linear_reference,
@@ -43,7 +42,7 @@ from mini_infer.ops.linear import (
     takes_gemv,
     unit_stride_row,
 )
-from mini_infer.ops.rms_norm_linear import rms_norm_linear_reference, rms_norm_linear_triton
+from mini_infer.ops.rms_norm_linear import norm_gemv_config, rms_norm_linear_reference, rms_norm_linear_triton
 from mini_infer.ops.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 
 __all__ = ["GATE_UP_SILU_MAX_I", "gate_up_silu_config", "linear_silu", "linear_silu_reference", "linear_silu_triton", "rms_norm_linear_silu",
@@ -122,12 +121,12 @@ GATE_UP_SILU_MAX_I = 4096
 
 def gate_up_silu_config(k: int, n: int, has_norm: bool) -> tuple[int, int, int, int]:
     """The one-row kernel's default tile (BLOCK_N rows per half, BLOCK_K, num_warps, num_stages) over a [n, k]
-    gate_up weight: the unfused producer's tile (rms_norm_linear's GEMV_CONFIG_SHORT_K; linear's `gemv_config`),
+    gate_up weight: the unfused producer's tile (rms_norm_linear's `norm_gemv_config`; linear's `gemv_config`),
     BLOCK_N rows of each half, so a program reads twice the producer's rows per K step and there are half as many
     programs. BLOCK_K stays the producer's, so each dot product adds the same K chunks (bit-equal under the
     interpreter). The H200 sweep's best at qwen3-0.6b ((4, 512, 4, 1): 9.32 us a layer; the producer's BLOCK_N
     halved, (2, 512, 4, 1), took 10.94)."""
-    return GEMV_CONFIG_SHORT_K if has_norm else gemv_config(k, n)
+    return norm_gemv_config(k, n // 2, bit=2) if has_norm else gemv_config(k, n)
 
 
 def _fuses(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor) -> bool:

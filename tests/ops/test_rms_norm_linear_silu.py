@@ -90,6 +90,22 @@ def test_tile_override(launches, config, bitwise):
 
 
 @requires_triton
+def test_tile_by_k_switch_keeps_the_producers_step(launches, monkeypatch):
+    """NORM_GEMV_BY_K = 3 (both norm kernels by K): the epilogue kernel takes the producer's new K step (1024 at
+    K 2048), so it still has the unfused pair's bits."""
+    from mini_infer.ops import rms_norm_linear
+
+    monkeypatch.setattr(rms_norm_linear, "NORM_GEMV_BY_K", 3)
+    assert mod.gate_up_silu_config(2048, 96, True)[1] == rms_norm_linear.norm_gemv_config(2048, 96)[1] == 1024
+    x, nw, w, b = _inputs(1, 48, 2048, torch.float32, True, seed=9)
+    y = _fused(True, x, nw, w, b)
+    assert launches == [mod._gate_up_silu_kernel]
+    if not x.is_cuda:  # on a GPU the sums' order follows the tile's register layout
+        assert torch.equal(y, _unfused(True, x, nw, w, b))
+    assert_close(y, _reference(True, x, nw, w, b))
+
+
+@requires_triton
 @pytest.mark.parametrize("norm", [True, False])
 def test_wide_halves_run_the_unfused_kernels(launches, monkeypatch, norm):
     """A gate_up wider than GATE_UP_SILU_MAX_I outputs per half (where the one kernel lost on an H200): the
