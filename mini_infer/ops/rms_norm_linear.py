@@ -37,7 +37,6 @@ from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, trit
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.linear import (
     GEMV_CONFIG_SHORT_K,
-    gemv_config,
     launch_gemv,
     linear_reference,
     linear_triton,
@@ -47,7 +46,8 @@ from mini_infer.ops.linear import (
 from mini_infer.ops.rms_norm import rms_norm_reference, rms_norm_triton
 
 __all__ = [
-    "NORM_GEMV_BY_K",
+    "NORM_GEMV_ROWS",
+    "NORM_GEMV_STEP",
     "fused_add_rms_norm_linear",
     "fused_add_rms_norm_linear_reference",
     "fused_add_rms_norm_linear_triton",
@@ -57,18 +57,19 @@ __all__ = [
     "norm_gemv_config",
 ]
 
-# The one-pass kernels' tile (BLOCK_N, BLOCK_K, warps, stages). 4 rows x 512 (linear.py's GEMV_CONFIG_SHORT_K): when
-# the plain GEMV's tile went by K (2026-11-24; 2 x 1024 for K >= 1024, 27-37% faster on the short-N shapes of
-# qwen3-0.6b and qwen3-30b-a3b), the norm kernels kept it, unmeasured. NORM_GEMV_BY_K (read at each launch;
-# MINI_INFER_NORM_GEMV_BY_K), bits: 1 = this module's kernel (the qkv GEMV after a norm), 2 = rms_norm_linear_silu's
-# (gate_up + SiLU after a norm) take linear.py's `gemv_config` by K instead; 0 = both keep 4 x 512.
-NORM_GEMV_BY_K = int(os.environ.get("MINI_INFER_NORM_GEMV_BY_K", "0"))
+# The one-pass kernels' tile (BLOCK_N, BLOCK_K, warps, stages): NORM_GEMV_ROWS weight rows (rms_norm_linear_silu:
+# of each half) x NORM_GEMV_STEP elements a K step, 4 warps, 1 stage; 4 x 512 by default (linear.py's
+# GEMV_CONFIG_SHORT_K). Read at each launch (MINI_INFER_NORM_GEMV_ROWS / _STEP at import), for A/Bs. H200, bf16,
+# batch 1, engines in one process (2026-11-25, bench/RESULTS.md): linear.py's tile by K (2 x 1024 for K >= 1024,
+# which beat 4 x 512 for the plain GEMV) lost by far: qwen3-0.6b 1,402.0 tok/s (qkv only) and 1,291.3 (qkv and
+# gate_up) vs 1,490.6; mistral-7b 232.8 vs 247.0; qwen2.5-7b 228.3 vs 256.8.
+NORM_GEMV_ROWS = int(os.environ.get("MINI_INFER_NORM_GEMV_ROWS", str(GEMV_CONFIG_SHORT_K[0])))
+NORM_GEMV_STEP = int(os.environ.get("MINI_INFER_NORM_GEMV_STEP", str(GEMV_CONFIG_SHORT_K[1])))
 
 
-def norm_gemv_config(k: int, n: int, bit: int = 1) -> tuple[int, int, int, int]:
-    """The tile of a one-pass norm + GEMV kernel over a [n, k] weight: `gemv_config(k, n)` where NORM_GEMV_BY_K has
-    `bit` set, else GEMV_CONFIG_SHORT_K."""
-    return gemv_config(k, n) if NORM_GEMV_BY_K & bit else GEMV_CONFIG_SHORT_K
+def norm_gemv_config() -> tuple[int, int, int, int]:
+    """The tile of the one-pass norm + GEMV kernels (rms_norm_linear's and rms_norm_linear_silu's)."""
+    return NORM_GEMV_ROWS, NORM_GEMV_STEP, 4, 1
 
 
 def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -145,7 +146,7 @@ def _launch_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias) -> tuple[
         _rms_norm_gemv_kernel, w,
         xr, unit_stride_row(residual) if residual is not None else xr, s.view(k) if s is not None else xr,
         norm_weight.contiguous(), w, bias if bias is not None else w, y, n, k, w.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=norm_gemv_config(k, n),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, config=norm_gemv_config(),
     )  # fmt: skip
     return y, s
 

@@ -126,7 +126,7 @@ def gate_up_silu_config(k: int, n: int, has_norm: bool) -> tuple[int, int, int, 
     programs. BLOCK_K stays the producer's, so each dot product adds the same K chunks (bit-equal under the
     interpreter). The H200 sweep's best at qwen3-0.6b ((4, 512, 4, 1): 9.32 us a layer; the producer's BLOCK_N
     halved, (2, 512, 4, 1), took 10.94)."""
-    return norm_gemv_config(k, n // 2, bit=2) if has_norm else gemv_config(k, n)
+    return norm_gemv_config() if has_norm else gemv_config(k, n)
 
 
 def _fuses(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor) -> bool:

@@ -96,13 +96,14 @@ def test_single_row_is_the_unrounded_norm_times_the_weights(dtype, residual, k):
 
 @requires_triton
 @pytest.mark.parametrize("residual", [False, True])
-def test_tile_by_k_switch(monkeypatch, residual):
-    """NORM_GEMV_BY_K's bit 1: the kernel takes linear.py's tile by K (2 x 1024 at K 4096) instead of 4 x 512, within
-    the same bound of the exact value."""
-    monkeypatch.setattr(mod, "NORM_GEMV_BY_K", 1)
-    assert mod.norm_gemv_config(4096, 50) == mod.gemv_config(4096, 50) != mod.GEMV_CONFIG_SHORT_K
-    assert mod.norm_gemv_config(4096, 50, bit=2) == mod.GEMV_CONFIG_SHORT_K
-    x, r, nw, w, b = _inputs(1, 50, 4096, torch.bfloat16, bias=True, seed=3)
+@pytest.mark.parametrize(("rows", "step"), [(8, 512), (8, 256), (2, 1024)])
+def test_tile_switch(monkeypatch, residual, rows, step):
+    """NORM_GEMV_ROWS / NORM_GEMV_STEP (the A/B switches) set the kernel's tile; any of them stays within the same
+    bound of the exact value."""
+    monkeypatch.setattr(mod, "NORM_GEMV_ROWS", rows)
+    monkeypatch.setattr(mod, "NORM_GEMV_STEP", step)
+    assert mod.norm_gemv_config() == (rows, step, 4, 1)
+    x, r, nw, w, b = _inputs(1, 50, 2000, torch.bfloat16, bias=True, seed=3)
     y, s = _run(residual, x, r, nw, w, b, "triton")
     exact, scale = _exact(s if residual else x, nw, w, b)
     bound = torch.finfo(torch.bfloat16).eps * exact.abs() + FP32_SUMS * scale

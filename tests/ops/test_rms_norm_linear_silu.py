@@ -90,14 +90,15 @@ def test_tile_override(launches, config, bitwise):
 
 
 @requires_triton
-def test_tile_by_k_switch_keeps_the_producers_step(launches, monkeypatch):
-    """NORM_GEMV_BY_K = 3 (both norm kernels by K): the epilogue kernel takes the producer's new K step (1024 at
-    K 2048), so it still has the unfused pair's bits."""
+def test_tile_switch_keeps_the_producers_tile(launches, monkeypatch):
+    """rms_norm_linear's NORM_GEMV_ROWS / NORM_GEMV_STEP move the epilogue kernel's tile with the producer's, so it
+    keeps the unfused pair's bits."""
     from mini_infer.ops import rms_norm_linear
 
-    monkeypatch.setattr(rms_norm_linear, "NORM_GEMV_BY_K", 3)
-    assert mod.gate_up_silu_config(2048, 96, True)[1] == rms_norm_linear.norm_gemv_config(2048, 96)[1] == 1024
-    x, nw, w, b = _inputs(1, 48, 2048, torch.float32, True, seed=9)
+    monkeypatch.setattr(rms_norm_linear, "NORM_GEMV_ROWS", 8)
+    monkeypatch.setattr(rms_norm_linear, "NORM_GEMV_STEP", 256)
+    assert mod.gate_up_silu_config(600, 96, True) == (8, 256, 4, 1)
+    x, nw, w, b = _inputs(1, 48, 600, torch.float32, True, seed=9)
     y = _fused(True, x, nw, w, b)
     assert launches == [mod._gate_up_silu_kernel]
     if not x.is_cuda:  # on a GPU the sums' order follows the tile's register layout
