@@ -62,7 +62,9 @@ __all__ = [
 # GEMV_CONFIG_SHORT_K). Read at each launch (MINI_INFER_NORM_GEMV_ROWS / _STEP at import), for A/Bs. H200, bf16,
 # batch 1, engines in one process (2026-11-25, bench/RESULTS.md): linear.py's tile by K (2 x 1024 for K >= 1024,
 # which beat 4 x 512 for the plain GEMV) lost by far: qwen3-0.6b 1,402.0 tok/s (qkv only) and 1,291.3 (qkv and
-# gate_up) vs 1,490.6; mistral-7b 232.8 vs 247.0; qwen2.5-7b 228.3 vs 256.8.
+# gate_up) vs 1,490.6; mistral-7b 232.8 vs 247.0; qwen2.5-7b 228.3 vs 256.8. Other tiles lost too, rows x step:
+# qwen3-0.6b 8 x 512 1,446.6, 8 x 256 1,273.4, 4 x 256 1,375.1, 16 x 256 1,303.1 vs 1,490.0; mistral-7b 8 x 512
+# 246.6, 8 x 256 247.5 vs 249.0; qwen2.5-7b 254.4, 258.4 vs 258.9.
 NORM_GEMV_ROWS = int(os.environ.get("MINI_INFER_NORM_GEMV_ROWS", str(GEMV_CONFIG_SHORT_K[0])))
 NORM_GEMV_STEP = int(os.environ.get("MINI_INFER_NORM_GEMV_STEP", str(GEMV_CONFIG_SHORT_K[1])))
 
