@@ -5,8 +5,6 @@
     python bench/kernel_quant.py --check --ms 1 --no-attention --sweep-gemv   # the decode (M = 1) GEMVs + tiles
     python bench/kernel_quant.py --check --ms 1 --no-attention --shapes qkv,o_proj,gate_up,down_proj \
         --sweep-gemv fp8-dot                     # the fp8 GEMV both ways (cuda cores, tensor cores) + the dot tiles
-    python bench/kernel_quant.py --check --ms 1 --no-attention --impls fp8-gemv,fp8-unpack \
-        --sweep-gemv fp8,fp8-unpack              # the CUDA-core fp8 GEMV with FP8_UNPACK off / on, + their tiles
     python bench/kernel_quant.py --tiny          # CPU: Triton under TRITON_INTERPRET=1, tiny shapes, every path
 
 For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888, down 18944->3584, lm_head
@@ -24,8 +22,6 @@ For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888
                fp8_linear's M = 1 path by default)
   fp8-dot      scaled_gemv_triton with fp8 operands, products on tensor cores (fp8_gemv="dot", M = 1 only:
                fp8_linear's M = 1 path with MINI_INFER_FP8_GEMV=dot)
-  fp8-unpack   fp8-gemv with the weights unpacked by bit operations instead of cvt instructions (fp8_unpack=True,
-               M = 1 only: fp8_linear's CUDA-core path with int8_linear.FP8_UNPACK on)
   fp8-tri      scaled_mm_triton with fp8 operands (the Triton tile fp8_linear uses for 1 < M <= FP8_TRITON_MAX_M)
   fp8-smm      torch._scaled_mm, rowwise scales (what fp8_linear uses above that)
   fp8+q        fp8_w8a8_linear_triton (quantize + whatever fp8_linear picks for M)
@@ -34,16 +30,13 @@ Weights are cycled cold through L2 (copies up to 3x L2, as bench/kernel_gemv.py)
 M <= 64 the weight bandwidth (weight bytes / time) as % of the copy bandwidth measured in the same run
 (`copy_bandwidth` of bench/kernel_norm.py), best of bf16 / int8 / fp8, and at M = 1 every impl's TB/s and % of
 copy on a line of its own; at M >= 256 TFLOP/s; and the sum over one decode step's GEMMs at M = 1 (28 layers +
-lm_head). --impls times only the impls named. --sweep-gemv times scaled_gemv_triton's tiles at M = 1: GEMV_SWEEP
-for int8, fp8 (CUDA cores, cvt) and fp8-unpack (CUDA cores, bit operations), DOT_GEMV_SWEEP for fp8-dot (or only
-the kinds named: --sweep-gemv fp8-dot). Then paged decode attention, 4k context, batch 64 and 256, bf16 vs fp8
-cache.
+lm_head). --sweep-gemv times scaled_gemv_triton's tiles at M = 1: GEMV_SWEEP for int8 and fp8 (CUDA cores),
+DOT_GEMV_SWEEP for fp8-dot (or only the kinds named: --sweep-gemv fp8-dot). Then paged decode
+attention, 4k context, batch 64 and 256, bf16 vs fp8 cache.
 
 --check first compares every timed path with the plain-torch references at the benchmark shapes (int8: same
 int32, epilogue within one output ulp, the same bits for a row at every M bucket, and at M = 1 the GEMV's bits
-(words and bytes) equal to the skinny tile's; fp8: relative error of the fp32-accumulated product, GEMV included, and
-at M = 1 the unpacking GEMV (fp8-unpack) within one output ulp of the cvt one (whether the bits are equal is printed:
-the same sums, the row sum's reduction tree aside); quantization and the fused producers: bit-exact with the unfused kernels; paged
+(words and bytes) equal to the skinny tile's; fp8: relative error of the fp32-accumulated product, GEMV included; quantization and the fused producers: bit-exact with the unfused kernels; paged
 attention with fp8 caches vs its reference) and stops with exit 1 on a mismatch. Prints a table; JSON goes to
 bench/results/kernel_quant_<gpu>.json (--out). --tiny runs the same closures once on CPU (interpreter times mean
 nothing) and writes bench/out/kernel_quant_cpu.json.
@@ -73,9 +66,9 @@ SHAPES = [("qkv", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up", 37888
 MS = (1, 8, 64, 256, 8192)
 TINY_SHAPES = [("qkv", 96, 64, 1), ("down_proj", 40, 200, 1)]  # 200: a K tail, 40: an N tail
 TINY_MS = (1, 8, 20)
-IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-unpack", "fp8-dot", "fp8-tri",
-         "fp8-smm", "fp8+q")
-ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv", "fp8-unpack", "fp8-dot")  # timed at M = 1 only
+IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm",
+         "fp8+q")
+ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv", "fp8-dot")  # timed at M = 1 only
 # scaled_gemv_triton's tiles for --sweep-gemv: (BLOCK_N, BLOCK_K in elements, num_warps, num_stages)
 GEMV_SWEEP = [(bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
               if bn * bk <= 16384]
@@ -83,7 +76,7 @@ GEMV_SWEEP = [(bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048,
 # weights A (x a 16-column B); num_stages: the cp.async pipeline's depth (a tile over shared memory fails: skipped)
 DOT_GEMV_SWEEP = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for st in (2, 3, 4)
                   if bk * st <= 1024] + [(128, 128, 8, 4), (128, 256, 8, 3)]
-GEMV_SWEEP_KINDS = ("int8", "fp8", "fp8-dot", "fp8-unpack")
+GEMV_SWEEP_KINDS = ("int8", "fp8", "fp8-dot")
 # paged decode attention: qwen2.5-7b's heads, 4k context
 ATTN = dict(hq=28, hkv=4, d=128, block=16, ctx=4096, batches=(64, 256))
 TINY_ATTN = dict(hq=4, hkv=2, d=16, block=4, ctx=40, batches=(3,))
@@ -154,10 +147,9 @@ def impl_calls(ops: Ops, name: str, x: torch.Tensor, weights: dict, l2: int, dev
     if device == "cuda" and not fp8.fp8_supported(device):
         return None
     xq, xs = ops.quant.quantize_per_token_triton(x, FP8)
-    if name in ("fp8-gemv", "fp8-unpack", "fp8-dot"):
+    if name in ("fp8-gemv", "fp8-dot"):
         mode = "dot" if name == "fp8-dot" else "cuda-cores"
-        unpack = name == "fp8-unpack"
-        return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, sf, None, x.dtype, fp8_gemv=mode, fp8_unpack=unpack)
+        return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, sf, None, x.dtype, fp8_gemv=mode)
                 for w in weight_copies(wf, l2, device)]
     if name == "fp8-tri":
         return [lambda w=w: int8.scaled_mm_triton(xq, xs, w, sf, None, x.dtype) for w in weight_copies(wf, l2, device)]
@@ -222,13 +214,11 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
                 for mode in ("cuda-cores", "dot") if m == 1 else ():
                     res[f"fp8_gemv_{mode}_rel_err"] = rel_err(
                         ops.int8.scaled_gemv_triton(fq, fs, wf, sf, None, torch.bfloat16, fp8_gemv=mode), want)
-                if m == 1:  # FP8_UNPACK off / on: the same sums
-                    res.update(check_fp8_unpack(ops, fq, fs, wf, sf))
                 if device == "cuda" and ops.fp8._scaled_mm_takes(m, k, n, torch.bfloat16):
                     res["fp8_scaled_mm_rel_err"] = rel_err(ops.fp8.scaled_mm_fp8(fq, fs, wf, sf, None, torch.bfloat16),
                                                            want)
             res["ok"] = (res["quant_int8_exact"] and res["quant_fp8_exact"] and res["int8_max_ulps"] <= 1.0
-                         and res.get("int8_gemv_bits_equal_tile", True) and res.get("fp8_unpack_max_ulps", 0.0) <= 1.0
+                         and res.get("int8_gemv_bits_equal_tile", True)
                          and all(v < 1e-2 for key, v in res.items() if key.endswith("rel_err")))
             rows.append(res)
             print(f"check {name:<10}M={m:<5} " + " ".join(
@@ -239,14 +229,6 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
         print(f"check {name:<10}int8 rows 0..{min(ms) - 1} identical at M = {list(ms)}: {same}", flush=True)
         del weights
     return rows
-
-
-def check_fp8_unpack(ops: Ops, fq, fs, wf, sf) -> dict:
-    """The CUDA-core fp8 GEMV with the weights unpacked by bit operations (fp8_unpack=True) against the cvt one
-    (False), bf16 out: whether the bits are equal and the largest difference in output ulps."""
-    off, on = (ops.int8.scaled_gemv_triton(fq, fs, wf, sf, None, torch.bfloat16, fp8_gemv="cuda-cores",
-                                           fp8_unpack=unpack) for unpack in (False, True))
-    return {"fp8_unpack_bits_equal": bool(torch.equal(on, off)), "fp8_unpack_max_ulps": max_ulps(on, off)}
 
 
 def check_fused_producers(ops: Ops, device, hidden: int, inter: int, m: int) -> list[dict]:
@@ -341,7 +323,7 @@ def time_it(calls: list[Callable], device, target_ms: float, rounds: int) -> flo
 
 def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args) -> list[dict]:
     rows = []
-    head = f"{'gemm':<10}{'M':>6} |" + "".join(f" {n:>10}" for n in args.impls) + " | us per call; then "
+    head = f"{'gemm':<10}{'M':>6} |" + "".join(f"{n:>10}" for n in IMPLS) + " | us per call; then "
     print(head + "%copy (weight bytes / time, M <= 64) or TFLOP/s (M >= 256) of bf16 / int8 / fp8 best")
     for name, n, k, per_step in shapes:
         weights = make_weights(ops, n, k, device)
@@ -349,7 +331,7 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
         for m in ms:
             x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
             row = {"gemm": name, "N": n, "K": k, "M": m, "per_step": per_step, "us": {}}
-            for impl in args.impls:
+            for impl in IMPLS:
                 calls = impl_calls(ops, impl, x, weights, l2, device)
                 if calls is None:
                     continue
@@ -360,9 +342,8 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
                 del calls
             us = row["us"]
             best = {"bf16": min(us.get("bf16", math.inf), us.get("gemv", math.inf)), "int8": us.get("int8", math.inf),
-                    "fp8": min(us.get(i, math.inf) for i in ("fp8-gemv", "fp8-unpack", "fp8-dot", "fp8-tri", "fp8-smm"))}
-            line = f"{name:<10}{m:>6} |" + "".join(f" {us[i]:>10.1f}" if i in us else f" {'-':>10}"
-                                                   for i in args.impls) + " |"
+                    "fp8": min(us.get(i, math.inf) for i in ("fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm"))}
+            line = f"{name:<10}{m:>6} |" + "".join(f"{us[i]:>10.1f}" if i in us else f"{'-':>10}" for i in IMPLS) + " |"
             if device == "cuda" and m <= 64:
                 wbytes = {"bf16": 2 * n * k, "int8": n * k, "fp8": n * k}
                 row["weight_frac_copy"] = {kk: wbytes[kk] / (t * 1e-6) / (copy_gbps * 1e9)
@@ -439,9 +420,8 @@ def sweep_skinny(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> l
 
 
 def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> list[dict]:
-    """Time scaled_gemv_triton (M = 1) over its tiles for each kind of args.sweep_gemv: int8 (int32 words, dp4a),
-    fp8 (CUDA cores, cvt) and fp8-unpack (CUDA cores, bit operations) over GEMV_SWEEP, fp8-dot (tensor cores) over
-    DOT_GEMV_SWEEP."""
+    """Time scaled_gemv_triton (M = 1) over its tiles for each kind of args.sweep_gemv: int8 (int32 words, dp4a)
+    and fp8 (CUDA cores) over GEMV_SWEEP, fp8-dot (tensor cores) over DOT_GEMV_SWEEP."""
     out = []
     for name, n, k, _ in shapes:
         weights = make_weights(ops, n, k, device)
@@ -454,8 +434,7 @@ def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> lis
             xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
             mode = "dot" if qname == "fp8-dot" else "cuda-cores"
             grid = DOT_GEMV_SWEEP if mode == "dot" else GEMV_SWEEP
-            launch = functools.partial(ops.int8.scaled_gemv_triton, fp8_gemv=mode, fp8_unpack=qname == "fp8-unpack")
-            res = time_configs(launch,
+            res = time_configs(functools.partial(ops.int8.scaled_gemv_triton, fp8_gemv=mode),
                                grid if device == "cuda" else grid[:2], (xq, xs, s), copies, device, args,
                                f"sweep-gemv {name} {qname}")
             cfg = ops.int8.scaled_gemv_config(xq.dtype, k, mode)
@@ -498,19 +477,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: exercises every path")
     ap.add_argument("--ms", default=None, help="comma list of M (default 1,8,64,256,8192)")
     ap.add_argument("--shapes", default=None, help="comma list of gemm names (default all)")
-    ap.add_argument("--impls", default=None, help=f"comma list of impls to time (default all: {', '.join(IMPLS)})")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timing round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copy-gib", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results, --tiny: bench/out)")
-    args = ap.parse_args(argv)
-    args.impls = tuple(args.impls.split(",")) if args.impls else IMPLS
-    unknown = sorted(set(args.impls) - set(IMPLS)) + sorted(set((args.sweep_gemv or "fp8").split(","))
-                                                              - set(GEMV_SWEEP_KINDS))
-    if unknown:
-        ap.error(f"unknown impls / sweep kinds: {', '.join(unknown)}")
-    return args
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -12,9 +12,8 @@ Where it runs:
   * CUDA, compute capability >= 8.9 (Ada, Hopper and later): by shape only (CUDA-graph safe) —
     M = 1 -> int8_linear.py's GEMV (`scaled_gemv_triton`: the batch-1 decode path that streams the weights;
     rows shorter than int8_linear.FP8_GEMV_LONG_K on tensor cores, wgmma e4m3 with the row padded to a tile, longer
-    ones as fp8 -> fp32 products on CUDA cores, exact, summed in fp32: int8_linear.FP8_GEMV, MINI_INFER_FP8_GEMV; the
-    weights converted by cvt instructions or, with int8_linear.FP8_UNPACK, by bit operations, the same sums);
-    M <= FP8_TRITON_MAX_M rows -> its Triton tile (`scaled_mm_triton`, skinny tile); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
+    ones as fp8 -> fp32 products on CUDA cores, exact, summed in fp32: int8_linear.FP8_GEMV, MINI_INFER_FP8_GEMV); M <= FP8_TRITON_MAX_M rows -> its Triton
+    tile (`scaled_mm_triton`, skinny tile); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
     FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile
     (whose fp8 accumulation precision on Hopper is int8_linear.FP8_DOT's choice). bench/kernel_quant.py times
     both at every M: move FP8_TRITON_MAX_M if it says so; bench/fp8_gpu_check.py measures their accuracy.

@@ -12,9 +12,8 @@ Why: a batch-1 decode step reads every weight once; int8 weights halve those byt
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
 (and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
 safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
-streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores
-(cvt instructions, or bit operations on int32 words of four with FP8_UNPACK: the same sums), or multiplied on tensor
-cores, the row padded to a
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores,
+or multiplied on tensor cores, the row padded to a
 tensor-core tile, for rows shorter than FP8_GEMV_LONG_K: FP8_GEMV), M <= SMALL_M (16) -> a
 skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
 accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
@@ -46,9 +45,7 @@ __all__ = [
     "FP8_DOT",
     "FP8_GEMV",
     "FP8_GEMV_MODES",
-    "FP8_UNPACK",
     "fp8_gemv_dot",
-    "fp8_unpacks",
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
@@ -119,16 +116,6 @@ FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
-# How the "cuda-cores" fp8 GEMV turns weights into fp32 (FP8_UNPACK, read at each launch; MINI_INFER_FP8_UNPACK at
-# import sets it, default off until a GPU run decides; the launchers take it per call too): False, the cvt
-# instructions above (fp8 -> fp16 -> fp32; cvt runs at 16 lanes a clock per SM on Hopper); True, integer bit operations
-# on int32 words of four e4m3 bytes (`_unpacked_fp8_dots`: the same fp32 sums, no cvt in the K loop) where the row
-# packs into words (`_packs_words`), else the cvt path. Applies wherever the CUDA-core fp8 GEMV runs: both
-# launchers of `launch_scaled_gemv` (`scaled_gemv_triton`, linear_add_rms_norm.py's fused down_proj + add + norm).
-# Built for sm_90 at the long-K tile (tests/ops/compile_fp8_gemv_sm90.py, Triton 3.9; no GPU run yet): the K loop
-# issues 0.170 warp instructions a weight byte (0.088 integer shifts / LOP3, 0.069 FMA pipe, no conversion) against
-# the cvt path's 0.108 (0.059 F2FP / HADD2.F32 conversions); 120 registers against 119, no spills.
-FP8_UNPACK = os.environ.get("MINI_INFER_FP8_UNPACK", "0") != "0"
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
@@ -283,9 +270,6 @@ if HAS_TRITON:
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
     _DOT_COLS = tl.constexpr(DOT_COLS)
-    _E4M3_TO_FP32_MASK = tl.constexpr(0x87F00000 - 2**32)  # bits 31 and 20-26, as an int32 (`_e4m3_at_top`)
-    _POW2_92 = tl.constexpr(2.0**92)  # x * 2**-120 * 2**92 * 2**92 = x * 2**64 (`_unpacked_fp8_dots`)
-    _POW2_56 = tl.constexpr(2.0**56)  # (w * 2**-120) * (x * 2**64) * 2**56 = w * x
 
     @triton.jit
     def _dequantize(acc, a_scale, w_scale, bias_ptrs, bias_ok, HAS_BIAS: tl.constexpr):
@@ -351,60 +335,6 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0) if BLOCK_N < _DOT_ROWS else tl.sum(acc, axis=1)
 
     @triton.jit
-    def _e4m3_at_top(t):
-        """fp32 [..] of the e4m3 byte in the top 8 bits of each int32 of t, times 2**-120, by bit operations only:
-        fp32 bits (t & 0x80000000) | ((t >>> 4) & 0x07F00000) (>>>: logical), the sign bit kept and the 4 exponent
-        and 3 mantissa bits moved down 4 places, to the bottom of fp32's exponent field and the top of its mantissa.
-        fp32 then reads exponent field e as 2**(e - 127) (e >= 1) or 2**-126 * 0.m (e = 0, a denormal) where e4m3
-        reads 2**(e - 7) or 2**-6 * 0.m: exactly e4m3 * 2**-120 for every finite byte, zeros (negative zero too) and
-        denormals included. The NaN bytes (0x7F, 0xFF) read as +-480 * 2**-120, not NaN. Computed as
-        (t >> 4) & 0x87F00000 with an arithmetic shift (the same bits: the shift copies the sign into bits 27-31,
-        the mask keeps bit 31): one shift and one LOP3 a byte where the two masks take two LOP3s."""
-        return ((t >> 4) & _E4M3_TO_FP32_MASK).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _unpack_e4m3(words, R: tl.constexpr, C: tl.constexpr):
-        """[R, C] int32 words of four e4m3 bytes (a little-endian view: byte j of word c is element 4c + j) -> fp32
-        [R, 4C] in element order, each exactly e4m3 * 2**-120 (`_e4m3_at_top`), with no conversion instruction."""
-        b0 = _e4m3_at_top(words << 24)
-        b1 = _e4m3_at_top(words << 16)
-        b2 = _e4m3_at_top(words << 8)
-        b3 = _e4m3_at_top(words)
-        # [R, C, p, q] = byte 2p + q; row-major [R, 4C]: element 4c + 2p + q
-        return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [R, 4 * C])
-
-    @triton.jit
-    def _unpacked_fp8_dots(x_ptr, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x [K] . w[row] for the BLOCK_N weight rows, fp32, on CUDA cores without cvt (`FP8_UNPACK`): x and w are
-        int32 views of e4m3 bytes (K and BLOCK_K count words), turned into fp32 by `_unpack_e4m3`, the sums the
-        cvt path's (`gemv_step` on fp8 -> fp32 values) in the same order, bit for bit where both run the same
-        additions (the interpreter; on a GPU the row sum's reduction tree may follow another layout). Why:
-          * a weight w unpacks to w * 2**-120 (an fp32 denormal for the e4m3 denormals, |w| < 2**-6), x to
-            x * 2**-120, scaled once per K step (shared by the BLOCK_N rows) by 2**92 twice to x * 2**64 (exact:
-            powers of two, the results normal);
-          * so each product is (w * x) * 2**-56, exact (at most 4 significant bits each side, 8 in the product,
-            24 in fp32) and normal: |w * x| lies in [2**-18, 448**2 < 2**18] or is zero, scaled into
-            [2**-74, 2**-38];
-          * every partial sum of the cvt path is a multiple of 2**-18 (its products are, and rounding a multiple
-            of 2**-18 to 24 bits keeps it one), so a nonzero one is at least 2**-18, and at most K * 448**2
-            (2**35 at K 2**17); scaled by 2**-56 they stay in [2**-74, 2**-21], normal, and so do the exact sums
-            of two of them: fp32 rounding is then the same relative to the power of two, so every addition (the
-            K loop's and the row sum's) gives the cvt path's result times 2**-56, signed zeros included;
-          * multiplying the row sums by 2**56 (exact) gives the cvt path's sums. FMA contraction (a GPU) cannot
-            change them: the products are exact either way.
-        The FMAs must not flush denormals (.ftz): denormal weights would read as zero
-        (tests/ops/compile_fp8_gemv_sm90.py checks the PTX). Weights are finite (quantized to +-448): NaN bytes
-        are not handled (`_e4m3_at_top`)."""
-        acc = tl.zeros([BLOCK_N, 4 * BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = _unpack_e4m3(tl.load(x_ptr + cols[None, :], mask=col_ok[None, :], other=0), 1, BLOCK_K)
-            x = (x * _POW2_92) * _POW2_92
-            acc += _unpack_e4m3(gemv_load(w_rows, row_ok, cols, col_ok), BLOCK_N, BLOCK_K) * x
-        return tl.sum(acc, axis=1) * _POW2_56
-
-    @triton.jit
     def scaled_gemv_program(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
@@ -414,16 +344,13 @@ if HAS_TRITON:
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
-        sums differs from the tile's. PACKED: x and w are int32 views, four bytes a word (K, stride_wn and BLOCK_K
-        count words): int8 multiplied by `_dot4`, fp8 (FP8_UNPACK) unpacked to fp32 by bit operations
-        (`_unpacked_fp8_dots`: the sums of the fp8 loop below, without its cvt instructions). DOT (fp8):
-        the products on tensor cores instead (`_padded_row_dot`)."""
+        sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
+        and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
+        (`_padded_row_dot`)."""
         await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
             dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
-        elif PACKED and ACC_DTYPE == tl.float32:  # fp8 words
-            dots = _unpacked_fp8_dots(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
         else:
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -581,25 +508,11 @@ def takes_scaled_gemv(m: int, k: int, n: int) -> bool:
     return HAS_TRITON and m == 1 and k > 0 and n > 0
 
 
-def _packs_words(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether one-byte x [K] and w [N, K] (unit stride along K) can be read as int32 words of four: K, w's row
-    stride and both start addresses multiples of 4 (the same for every call of a CUDA graph's captured tensors)."""
-    return (x.element_size() == 1 and x.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and x.data_ptr() % 4 == 0
-            and w.data_ptr() % 4 == 0)
-
-
 def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether int8 x [K] and w [N, K] can be read as int32 words of four (`_packs_words`)."""
-    return x.dtype == torch.int8 and _packs_words(x, w)
-
-
-def fp8_unpacks(dtype: torch.dtype, k: int, fp8_gemv: str | None = None, fp8_unpack: bool | None = None) -> bool:
-    """Whether the one-row GEMV of `dtype` operands and rows of `k` elements converts fp8 weights by bit operations
-    (`_unpacked_fp8_dots`) rather than cvt instructions: fp8 on CUDA cores (not `fp8_gemv_dot`) with `fp8_unpack`
-    (None: the module's FP8_UNPACK, looked up at the call) true; the launch also needs the row in words
-    (`_packs_words`)."""
-    unpack = FP8_UNPACK if fp8_unpack is None else fp8_unpack
-    return bool(unpack) and dtype == torch.float8_e4m3fn and not fp8_gemv_dot(dtype, k, fp8_gemv)
+    """Whether int8 x [K] and w [N, K] (unit stride along K) can be read as int32 words of four: K, w's row
+    stride and both start addresses multiples of 4 (the same for every call of a CUDA graph's captured tensors)."""
+    return (x.dtype == torch.int8 and x.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and x.data_ptr() % 4 == 0
+            and w.data_ptr() % 4 == 0)
 
 
 def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
@@ -625,16 +538,14 @@ def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) 
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
-    *, pack_int8: bool = True, fp8_gemv: str | None = None, fp8_unpack: bool | None = None,
+    *, pack_int8: bool = True, fp8_gemv: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
     `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order, on CUDA cores or
-    tensor cores as `fp8_gemv` says (None: FP8_GEMV), on CUDA cores converted by cvt instructions or, where
-    `fp8_unpacks` (`fp8_unpack`, None: FP8_UNPACK) and `_packs_words` allow, by bit operations on int32 words (the
-    same sums). `config` (BLOCK_N, BLOCK_K in elements, num_warps, num_stages) overrides `scaled_gemv_config`'s tile
-    (benchmark sweeps)."""
+    tensor cores as `fp8_gemv` says (None: FP8_GEMV). `config` (BLOCK_N, BLOCK_K in elements, num_warps,
+    num_stages) overrides `scaled_gemv_config`'s tile (benchmark sweeps)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_gemv_triton needs triton")
     n, k = w_q.shape
@@ -643,18 +554,18 @@ def scaled_gemv_triton(
                          f"x_scale {tuple(x_scale.shape)}")
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8,
-                       fp8_gemv=fp8_gemv, fp8_unpack=fp8_unpack)
+                       fp8_gemv=fp8_gemv)
     return y
 
 
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-    pack_int8: bool = True, fp8_gemv: str | None = None, fp8_unpack: bool | None = None, **constexprs,
+    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
-    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing, the
-    fp8 products' units and the fp8 weights' conversion as `scaled_gemv_triton` describes."""
+    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing and
+    the fp8 products' units as `scaled_gemv_triton` describes."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
@@ -666,17 +577,13 @@ def launch_scaled_gemv(
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the fp8 dot GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power of "
                          f"two, got {config}")
-    is_int8 = x_q.dtype == torch.int8
-    if is_int8:
-        packed = pack_int8 and _packs_int8(xr, w)
-    else:
-        packed = fp8_unpacks(x_q.dtype, k, fp8_gemv, fp8_unpack) and _packs_words(xr, w)
-    if packed:  # int32 words of four bytes: K, the row stride and the K step in words
+    packed = pack_int8 and _packs_int8(xr, w)
+    if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
                 config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
-                ACC_DTYPE=tl.int32 if is_int8 else tl.float32, PACKED=packed,
-                ASM=packed and is_int8 and x_q.is_cuda and torch.version.hip is None, DOT=dot, **constexprs)
+                ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, **constexprs)
 
 
 def scaled_linear_triton(

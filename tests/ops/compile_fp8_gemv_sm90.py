@@ -2,18 +2,16 @@
 shapes builds it, no GPU needed, and count what its K loop executes per weight byte; print one JSON line.
 
 Cases: fp8 "dot" (tensor cores, `_padded_row_dot`) and fp8 "cuda-cores" (fp8 -> fp32 conversions and FMAs) at
-their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, "dot" inside
-linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel, and fp8 "cuda-cores" with FP8_UNPACK (int32
-words of e4m3 bytes unpacked by bit operations, `_unpacked_fp8_dots`; mode fp8-unpack) at the long-K tile, alone and
-fused. For each: whether the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and
-the conversion instructions (`cvt.*e4m3*`; in the whole kernel and in its K loop, the longest PTX loop), the K
-loop's fp32 FMAs and those that flush denormals (`.ftz`), cuobjdump's resource line (LOCAL: spill bytes) and, from
-the SASS, the K loop (the longest backward branch's body) by instruction class, as warp instructions per weight
-byte (body count x warps / (BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
+their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, and "dot" inside
+linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel. For each: whether
+the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and the conversion
+instructions (`cvt.*e4m3*`), cuobjdump's resource line (LOCAL: spill bytes) and, from the SASS, the K loop (the
+longest backward branch's body) by instruction class, as warp instructions per weight byte (body count x warps /
+(BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fp8_gemv_sm90
-[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8, fp8-dot-fused, fp8-unpack or
-fp8-unpack-fused; no arguments: the default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
+[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8 or fp8-dot-fused; no arguments: the
+default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
 tests/ops/test_fp8_linear.py; the numbers go into the report of an experiment, not into the kernels.
 """
 
@@ -33,7 +31,6 @@ SASS_CLASSES = {
     "tensor": ("HGMMA", "QGMMA", "IGMMA", "HMMA", "QMMA", "IMMA", "WARPGROUP"),
     "convert": ("F2FP", "F2F", "I2F", "HADD2", "PRMT"),  # HADD2.F32 / PRMT: how fp8 -> fp16 / fp32 unpacks
     "fma": ("FFMA", "FADD", "FMUL", "HFMA2", "IDP", "IMAD", "IADD3"),
-    "bits": ("LOP3", "SHF"),  # integer logic and shifts: how FP8_UNPACK unpacks e4m3 bytes
     "global_load": ("LDG", "LDGSTS", "UBLKCP", "UTMALDG"),
     "shared": ("LDS", "STS", "LDSM"),
 }
@@ -62,21 +59,6 @@ def k_loop(sass: str) -> Counter:
     return Counter(best)
 
 
-def ptx_k_loop(ptx: str) -> str:
-    """The longest loop of the PTX: the text from a label to the last branch back to it."""
-    best = ""
-    for label in re.finditer(r"^(\$L__BB\w+):", ptx, re.M):
-        back = [m.end() for m in re.finditer(rf"\bbra(?:\.uni)?\s+{re.escape(label.group(1))};", ptx[label.end():])]
-        if back and back[-1] > len(best):
-            best = ptx[label.end():label.end() + back[-1]]
-    return best
-
-
-def ptx_ftz_f32(ptx: str) -> int:
-    """fp32 arithmetic that flushes denormals (`.ftz`: add, sub, mul, fma, ...) in `ptx`."""
-    return len(re.findall(r"\b\w+(?:\.\w+)*\.ftz(?:\.\w+)*\.f32\b", ptx))
-
-
 def classify(body: Counter) -> dict[str, int]:
     out = {c: 0 for c in (*SASS_CLASSES, "other")}
     for op, n in body.items():
@@ -87,25 +69,23 @@ def classify(body: Counter) -> dict[str, int]:
 
 
 def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
-    """Mode int8, fp8-cuda-cores, fp8-dot, fp8-unpack: `_scaled_gemv_kernel`; fp8-dot-fused, fp8-unpack-fused:
-    linear_add_rms_norm.py's kernel that runs the same GEMV body before the add + norm + fp8 quantization. int8 and
-    fp8-unpack read int32 words (PACKED)."""
+    """Mode int8, fp8-cuda-cores, fp8-dot: `_scaled_gemv_kernel`; fp8-dot-fused: linear_add_rms_norm.py's kernel
+    that runs the same GEMV body before the add + norm + fp8 quantization."""
     import triton.language as tl
 
     from mini_infer.ops import int8_linear as il
     from mini_infer.ops import linear_add_rms_norm as lar
 
     int8 = mode == "int8"
-    packed = int8 or mode.startswith("fp8-unpack")
-    constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=packed, ASM=int8,
-                      DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if packed else block_k,
+    constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=int8, ASM=int8,
+                      DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k,
                       USE_GDC=True)
-    operand = "*i32" if packed else "*fp8e4nv"  # int32 words of four bytes, as launch_scaled_gemv packs them
+    operand = "*i32" if int8 else "*fp8e4nv"  # int8: int32 words of four, as launch_scaled_gemv packs them
     pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32",
                 "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
     divisible = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "b_ptr", "y_ptr", "K", "stride_wn")
     kernel = il._scaled_gemv_kernel
-    if mode.endswith("-fused"):
+    if mode == "fp8-dot-fused":
         kernel = lar._scaled_gemv_add_rms_norm_quant_kernel
         constexprs.update(NORM_DTYPE=tl.bfloat16, IS_FP8=True, QMAX=448.0, NORM_BLOCK_M=1, NORM_BLOCK_N=4096)
     return build_sm90(kernel, constexprs, pointers, num_warps, num_stages, divisible)
@@ -114,16 +94,12 @@ def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int
 def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
     kernel = build(mode, block_n, block_k, num_warps, num_stages)
     ptx = kernel.asm["ptx"]
-    loop_ptx = ptx_k_loop(ptx)
     body = k_loop(sass_of(kernel.asm["cubin"]))
     classes = classify(body)
     weight_bytes = block_n * block_k  # one byte a weight (int8 and fp8)
     return {"mode": mode, "tile": [block_n, block_k, num_warps, num_stages],
             "ptx_e4m3_tensor_core": sorted({m for m in re.findall(r"\b((?:wg)?mma\.[\w.]*e4m3[\w.]*)", ptx)}),
             "ptx_cvt_e4m3": len(re.findall(r"\bcvt\.[\w.]*e4m3", ptx)),
-            "ptx_k_loop_cvt_e4m3": len(re.findall(r"\bcvt\.[\w.]*e4m3", loop_ptx)),
-            "ptx_k_loop_fma_f32": len(re.findall(r"\bfma\.[\w.]*f32\b", loop_ptx)),
-            "ptx_k_loop_ftz_f32": ptx_ftz_f32(loop_ptx),
             "usage": resource_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
             "k_loop": classes, "k_loop_ops": dict(body.most_common()),
             "per_weight_byte": {c: round(n * num_warps / weight_bytes, 4) for c, n in classes.items()}}
@@ -134,8 +110,7 @@ def default_cases() -> list[tuple]:
 
     return [("fp8-dot", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8),
             ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8_LONG_K), ("int8", *il.SCALED_GEMV_CONFIG),
-            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-unpack", *il.SCALED_GEMV_CONFIG_FP8_LONG_K),
-            ("fp8-unpack-fused", *il.SCALED_GEMV_CONFIG_FP8_LONG_K)]
+            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT)]
 
 
 def main(argv: list[str]) -> int:

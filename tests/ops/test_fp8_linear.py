@@ -136,145 +136,6 @@ def test_dot_gemv_matches_reference(n, k, bias):
     assert_fp32_acc_close(got, fl.fp8_linear_reference(x_q[0], x_scale[0], w_q, w_scale, b, torch.float32))
 
 
-# e4m3 bytes the bit-operation unpacking must get right: zero, negative zero, the smallest and largest denormals of
-# both signs, the smallest normal, 1.0, and +-448 (the largest finite)
-SPECIAL_E4M3 = (0x00, 0x80, 0x01, 0x81, 0x04, 0x07, 0x87, 0x08, 0x88, 0x38, 0x7E, 0xFE)
-
-
-def with_special_bytes(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """fp8 `t` with every fifth element (from a seed-dependent offset) replaced by SPECIAL_E4M3's bytes in turn."""
-    b = t.view(torch.uint8).clone().reshape(-1)
-    idx = torch.arange(seed % 5, b.numel(), 5)
-    b[idx] = torch.tensor(SPECIAL_E4M3, dtype=torch.uint8).repeat(-(-idx.numel() // len(SPECIAL_E4M3)))[:idx.numel()]
-    return b.view(FP8).reshape(t.shape)
-
-
-def special_operands(n: int, k: int, seed: int, bias: bool):
-    """One fp8 row x [1, K] and weights [N, K] of wide magnitudes with SPECIAL_E4M3 bytes among them, their fp32
-    scales, a bias or None."""
-    g = torch.Generator().manual_seed(seed)
-    x_q = with_special_bytes((torch.randn(1, k, generator=g) * 100).clamp(-448, 448).to(FP8), seed)
-    w_q = with_special_bytes((torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8), seed + 1)
-    x_scale = torch.rand(1, 1, generator=g) * 0.01 + 0.001
-    w_scale = torch.rand(n, generator=g) * 0.01 / k**0.5 + 1e-4
-    return x_q, x_scale, w_q, w_scale, torch.randn(n, generator=g) if bias else None
-
-
-def assert_same_sums(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The same bits under the interpreter (same additions in the same order); on a GPU, where the row sum's reduction
-    tree may follow another layout, within the fp32 accumulation tolerance."""
-    if DEVICE == "cpu":
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    else:
-        assert_fp32_acc_close(got, want)
-
-
-def record_packed(monkeypatch) -> list:
-    """The PACKED flag of every W8A8 GEMV launch from now on (each still runs), in order."""
-    from mini_infer.ops import int8_linear as il
-
-    packed = []
-    real = il.launch_gemv
-    monkeypatch.setattr(il, "launch_gemv", lambda *a, **kw: packed.append(kw["PACKED"]) or real(*a, **kw))
-    return packed
-
-
-# (N, K, tile or None for the default, whether the row packs into words): N not a multiple of BLOCK_N (4), K not a
-# multiple of the K step; K 8,200 takes the long-K tile, K 203 (not a multiple of 4) the cvt path whatever the switch
-UNPACK_CASES = [(7, 200, (4, 64, 4, 1), True), (130, 1500, None, True), (33, 8200, None, True),
-                (6, 1028, (2, 256, 4, 1), True), (7, 203, None, False)]
-
-
-@requires_triton
-@pytest.mark.parametrize(("n", "k", "config", "packs"), UNPACK_CASES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_unpacked_fp8_gemv_equals_the_cvt_path(monkeypatch, n, k, config, packs, bias):
-    """FP8_UNPACK (read at the launch): the CUDA-core fp8 GEMV unpacking int32 words by bit operations gives the cvt
-    path's outputs (`assert_same_sums`), weights and x with e4m3 denormals, zeros, negative zeros and +-448 among
-    them, and the reference's within the fp32 accumulation tolerance; rows that do not pack into words (K % 4) keep
-    the cvt path."""
-    if DEVICE == "cuda" and not HAS_FP8_GPU:
-        pytest.skip("this GPU has no FP8")
-    from mini_infer.ops import int8_linear as il
-
-    ops = special_operands(n, k, seed=n + k, bias=bias)
-    args = on(DEVICE, *ops)
-    packed = record_packed(monkeypatch)
-    for out_dtype in (torch.float32, torch.bfloat16):
-        monkeypatch.setattr(il, "FP8_UNPACK", False)
-        off = il.scaled_gemv_triton(*args, out_dtype, config, fp8_gemv="cuda-cores")
-        monkeypatch.setattr(il, "FP8_UNPACK", True)
-        got = il.scaled_gemv_triton(*args, out_dtype, config, fp8_gemv="cuda-cores")
-        assert_same_sums(got, off)
-        assert_fp32_acc_close(got, fl.fp8_linear_reference(*ops, out_dtype))
-    assert packed == [False, packs] * 2
-
-
-@requires_triton
-def test_unpacked_fp8_gemv_switch_and_argument(monkeypatch):
-    """fp8_linear's one-row path with a long row (FP8_GEMV "auto": CUDA cores) follows FP8_UNPACK at each call, and
-    scaled_gemv_triton's `fp8_unpack` overrides it; short rows ("auto": tensor cores) and int8 never unpack fp8."""
-    if DEVICE == "cuda" and not HAS_FP8_GPU:
-        pytest.skip("this GPU has no FP8")
-    from mini_infer.ops import int8_linear as il
-
-    ops = special_operands(5, 8196, seed=3, bias=True)
-    args = on(DEVICE, *ops)
-    packed = record_packed(monkeypatch)
-    assert il.FP8_UNPACK is False  # the default (MINI_INFER_FP8_UNPACK unset)
-    off = fl.fp8_linear_triton(*args, torch.float32)
-    monkeypatch.setattr(il, "FP8_UNPACK", True)
-    assert_same_sums(fl.fp8_linear_triton(*args, torch.float32), off)
-    assert_same_sums(il.scaled_gemv_triton(*args, torch.float32, fp8_unpack=False), off)
-    monkeypatch.setattr(il, "FP8_UNPACK", False)
-    assert_same_sums(il.scaled_gemv_triton(*args, torch.float32, fp8_unpack=True), off)
-    assert packed == [False, True, False, True]
-    assert not il.fp8_unpacks(FP8, 64, fp8_unpack=True)  # "auto" at K 64: tensor cores
-    assert il.fp8_unpacks(FP8, 64, "cuda-cores", True) and not il.fp8_unpacks(torch.int8, 64, "cuda-cores", True)
-
-
-@requires_triton
-@pytest.mark.parametrize(("n", "k", "packs"), [(42, 8200, True), (130, 1000, True), (9, 203, False)])
-def test_unpacked_fp8_gemv_in_the_fused_add_rms_norm(monkeypatch, n, k, packs):
-    """linear_add_rms_norm.py's fused o_proj / down_proj + add + rms_norm + quantization kernel runs the same GEMV body
-    (`launch_scaled_gemv`): with FP8_UNPACK its outputs are the cvt path's (`assert_same_sums`; the quantized row
-    follows from the same sums) and close to the reference's."""
-    if DEVICE == "cuda" and not HAS_FP8_GPU:
-        pytest.skip("this GPU has no FP8")
-    from mini_infer.ops import int8_linear as il
-    from mini_infer.ops import linear_add_rms_norm as lar
-
-    monkeypatch.setattr(il, "FP8_GEMV", "cuda-cores")
-    x_q, x_scale, w_q, w_scale, b = special_operands(n, k, seed=k, bias=True)
-    g = torch.Generator().manual_seed(n)
-    r = torch.randn(1, 1, n, generator=g).to(torch.bfloat16)
-    nw = (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16)
-    tensors = (x_q[None], x_scale[None], w_q, w_scale, b.to(torch.bfloat16))
-    tail = (torch.bfloat16, *on(DEVICE, r, nw), 1e-6, FP8)  # out_dtype, residual, norm weight, eps, quantized dtype
-    packed = record_packed(monkeypatch)
-    off = lar.scaled_linear_add_rms_norm_quant_triton(*on(DEVICE, *tensors), *tail)
-    monkeypatch.setattr(il, "FP8_UNPACK", True)
-    got = lar.scaled_linear_add_rms_norm_quant_triton(*on(DEVICE, *tensors), *tail)
-    assert packed == [False, packs]
-    if DEVICE == "cpu":
-        assert all(torch.equal(on_.view(torch.uint8), off_.view(torch.uint8)) for on_, off_ in zip(got, off))
-    _, scale_ref, s_ref = lar.scaled_linear_add_rms_norm_quant_reference(*tensors, torch.bfloat16, r, nw, 1e-6, FP8)
-    torch.testing.assert_close(got[2].cpu().float(), s_ref.float(), atol=3e-2, rtol=2e-2)
-    torch.testing.assert_close(got[1].cpu(), scale_ref, atol=0, rtol=2e-2)
-
-
-def test_fp8_unpack_env_is_read_at_import():
-    """MINI_INFER_FP8_UNPACK=1 sets int8_linear.FP8_UNPACK when the module is imported (unset: False)."""
-    import subprocess
-    import sys
-
-    code = "import mini_infer.ops.int8_linear as il; print(il.FP8_UNPACK)"
-    env = {**os.environ, "MINI_INFER_FP8_UNPACK": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
-
-
 @requires_triton
 def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
     """fp8_linear's one-row GEMV runs its products on tensor cores (the kernel's DOT), on the dot tile, when FP8_GEMV
@@ -323,19 +184,13 @@ def test_fp8_gemv_env_is_read_at_import():
         assert run.stdout.strip() == mode if ok else "MINI_INFER_FP8_GEMV" in run.stderr
 
 
-@pytest.fixture(scope="module")
-def sm90_report() -> dict:
-    """tests/ops/compile_fp8_gemv_sm90.py's report of its default cases (built once for this module's tests)."""
-    return run_uninterpreted(["-m", "tests.ops.compile_fp8_gemv_sm90"])
-
-
 @requires_triton
-def test_dot_gemv_compiles_to_e4m3_tensor_cores_sm90(sm90_report):
+def test_dot_gemv_compiles_to_e4m3_tensor_cores_sm90():
     """Compiled for sm_90 (no GPU needed; tests/ops/compile_fp8_gemv_sm90.py): the "dot" GEMV's PTX (alone and in
     linear_add_rms_norm's fused kernel) has an e4m3 tensor-core instruction, alone no e4m3 conversion, no register spills, and its K loop runs tensor-core
     instructions and fewer instructions per weight byte than the CUDA-core fp8 GEMV, which converts."""
-    report = sm90_report
-    dot, cuda_cores, long_k, _, fused = report["cases"][:5]
+    report = run_uninterpreted(["-m", "tests.ops.compile_fp8_gemv_sm90"])
+    dot, cuda_cores, long_k, _, fused = report["cases"]
     assert dot["mode"] == "fp8-dot" and cuda_cores["mode"] == long_k["mode"] == "fp8-cuda-cores"
     for case in (dot, fused):  # the GEMV, and its body inside linear_add_rms_norm's fused kernel
         assert any(".e4m3.e4m3" in i for i in case["ptx_e4m3_tensor_core"]), case["ptx_e4m3_tensor_core"]
@@ -345,26 +200,6 @@ def test_dot_gemv_compiles_to_e4m3_tensor_cores_sm90(sm90_report):
         assert "LOCAL:0 " in case["usage"], case
     assert dot["per_weight_byte"]["total"] < min(cuda_cores["per_weight_byte"]["total"],
                                                  long_k["per_weight_byte"]["total"]) / 2
-
-
-@requires_triton
-def test_unpacked_fp8_gemv_compiles_without_cvt_sm90(sm90_report):
-    """Compiled for sm_90 at the long-K tile, alone and in linear_add_rms_norm's fused kernel: the FP8_UNPACK GEMV's K
-    loop converts no e4m3 (no cvt in its PTX, no conversion instruction in its SASS) and runs its fp32 FMAs without
-    flushing denormals (no .ftz: denormal weights unpack to fp32 denormals), as many as the cvt path's, with no
-    register spills; the cvt path's K loop does convert e4m3."""
-    from mini_infer.ops import int8_linear as il
-
-    cases = {c["mode"]: c for c in sm90_report["cases"] if c["tile"] == list(il.SCALED_GEMV_CONFIG_FP8_LONG_K)}
-    cvt = cases["fp8-cuda-cores"]
-    assert cvt["ptx_k_loop_cvt_e4m3"] > 0
-    for mode in ("fp8-unpack", "fp8-unpack-fused"):
-        case = cases[mode]
-        assert case["ptx_k_loop_cvt_e4m3"] == 0 and case["k_loop"]["convert"] == 0, case
-        assert case["ptx_k_loop_ftz_f32"] == 0 and case["ptx_k_loop_fma_f32"] == cvt["ptx_k_loop_fma_f32"] > 0, case
-        assert "LOCAL:0 " in case["usage"], case
-    assert cases["fp8-unpack"]["ptx_cvt_e4m3"] == 0  # none in the whole kernel (the fused one quantizes its output)
-
 
 
 @requires_triton
