@@ -35,7 +35,7 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["GEMV_MAX_K", "PLAIN_PRELOAD_MAX_N", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
+__all__ = ["GEMV_MAX_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
            "linear_triton", "preload_width", "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
@@ -78,12 +78,6 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 #   groups up to 8): so rows up to 4,096 (o_proj of every model here but the 0.6B's, whose rows were already in).
 # MINI_INFER_GEMV_PRELOAD_MAX_K (read once, at import) overrides the limit; 0 turns the preload off.
 PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "4096"))
-# The plain GEMV (`gemv_triton`: a linear that no neighbour fused; at batch 1 in a MoE model the qkv projection after
-# the add + norm kernel and the router after o_proj's fused add + norm, both kernels that leave SMs idle; in a dense
-# one mostly the lm_head, after a full-GPU GEMV, where the preload lost, above) preloads its rows (up to PRELOAD_MAX_K)
-# when it has at most this many (0: never; read at each launch, MINI_INFER_GEMV_PLAIN_PRELOAD_MAX_N at import). Off
-# until measured on a GPU.
-PLAIN_PRELOAD_MAX_N = int(os.environ.get("MINI_INFER_GEMV_PLAIN_PRELOAD_MAX_N", "0"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -257,7 +251,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, preload=n <= PLAIN_PRELOAD_MAX_N, HAS_BIAS=bias is not None)
+                config=config, HAS_BIAS=bias is not None)
     return y
 
 

@@ -20,7 +20,6 @@ from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
 SHORT, LONG = (4, 512), (2, 1024)  # (BLOCK_N, BLOCK_K): linear.py's default tiles for K < 1024 and 1024 <= K <= 8192
 # kernel -> (its constexprs besides the tile and PRELOAD_K, [(tile, PRELOAD_K)]); PRELOAD_K 0: the K loop after the wait
 KERNELS = {
-    "linear._gemv_kernel": (dict(HAS_BIAS=True), [(SHORT, 512), (LONG, 2048), (LONG, 4096), (LONG, 0)]),
     "linear_add._gemv_add_kernel": (dict(HAS_BIAS=True), [(SHORT, 512), (LONG, 2048), (LONG, 4096), (LONG, 0)]),
     "linear_add_rms_norm._gemv_add_rms_norm_kernel": (dict(HAS_BIAS=True, NORM_BLOCK_M=1, NORM_BLOCK_N=4096),
                                                       [(LONG, 2048), (LONG, 4096), (LONG, 0)]),

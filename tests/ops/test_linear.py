@@ -95,44 +95,15 @@ def test_preload_width_covers_k_in_one_two_or_four_chunks(monkeypatch):
     assert linear_mod.preload_width(3000, (2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
 
 
-@requires_triton
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (33, 1000), (24, 2048), (9, 3000)])
-def test_plain_gemv_preload_switch(monkeypatch, n, k):
-    """PLAIN_PRELOAD_MAX_N: a plain GEMV of at most that many rows loads its rows before the wait (the launch asks
-    for the preload) and returns the K loop's bits; more rows than the limit do not ask."""
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, 1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
-    want = gemv_triton(x, w, b)
-    asked = []
-    launch = linear_mod.launch_gemv
-
-    def spy(*args, preload=False, **kwargs):
-        asked.append(preload)
-        return launch(*args, preload=preload, **kwargs)
-
-    monkeypatch.setattr(linear_mod, "launch_gemv", spy)
-    monkeypatch.setattr(linear_mod, "PLAIN_PRELOAD_MAX_N", n)
-    got = gemv_triton(x, w, b)
-    monkeypatch.setattr(linear_mod, "PLAIN_PRELOAD_MAX_N", n - 1)
-    gemv_triton(x, w, b)
-    assert asked == [True, False]
-    if got.is_cuda:  # the GPU compiler contracts the loop's multiply-adds its own way (linear_add's tests)
-        assert_close(got, want)
-    else:
-        assert torch.equal(got, want)
-
-
 def test_preload_kernels_compile_for_sm90():
-    """The three one-row kernels that take the weight preload build for sm_90 with one, two and four chunks preloaded
+    """Both one-row kernels that take the weight preload build for sm_90 with one, two and four chunks preloaded
     (and without) and no spills (tests/ops/compile_gemv_preload_sm90.py; skipped without Triton's CUDA backend)."""
     report = run_uninterpreted(["-m", "tests.ops.compile_gemv_preload_sm90"])
     preloads = {}
     for case in report["cases"]:
         preloads.setdefault(case["kernel"], []).append(case["preload_k"] // case["block_k"])
         assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
-    assert len(preloads) == 3 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in preloads.values())
+    assert len(preloads) == 2 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in preloads.values())
 
 
 def test_opcheck():
