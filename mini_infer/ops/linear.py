@@ -35,8 +35,8 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["GEMV_MAX_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
-           "linear_triton", "preload_width", "takes_gemv", "unit_stride_row"]
+__all__ = ["GEMV_MAX_K", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
+           "linear_triton", "prefix_preload_width", "preload_width", "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
 # In isolation cuBLAS and the GEMV tie on the long rows (qwen2.5-7b down_proj 37.0 vs 38.1 us, llama-3.1-8b 30.8 vs
@@ -78,6 +78,11 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 #   groups up to 8): so rows up to 4,096 (o_proj of every model here but the 0.6B's, whose rows were already in).
 # MINI_INFER_GEMV_PRELOAD_MAX_K (read once, at import) overrides the limit; 0 turns the preload off.
 PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "4096"))
+# Rows longer than PRELOAD_MAX_K (down_proj of the 7-8B models: 14,336-18,944 elements, after a full-GPU gate_up
+# GEMV whose tail leaves SMs idle): linear_add may load their first PREFIX_PRELOAD_K elements (a power of two, 1, 2
+# or 4 K steps of the tile) before the wait and the rest in the loop after it (`prefix_preload_width`). 0: off, the
+# default until measured on a GPU; read at each launch (MINI_INFER_GEMV_PREFIX_PRELOAD_K at import).
+PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "0"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,9 +159,10 @@ if HAS_TRITON:
 
     @triton.jit
     def gemv_preload(w_rows, row_ok, K, PRELOAD_K: tl.constexpr):
-        """The weight rows `w_rows` (their pointers) whole, [BLOCK_N, PRELOAD_K >= K], zero past K and where a row
-        does not exist: what a program loads BEFORE its PDL wait (weights are never written by an earlier kernel),
-        with the columns (cols, col_ok) the input is then loaded at."""
+        """The first PRELOAD_K columns of the weight rows `w_rows` (their pointers; whole rows where PRELOAD_K >= K),
+        [BLOCK_N, PRELOAD_K], zero past K and where a row does not exist: what a program loads BEFORE its PDL wait
+        (weights are never written by an earlier kernel), with the columns (cols, col_ok) the input is then loaded
+        at."""
         cols = tl.arange(0, PRELOAD_K)
         col_ok = cols < K
         return gemv_load(w_rows, row_ok, cols, col_ok), cols, col_ok
@@ -169,15 +175,22 @@ if HAS_TRITON:
 
     @triton.jit
     def gemv_after_wait(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRELOAD_K: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+                        PRELOAD_K: tl.constexpr, USE_GDC: tl.constexpr, PREFIX: tl.constexpr = False):  # fmt: skip
         """`await_producers` then `gemv_accumulate`'s (rows, row_ok, acc [BLOCK_N, BLOCK_K]); with PRELOAD_K
         (`preload_width`) the whole rows are loaded before the wait and summed after it in the loop's order (the
-        same acc)."""
+        same acc); with PREFIX too (`prefix_preload_width`), only their first PRELOAD_K columns, the rest in the
+        loop after the wait (the same acc again)."""
         if PRELOAD_K:
             rows, row_ok, w_rows, _ = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
             w, cols, col_ok = gemv_preload(w_rows, row_ok, K, PRELOAD_K)
             await_producers(USE_GDC)
             acc = preloaded_acc(w, tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), BLOCK_K)
+            if PREFIX:
+                for k0 in range(PRELOAD_K, K, BLOCK_K):
+                    step = k0 + tl.arange(0, BLOCK_K)
+                    step_ok = step < K
+                    x = tl.load(x_ptr + step, mask=step_ok, other=0.0).to(tl.float32)
+                    acc = gemv_step(acc, w_rows, row_ok, step, step_ok, x)
         else:
             await_producers(USE_GDC)
             rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
@@ -223,17 +236,37 @@ def preload_width(k: int, config: tuple[int, int, int, int]) -> int:
     return width if k <= PRELOAD_MAX_K and width // block_k in (1, 2, 4) else 0
 
 
+def prefix_preload_width(k: int, config: tuple[int, int, int, int]) -> int:
+    """PRELOAD_K for a row `preload_width` does not preload whole (`launch_gemv` asks only then): the largest
+    power-of-two multiple (1, 2 or 4) of the tile's BLOCK_K within PREFIX_PRELOAD_K and shorter than the row; 0 when
+    off or none fits."""
+    block_k = config[1]
+    if PREFIX_PRELOAD_K < block_k:
+        return 0
+    width = block_k
+    while width * 2 <= min(PREFIX_PRELOAD_K, 4 * block_k) and width * 2 < k:
+        width *= 2
+    return width if width < k else 0
+
+
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-                preload: bool = False, **constexprs) -> None:
+                preload: bool = False, prefix: bool = False, **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
     programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and calls `await_producers` before it
     reads anything an earlier kernel writes). `preload`: the kernel takes PRELOAD_K, which this sets to
-    `preload_width` of the weight's K and the tile (its weight rows loaded before the wait where that is not 0)."""
+    `preload_width` of the weight's K and the tile (its weight rows loaded before the wait where that is not 0).
+    `prefix` (with preload; the kernel then takes PRELOAD_PREFIX too): rows too long for that may load a prefix
+    (`prefix_preload_width`)."""
     tile = config or gemv_config(weight.shape[1], weight.shape[0])
     bn, bk, warps, stages = tile
     if preload:
         constexprs["PRELOAD_K"] = preload_width(weight.shape[1], tile)
+        if prefix:
+            width = 0 if constexprs["PRELOAD_K"] else prefix_preload_width(weight.shape[1], tile)
+            constexprs["PRELOAD_PREFIX"] = bool(width)
+            if width:
+                constexprs["PRELOAD_K"] = width
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 

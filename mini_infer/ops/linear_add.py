@@ -57,9 +57,10 @@ if HAS_TRITON:
     def _gemv_add_kernel(
         x_ptr, w_ptr, b_ptr, r_ptr, s_ptr, N, K, stride_wn,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PRELOAD_K: tl.constexpr = 0,
+        PRELOAD_K: tl.constexpr = 0, PRELOAD_PREFIX: tl.constexpr = False,
     ):  # fmt: skip
-        rows, row_ok, acc = gemv_after_wait(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, PRELOAD_K, USE_GDC)
+        rows, row_ok, acc = gemv_after_wait(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, PRELOAD_K, USE_GDC,
+                                            PRELOAD_PREFIX)
         y = add_bias(tl.sum(acc, axis=1), b_ptr, rows, row_ok, HAS_BIAS)
         store_linear_plus_residual(y, x_ptr, r_ptr, s_ptr, rows, row_ok)
 
@@ -81,7 +82,7 @@ def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     s = torch.empty(y_shape, dtype=_sum_dtype(x, residual), device=x.device)
     launch_gemv(_gemv_add_kernel, w, xr, w, bias if bias is not None else w, unit_stride_row(residual), s.view(n),
-                n, k, w.stride(0), config=config, preload=True, HAS_BIAS=bias is not None)
+                n, k, w.stride(0), config=config, preload=True, prefix=True, HAS_BIAS=bias is not None)
     return s
 
 

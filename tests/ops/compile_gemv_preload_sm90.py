@@ -21,6 +21,8 @@ SHORT, LONG = (4, 512), (2, 1024)  # (BLOCK_N, BLOCK_K): linear.py's default til
 # kernel -> (its constexprs besides the tile and PRELOAD_K, [(tile, PRELOAD_K)]); PRELOAD_K 0: the K loop after the wait
 KERNELS = {
     "linear_add._gemv_add_kernel": (dict(HAS_BIAS=True), [(SHORT, 512), (LONG, 2048), (LONG, 4096), (LONG, 0)]),
+    # a prefix of a longer row (PRELOAD_PREFIX: the rest in the loop after the wait), at the long-row tile's stages
+    "linear_add._gemv_add_kernel:prefix": (dict(HAS_BIAS=True, PRELOAD_PREFIX=True), [(LONG, 2048), (LONG, 4096)]),
     "linear_add_rms_norm._gemv_add_rms_norm_kernel": (dict(HAS_BIAS=True, NORM_BLOCK_M=1, NORM_BLOCK_N=4096),
                                                       [(LONG, 2048), (LONG, 4096), (LONG, 0)]),
 }
@@ -32,11 +34,11 @@ def cases() -> list[dict]:
 
     out = []
     for name, (constexprs, tiles) in KERNELS.items():
-        module, kernel = name.split(".")
+        module, kernel = name.split(":")[0].split(".")
         fn = getattr(importlib.import_module(f"mini_infer.ops.{module}"), kernel)
         for (block_n, block_k), preload in tiles:
             built = build_sm90(fn, dict(constexprs, BLOCK_N=block_n, BLOCK_K=block_k, USE_GDC=True,
-                                        PRELOAD_K=preload), pointers=POINTERS)
+                                        PRELOAD_K=preload), pointers=POINTERS, num_stages=4 if ":prefix" in name else 1)
             out.append({"kernel": name, "block_n": block_n, "block_k": block_k, "preload_k": preload,
                         "resources": resource_usage(built.asm["cubin"])})
     return out

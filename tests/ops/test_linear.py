@@ -95,6 +95,21 @@ def test_preload_width_covers_k_in_one_two_or_four_chunks(monkeypatch):
     assert linear_mod.preload_width(3000, (2, 256, 4, 1)) == 0  # 16 chunks of 256: the loop after the wait
 
 
+def test_prefix_preload_width(monkeypatch):
+    """The prefix of a row not preloaded whole: 1, 2 or 4 K steps within PREFIX_PRELOAD_K and shorter than the row;
+    0 when off."""
+    tile = linear_mod.GEMV_CONFIG_XLONG_K  # BLOCK_K 1024
+    monkeypatch.setattr(linear_mod, "PREFIX_PRELOAD_K", 0)
+    assert linear_mod.prefix_preload_width(14336, tile) == 0
+    monkeypatch.setattr(linear_mod, "PREFIX_PRELOAD_K", 4096)
+    assert [linear_mod.prefix_preload_width(k, tile) for k in (1000, 1500, 3000, 5000, 14336)] == [0, 1024, 2048,
+                                                                                                     4096, 4096]
+    monkeypatch.setattr(linear_mod, "PREFIX_PRELOAD_K", 3000)
+    assert linear_mod.prefix_preload_width(14336, tile) == 2048
+    monkeypatch.setattr(linear_mod, "PREFIX_PRELOAD_K", 65536)
+    assert linear_mod.prefix_preload_width(14336, tile) == 4096
+
+
 def test_preload_kernels_compile_for_sm90():
     """Both one-row kernels that take the weight preload build for sm_90 with one, two and four chunks preloaded
     (and without) and no spills (tests/ops/compile_gemv_preload_sm90.py; skipped without Triton's CUDA backend)."""
@@ -103,7 +118,9 @@ def test_preload_kernels_compile_for_sm90():
     for case in report["cases"]:
         preloads.setdefault(case["kernel"], []).append(case["preload_k"] // case["block_k"])
         assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
-    assert len(preloads) == 2 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in preloads.values())
+    whole = {name: chunks for name, chunks in preloads.items() if ":" not in name}
+    assert len(whole) == 2 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in whole.values())
+    assert preloads["linear_add._gemv_add_kernel:prefix"] == [2, 4]  # a prefix of a longer row (PRELOAD_PREFIX)
 
 
 def test_opcheck():

@@ -81,6 +81,25 @@ def test_preloaded_rows_equal_the_k_loop(monkeypatch, k, width):
 
 
 @requires_triton
+@pytest.mark.parametrize(("k", "prefix", "width"), [(3000, 1024, 1024), (5000, 2048, 2048), (9000, 8192, 4096)])
+def test_prefix_preload_equals_the_k_loop(monkeypatch, k, prefix, width):
+    """Rows too long to preload whole (PRELOAD_MAX_K) with linear.py's PREFIX_PRELOAD_K: their first `width`
+    columns before the wait (1, 2 or 4 K steps; at most 4: 9000), the rest in the loop after it, the K loop's sums."""
+    from mini_infer.ops import linear
+
+    monkeypatch.setattr(linear, "PRELOAD_MAX_K", 512)
+    x, w, b, r = _inputs(1, 24, k, torch.float32, True, seed=k)
+    off = linear_add_triton(x, w, b, r)
+    widths = []
+    real = linear.prefix_preload_width
+    monkeypatch.setattr(linear, "prefix_preload_width", lambda *a: widths.append(real(*a)) or widths[-1])
+    monkeypatch.setattr(linear, "PREFIX_PRELOAD_K", prefix)
+    on = linear_add_triton(x, w, b, r)
+    assert widths == [width]
+    assert_loop_sums(on, off)
+
+
+@requires_triton
 @pytest.mark.parametrize(("rows", "k", "residual_rows"), [(3, 96, 3), (1, GEMV_MAX_K + 1, 1), (1, 96, 0)])
 def test_other_shapes_run_linear_then_add(launches, rows, k, residual_rows):
     """Several rows (prefill), a row the GEMV does not take, a residual that broadcasts ([n]): no epilogue kernel,
