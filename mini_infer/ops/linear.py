@@ -80,9 +80,11 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "4096"))
 # Rows longer than PRELOAD_MAX_K (down_proj of the 7-8B models: 14,336-18,944 elements, after a full-GPU gate_up
 # GEMV whose tail leaves SMs idle): linear_add may load their first PREFIX_PRELOAD_K elements (a power of two, 1, 2
-# or 4 K steps of the tile) before the wait and the rest in the loop after it (`prefix_preload_width`). 0: off, the
-# default until measured on a GPU; read at each launch (MINI_INFER_GEMV_PREFIX_PRELOAD_K at import).
-PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "0"))
+# or 4 K steps of the tile) before the wait and the rest in the loop after it (`prefix_preload_width`). H200, bf16,
+# batch 1, engines in one process (2026-11-25, bench/RESULTS.md), off / 2,048 / 4,096: mistral-7b 249.1 / 249.7 /
+# 251.4 tok/s, llama-3.1-8b 238.4 / 239.1 / 240.7, qwen2.5-7b 258.9 / 259.8 / 264.2. Read at each launch
+# (MINI_INFER_GEMV_PREFIX_PRELOAD_K at import; 0 turns it off).
+PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "4096"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -61,8 +61,9 @@ def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str,
 
 
 def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, run) -> tuple:
-    """`run()`'s result with linear.py's weight preload before the PDL wait on (PRELOAD_MAX_K 8192) and off (0), and
-    the PRELOAD_K `launch_gemv` gave each preloading launch meanwhile (`preload_width`'s results), in order."""
+    """`run()`'s result with linear.py's weight preload before the PDL wait on (PRELOAD_MAX_K 8192) and off (0, and no
+    prefix: PREFIX_PRELOAD_K 0), and the PRELOAD_K `launch_gemv` gave each preloading launch meanwhile
+    (`preload_width`'s results), in order."""
     from mini_infer.ops import linear
 
     widths = []
@@ -71,6 +72,7 @@ def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, run) -> tuple:
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 8192)
     on = run()
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)
+    monkeypatch.setattr(linear, "PREFIX_PRELOAD_K", 0)  # no prefix of the rows either: the K loop alone
     return on, run(), widths
 
 
@@ -80,6 +82,7 @@ def without_preload(monkeypatch: pytest.MonkeyPatch) -> None:
     from mini_infer.ops import linear
 
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)
+    monkeypatch.setattr(linear, "PREFIX_PRELOAD_K", 0)
 
 
 def assert_loop_sums(preloaded: torch.Tensor, looped: torch.Tensor) -> None:
