@@ -11,7 +11,7 @@ workers="${MINI_INFER_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then
   .venv/bin/python -m pytest "$@"
 else
-  .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi

@@ -14,6 +14,11 @@ and the cyclic collector stops scanning it. Without this every full collection w
 tests/runtime/test_engine.py's time was spent there. Objects a test creates stay young and collectable, so
 anything a test checks about collection or memory is unchanged; only garbage cycles among objects alive at a
 module boundary (a module's fixtures and its last test's arguments are released before it) are never freed.
+
+Under pytest-xdist (scripts/test.sh: `--dist loadfile --no-loadscope-reorder`) each test file is one unit of
+work, except the files that compile the embedded SmolLM2 in this process, which form one unit
+(`pytest_xdist_make_scheduler`): one worker compiles it for all of them instead of both doing it. Units are sent
+slowest first (SECONDS), so that no long file starts when the other worker is nearly done.
 """
 
 import gc
@@ -32,6 +37,57 @@ def _one_thread():  # session scope: module- and session-scoped fixtures (model 
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Files whose tests load and compile the embedded SmolLM2 in the test process (tests/_model_cache.py).
+SMOLLM2_FILES = frozenset({
+    "tests/passes/test_fp8_kv_cache.py", "tests/passes/test_quantize_w8a8_smollm2.py", "tests/runtime/test_engine.py",
+    "tests/runtime/test_engine_async.py", "tests/serving/test_openai_server.py", "tests/test_cli.py",
+    "tests/test_llm.py", "tests/test_readme.py"})
+# Seconds per file (set-ups included), `--durations=0` of the suite on 2 busy cores; the rest take less.
+SECONDS = {
+    "tests/distributed/test_tensor_parallel.py": 135, "tests/passes/test_shard_tensor_parallel.py": 100,
+    "tests/passes/test_quantize_w8a8.py": 100, "tests/distributed/test_moe_tensor_parallel.py": 85,
+    "tests/serving/test_server_process.py": 72, "tests/passes/test_route_moe.py": 64,
+    "tests/passes/test_rotary_table.py": 50, "tests/ops/test_paged_attention.py": 47,
+    "tests/distributed/test_tp_shard_load.py": 46, "tests/ops/test_rotary_paged_attention.py": 33,
+    "tests/passes/test_fuse_gemv_norm.py": 33, "tests/ops/test_fused_moe_preload.py": 30,
+    "tests/passes/test_fuse_rotary_attention.py": 28, "tests/ops/test_argmax.py": 26,
+    "tests/passes/test_fuse_gate_up_silu.py": 25, "tests/ops/test_fp8_linear.py": 25,
+    "tests/passes/test_quantize_fp8.py": 20, "tests/runtime/test_long_run_warmup.py": 19,
+    "tests/passes/test_fuse_silu_gemv.py": 19, "tests/ops/test_linear_add.py": 17,
+}
+SECONDS["smollm2"] = 540  # the SMOLLM2_FILES together
+
+
+def _group(nodeid: str) -> str:
+    """A test's unit of work under xdist: its file, or "smollm2" for SMOLLM2_FILES."""
+    path = nodeid.split("::", 1)[0]
+    return "smollm2" if path in SMOLLM2_FILES else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The groups slowest first; the tests of a file keep their order."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_group(item.nodeid), []).append(item)
+    order = sorted(groups, key=lambda g: -SECONDS.get(g, 0))  # stable: the rest in collection order
+    items[:] = [item for group in order for item in groups[group]]
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (a dev extra)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with SMOLLM2_FILES as one unit (xdist's loadgroup cannot mark groups under pytest 9,
+    whose node ids it no longer rewrites)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return FileGroups(config, log)
 
 
 _last_module: list = [None]

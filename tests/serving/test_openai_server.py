@@ -38,11 +38,14 @@ def stack():
     srv = ServerProcess(["--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(KV_BYTES)])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # share the cores with the server fairly (see ServerProcess)
+    mp = pytest.MonkeyPatch()
+    mc.patch_engine(mp)  # the reference LLM: the model loaded and compiled once per test process
     try:
         llm = LLM(max_model_len=MAX_LEN, kv_cache_memory_bytes=KV_BYTES)
         srv.wait_ready(timeout=300)
         yield srv, llm
     finally:
+        mp.undo()
         torch.set_num_threads(threads)
         srv.stop()
 
@@ -148,7 +151,7 @@ def test_tokenize_detokenize_tokenizer_info(server, llm):
 
 # ------------------------------------------------------------------------------------ lm-evaluation-harness
 def _reference_logprobs(llm, ids: list[int]) -> torch.Tensor:
-    model = mc.loaded(None).model  # the HF model the engine compiled (the engine itself released it)
+    model = mc.loaded(None).model  # the HF model the engine compiled (the per-process cache keeps it)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
