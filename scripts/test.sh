@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev || exit 1
 # Test files run on MINI_INFER_TEST_WORKERS processes (pytest-xdist; default 2, the CI machine's cores: the suite
 # took 18m41s in one process on 2 cores, 10m57s on two with --dist loadfile, 12m05s for .ci/run on a clean clone
-# with the set-up; 2,564 tests in 11m15s on two, .ci/run on a clean clone 13m41s with the set-up, 2026-11-25);
+# with the set-up; 2,564 tests in 11m15s on two, .ci/run on a clean clone 13m41s with the set-up, 2026-11-25;
+# with the SmolLM2 files as one unit and the slowest units first (tests/conftest.py), 2,547 passed in 10m01s
+# where the same machine ran the suite before it in 11m13s, 2026-11-25);
 # 0 runs everything in this process.
 workers="${MINI_INFER_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then
