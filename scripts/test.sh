@@ -7,7 +7,8 @@ bash scripts/setup.sh dev || exit 1
 # took 18m41s in one process on 2 cores, 10m57s on two with --dist loadfile, 12m05s for .ci/run on a clean clone
 # with the set-up; 2,564 tests in 11m15s on two, .ci/run on a clean clone 13m41s with the set-up, 2026-11-25;
 # with the SmolLM2 files as one unit and the slowest units first (tests/conftest.py), 2,547 passed in 10m01s
-# where the same machine ran the suite before it in 11m13s, 2026-11-25);
+# where the same machine ran the suite before it in 11m13s; at 9bacde5, 2,558 passed in 10m48s with setup.sh,
+# the last minutes beside another run, 2026-11-25);
 # 0 runs everything in this process.
 workers="${MINI_INFER_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then
