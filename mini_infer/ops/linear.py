@@ -13,8 +13,9 @@ linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py:
 weights into an int32 or fp32 accumulator). The weight preload before the PDL wait lives here too (`PRELOAD_MAX_K`,
 `preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`, `gemv_after_wait`), taken by the GEMVs that follow
 a kernel leaving SMs idle (linear_add.py, linear_add_rms_norm.py: o_proj after attention, down_proj after gate_up):
-rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers`, then their K chunks are added in
-the K loop's order, so the sums are the loop's (bit for bit under the interpreter; on a GPU the compiler may contract
+rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers` (longer ones, in linear_add.py, a
+prefix: `PREFIX_PRELOAD_K`, `prefix_preload_width`), then their K chunks are added in the K loop's order, so the
+sums are the loop's (bit for bit under the interpreter; on a GPU the compiler may contract
 the loop's multiply-adds into FMAs, the preload's not). Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 

@@ -14,7 +14,8 @@ for another (unlike linear_add_rms_norm.py's last-program norm, which serializes
 Rows of at most linear.py's PRELOAD_MAX_K elements (measurements there) are loaded whole
 before the kernel's PDL wait (`gemv_after_wait`; weights are never written by an earlier kernel), their K chunks
 then added in the loop's order (`chunk_sums`): the same sums (bit for bit under the interpreter; a GPU compiler may
-contract the loop's multiply-adds differently).
+contract the loop's multiply-adds differently). Longer rows (the 7-8B down_proj) load a prefix of up to
+PREFIX_PRELOAD_K elements there (`prefix_preload_width`) and the rest in the loop after the wait: the same sums again.
 Anything else (several rows: prefill, batches; rows the GEMV does not take; a residual of another shape) runs
 `linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
 reference is `F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
