@@ -290,14 +290,6 @@ def launch_split_reduce(
     )  # fmt: skip
 
 
-def splits_pay(q: torch.Tensor, n_seqs: int, programs_per_seq: int) -> bool:
-    """Whether `default_num_splits` splits: a CUDA launch of fewer (sequence x programs_per_seq) programs than SMs."""
-    if not q.is_cuda:
-        return False
-    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    return max(1, n_seqs * programs_per_seq) < sms
-
-
 def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_context: int) -> int:
     """Split-K only pays when (sequence x programs_per_seq) programs are too few to fill the GPU: then enough
     splits to cover the SMs twice, at most 8 where a block-table row holds at most 1,024 keys (max_context) and 16
@@ -307,9 +299,17 @@ def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_
     (us per call, write + attention): 8 splits are best up to ~1,000 keys (6.6-6.8 against 16 splits' 6.9-7.1),
     16 at 2,000-4,000 (8.0 / 10.8 against 8 splits' 9.1 / 13.6); the old bound of capacity / 256 keys gave 2 splits
     to a 400-key table, 8.6 us at 300 keys."""
-    if not splits_pay(q, n_seqs, programs_per_seq):
+    if not q.is_cuda:
         return 1
     programs = max(1, n_seqs * programs_per_seq)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
     splits = min(math.ceil(2 * sms / programs), 8 if max_context <= 1024 else 16)
     return next_pow2(splits) if splits > 1 else 1
+
+
+def splits_pay(q: torch.Tensor, n_seqs: int, programs_per_seq: int) -> bool:
+    """Whether `default_num_splits` splits these launches, at any context: a CUDA launch of fewer (sequence x
+    programs_per_seq) programs than SMs (then at least 3 splits, rounded up to 4)."""
+    return default_num_splits(q, n_seqs, programs_per_seq, 0) > 1

@@ -36,8 +36,8 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["GEMV_MAX_K", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear", "linear_reference",
-           "linear_triton", "prefix_preload_width", "preload_width", "takes_gemv", "unit_stride_row"]
+__all__ = ["GEMV_MAX_K", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear",
+           "linear_reference", "linear_triton", "prefix_preload_width", "preload_width", "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
 # In isolation cuBLAS and the GEMV tie on the long rows (qwen2.5-7b down_proj 37.0 vs 38.1 us, llama-3.1-8b 30.8 vs
@@ -129,16 +129,22 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The GEMV's K loop over this program's rows: (rows, which exist, the fp32 accumulator [BLOCK_N, BLOCK_K]
-        of x . w[row], to be summed along K), for kernels that finish the rows otherwise (`gemv_after_wait`)."""
-        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+    def gemv_steps(acc, x_ptr, w_rows, row_ok, k_start, K, BLOCK_K: tl.constexpr):
+        """`gemv_step` over the K steps from `k_start` (a multiple of BLOCK_K) to K, the input x loaded a step at a
+        time: the K loop of `gemv_accumulate` (from 0) and of a preloaded prefix's rest (`gemv_after_wait`)."""
+        for k0 in range(k_start, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
-        return rows, row_ok, acc
+        return acc
+
+    @triton.jit
+    def gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The GEMV's K loop over this program's rows: (rows, which exist, the fp32 accumulator [BLOCK_N, BLOCK_K]
+        of x . w[row], to be summed along K), for kernels that finish the rows otherwise (`gemv_after_wait`)."""
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
+        return rows, row_ok, gemv_steps(acc, x_ptr, w_rows, row_ok, 0, K, BLOCK_K)
 
     @triton.jit
     def chunk_sums(p, BLOCK_K: tl.constexpr):
@@ -189,11 +195,7 @@ if HAS_TRITON:
             await_producers(USE_GDC)
             acc = preloaded_acc(w, tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), BLOCK_K)
             if PREFIX:
-                for k0 in range(PRELOAD_K, K, BLOCK_K):
-                    step = k0 + tl.arange(0, BLOCK_K)
-                    step_ok = step < K
-                    x = tl.load(x_ptr + step, mask=step_ok, other=0.0).to(tl.float32)
-                    acc = gemv_step(acc, w_rows, row_ok, step, step_ok, x)
+                acc = gemv_steps(acc, x_ptr, w_rows, row_ok, PRELOAD_K, K, BLOCK_K)
         else:
             await_producers(USE_GDC)
             rows, row_ok, acc = gemv_accumulate(x_ptr, w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K)
@@ -265,11 +267,9 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
     bn, bk, warps, stages = tile
     if preload:
         constexprs["PRELOAD_K"] = preload_width(weight.shape[1], tile)
-        if prefix:
-            width = 0 if constexprs["PRELOAD_K"] else prefix_preload_width(weight.shape[1], tile)
-            constexprs["PRELOAD_PREFIX"] = bool(width)
-            if width:
-                constexprs["PRELOAD_K"] = width
+        width = prefix_preload_width(weight.shape[1], tile) if prefix and not constexprs["PRELOAD_K"] else 0
+        if width:
+            constexprs.update(PRELOAD_K=width, PRELOAD_PREFIX=True)
     kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 
