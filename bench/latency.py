@@ -188,8 +188,9 @@ def main() -> None:
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="one more engine per quantized one: its pipeline with the lm_head quantized too (lm_head=True)")
     ap.add_argument("--switch", action="append", default=[],
-                    help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0): one more "
-                         "engine, the first one's, built with that switch set (restored after); repeatable")
+                    help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0; several "
+                         "for one engine joined by commas): one more engine, the first one's, built with that switch "
+                         "set (restored after); repeatable")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --switch: build and time the first engine and the switched ones this many times, "
                          "alternated")
