@@ -157,7 +157,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
 
 @contextlib.contextmanager
 def switched(assignment: str):
-    """`module.ATTR=int` set on mini_infer.ops.<module> (cast to the attribute's type) for the block, then restored:
+    """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
+    switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type, for the block, then restored:
     a kernel switch read at launch, for an engine built (and its graphs captured) inside the block. Several
     switches for one engine are joined by commas: `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
     with contextlib.ExitStack() as stack:
@@ -166,7 +167,8 @@ def switched(assignment: str):
             mod_name, _, attr = name.rpartition(".")
             if not mod_name or not value:
                 raise SystemExit(f"--switch takes module.ATTR=int[,module.ATTR=int...], got {assignment!r}")
-            module = importlib.import_module(f"mini_infer.ops.{mod_name}")
+            # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
+            module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
             old = getattr(module, attr)
             setattr(module, attr, type(old)(int(value)))
             stack.callback(setattr, module, attr, old)

@@ -30,3 +30,15 @@ def test_switch_sets_and_restores(monkeypatch):
     for bad in ("ATTN_PRELOAD=0", "paged_attention.ATTN_PRELOAD"):
         with pytest.raises(SystemExit), latency.switched(bad):
             pass
+
+
+def test_dotted_switch_reaches_a_runtime_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.runtime import cuda_graphs
+
+    before = cuda_graphs.OWN_LOGITS_MAX_ROWS
+    with latency.switched("runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0"):
+        assert cuda_graphs.OWN_LOGITS_MAX_ROWS == 0
+    assert cuda_graphs.OWN_LOGITS_MAX_ROWS == before

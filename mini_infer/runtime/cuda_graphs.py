@@ -19,10 +19,12 @@ device-to-device copy, no device-side fill); inputs whose padding is never read 
 the copy stops after the step's last real element of them (a block table's unused rows are not copied). Input
 ids still on the device (async scheduling: the previous step's sampled ids) are then written into the static
 input ids by one device op (`StepInputs.feed`). The graph is replayed and the first L rows of its logits are
-the answer. Steps that fit no bucket (prompt logprobs, more tokens than the token budget) run uncaptured. A
-shape whose capture fails (out of memory, or an op that cannot be captured) is logged and its steps run
-uncaptured. Inputs that are already on the device (a tensor-parallel rank's, received from rank 0) are
-written into the same views with device copies instead.
+the answer: the graph's own output tensor, kept alive, for buckets of at most `OWN_LOGITS_MAX_ROWS` rows, else a
+buffer shared by all buckets that the graph copies its output into (so that large outputs' memory is reused).
+Steps that fit no bucket (prompt logprobs, more tokens than the token budget) run uncaptured. A shape whose
+capture fails (out of memory, or an op that cannot be captured) is logged and its steps run uncaptured. Inputs
+that are already on the device (a tensor-parallel rank's, received from rank 0) are written into the same views
+with device copies instead.
 
 Memory: one device buffer per bucket plus two pinned host twins. For max_num_seqs=256,
 max_num_batched_tokens=8192, max_model_len 4096 (block size 16: 256-entry block tables) and the standard
@@ -52,6 +54,13 @@ if TYPE_CHECKING:
     from mini_infer.runtime.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+# Buckets of at most this many logits rows (sequences) keep the captured graph's own logits output alive and return
+# it, instead of copying it into the shared `logits` buffer inside the graph (at qwen3-0.6b batch 1 that copy was a
+# 1.8 us kernel of a 656 us step); larger buckets copy, so that their outputs' memory is reused by the next capture.
+# Read at capture.
+OWN_LOGITS_MAX_ROWS = 8
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -98,6 +107,7 @@ class CUDAGraphRunner:
         # Replays run in stream order and a step's logits are consumed before the next replay, as they already
         # were when one shape replayed twice in a row.
         self.logits: torch.Tensor | None = None
+        self.own_logits: dict[tuple[int, int], torch.Tensor] = {}  # buckets of <= OWN_LOGITS_MAX_ROWS logits rows
         self.capture_seconds = 0.0
         self.use_graphs = device.type == "cuda"
 
@@ -179,10 +189,14 @@ class CUDAGraphRunner:
                 del warm
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
+                keep = shape[1] <= OWN_LOGITS_MAX_ROWS  # a small bucket answers with the graph's own output
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.compiled(**inputs)[0]
-                    self.logits[:out.shape[0]].copy_(out)
-                del out  # its memory goes back to the pool, for the next (smaller) capture to reuse
+                    if not keep:
+                        self.logits[:out.shape[0]].copy_(out)
+                if keep:
+                    self.own_logits[shape] = out
+                del out  # unless kept, its memory goes back to the pool, for the next (smaller) capture to reuse
             except torch.OutOfMemoryError:
                 logger.warning("CUDA graph for %d tokens x %d sequences: out of memory, runs uncaptured", *shape)
                 torch.cuda.empty_cache()
@@ -249,7 +263,7 @@ class CUDAGraphRunner:
     def _replay(self, plan, shape: tuple[int, int]) -> torch.Tensor:
         if self.use_graphs:
             self.graphs[shape].replay()
-            return self.logits[:plan.num_logits]
+            return self.own_logits.get(shape, self.logits)[:plan.num_logits]
         return self.compiled(**self._inputs(shape))[0][:plan.num_logits]
 
 
