@@ -384,6 +384,36 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _block_operands(pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
+                        num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M: tl.constexpr,
+                        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+        """`_moe_gemm_kernel`'s block pid_m (`rows` of the sorted list, output columns `cols`, K offsets `ks`):
+        (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
+        live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
+        mapped through expert_map when HAS_MAP, names one of the num_experts local experts; b_ptrs: its expert's B
+        pointers at K offset 0). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
+        pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
+        already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
+        where `live` is False, after the wait."""
+        live = pid_m * BLOCK_M < padded_end  # a multiple of BLOCK_M: a block's rows are all before it or none
+        if MASKED:
+            pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)
+            expert = tl.load(block_expert_ptr + pid_m, mask=live, other=0)
+        else:
+            pair = tl.load(sorted_ptr + rows)
+            row_ok = pair < num_pairs
+            expert = tl.load(block_expert_ptr + pid_m)
+        if PAIR_BLOCKS:
+            expert = map_expert(expert.to(tl.int32), live, map_ptr, num_global, HAS_MAP)
+            live = live & (expert >= 0) & (expert < num_experts)
+        if MASKED:
+            expert = tl.where(live, expert, 0)
+            row_ok = pair < num_pairs  # here, and right after the load without MASKED: each path's own order
+        expert = expert.to(tl.int64)
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+        return pair, row_ok, live, b_ptrs
+
+    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
@@ -418,18 +448,12 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            padded_end = tl.load(num_padded_ptr)  # a multiple of BLOCK_M: a block's rows are all before it or none
-            live = pid_m * BLOCK_M < padded_end  # past the padded end: exits after the wait
-            pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)
-            expert = tl.load(block_expert_ptr + pid_m, mask=live, other=0)
-            if PAIR_BLOCKS:
-                expert = map_expert(expert.to(tl.int32), live, map_ptr, num_global, HAS_MAP)
-                live = live & (expert >= 0) & (expert < num_experts)
-            expert = tl.where(live, expert, 0).to(tl.int64)
-            row_ok = pair < num_pairs
+            pair, row_ok, live, b_ptrs = _block_operands(
+                pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
+                num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
+                MASKED=True)  # fmt: skip
             if MUL_WEIGHT:
                 row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-            b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
             # the last K step (k_in >= 1), not the first: peeled before the loop, the first step would hold the
             # loop's first loads back until its A tile arrived; after the loop, it waits on nothing
             k_end = (k_in - 1) // BLOCK_K * BLOCK_K
@@ -440,21 +464,15 @@ if HAS_TRITON:
             if GATED:
                 b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K)
         await_producers(USE_GDC)
-        if PRELOAD:
-            if not live:
-                return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert
-        else:
-            if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-                return  # past the padded end: this launch was sized for the worst case
-            pair = tl.load(sorted_ptr + rows)
-            row_ok = pair < num_pairs
-            expert = tl.load(block_expert_ptr + pid_m)
-            if PAIR_BLOCKS:
-                expert = map_expert(expert.to(tl.int32), True, map_ptr, num_global, HAS_MAP)
-                if (expert < 0) | (expert >= num_experts):
-                    return  # a slot with no (local) expert: its rows stay unwritten, as align leaves them out
-            expert = expert.to(tl.int64)
-            b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+        if not PRELOAD:
+            padded_end = tl.load(num_padded_ptr)
+            if pid_m * BLOCK_M >= padded_end:
+                return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
+            pair, row_ok, live, b_ptrs = _block_operands(
+                pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
+                num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
+        if not live:
+            return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
         a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
