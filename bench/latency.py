@@ -22,6 +22,7 @@ remove the prefill from the rate.
     python bench/latency.py --quantization none,w8a8 --quantize-lm-head --peers none   # also with an int8 lm_head
     python bench/latency.py --model qwen3-0.6b --peers vllm,hf-static     # vLLM beside us
     python bench/latency.py --model qwen3-0.6b --peers none --without fuse_norm_gemv   # one pass's gain
+    python bench/latency.py --model qwen3-0.6b --peers none --without fuse_lookups --rounds 2  # ... alternated
     python bench/latency.py --model qwen3-0.6b --peers none --with fuse_kv_write  # an opt-in pass's
     python bench/latency.py --model qwen3-0.6b --peers none --switch paged_attention.ATTN_PRELOAD=0 --rounds 2
                                                       # a kernel switch's, engines alternated over two rounds
@@ -194,8 +195,8 @@ def main() -> None:
                          "for one engine joined by commas): one more engine, the first one's, built with that switch "
                          "set (restored after); repeatable")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="with --switch: build and time the first engine and the switched ones this many times, "
-                         "alternated")
+                    help="with --switch / --without / --with: build and time the first engine and the other ones "
+                         "this many times, alternated")
     ap.add_argument("--repeat", type=int, default=1,
                     help="TTFT of this many prompts of --prompt-len in the same engine (the last one decodes)")
     ap.add_argument("--out", default="bench/out")
@@ -216,27 +217,23 @@ def main() -> None:
             passes = [PASSES[name](lm_head=True) if p == name else p for p in e["passes"]]
             engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes))
             engines[-1]["tag"] = ",lm_head"
+    first = engines[0]
+    variants = []  # (tag, passes or None for the first engine's, switch or None): engines beside the first one
     if args.without:
         off = args.without.split(",")
-        first = engines[0]
-        engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
-                                      [p for p in first["passes"] if p not in off]))
-        engines[-1]["tag"] = f",without={'+'.join(off)}"
+        variants.append((f",without={'+'.join(off)}", [p for p in first["passes"] if p not in off], None))
     if args.with_:
         on = args.with_.split(",")
-        first = engines[0]
-        engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"],
-                                      [*first["passes"], *on]))
-        engines[-1]["tag"] = f",with={'+'.join(on)}"
-    first = engines[0]
-    for rnd in range(args.rounds if args.switch else 0):
-        if rnd:  # the first engine again, alternated with the switched ones
+        variants.append((f",with={'+'.join(on)}", [*first["passes"], *on], None))
+    variants += [(f",{switch}", None, switch) for switch in args.switch]
+    for rnd in range(args.rounds if variants else 0):
+        if rnd:  # the first engine again, alternated with the variants
             engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"]))
             engines[-1]["tag"] = f",round={rnd + 1}"
-        for switch in args.switch:
-            with switched(switch):
-                engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"]))
-            engines[-1]["tag"] = f",{switch}" + (f",round={rnd + 1}" if rnd else "")
+        for tag, passes, switch in variants:
+            with switched(switch) if switch else contextlib.nullcontext():
+                engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes))
+            engines[-1]["tag"] = tag + (f",round={rnd + 1}" if rnd else "")
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:

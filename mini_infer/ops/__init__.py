@@ -74,6 +74,9 @@ nothing from mini_infer outside this package.
 | scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
 |   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
 |   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
+| gather_rows(tables, indices)                          | Tensor[]            | [embedding(t, i) for t, i in zip(tables, indices)]:   |
+|                                                       |                     | up to 4 table lookups (each its own dtype, width and  |
+|                                                       |                     | index) in one launch                                  |
 | argmax_rows(x)                                        | Tensor int64 [R]    | torch.argmax(x, dim=-1) of [R, V] x: first index of   |
 |                                                       |                     | the maximum, NaN the largest (the greedy sampler's;   |
 |                                                       |                     | one launch, the row split over programs)              |
@@ -99,6 +102,7 @@ from mini_infer.ops import argmax as _argmax_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
+from mini_infer.ops import gather_rows as _gather_rows_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
 from mini_infer.ops import linear_add as _linear_add_mod
@@ -151,6 +155,7 @@ _MODULE_OF = {
     "fp8_w8a8_linear": _fp8_linear_mod,
     "all_reduce_sum": _all_reduce_mod,
     "argmax_rows": _argmax_mod,
+    "gather_rows": _gather_rows_mod,
 }
 OPS = tuple(_MODULE_OF)
 
