@@ -176,6 +176,28 @@ def switched(assignment: str):
         yield
 
 
+def variant_runs(first_passes: list, without: str | None, with_: str | None, switches: list[str],
+                 rounds: int) -> list[tuple[str, list | None, str | None]]:
+    """The engines built after the first one, in order, as (tag, passes or None for the first engine's, switch or
+    None): each round (the first engine again from the second round on) then every variant (`--without`, `--with`,
+    each `--switch`); nothing when there is no variant."""
+    variants = []
+    if without:
+        off = without.split(",")
+        variants.append((f",without={'+'.join(off)}", [p for p in first_passes if p not in off], None))
+    if with_:
+        on = with_.split(",")
+        variants.append((f",with={'+'.join(on)}", [*first_passes, *on], None))
+    variants += [(f",{switch}", None, switch) for switch in switches]
+    runs = []
+    for rnd in range(rounds if variants else 0):
+        suffix = f",round={rnd + 1}" if rnd else ""
+        if rnd:
+            runs.append((suffix, None, None))
+        runs += [(tag + suffix, passes, switch) for tag, passes, switch in variants]
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -218,22 +240,10 @@ def main() -> None:
             engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes))
             engines[-1]["tag"] = ",lm_head"
     first = engines[0]
-    variants = []  # (tag, passes or None for the first engine's, switch or None): engines beside the first one
-    if args.without:
-        off = args.without.split(",")
-        variants.append((f",without={'+'.join(off)}", [p for p in first["passes"] if p not in off], None))
-    if args.with_:
-        on = args.with_.split(",")
-        variants.append((f",with={'+'.join(on)}", [*first["passes"], *on], None))
-    variants += [(f",{switch}", None, switch) for switch in args.switch]
-    for rnd in range(args.rounds if variants else 0):
-        if rnd:  # the first engine again, alternated with the variants
-            engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"]))
-            engines[-1]["tag"] = f",round={rnd + 1}"
-        for tag, passes, switch in variants:
-            with switched(switch) if switch else contextlib.nullcontext():
-                engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes))
-            engines[-1]["tag"] = tag + (f",round={rnd + 1}" if rnd else "")
+    for tag, passes, switch in variant_runs(first["passes"], args.without, args.with_, args.switch, args.rounds):
+        with switched(switch) if switch else contextlib.nullcontext():
+            engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes))
+        engines[-1]["tag"] = tag
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:

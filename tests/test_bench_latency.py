@@ -1,5 +1,5 @@
-"""bench/latency.py's `--switch`: a kernel switch set for one engine's build and restored after (the timings
-themselves run on a GPU only)."""
+"""bench/latency.py's `--switch` (a kernel switch set for one engine's build and restored after) and the order of
+the engines `--rounds` alternates (the timings themselves run on a GPU only)."""
 
 from pathlib import Path
 
@@ -42,3 +42,19 @@ def test_dotted_switch_reaches_a_runtime_module(monkeypatch):
     with latency.switched("runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0"):
         assert cuda_graphs.OWN_LOGITS_MAX_ROWS == 0
     assert cuda_graphs.OWN_LOGITS_MAX_ROWS == before
+
+
+def test_rounds_alternate_every_variant(monkeypatch):
+    """--rounds N: the first engine again from the second round on, then each variant (--without, --with, each
+    --switch) in every round; no variant, no extra engine."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    first = ["a", "b", "c"]
+    runs = latency.variant_runs(first, "b", "d", ["linear.X=0"], 2)
+    assert runs == [(",without=b", ["a", "c"], None), (",with=d", ["a", "b", "c", "d"], None),
+                    (",linear.X=0", None, "linear.X=0"), (",round=2", None, None),
+                    (",without=b,round=2", ["a", "c"], None), (",with=d,round=2", ["a", "b", "c", "d"], None),
+                    (",linear.X=0,round=2", None, "linear.X=0")]
+    assert latency.variant_runs(first, None, None, [], 3) == []
+    assert latency.variant_runs(first, "a,c", None, [], 1) == [(",without=a+c", ["b"], None)]
