@@ -59,6 +59,11 @@ def _check(tables: list[torch.Tensor], indices: list[torch.Tensor]) -> None:
             raise ValueError(f"gather_rows: indices[{j}] is on {i.device}, tables[{j}] on {t.device}")
 
 
+def _empty_outputs(tables: list[torch.Tensor], indices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Output j: index j's shape + table j's width, table j's dtype and device (the op's shape rule)."""
+    return [t.new_empty((*i.shape, t.shape[1])) for t, i in zip(tables, indices)]
+
+
 def gather_rows_reference(tables: list[torch.Tensor], indices: list[torch.Tensor]) -> list[torch.Tensor]:
     """Plain torch: one `aten.embedding` per table."""
     _check(tables, indices)
@@ -107,7 +112,7 @@ def gather_rows_triton(tables: list[torch.Tensor], indices: list[torch.Tensor]) 
     if not HAS_TRITON:
         raise RuntimeError("gather_rows_triton needs triton")
     _check(tables, indices)
-    outs = [t.new_empty((*i.shape, t.shape[1])) for t, i in zip(tables, indices)]
+    outs = _empty_outputs(tables, indices)
     n_max = max(i.numel() for i in indices)
     if n_max == 0 or all(o.numel() == 0 for o in outs):
         return outs
@@ -137,4 +142,4 @@ def gather_rows(tables: list[torch.Tensor], indices: list[torch.Tensor]) -> list
 @gather_rows.register_fake
 def _(tables: list[torch.Tensor], indices: list[torch.Tensor]) -> list[torch.Tensor]:
     _check(tables, indices)
-    return [t.new_empty((*i.shape, t.shape[1])) for t, i in zip(tables, indices)]
+    return _empty_outputs(tables, indices)

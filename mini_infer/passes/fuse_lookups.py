@@ -66,8 +66,8 @@ class FuseLookups(GraphPass):
             self._merge(gm, group)
         if not merged:
             return PassResult(0, f"{len(lookups)} lookup, nothing to merge" if lookups else "")
-        return PassResult(sum(len(g) for g in merged), f"{sum(len(g) for g in merged)} lookups in "
-                                                       f"{len(merged)} launch{'es' if len(merged) > 1 else ''}")
+        n = sum(len(g) for g in merged)
+        return PassResult(n, f"{n} lookups in {len(merged)} launch{'es' if len(merged) > 1 else ''}")
 
     @staticmethod
     def _merge(gm: fx.GraphModule, group: list[fx.Node]) -> None:
