@@ -3,7 +3,7 @@
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
                                             | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
-                                            | --decode-sweep [--wide] [--layers N]
+                                            | --decode-sweep [--wide | --grid G] [--ways W] [--layers N]
                                             | --decode-write [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
@@ -14,7 +14,8 @@ bf16 default shape unless --wide) timed as --decode-latency times them (qwen3-0.
 8 kv heads, at batch 64 and 256, context 512 and 2048), plus the fp8 ways at the prefill config (4 x 1024 new tokens,
 and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
 (least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
-reference. --wide: a larger grid (minutes).
+reference. --wide: a larger grid (minutes). --grid "block_n=128,256;num_warps=4,8;num_stages=2,3": this grid instead
+(each key a launch-shape field, its values tried in every combination); --ways fp16,fp16_vregs: only these fp8 ways.
 
 --decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
 (default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
@@ -320,13 +321,13 @@ def print_ranking(name, labels, results, default, top=6):
     print(f"  winner: _CONFIG[{name!r}] = {results[0][2]}", flush=True)
 
 
-def fp8_way_diffs(name, base, args):
-    """Largest |triton - reference| at `args` (fp8 caches) for each of _FP8_DOT's ways at config `base`."""
+def fp8_way_diffs(name, base, args, ways=None):
+    """Largest |triton - reference| at `args` (fp8 caches) for each of _FP8_DOT's ways (or `ways`) at config `base`."""
     from mini_infer.ops import paged_attention as pa
 
     ref = paged_attention_reference(*args).float()  # writes the same k/v bytes as the kernel's write
     diffs = {}
-    for way in pa._FP8_DOT:
+    for way in ways or pa._FP8_DOT:
         pa._CONFIG[name] = {**base, "fp8_dot": way}
         pa._LAUNCH_OK.clear()
         try:
@@ -337,8 +338,19 @@ def fp8_way_diffs(name, base, args):
     return diffs
 
 
+def parse_grid(text: str) -> dict[str, list[int]]:
+    """--grid's "key=v,v;key=v" as {key: [v, ...]}."""
+    grid = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        key, _, values = part.partition("=")
+        if not values:
+            raise SystemExit(f"--grid: {part!r} is not key=v1,v2")
+        grid[key.strip()] = [int(v) for v in values.split(",")]
+    return grid
+
+
 def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, shapes=SWEEP_SHAPES,
-                 prefill_shapes=SWEEP_PREFILL, heads=None):
+                 prefill_shapes=SWEEP_PREFILL, heads=None, ways=None):
     """--decode-sweep (see the module docstring). `timer(fn)` -> us per call (default: `graph_us` over `layers`
     calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes."""
     from mini_infer.ops import paged_attention as pa
@@ -357,9 +369,9 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
     try:
         for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
             cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device) for s, ctx in shapes]
-            ways = list(pa._FP8_DOT) if kv == "fp8" else [None]
+            kv_ways = [w for w in pa._FP8_DOT if ways is None or w in ways] if kv == "fp8" else [None]
             candidates = [{**dict(zip(grid, v)), **({"fp8_dot": w} if w else {})}
-                          for w in ways for v in itertools.product(*grid.values())]
+                          for w in kv_ways for v in itertools.product(*grid.values())]
             if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
                 old_shape = {k: saved["decode"][k] for k in grid}
                 candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
@@ -368,11 +380,11 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
             best[kv] = results[0]
             if kv == "fp8":
-                for way in ways:
+                for way in kv_ways:
                     mine = [r for r in results if r[2]["fp8_dot"] == way]
                     if mine:  # none where every launch failed ("fp8" before sm_89) or the grid left the way out
                         print(f"  best with fp8_dot={way!r}: " + " ".join(f"{t:8.2f}" for t in mine[0][1]))
-                diffs = fp8_way_diffs(name, best[kv][2], cases[0])
+                diffs = fp8_way_diffs(name, best[kv][2], cases[0], ways)
                 print("  max |triton - reference| at " + labels[0] + ": "
                       + ", ".join(f"{w} {x:.2e}" for w, x in diffs.items()), flush=True)
             del cases
@@ -574,7 +586,9 @@ if __name__ == "__main__":
     elif "--decode-write" in sys.argv:
         sys.exit(1 if decode_write(int(arg_value("--layers", "28"))) else 0)
     elif "--decode-sweep" in sys.argv:
-        decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")))
+        ways = arg_value("--ways", None)
+        decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")),
+                     grid=parse_grid(arg_value("--grid", "")) or None, ways=ways.split(",") if ways else None)
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:

@@ -10,6 +10,7 @@ little), summed by kernel name.
     python bench/profile_decode.py [--model qwen2.5-7b] [--steps 200] [--quantization w8a8]
     python bench/profile_decode.py --model qwen3-0.6b --prefill 10000
     python bench/profile_decode.py --model qwen3-0.6b --timeline 6 [--trace-out trace.json]
+    python bench/profile_decode.py --model qwen3-0.6b --batch 256 --prompt-len 600 --temperature 0.6 --timeline 2
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--quantization", default=None, help="w8a8 or fp8 (default: none)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--without", default=None, help="comma list of passes left out of the recommended pipeline")
     ap.add_argument("--timeline", type=int, default=0, help="also profile this many engine steps as a GPU timeline")
     ap.add_argument("--trace-out", default=None, help="write the --timeline steps' chrome trace here")
@@ -50,9 +53,9 @@ def main() -> None:
                           quantization=args.quantization)
         passes = [p.name for p in recommended_passes(ctx) if p.name not in off]
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
-              quantization=args.quantization, passes=passes)
+              quantization=args.quantization, passes=passes, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request(None, {"prompt_token_ids": list(range(1000 + i, 1000 + args.prompt_len + i))}, params)
     while eng.stats["decode_steps"] < 5:  # all prompts prefilled, a few decode steps done

@@ -80,6 +80,9 @@ nothing from mini_infer outside this package.
 | argmax_rows(x)                                        | Tensor int64 [R]    | torch.argmax(x, dim=-1) of [R, V] x: first index of   |
 |                                                       |                     | the maximum, NaN the largest (the greedy sampler's;   |
 |                                                       |                     | one launch, the row split over programs)              |
+| gumbel_argmax(x, inv_temperature, seed)               | Tensor int64 [R]    | one id per row drawn from softmax(x * inv_temperature)|
+|                                                       |                     | by the Gumbel-max trick (argmax where inv_t <= 0);    |
+|                                                       |                     | Philox noise in argmax_rows' launch (the sampler's)   |
 | all_reduce_sum(x, group_name)                         | Tensor              | sum of x over the process group's ranks: one-shot over|
 |                                                       |                     | symmetric memory for small CUDA messages, else        |
 |                                                       |                     | torch.distributed (all_reduce.py); a collective       |
@@ -103,6 +106,7 @@ from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
 from mini_infer.ops import gather_rows as _gather_rows_mod
+from mini_infer.ops import gumbel_argmax as _gumbel_argmax_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
 from mini_infer.ops import linear_add as _linear_add_mod
@@ -156,6 +160,7 @@ _MODULE_OF = {
     "all_reduce_sum": _all_reduce_mod,
     "argmax_rows": _argmax_mod,
     "gather_rows": _gather_rows_mod,
+    "gumbel_argmax": _gumbel_argmax_mod,
 }
 OPS = tuple(_MODULE_OF)
 

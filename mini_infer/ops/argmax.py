@@ -51,6 +51,12 @@ if HAS_TRITON:
     NO_INDEX = tl.constexpr(2147483647)  # above every index: "none here" in the min-index reductions
 
     @triton.jit
+    def gumbel_noise(seed, offsets):
+        """Standard Gumbel noise -log(-log(u)), u uniform in [0, 1) from Philox (`tl.rand`) at these counters:
+        u == 0 gives -inf (a draw that never wins), u near 1 at most about 22.2."""
+        return -tl.log(-tl.log(tl.rand(seed, offsets)))
+
+    @triton.jit
     def _first_max(vals, idx, ok):
         """(value, index) of the first maximum of `vals` (fp32) among the lanes where `ok`, NaN the largest:
         the first NaN's index and NaN if there is one, else the row maximum and the lowest index holding it
@@ -65,16 +71,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _argmax_rows_kernel(
-        x_ptr, out_ptr, ws_val_ptr, ws_idx_ptr, cnt_ptr, n_cols, s_xr,
+        x_ptr, out_ptr, ws_val_ptr, ws_idx_ptr, cnt_ptr, n_cols, s_xr, inv_t_ptr, seed,
         NUM_PROGRAMS: tl.constexpr, P_POW2: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
-        USE_GDC: tl.constexpr,
+        USE_GDC: tl.constexpr, NOISE: tl.constexpr = False,
     ):  # fmt: skip
+        """argmax_rows' kernel; with NOISE (gumbel_argmax.py's op), the argmax of x * inv_t[row] + Gumbel noise
+        drawn from Philox (`tl.rand`, key `seed`, counter row * n_cols + column) on rows whose inv_t > 0, and of x
+        itself on the others."""
         await_producers(USE_GDC)
         row = tl.program_id(0)
         part = tl.program_id(1)
         x_row = x_ptr + row.to(tl.int64) * s_xr
         start = part * (TILES * BLOCK)
         cols = tl.arange(0, BLOCK)
+        if NOISE:
+            inv_t = tl.load(inv_t_ptr + row)
         # the chunk's running (value, index): tiles in order, a later tile taking over only when strictly larger
         # (or the first NaN); the chunk's first element is never past the row, so the index starts there
         best_v = tl.full((), float("-inf"), tl.float32)
@@ -84,6 +95,9 @@ if HAS_TRITON:
             c = start + t * BLOCK + cols
             ok = c < n_cols
             v = tl.load(x_row + c, mask=ok, other=float("-inf")).to(tl.float32)
+            if NOISE:  # greedy rows (inv_t <= 0): v * 1 + 0, the logit itself
+                noisy = inv_t > 0
+                v = v * tl.where(noisy, inv_t, 1.0) + tl.where(noisy, gumbel_noise(seed, row * n_cols + c), 0.0)
             tv, ti = _first_max(v, c, ok)
             is_nan = tv != tv
             nan_i = tl.where(is_nan & (nan_i == NO_INDEX), ti, nan_i)
@@ -155,9 +169,11 @@ def _check(x: torch.Tensor, cols: bool = True) -> None:
         raise ValueError("argmax_rows: rows of 0 columns have no maximum (torch.argmax refuses them too)")
 
 
-def argmax_rows_triton(x: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
+def argmax_rows_triton(x: torch.Tensor, config: tuple[int, int] | None = None,
+                       noise: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Triton argmax over the last dim (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). `config`:
-    (BLOCK, TILES) instead of `argmax_config`'s (tests: many chunks in a short row; benchmarks)."""
+    (BLOCK, TILES) instead of `argmax_config`'s (tests: many chunks in a short row; benchmarks). `noise`:
+    (inv_temperature [R] fp32, seed), gumbel_argmax.py's draw (see the kernel) instead of the plain argmax."""
     if not HAS_TRITON:
         raise RuntimeError("argmax_rows_triton needs triton")
     _check(x)
@@ -173,15 +189,17 @@ def argmax_rows_triton(x: torch.Tensor, config: tuple[int, int] | None = None) -
         if block < 1 or block & (block - 1) or tiles < 1:
             raise ValueError(f"argmax_rows_triton: config (BLOCK, TILES) needs a power-of-two BLOCK, got {config}")
         programs = _cdiv(n_cols, block * tiles)
+    noisy = noise is not None
+    noise = (noise[0], int(noise[1])) if noisy else (out, 0)  # (the placeholder pointer is unread)
     if programs == 1:
         ws_val, ws_idx, cnt = out, out, out  # unread
     else:
         ws_val, ws_idx = _workspace(x.device, n_rows * programs)
         cnt = split_counters(x.device, n_rows)
     _argmax_rows_kernel[(n_rows, programs)](
-        x, out, ws_val, ws_idx, cnt, n_cols, x.stride(0),
+        x, out, ws_val, ws_idx, cnt, n_cols, x.stride(0), *noise,
         NUM_PROGRAMS=programs, P_POW2=next_pow2(programs), TILES=tiles, BLOCK=block, num_warps=num_warps,
-        **pdl_args(x),
+        NOISE=noisy, **pdl_args(x),
     )  # fmt: skip
     return out
 

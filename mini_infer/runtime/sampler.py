@@ -17,6 +17,11 @@ Order of operations, per row:
 5. draw with the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with probability
    p_i. Rows with a seed draw E from their own `torch.Generator`, so a seeded row gets the same tokens whatever
    else shares its batch; other rows draw from the device's default generator.
+   On CUDA, a batch with no top-k, top-p, min-p, seeded row or "processed" logprobs skips steps 4-5's tensors:
+   one `gumbel_argmax` launch draws argmax(logits / T + Gumbel noise), the same law (the Gumbel-max trick), from
+   the logits as they are (greedy rows of a mixed batch: their argmax in the same launch), its Philox noise keyed
+   by a seed drawn from torch's default CPU generator. At 256 rows x 151,936 that is one read of the logits
+   instead of seven passes over fp32 copies (`FUSED_DRAW`).
 
 Log-probabilities (when any row asks for them) are by default those of the RAW model distribution, i.e.
 log_softmax of the logits as the model gave them, before penalties, temperature and truncation: vLLM's default
@@ -28,6 +33,7 @@ greedy rows: after penalties only).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,10 +41,14 @@ import numpy as np
 import torch
 
 from mini_infer.ops.argmax import greedy_argmax
+from mini_infer.ops.gumbel_argmax import MAX_SEED, can_draw_on, gumbel_argmax_triton
 from mini_infer.runtime.transfer import to_device, to_device_many
 from mini_infer.sampling_params import SamplingParams
 
 _TINY = 1e-20  # floor for the exponential noise, so that p / E never divides by zero
+# The one-launch Gumbel draw for batches that allow it (module docstring, step 5); False: the torch path always
+# (MINI_INFER_FUSED_DRAW=0 at import, for A/Bs).
+FUSED_DRAW = os.environ.get("MINI_INFER_FUSED_DRAW", "1") != "0"
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -99,6 +109,7 @@ class SamplingBatch:
     vocab_size: int
     greedy: torch.Tensor | None  # [R] bool; None when all rows are greedy or none is (only a mix reads it)
     temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when all rows are greedy
+    inv_temperature: torch.Tensor | None  # [R] float32 1 / temperature, 0.0 on greedy rows; as temperature
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [R] int64 in [1, V]; V where disabled
@@ -160,12 +171,14 @@ class SamplingBatch:
         eos = _per_row_eos(eos_token_ids, rows)
 
         greedy = [is_greedy(p) for p in params]
-        batch = cls(num_rows=rows, vocab_size=vocab_size, greedy=None, temperature=None, all_greedy=all(greedy),
-                    all_random=not any(greedy))
+        batch = cls(num_rows=rows, vocab_size=vocab_size, greedy=None, temperature=None, inv_temperature=None,
+                    all_greedy=all(greedy), all_random=not any(greedy))
         host: dict[str, tuple[list, torch.dtype]] = {}  # field -> per-row values: one copy to the device, below
         random_rows = [p for p, g in zip(params, greedy) if not g]
         if random_rows:
             host["temperature"] = ([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
+            host["inv_temperature"] = ([0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy)],
+                                       torch.float32)
             if not batch.all_random:
                 host["greedy"] = (greedy, torch.bool)
         if any(p.top_k not in (-1, 0) and p.top_k < vocab_size for p in random_rows):
@@ -321,13 +334,21 @@ class Sampler:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
 
+    def fused_draw(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Whether `batch` draws with one `gumbel_argmax` launch (module docstring, step 5)."""
+        return (FUSED_DRAW and not batch.all_greedy and batch.top_k is None and batch.top_p is None
+                and batch.min_p is None and not batch.generators
+                and not (batch.max_num_logprobs is not None and self.logprobs_mode == "processed")
+                and can_draw_on(logits))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
         want_lp = batch.max_num_logprobs is not None
-        if want_lp or batch.needs_penalties or batch.banned_ids is not None or not batch.all_greedy:
+        fused = self.fused_draw(logits, batch)
+        if want_lp or batch.needs_penalties or batch.banned_ids is not None or not (batch.all_greedy or fused):
             logits = logits.float()  # everything below is out of place: the caller's tensor is never modified
-        # (else one argmax is all: it picks the same row maxima in the logits' own dtype, without a cast)
+        # (else one kernel is all: it reads the rows in the logits' own dtype, without a cast)
         raw_logprobs = logits.log_softmax(dim=-1) if want_lp and self.logprobs_mode == "raw" else None
 
         logits = apply_penalties(logits, batch)
@@ -339,6 +360,9 @@ class Sampler:
         processed = logits
         if batch.all_greedy:
             token_ids = greedy_argmax(logits)
+        elif fused:  # (processed logprobs never come here)
+            seed = int(torch.randint(MAX_SEED, (1,)).item())  # the default CPU generator: no device sync
+            token_ids = gumbel_argmax_triton(logits, batch.inv_temperature, seed)
         else:
             scaled = logits / batch.temperature[:, None]
             scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.top_k_max)

@@ -2,7 +2,8 @@
 single-program row, a row merged in the launch, and a row of several tiles a program; bf16, fp16, fp32 rows), no
 GPU needed; print one JSON line with, for each build, cuobjdump's resource line (LOCAL: spill bytes) and what the
 PTX does where programs meet: its atomics (the arrival count, acq_rel at gpu scope) and its L2 (.cg) loads (the
-merge's reads of the other programs' partials).
+merge's reads of the other programs' partials). The last case is gumbel_argmax's build (NOISE: Philox noise per
+element).
 
 The interpreter runs Python's control flow and one program at a time; the GPU compiler does neither: this build is
 the check on a CPU that the kernel compiles and that the merge's memory ordering is the one `arrives_last` promises.
@@ -18,7 +19,9 @@ import sys
 
 from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
 
-CASES = [(1000, "*bf16"), (151936, "*bf16"), (151936, "*fp16"), (32000, "*fp32"), (300000, "*bf16")]  # (V, x)
+# (V, x, NOISE)
+CASES = [(1000, "*bf16", False), (151936, "*bf16", False), (151936, "*fp16", False), (32000, "*fp32", False),
+         (300000, "*bf16", False), (151936, "*bf16", True)]
 
 
 def cases() -> list[dict]:
@@ -26,14 +29,15 @@ def cases() -> list[dict]:
     from mini_infer.ops.argmax import _argmax_rows_kernel, argmax_config
 
     out = []
-    for n_cols, x_type in CASES:
+    for n_cols, x_type, noise in CASES:
         block, tiles, programs, num_warps = argmax_config(n_cols)
-        pointers = {"x_ptr": x_type, "out_ptr": "*i64", "ws_val_ptr": "*fp32", "ws_idx_ptr": "*i32", "cnt_ptr": "*i32"}
+        pointers = {"x_ptr": x_type, "out_ptr": "*i64", "ws_val_ptr": "*fp32", "ws_idx_ptr": "*i32", "cnt_ptr": "*i32",
+                    "inv_t_ptr": "*fp32"}
         built = build_sm90(_argmax_rows_kernel, dict(NUM_PROGRAMS=programs, P_POW2=next_pow2(programs), TILES=tiles,
-                                                     BLOCK=block, USE_GDC=True),
+                                                     BLOCK=block, USE_GDC=True, NOISE=noise),
                            pointers=pointers, num_warps=num_warps, divisible=("x_ptr", "n_cols", "s_xr"))
         ptx = built.asm["ptx"]
-        out.append({"n_cols": n_cols, "x": x_type, "programs": programs, "tiles": tiles, "block": block,
+        out.append({"n_cols": n_cols, "x": x_type, "noise": noise, "programs": programs, "tiles": tiles, "block": block,
                     "resources": resource_usage(built.asm["cubin"]),
                     "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
                     "loads": sorted(set(re.findall(r"ld\.global[\w.]*", ptx)))})

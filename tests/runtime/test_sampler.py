@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mini_infer.runtime import sampler as sampler_mod
 from mini_infer.runtime.sampler import (
     Sampler,
     SamplingBatch,
@@ -414,6 +415,7 @@ def test_greedy_rows_take_the_argmax_kernel(monkeypatch, mixed):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setattr(argmax_mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(sampler_mod, "FUSED_DRAW", False)  # the mixed batch's torch path (its own test below)
     calls = []
     real = argmax_mod.argmax_rows_triton
     monkeypatch.setattr(argmax_mod, "argmax_rows_triton", lambda x, *a: calls.append(x.shape) or real(x, *a))
@@ -439,3 +441,80 @@ def test_greedy_on_cpu_is_torch_argmax(monkeypatch):
     logits = _greedy_ties_logits(4, 500, torch.float32, "cpu")
     ids = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 4, vocab=500)).token_ids
     assert torch.equal(ids, logits.argmax(-1))
+
+
+def _fused_draws_patch_backend(monkeypatch) -> None:
+    """Skip without Triton; on CPU let `can_draw_on` say yes (the kernel then runs under the interpreter)."""
+    from mini_infer.ops import HAS_TRITON
+    from mini_infer.ops import gumbel_argmax as gumbel_mod
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(gumbel_mod, "use_triton", lambda t: True)
+
+
+def _fused_draws(monkeypatch) -> list:
+    """Route the sampler's eligible batches through the Triton Gumbel draw (on CPU tensors under the interpreter:
+    `can_draw_on` patched to say yes) and record each launch's (rows, inv_temperature)."""
+    _fused_draws_patch_backend(monkeypatch)
+    calls = []
+    real = sampler_mod.gumbel_argmax_triton
+    monkeypatch.setattr(sampler_mod, "gumbel_argmax_triton",
+                        lambda x, inv_t, seed: calls.append((x.shape[0], inv_t.tolist())) or real(x, inv_t, seed))
+    return calls
+
+
+def test_fused_draw_one_launch_greedy_rows_exact(monkeypatch):
+    """A mixed batch (greedy and temperature rows, no truncation): one Gumbel launch over the logits as given
+    (bf16, no float copy), the greedy rows' ids torch.argmax's, inv_temperature 0 on them and 1 / T elsewhere."""
+    calls = _fused_draws(monkeypatch)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, vocab = 4, 9000
+    logits = _greedy_ties_logits(rows, vocab, torch.bfloat16, device)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5)] * (rows // 2)
+    batch = SamplingBatch.build(params, [((), ())] * rows, None, vocab, device)
+    ids = Sampler()(logits, batch).token_ids
+    want = logits.float().cpu().argmax(-1)
+    assert ids[0].item() == want[0].item() and ids[2].item() == want[2].item()
+    assert calls == [(rows, [0.0, 2.0, 0.0, 2.0])]
+
+
+def test_fused_draw_is_the_ops_draw_at_the_batch_temperature(monkeypatch):
+    """Through the sampler, each row's id is gumbel_argmax's at that row's 1 / T (its law is tested with the op,
+    tests/ops/test_gumbel_argmax.py), from a fresh seed per call."""
+    from mini_infer.ops.gumbel_argmax import gumbel_argmax_triton
+
+    seeds = []
+    real = gumbel_argmax_triton
+    monkeypatch.setattr(sampler_mod, "gumbel_argmax_triton", lambda x, inv_t, seed: seeds.append(seed) or real(x, inv_t, seed))
+    _fused_draws_patch_backend(monkeypatch)
+    logits = torch.randn(16, V)
+    params = [SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0, 0.7)] * 4
+    ids = Sampler()(logits, build(params)).token_ids
+    inv_t = torch.tensor([1 / p.temperature for p in params], dtype=torch.float32)
+    assert torch.equal(ids, real(logits, inv_t, seeds[0]))
+    Sampler()(logits, build(params))
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+
+
+@pytest.mark.parametrize("params, seeded, logprobs_mode", [
+    (SamplingParams(temperature=0.7, top_k=3), False, "raw"),
+    (SamplingParams(temperature=0.7, top_p=0.9), False, "raw"),
+    (SamplingParams(temperature=0.7, min_p=0.1), False, "raw"),
+    (SamplingParams(temperature=0.7, seed=5), True, "raw"),
+    (SamplingParams(temperature=0.7, logprobs=2), False, "processed"),
+])
+def test_fused_draw_not_taken_where_the_torch_path_is_needed(monkeypatch, params, seeded, logprobs_mode):
+    """Truncation, a seeded row (its own generator's stream) and processed logprobs keep the torch path; with
+    none of them the batch takes the fused draw, unless FUSED_DRAW is off."""
+    calls = _fused_draws(monkeypatch)
+    gens = [make_generator(5, "cpu")] * 2 if seeded else None
+    batch = build([params] * 2, generators=gens)
+    Sampler(logprobs_mode)(torch.randn(2, V), batch)
+    assert calls == []
+    Sampler()(torch.randn(2, V), build([SamplingParams(temperature=0.7, logprobs=2)] * 2))
+    assert len(calls) == 1  # raw logprobs: still fused
+    monkeypatch.setattr(sampler_mod, "FUSED_DRAW", False)
+    Sampler()(torch.randn(2, V), build([SamplingParams(temperature=0.7)] * 2))
+    assert len(calls) == 1
