@@ -4,6 +4,12 @@ Triton launch: each row split over programs, merged by the last to arrive), not 
     python bench/kernel_argmax.py [--rows 1,8,64,256] [--vocab 32000,128256,151936] [--out bench/results]
     python bench/kernel_argmax.py --check     # outputs only: on a GPU at the benchmark shapes, else under
                                               # TRITON_INTERPRET=1 at small ones
+    python bench/kernel_argmax.py --sample    # the sampler's temperature draw: torch path vs gumbel_argmax
+
+--sample times, per (rows, vocab), a whole `Sampler()` call on bf16 logits whose rows all sample at temperature 0.6
+(no truncation): the torch path (`FUSED_DRAW` off: cast, divide, softmax, exponential noise, divide, argmax) against
+the one `gumbel_argmax` launch, eagerly with CUDA events over 50 calls after 5 warm-up calls (host time included:
+what a decode step pays between replays), and prints the ratio.
 
 For every (rows, vocab) of bf16 logits (vocab 32000: llama-2 / mistral, 128256: llama-3, 151936: qwen2.5 / qwen3),
 times `x.argmax(dim=-1)` (torch's reduce, and the memset of its multi-block semaphore) and `argmax_rows_triton(x)`
@@ -100,6 +106,43 @@ def bench(args) -> list[dict]:
     return results
 
 
+def bench_sample(args) -> list[dict]:
+    from mini_infer.runtime import sampler as sampler_mod
+    from mini_infer.runtime.sampler import Sampler, SamplingBatch
+    from mini_infer.sampling_params import SamplingParams
+
+    def per_call_us(fn, n=50) -> float:
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / n
+
+    print(f"{torch.cuda.get_device_name()} | {args.dtype} logits, temperature 0.6 | us per Sampler() call (eager)")
+    print(f"{'rows':>5}{'vocab':>8} | {'torch path':>11}{'gumbel':>9} | ratio")
+    results = []
+    sampler = Sampler()
+    for vocab in args.vocab:
+        for rows in args.rows:
+            x = torch.randn(rows, vocab, device="cuda").to(DTYPES[args.dtype])
+            batch = SamplingBatch.build([SamplingParams(temperature=0.6)] * rows, [((), ())] * rows, None, vocab,
+                                        "cuda")
+            times = {}
+            for fused in (False, True):
+                sampler_mod.FUSED_DRAW = fused
+                times[fused] = per_call_us(lambda x=x, batch=batch: sampler(x, batch))
+            sampler_mod.FUSED_DRAW = True
+            results.append({"rows": rows, "vocab": vocab, "torch_path_us": times[False], "gumbel_us": times[True]})
+            print(f"{rows:>5}{vocab:>8} | {times[False]:>11.1f}{times[True]:>9.1f} | {times[False] / times[True]:.2f}x",
+                  flush=True)
+    return results
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int_list, default=",".join(map(str, ROWS)), help="comma list (default %(default)s)")
@@ -109,6 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timing round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check", action="store_true", help="only compare the ids with torch.argmax's (see above)")
+    ap.add_argument("--sample", action="store_true", help="time the sampler's temperature draw (see above)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.target_ms <= 0:
@@ -121,6 +165,10 @@ def main(argv=None) -> int:
     device = check_device("bench/kernel_argmax.py", args.check)  # a GPU, or --check under the interpreter
     if args.check:
         return run_check(args, device)
+    if args.sample:
+        write_gpu_report(args.out, f"kernel_sample_{gpu_tag()}.json", {"results": bench_sample(args)},
+                         timing="eager, CUDA events over 50 calls", target_ms=args.target_ms, rounds=args.rounds)
+        return 0
     results = bench(args)
     name = f"kernel_argmax_{gpu_tag()}.json"
     write_gpu_report(args.out, name, {"results": results}, timing="CUDA graph replay, median of rounds, L2-warm",
