@@ -51,10 +51,15 @@ if HAS_TRITON:
     NO_INDEX = tl.constexpr(2147483647)  # above every index: "none here" in the min-index reductions
 
     @triton.jit
-    def gumbel_noise(seed, offsets):
-        """Standard Gumbel noise -log(-log(u)), u uniform in [0, 1) from Philox (`tl.rand`) at these counters:
-        u == 0 gives -inf (a draw that never wins), u near 1 at most about 22.2."""
-        return -tl.log(-tl.log(tl.rand(seed, offsets)))
+    def gumbel_noise(seed, first, BLOCK: tl.constexpr):
+        """Standard Gumbel noise -log(-log(u)) for elements first .. first + BLOCK - 1 of a noise stream (first a
+        multiple of 4): element e takes lane e % 4 of Philox counter e // 4 (`tl.rand4x`, key `seed`), so one
+        Philox call serves four elements. u uniform in [0, 1): u == 0 gives -inf (a draw that never wins), u near 1
+        at most about 22.2."""
+        u0, u1, u2, u3 = tl.rand4x(seed, first // 4 + tl.arange(0, BLOCK // 4))
+        # [BLOCK // 4, 2, 2] laid out as element 4k + 2a + b: (u0, u1, u2, u3)[k] in order
+        u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK,))
+        return -tl.log(-tl.log(u))
 
     @triton.jit
     def _first_max(vals, idx, ok):
@@ -76,8 +81,8 @@ if HAS_TRITON:
         USE_GDC: tl.constexpr, NOISE: tl.constexpr = False,
     ):  # fmt: skip
         """argmax_rows' kernel; with NOISE (gumbel_argmax.py's op), the argmax of x * inv_t[row] + Gumbel noise
-        drawn from Philox (`tl.rand`, key `seed`, counter row * n_cols + column) on rows whose inv_t > 0, and of x
-        itself on the others."""
+        (`gumbel_noise`, key `seed`, element row * V4 + column of its stream, V4 = n_cols rounded up to a multiple of
+        4) on rows whose inv_t > 0, and of x itself on the others."""
         await_producers(USE_GDC)
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -86,6 +91,7 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         if NOISE:
             inv_t = tl.load(inv_t_ptr + row)
+            noise_row = row * ((n_cols + 3) // 4 * 4)
         # the chunk's running (value, index): tiles in order, a later tile taking over only when strictly larger
         # (or the first NaN); the chunk's first element is never past the row, so the index starts there
         best_v = tl.full((), float("-inf"), tl.float32)
@@ -97,7 +103,8 @@ if HAS_TRITON:
             v = tl.load(x_row + c, mask=ok, other=float("-inf")).to(tl.float32)
             if NOISE:  # greedy rows (inv_t <= 0): v * 1 + 0, the logit itself
                 noisy = inv_t > 0
-                v = v * tl.where(noisy, inv_t, 1.0) + tl.where(noisy, gumbel_noise(seed, row * n_cols + c), 0.0)
+                g = gumbel_noise(seed, noise_row + start + t * BLOCK, BLOCK)
+                v = v * tl.where(noisy, inv_t, 1.0) + tl.where(noisy, g, 0.0)
             tv, ti = _first_max(v, c, ok)
             is_nan = tv != tv
             nan_i = tl.where(is_nan & (nan_i == NO_INDEX), ti, nan_i)

@@ -10,9 +10,11 @@ the probabilities, the noise or a float32 copy of the logits ever being written:
 untruncated rows (runtime/sampler.py) read the [R, V] logits once instead of the seven passes of the torch path
 (cast, divide, softmax, noise, clamp, divide, argmax: about 0.5 ms a step at 256 x 151,936 on an H200).
 
-Noise: `tl.rand`'s Philox, keyed by `seed` (an int below 2**31), counter r * V + j (int32: rows past 2**31 / V
-elements reuse counters of earlier rows). The same (x, inv_temperature, seed) gives the same ids on any GPU and
-under TRITON_INTERPRET=1. NaN logits win, as in argmax_rows (a NaN score is the largest).
+Noise: Philox (`tl.rand4x`), keyed by `seed` (an int below 2**31): element j of row r is lane e % 4 of counter
+e // 4, e = r * V4 + j with V4 = V rounded up to a multiple of 4 (argmax.py's `gumbel_noise`: one Philox call per four
+elements; int32, so rows past 2**31 / V4 elements reuse counters of earlier rows). The same (x, inv_temperature,
+seed) gives the same ids on any GPU and under TRITON_INTERPRET=1. NaN logits win, as in argmax_rows (a NaN score is
+the largest).
 
 Two implementations:
   * `gumbel_argmax_triton`: argmax.py's kernel with its NOISE switch (one launch, rows split over up to 64 programs

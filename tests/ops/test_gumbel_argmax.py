@@ -20,9 +20,13 @@ try:
 
     @triton.jit
     def _noise_kernel(out_ptr, n_cols, seed, BLOCK: tl.constexpr):
+        """The noise of every element, from `gumbel_noise` in tiles of its own size (the stream does not depend on
+        the tiling)."""
         row = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * n_cols + c, gumbel_noise(seed, row * n_cols + c), mask=c < n_cols)
+        start = tl.program_id(1) * BLOCK
+        c = start + tl.arange(0, BLOCK)
+        g = gumbel_noise(seed, row * ((n_cols + 3) // 4 * 4) + start, BLOCK)
+        tl.store(out_ptr + row * n_cols + c, g, mask=c < n_cols)
 except ImportError:  # no triton: the kernel tests are skipped
     pass
 

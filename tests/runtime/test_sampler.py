@@ -23,9 +23,9 @@ from mini_infer.sampling_params import SamplingParams
 V = 32
 
 
-def build(params, histories=None, generators=None, vocab=V, eos=None):
+def build(params, histories=None, generators=None, vocab=V, eos=None, device="cpu"):
     histories = histories or [((), ())] * len(params)
-    return SamplingBatch.build(params, histories, generators, vocab, "cpu", eos_token_ids=eos)
+    return SamplingBatch.build(params, histories, generators, vocab, device, eos_token_ids=eos)
 
 
 def draw(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
@@ -454,6 +454,11 @@ def _fused_draws_patch_backend(monkeypatch) -> None:
         monkeypatch.setattr(gumbel_mod, "use_triton", lambda t: True)
 
 
+def _fused_device() -> str:
+    """Where the fused-draw tests put their tensors: the GPU when there is one, else CPU under the interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _fused_draws(monkeypatch) -> list:
     """Route the sampler's eligible batches through the Triton Gumbel draw (on CPU tensors under the interpreter:
     `can_draw_on` patched to say yes) and record each launch's (rows, inv_temperature)."""
@@ -489,12 +494,13 @@ def test_fused_draw_is_the_ops_draw_at_the_batch_temperature(monkeypatch):
     real = gumbel_argmax_triton
     monkeypatch.setattr(sampler_mod, "gumbel_argmax_triton", lambda x, inv_t, seed: seeds.append(seed) or real(x, inv_t, seed))
     _fused_draws_patch_backend(monkeypatch)
-    logits = torch.randn(16, V)
+    dev = _fused_device()
+    logits = torch.randn(16, V, device=dev)
     params = [SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0, 0.7)] * 4
-    ids = Sampler()(logits, build(params)).token_ids
-    inv_t = torch.tensor([1 / p.temperature for p in params], dtype=torch.float32)
+    ids = Sampler()(logits, build(params, device=dev)).token_ids
+    inv_t = torch.tensor([1 / p.temperature for p in params], dtype=torch.float32, device=dev)
     assert torch.equal(ids, real(logits, inv_t, seeds[0]))
-    Sampler()(logits, build(params))
+    Sampler()(logits, build(params, device=dev))
     assert len(seeds) == 2 and seeds[0] != seeds[1]
 
 
@@ -509,12 +515,28 @@ def test_fused_draw_not_taken_where_the_torch_path_is_needed(monkeypatch, params
     """Truncation, a seeded row (its own generator's stream) and processed logprobs keep the torch path; with
     none of them the batch takes the fused draw, unless FUSED_DRAW is off."""
     calls = _fused_draws(monkeypatch)
-    gens = [make_generator(5, "cpu")] * 2 if seeded else None
-    batch = build([params] * 2, generators=gens)
-    Sampler(logprobs_mode)(torch.randn(2, V), batch)
+    dev = _fused_device()
+    gens = [make_generator(5, dev)] * 2 if seeded else None
+    batch = build([params] * 2, generators=gens, device=dev)
+    Sampler(logprobs_mode)(torch.randn(2, V, device=dev), batch)
     assert calls == []
-    Sampler()(torch.randn(2, V), build([SamplingParams(temperature=0.7, logprobs=2)] * 2))
+    Sampler()(torch.randn(2, V, device=dev), build([SamplingParams(temperature=0.7, logprobs=2)] * 2, device=dev))
     assert len(calls) == 1  # raw logprobs: still fused
     monkeypatch.setattr(sampler_mod, "FUSED_DRAW", False)
-    Sampler()(torch.randn(2, V), build([SamplingParams(temperature=0.7)] * 2))
+    Sampler()(torch.randn(2, V, device=dev), build([SamplingParams(temperature=0.7)] * 2, device=dev))
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_draw_no_host_sync(monkeypatch):
+    """The fused draw (its seed from the CPU generator) queues without waiting on the device."""
+    calls = _fused_draws(monkeypatch)
+    batch = build([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)] * 2, vocab=1000, device="cuda")
+    logits = torch.randn(4, 1000, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids = Sampler()(logits, batch).token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == 1 and ids[1].item() == logits[1].float().argmax().item()
