@@ -1,0 +1,580 @@
+"""Probe (not a test, not used by the engine): decode attention over an fp8 paged KV cache, looking for a kernel
+that reads the fp8 cache at the copy bandwidth.
+
+    TRITON_INTERPRET=1 python bench/probe_fp8_decode.py --cpu   # every variant vs a torch reference, small shapes
+    python bench/probe_fp8_decode.py --sm90                     # CPU, no interpreter: sm_90 builds, regs/smem/...
+    python bench/probe_fp8_decode.py [--variants a,b] [--quick] # CUDA: check, then time (CUDA graphs of 28 calls)
+
+`paged_attention_triton`'s unified kernel over an fp8 (e4m3) cache is barely faster than over a bf16 one at large
+batch (H200, qwen3-0.6b shapes, b256/ctx2048: 450 us fp8 against 524 us bf16; 2.4 against 4.2 TB/s of K/V).
+Here are decode-only kernels (one query row per sequence, no KV write, no key splits, no window or softcap) over
+the op's cache layout and inputs: q [S, Hq, D] bf16, k_cache / v_cache [num_blocks, 16, Hkv, D] float8_e4m3fn
+with per-layer fp32 scales ([1]; the cache holds k / k_scale), block_tables [S, max_blocks] int32, seq_lens [S]
+int32; out [S, Hq, D] bf16. One program per (sequence, kv head) with its G query heads as score rows (padded to
+16 for tl.dot). The math is the op's (its "fp16" way): q saturated to fp16, fp8 tiles converted (exactly) to
+fp16 for the dots, scores times scale * k_scale in log2 units, online softmax in fp32 with exp2
+(`_split_k.online_softmax_step`), p in fp16, the output times v_scale.
+
+Variants, each after more K/V bytes in flight per SM:
+  base      the op's loop: one BLOCK_N key tile per step (block-table entries, K, V), for Triton's pipeliner
+            (cp.async into shared memory, `num_stages`); VREGS converts the V tile in registers (the op's
+            "fp16_vregs" trick) instead of reading its fp8 bytes from shared memory one at a time.
+  wide      2 x BLOCK_N keys per step: both halves' block-table entries and raw fp8 K/V tiles loaded at the top
+            of the step, then converted and dotted one half at a time.
+  prefetch  software prefetch in registers: the next step's raw fp8 K/V tiles (and the block-table entries of
+            the step after it) loaded at the top of the current step and carried in the loop (num_stages 1:
+            no pipeliner).
+  swapab    S^T = K @ Q^T and O^T = V^T @ P^T: keys on the MMA's M side (wgmma on Hopper with M = BLOCK_N,
+            N = 16), softmax along the key axis.
+
+The CUDA run (qwen3-0.6b's 16 / 8 heads, D 128, batch 64 / 256, context 512 / 2048, block tables 4,096 keys wide
+as bench/kernel_paged_attention.py builds them): each variant's max error against the dequantized fp32 reference
+and against the op's output, the resources of each build as launched (this Triton), then a table of us per call
+(CUDA graph of 28 calls) and GB/s of K/V bytes read, for every variant and launch shape (CONFIGS) and for the op:
+fp8 cache with its write (`paged_attention_triton`, what the sweep timed) and without (`_cached_triton`, what the
+variants do), the op's "fp16_vregs" way, and a bf16 cache of the same sizes; the copy bandwidth; the best variant.
+Exit status 1 if a variant is beyond 2e-2 of the reference.
+
+Note on sm_90 builds (--sm90): a launch specializes 16-aligned pointers and integers divisible by 16
+(tt.divisibility); a build without those hints (tests/ops/compile_paged_attention_sm90.py's) loads the fp8 tiles
+one byte at a time and Triton's pipeliner leaves them alone, so it shows no cp.async. This script's builds carry
+the hints a real launch at the H200 shapes gets.
+
+Run on an H200 (2026-11-29, bench/RESULTS.md twentieth session, `s20_probe_fp8_decode_h200.txt`): the best variant
+is base n128 w4 s3, 0.85-0.92x the op's time without its write, at most 0.66 of the copy bandwidth; wide, prefetch,
+swapab and the vregs builds were slower. No variant reads the cache near the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from mini_infer.ops import _split_k  # noqa: E402
+from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, tl, triton  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+TOL = 2e-2  # bf16 output
+TOL_FP32 = 5e-3  # fp32 output (--cpu): the kernel's fp16 rounding of q and p only
+BLOCK_SIZE = 16
+HQ, HKV, D = 16, 8, 128  # qwen3-0.6b
+SHAPES = ((64, 512), (64, 2048), (256, 512), (256, 2048))  # (batch, context) on CUDA
+LAYERS = 28
+
+if HAS_TRITON:
+    LOG2E = _split_k.LOG2E
+
+    @triton.jit
+    def _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh, s_bt,
+               G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """(qv fp16 [BLOCK_R, D], ctx, bt_row, qk_scale (log2 units), v_scale) of program (sequence, kv head)."""
+        s = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, D)
+        head = kvh * G + r
+        qv = tl.load(q_ptr + s * s_qs + head[:, None] * s_qh + d[None, :], mask=(r < G)[:, None], other=0.0)
+        qv = tl.clamp(qv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # the op's fp16 dots
+        ctx = tl.load(lens_ptr + s)
+        qk_scale = scale * tl.load(ks_ptr) * LOG2E
+        v_scale = tl.load(vs_ptr)
+        return qv, ctx, bt_ptr + s * s_bt, qk_scale, v_scale
+
+    @triton.jit
+    def _raw(c_ptr, pblk, koff, k_ok, kvh, s_b, s_o, s_h, D: tl.constexpr):
+        """A K or V tile [keys, D] as stored (fp8), zero where not k_ok."""
+        d = tl.arange(0, D)
+        return tl.load(c_ptr + pblk[:, None] * s_b + koff[:, None] * s_o + kvh * s_h + d[None, :],
+                       mask=k_ok[:, None], other=0.0)
+
+    @triton.jit
+    def _f16(x, IN_REGISTERS: tl.constexpr):
+        """An fp8 tile as fp16 for tl.dot (exact); IN_REGISTERS: the op's `_dot_tile` split-and-join trick, so the
+        compiler converts it in registers instead of reading fp8 bytes from shared memory in the dot's layout."""
+        if IN_REGISTERS:
+            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            x = tl.reshape(tl.join(a.to(tl.float16), b.to(tl.float16)), [x.shape[0], x.shape[1]])
+        return x.to(tl.float16)
+
+    @triton.jit
+    def _scores(qv, kt, start, ctx, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
+        """A raw fp8 key tile kt [BLOCK_N, D] (keys start ..) against qv, folded into the running softmax:
+        (p, alpha, m_i, l_i) of `online_softmax_step`."""
+        sc = tl.dot(qv, tl.trans(_f16(kt, False))) * qk_scale
+        if start + BLOCK_N > ctx:  # the last tile: keys past the context
+            kpos = start + tl.arange(0, BLOCK_N)
+            sc = tl.where((kpos < ctx)[None, :], sc, float("-inf"))
+        return _split_k.online_softmax_step(sc, m_i, l_i)
+
+    @triton.jit
+    def _values(acc, p, alpha, vt, VREGS: tl.constexpr):
+        """acc * alpha + p @ vt (vt the raw fp8 value tile)."""
+        return acc * alpha[:, None] + tl.dot(p.to(tl.float16), _f16(vt, VREGS))
+
+    @triton.jit
+    def _attend(qv, kt, vt, start, ctx, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, VREGS: tl.constexpr):
+        """One key tile (raw fp8 kt, vt [BLOCK_N, D], keys start ..) folded into (m_i, l_i, acc)."""
+        p, alpha, m_i, l_i = _scores(qv, kt, start, ctx, m_i, l_i, qk_scale, BLOCK_N)
+        return m_i, l_i, _values(acc, p, alpha, vt, VREGS)
+
+    @triton.jit
+    def _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr):
+        s = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, D)
+        o = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        head = tl.program_id(1) * G + r
+        tl.store(out_ptr + s * s_os + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=(r < G)[:, None])
+
+    @triton.jit
+    def _base_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
+        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
+        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
+    ):  # fmt: skip
+        kvh = tl.program_id(1)
+        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
+                                                    s_bt, G, BLOCK_R, D)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for start in range(0, ctx, BLOCK_N):
+            _, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, ctx, BLOCK_SIZE, BLOCK_N)
+            kt = _raw(kc_ptr, pblk, koff, k_ok, kvh, s_kb, s_ko, s_kh, D)
+            p, alpha, m_i, l_i = _scores(qv, kt, start, ctx, m_i, l_i, qk_scale, BLOCK_N)
+            # V after the scores, as the op: the pipeliner reads each tile from shared memory where it was loaded
+            vt = _raw(vc_ptr, pblk, koff, k_ok, kvh, s_vb, s_vo, s_vh, D)
+            acc = _values(acc, p, alpha, vt, VREGS)
+        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+
+    @triton.jit
+    def _wide_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
+        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
+        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
+    ):  # fmt: skip
+        kvh = tl.program_id(1)
+        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
+                                                    s_bt, G, BLOCK_R, D)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for start in range(0, ctx, 2 * BLOCK_N):
+            # both halves' block-table entries first; each tile loaded where it is used (under the pipeliner the
+            # global loads of all four are issued a step ahead as cp.async, whatever their place here; in
+            # registers, four raw tiles up front spill at 4 warps)
+            _, ok0, pb0, koff = _split_k.key_tile(bt_row, start, ctx, BLOCK_SIZE, BLOCK_N)
+            _, ok1, pb1, _ = _split_k.key_tile(bt_row, start + BLOCK_N, ctx, BLOCK_SIZE, BLOCK_N)
+            k0 = _raw(kc_ptr, pb0, koff, ok0, kvh, s_kb, s_ko, s_kh, D)
+            p, alpha, m_i, l_i = _scores(qv, k0, start, ctx, m_i, l_i, qk_scale, BLOCK_N)
+            v0 = _raw(vc_ptr, pb0, koff, ok0, kvh, s_vb, s_vo, s_vh, D)
+            acc = _values(acc, p, alpha, v0, VREGS)
+            # a second half wholly past ctx has every score -inf: p = 0, alpha = 1 (m_i is finite by now)
+            k1 = _raw(kc_ptr, pb1, koff, ok1, kvh, s_kb, s_ko, s_kh, D)
+            p, alpha, m_i, l_i = _scores(qv, k1, start + BLOCK_N, ctx, m_i, l_i, qk_scale, BLOCK_N)
+            v1 = _raw(vc_ptr, pb1, koff, ok1, kvh, s_vb, s_vo, s_vh, D)
+            acc = _values(acc, p, alpha, v1, VREGS)
+        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+
+    @triton.jit
+    def _prefetch_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
+        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
+        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
+    ):  # fmt: skip
+        kvh = tl.program_id(1)
+        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
+                                                    s_bt, G, BLOCK_R, D)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        _, ok, pb, koff = _split_k.key_tile(bt_row, 0, ctx, BLOCK_SIZE, BLOCK_N)
+        kt = _raw(kc_ptr, pb, koff, ok, kvh, s_kb, s_ko, s_kh, D)
+        vt = _raw(vc_ptr, pb, koff, ok, kvh, s_vb, s_vo, s_vh, D)
+        _, ok1, pb1, _ = _split_k.key_tile(bt_row, BLOCK_N, ctx, BLOCK_SIZE, BLOCK_N)
+        for start in range(0, ctx, BLOCK_N):
+            # the next step's tiles (all masked off past ctx: no traffic) and the entries of the one after it
+            kn = _raw(kc_ptr, pb1, koff, ok1, kvh, s_kb, s_ko, s_kh, D)
+            vn = _raw(vc_ptr, pb1, koff, ok1, kvh, s_vb, s_vo, s_vh, D)
+            _, ok2, pb2, _ = _split_k.key_tile(bt_row, start + 2 * BLOCK_N, ctx, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc = _attend(qv, kt, vt, start, ctx, m_i, l_i, acc, qk_scale, BLOCK_N, VREGS)
+            kt, vt, ok1, pb1 = kn, vn, ok2, pb2
+        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+
+    @triton.jit
+    def _swapab_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
+        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
+        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
+    ):  # fmt: skip
+        kvh = tl.program_id(1)
+        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
+                                                    s_bt, G, BLOCK_R, D)
+        q_t = tl.trans(qv)  # [D, BLOCK_R]
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc_t = tl.zeros([D, BLOCK_R], tl.float32)
+        for start in range(0, ctx, BLOCK_N):
+            kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, ctx, BLOCK_SIZE, BLOCK_N)
+            kt = _raw(kc_ptr, pblk, koff, k_ok, kvh, s_kb, s_ko, s_kh, D)
+            sc = tl.dot(_f16(kt, False), q_t) * qk_scale  # [BLOCK_N, BLOCK_R]: S^T
+            if start + BLOCK_N > ctx:
+                sc = tl.where(k_ok[:, None], sc, float("-inf"))
+            # online_softmax_step along the key axis (axis 0)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(sc - m_ref[None, :])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+            vt = _raw(vc_ptr, pblk, koff, k_ok, kvh, s_vb, s_vo, s_vh, D)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(_f16(vt, VREGS)), p.to(tl.float16))  # O^T
+        _store(out_ptr, tl.trans(acc_t), l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+
+    KERNELS = {"base": _base_kernel, "wide": _wide_kernel, "prefetch": _prefetch_kernel, "swapab": _swapab_kernel}
+else:
+    KERNELS = {}
+
+# Launch shapes (block_n, num_warps, num_stages, vregs) per variant: the CUDA run times each, --sm90 builds each.
+CONFIGS = {
+    "base": [(128, 4, 3, False), (128, 4, 3, True), (128, 4, 5, True), (64, 4, 3, True), (64, 4, 6, True),
+             (64, 4, 8, True), (32, 4, 8, True), (128, 8, 4, True), (64, 2, 6, True)],
+    "wide": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, True), (64, 4, 5, True)],
+    "prefetch": [(64, 4, 1, True), (128, 8, 1, True), (32, 4, 1, True), (64, 4, 1, False)],
+    "swapab": [(128, 4, 3, True), (64, 4, 3, True), (64, 4, 6, True), (128, 4, 3, False), (64, 4, 3, False)],
+}
+COMPILED = {}  # (variant, *config) -> the last launch's compiled kernel (the CUDA run prints its resources)
+CPU_CONFIGS = {name: [(128, 4, 3, False), (64, 4, 3, True), (32, 4, 3, True)] for name in CONFIGS}  # values only
+
+
+def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_stages, vregs, out=None):
+    """Variant `variant` of the decode attention; out [S, Hq, D] (new unless given)."""
+    s, hq, d = q.shape
+    hkv = kc.shape[2]
+    g = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)  # (any float dtype: the kernel casts to it)
+    COMPILED[(variant, block_n, num_warps, num_stages, vregs)] = KERNELS[variant][(s, hkv)](
+        q, kc, vc, out, bt, lens, ks, vs, float(scale),
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        out.stride(0), out.stride(1), bt.stride(0),
+        G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=kc.shape[1], BLOCK_N=block_n, VREGS=vregs,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def reference(q, kc, vc, bt, lens, scale, ks, vs, chunk=32):
+    """Dequantized fp32 attention of each sequence's last query over its seq_lens keys ([S, Hq, D] fp32)."""
+    s, hq, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    out = torch.zeros(s, hq, d, dtype=torch.float32, device=q.device)
+    lens_l = lens.tolist()
+    for c0 in range(0, s, chunk):
+        idx = list(range(c0, min(s, c0 + chunk)))
+        n = max(lens_l[i] for i in idx)
+        if n == 0:
+            continue
+        nb = -(-n // bs)
+        blk = bt[idx, :nb].long()  # [c, nb]
+        k = kc.view(torch.uint8)[blk].view(FP8).float().reshape(len(idx), nb * bs, hkv, d)[:, :n] * ks
+        v = vc.view(torch.uint8)[blk].view(FP8).float().reshape(len(idx), nb * bs, hkv, d)[:, :n] * vs
+        qf = q[idx].float().view(len(idx), hkv, hq // hkv, d)
+        sc = torch.einsum("cjgd,cnjd->cjgn", qf, k) * scale
+        valid = torch.arange(n, device=q.device)[None, :] < lens[idx][:, None]
+        sc = sc.masked_fill(~valid[:, None, None, :], float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        out[idx] = torch.einsum("cjgn,cnjd->cjgd", p, v).reshape(len(idx), hq, d)
+    return out
+
+
+def make_case(lens, hq, hkv, d, device, capacity_blocks=None, seed=0):
+    """(q, kc, vc, bt, lens, scale, ks, vs): random bf16 q, fp8 caches quantized from randn over amax / 448
+    scales, block tables of shuffled blocks (entries past a sequence's blocks point at block 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = len(lens)
+    nbs = [-(-n // BLOCK_SIZE) for n in lens]
+    cap = capacity_blocks or max(1, max(nbs))
+    num_blocks = sum(nbs) + 4
+    kf = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen)
+    vf = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen)
+    ks = (kf.abs().amax() / 448.0).reshape(1)
+    vs = (vf.abs().amax() / 448.0).reshape(1)
+    kc = (kf / ks).clamp(-448, 448).to(FP8)
+    vc = (vf / vs).clamp(-448, 448).to(FP8)
+    perm = torch.randperm(num_blocks, generator=gen)[: sum(nbs)]
+    bt = torch.zeros(s, cap, dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[at : at + nb].int()
+        at += nb
+    q = torch.randn(s, hq, d, generator=gen).to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return [x.to(device) for x in (q, kc, vc, bt, lens_t)] + [d**-0.5, ks.to(device), vs.to(device)]
+
+
+# --------------------------------------------------------------------------------------------------
+# --cpu: the interpreter, every variant against the reference
+# --------------------------------------------------------------------------------------------------
+
+
+def cpu_check() -> int:
+    """Each variant at CPU_CONFIGS under the interpreter: max |out - reference| with the kernel's bf16 output
+    (tolerance TOL; the interpreter truncates fp32 -> bf16, one bf16 ulp: up to 1.6e-2 at |out| < 4) and with an
+    fp32 output (the kernel's math alone: fp16 q, p and tiles; tolerance TOL_FP32)."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        print("--cpu needs TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    cases = [((1, 17, 300), 16, 8, 128), ((300, 1, 129, 64), 14, 2, 128), ((5, 256, 31), 4, 1, 64)]
+    worst, worst32, bad = 0.0, 0.0, 0
+    for lens, hq, hkv, d in cases:
+        args = make_case(list(lens), hq, hkv, d, "cpu", capacity_blocks=24)
+        ref = reference(*args)
+        for variant, configs in CPU_CONFIGS.items():
+            for cfg in configs:
+                t0 = time.perf_counter()
+                err = (launch(variant, *args, *cfg).float() - ref).abs().max().item()
+                out32 = torch.empty(args[0].shape, dtype=torch.float32)
+                err32 = (launch(variant, *args, *cfg, out=out32) - ref).abs().max().item()
+                worst, worst32 = max(worst, err), max(worst32, err32)
+                fail = not (err <= TOL and err32 <= TOL_FP32)
+                bad += fail
+                print(f"lens {lens} heads {hq}/{hkv} (G {hq // hkv}) D {d} | {variant:8s} {cfg_label(cfg):18s} "
+                      f"max|err| bf16 out {err:.2e}, fp32 out {err32:.2e}  ({time.perf_counter() - t0:.1f} s)"
+                      f"{'  FAIL' if fail else ''}", flush=True)
+    print(f"worst: bf16 out {worst:.2e} (tolerance {TOL}), fp32 out {worst32:.2e} (tolerance {TOL_FP32}); "
+          f"{bad} failure(s)")
+    return 1 if bad else 0
+
+
+def cfg_label(cfg) -> str:
+    block_n, warps, stages, vregs = cfg
+    return f"n{block_n} w{warps} s{stages}" + (" vregs" if vregs else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# --sm90: builds for sm_90 (no GPU), with the specialization a launch at the H200 shapes gets
+# --------------------------------------------------------------------------------------------------
+
+DIVISIBLE = ("s_qs", "s_qh", "s_kb", "s_ko", "s_kh", "s_vb", "s_vo", "s_vh", "s_os", "s_oh", "s_bt")
+POINTER_TYPES = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32", "ks_ptr": "*fp32",
+                 "vs_ptr": "*fp32"}
+
+
+def build_sm90(kernel, g, cfg, d=D):
+    from triton.backends.compiler import GPUTarget
+
+    block_n, num_warps, num_stages, vregs = cfg
+    constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, VREGS=vregs)
+    sig = {a: "constexpr" if p.is_constexpr else POINTER_TYPES.get(a, "*bf16") if a.endswith("_ptr")
+           else "fp32" if a == "scale" else "i32" for a, p in zip(kernel.arg_names, kernel.params)}
+    div = [a for a in kernel.arg_names if a.endswith("_ptr") or a in DIVISIBLE]  # what a launch specializes
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                               num_stages=num_stages))
+
+
+def sm90_stats(compiled, num_warps) -> dict:
+    from tests.ops.compile_sm90 import resource_usage
+
+    usage = resource_usage(compiled.asm["cubin"])
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage)}
+    ptx = compiled.asm["ptx"]
+    ops = Counter(re.findall(r"\b(cp\.async\.c[ag]|wgmma\.mma_async|mma\.sync|ld\.global(?:\.nc)?(?:\.v\d)?\.b\d+"
+                             r"|ld\.shared(?:\.v\d)?\.b\d+)", ptx))
+    regs = field.get("REG", 0)
+    smem = compiled.metadata.shared  # dynamic + static, bytes
+    by_regs = 65536 // (max(1, math.ceil(regs / 8) * 8) * 32 * num_warps) if regs else 0
+    by_smem = (233472 // (smem + 1024)) if smem else 32
+    return {"regs": regs, "stack": field.get("STACK", 0), "spill": field.get("LOCAL", 0), "smem": smem,
+            "cp_async": ops["cp.async.cg"] + ops["cp.async.ca"], "wgmma": ops["wgmma.mma_async"],
+            "mma_sync": ops["mma.sync"], "programs_per_sm": min(by_regs, by_smem, 64 // num_warps),
+            "global_loads": {k: v for k, v in ops.items() if k.startswith("ld.global")},
+            "shared_b8_loads": ops["ld.shared.b8"]}
+
+
+def sm90_report() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("--sm90: unset TRITON_INTERPRET (interpreted functions do not compile)", file=sys.stderr)
+        return 2
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as exc:
+        print(f"no CUDA backend: {exc}", file=sys.stderr)
+        return 2
+    print(f"triton {triton.__version__}, sm_90 builds at G {HQ // HKV}, D {D}, block {BLOCK_SIZE} (pointers and strides "
+          f"divisible by 16, as launched); programs/SM from regs and shared memory")
+    print(f"{'variant':9s} {'config':18s} | {'regs':>4s} {'spill':>5s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>5s} "
+          f"{'mma':>4s} {'prog/SM':>7s} | global loads, ld.shared.b8")
+    for variant, configs in CONFIGS.items():
+        for cfg in configs:
+            t0 = time.perf_counter()
+            try:
+                st = sm90_stats(build_sm90(KERNELS[variant], HQ // HKV, cfg), cfg[1])
+            except Exception as exc:  # a build that fails (shared memory, a Triton limit): say so
+                print(f"{variant:9s} {cfg_label(cfg):18s} | build failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            loads = " ".join(f"{k}x{v}" for k, v in sorted(st["global_loads"].items()))
+            print(f"{variant:9s} {cfg_label(cfg):18s} | {st['regs']:4d} {st['spill'] + st['stack']:5d} "
+                  f"{st['smem']:7d} {st['cp_async']:8d} {st['wgmma']:5d} {st['mma_sync']:4d} "
+                  f"{st['programs_per_sm']:7d} | {loads}, b8x{st['shared_b8_loads']} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: check and time
+# --------------------------------------------------------------------------------------------------
+
+
+def device_stats(compiled) -> str:
+    """Registers, spills, shared memory and cp.async / wgmma counts of a launched kernel (this Triton's build)."""
+    ptx = compiled.asm.get("ptx", "")
+    n_cp = len(re.findall(r"\bcp\.async\.c[ag]\b", ptx))
+    n_wg = len(re.findall(r"\bwgmma\.mma_async\b", ptx))
+    return (f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')} smem "
+            f"{compiled.metadata.shared} cp.async {n_cp} wgmma {n_wg}")
+
+
+def gpu_run(variants, quick, device="cuda") -> int:
+    """Check each variant against the reference and the op, then time variants and op (module docstring)."""
+    sys.path.insert(0, str(BENCH))
+    import kernel_paged_attention as kpa
+    from kernel_norm import copy_bandwidth
+
+    from mini_infer.ops import paged_attention as pa
+    from mini_infer.ops.paged_attention import paged_attention_cached_triton, paged_attention_triton
+
+    t_start = time.perf_counter()
+    cb = copy_bandwidth(1.0, 0, 10)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} triton {triton.__version__} | copy bandwidth "
+          f"{cb['gbps']:.0f} GB/s (dst.copy_(src), 1 GiB) | decode, Hq {HQ} Hkv {HKV} D {D} block {BLOCK_SIZE}, "
+          f"bf16 q, CUDA graph of {LAYERS} calls, us per call (GB/s of K/V read)", flush=True)
+    configs = {v: CONFIGS[v][:2] if quick else CONFIGS[v] for v in variants}
+    rows = {}  # label -> {shape: us}
+    first_shape = f"b{SHAPES[0][0]}/ctx{SHAPES[0][1]}"
+    bad = 0
+    for s, ctx in SHAPES:
+        shape = f"b{s}/ctx{ctx}"
+        args = kpa.decode_args(s, ctx, HQ, HKV, D, kv="fp8", device=device)
+        paged_attention_triton(*args)  # its write puts the step's k/v in the cache (same bytes every call)
+        q, kc, vc, bt, lens, scale, ks, vs = args[0], args[3], args[4], args[6], args[7], args[9], args[12], args[13]
+        mine = (q, kc, vc, bt, lens, scale, ks, vs)
+        kv_bytes = 2 * s * ctx * HKV * D  # fp8 K and V
+        ref = reference(*mine)
+        op_out = paged_attention_cached_triton(q, kc, vc, bt, lens, args[8], scale, 0, 0.0, ks, vs).float()
+        print(f"{shape}: op vs reference max|err| {(op_out - ref).abs().max().item():.2e}", flush=True)
+
+        def record(label, us, nbytes, shape=shape):
+            rows.setdefault(label, {})[shape] = (us, nbytes / us / 1e3)
+
+        record("op fp8 (write+attn)", kpa.graph_us(lambda a=args: paged_attention_triton(*a), LAYERS), kv_bytes)
+        record("op fp8 (attn only)", kpa.graph_us(
+            lambda m=mine, qsl=args[8]: paged_attention_cached_triton(*m[:5], qsl, m[5], 0, 0.0, *m[6:]), LAYERS),
+            kv_bytes)
+        saved = dict(pa._CONFIG["decode_fp8"])  # the op's own V-in-registers way ("fp16_vregs"), for comparison
+        try:
+            pa._CONFIG["decode_fp8"] = {**saved, "fp8_dot": "fp16_vregs"}
+            pa._LAUNCH_OK.clear()
+            record("op fp8 vregs (attn only)", kpa.graph_us(
+                lambda m=mine, qsl=args[8]: paged_attention_cached_triton(*m[:5], qsl, m[5], 0, 0.0, *m[6:]),
+                LAYERS), kv_bytes)
+        finally:
+            pa._CONFIG["decode_fp8"] = saved
+            pa._LAUNCH_OK.clear()
+        worst = (0.0, ""), (0.0, "")
+        for variant, cfgs in configs.items():
+            for cfg in cfgs:
+                label = f"{variant} {cfg_label(cfg)}"
+                out = torch.empty_like(q)
+                try:
+                    got = launch(variant, *mine, *cfg, out=out).float()
+                except Exception as exc:  # out of shared memory / resources
+                    print(f"  {label}: launch failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                err_ref = (got - ref).abs().max().item()
+                err_op = (got - op_out).abs().max().item()
+                worst = max(worst[0], (err_ref, label)), max(worst[1], (err_op, label))
+                if shape == first_shape:  # this Triton's build, as launched
+                    print(f"  {label:28s} {device_stats(COMPILED[(variant, *cfg)])}", flush=True)
+                ok = err_ref <= TOL
+                bad += not ok
+                if not ok or err_op > TOL:
+                    print(f"  {label}: max|err| vs reference {err_ref:.2e}, vs op {err_op:.2e}"
+                          f"{'  FAIL' if not ok else ''}", flush=True)
+                record(label, kpa.graph_us(lambda v=variant, c=cfg, o=out, m=mine: launch(v, *m, *c, out=o), LAYERS),
+                       kv_bytes)
+        print(f"{shape}: worst max|variant - reference| {worst[0][0]:.2e} ({worst[0][1]}), worst max|variant - op| "
+              f"{worst[1][0]:.2e} ({worst[1][1]})", flush=True)
+        del args, mine, ref, op_out, q, kc, vc
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        b16 = kpa.decode_args(s, ctx, HQ, HKV, D, kv="bf16", device=device)
+        record("op bf16 (write+attn)", kpa.graph_us(lambda a=b16: paged_attention_triton(*a), LAYERS), 2 * kv_bytes)
+        record("op bf16 (attn only)", kpa.graph_us(
+            lambda a=b16: paged_attention_cached_triton(a[0], a[3], a[4], *a[6:12]), LAYERS), 2 * kv_bytes)
+        del b16
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"{shape} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+
+    shapes = [f"b{s}/ctx{c}" for s, c in SHAPES]
+    print(f"\n{'kernel':28s} " + " ".join(f"{sh:>20s}" for sh in shapes) + "   (us per call, GB/s)")
+    for label, per in rows.items():
+        print(f"{label:28s} " + " ".join(f"{per[sh][0]:9.1f} ({per[sh][1]:6.0f})  " if sh in per else f"{'-':>20s}"
+                                         for sh in shapes))
+    mine_rows = {k: v for k, v in rows.items() if not k.startswith("op ") and len(v) == len(shapes)}
+    if mine_rows:
+        best = min(mine_rows, key=lambda k: sum(mine_rows[k][sh][0] for sh in shapes))
+        op_attn = rows["op fp8 (attn only)"]
+        print(f"\nbest variant (least summed time): {best}: " + ", ".join(
+            f"{sh} {mine_rows[best][sh][0]:.1f} us ({mine_rows[best][sh][0] / op_attn[sh][0]:.2f}x op fp8 attn)"
+            for sh in shapes))
+        for sh in shapes:
+            b = min(mine_rows, key=lambda k, sh=sh: mine_rows[k][sh][0])
+            print(f"  best at {sh}: {b} {mine_rows[b][sh][0]:.1f} us, {mine_rows[b][sh][1]:.0f} GB/s "
+                  f"({mine_rows[b][sh][1] / cb['gbps']:.2f} of copy)")
+    print(f"{time.perf_counter() - t_start:.0f} s; {bad} variant check(s) beyond {TOL}")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="interpreter check (TRITON_INTERPRET=1)")
+    ap.add_argument("--sm90", action="store_true", help="sm_90 builds on the CPU: registers, smem, cp.async, wgmma")
+    ap.add_argument("--variants", default=",".join(CONFIGS), help="comma-separated subset (CUDA run)")
+    ap.add_argument("--quick", action="store_true", help="CUDA run: the first two launch shapes of each variant")
+    args = ap.parse_args()
+    if not HAS_TRITON:
+        print("needs triton", file=sys.stderr)
+        return 2
+    if args.cpu:
+        return cpu_check()
+    if args.sm90:
+        return sm90_report()
+    if not torch.cuda.is_available():
+        print("no CUDA device: use --cpu or --sm90", file=sys.stderr)
+        return 2
+    return gpu_run([v for v in args.variants.split(",") if v], args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
