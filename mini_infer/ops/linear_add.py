@@ -1,8 +1,8 @@
 """`mini_infer::linear_add`: a linear whose output is added to the residual, the add in the GEMV's epilogue.
 
     linear_add(x, W, b, residual) = linear(x, W, b) + residual                                    -> s
-(the one-row kernel: the linear's output rounded to x's dtype first, then the add rounded to the sum's dtype as
-torch's add stores it: s equals the unfused `linear` then add bit for bit; several rows: below). Inserted by the FuseResidualGemvs pass where a decoder
+(the linear's output rounded to x's dtype first, then the add rounded to the sum's dtype as torch's add stores
+it: s equals the unfused `linear` then add bit for bit). Inserted by the FuseResidualGemvs pass where a decoder
 layer's o_proj / down_proj output feeds the residual add whose norm goes on into the next GEMV's prologue
 (rms_norm_linear.py). Functional: never writes into its inputs.
 
@@ -16,10 +16,8 @@ before the kernel's PDL wait (`gemv_after_wait`; weights are never written by an
 then added in the loop's order (`chunk_sums`): the same sums (bit for bit under the interpreter; a GPU compiler may
 contract the loop's multiply-adds differently). Longer rows (the 7-8B down_proj) load a prefix of up to
 PREFIX_PRELOAD_K elements there (`prefix_preload_width`) and the rest in the loop after the wait: the same sums again.
-Several rows (prefill, batches) without a bias, x, W and the residual of one dtype, run cuBLAS's addmm: the
-residual added in the GEMM's epilogue (no add kernel; the fp32 sum rounded once, where the unfused pair first
-rounds the product to x's dtype: in 16-bit dtypes the two differ by about that rounding, an ulp of the product). Anything else (a bias; mixed dtypes; rows the GEMV does not
-take; a residual of another shape) runs `linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
+Anything else (several rows: prefill, batches; rows the GEMV does not take; a residual of another shape) runs
+`linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
 reference is `F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
@@ -76,14 +74,10 @@ def _sum_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
 def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The CUDA path: one GEMV kernel with the add in its epilogue for a single row the GEMV takes (tile `config`;
-    None: the GEMV's default); for several rows without a bias, of one dtype, cuBLAS's addmm (the residual added in
-    the GEMM's epilogue: one rounding, as the GEMV's, and no separate add kernel); else `linear` (its kernel) then
-    torch's add."""
+    None: the GEMV's default), else `linear` (its kernel) then torch's add."""
     n, k = weight.shape
     y_shape = (*x.shape[:-1], n)
     if not (takes_gemv(x.numel(), x.dtype, weight) and tuple(residual.shape) == y_shape):
-        if bias is None and tuple(residual.shape) == y_shape and x.dtype == weight.dtype == residual.dtype:
-            return torch.addmm(residual.reshape(-1, n), x.reshape(-1, k), weight.t()).view(y_shape)
         return linear_triton(x, weight, bias) + residual
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
