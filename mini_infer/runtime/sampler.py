@@ -14,6 +14,9 @@ Order of operations, per row:
    `argmax_rows` kernel, one launch, where torch's reduce takes a memset and a longer kernel; else torch's);
 4. other rows: divide by temperature, top-k, top-p (smallest set of most likely tokens whose mass >= top_p,
    computed after top-k), min-p (drop tokens whose probability < min_p * the largest probability), softmax;
+   a batch with top-k or top-p, no seeded row and no "processed" logprobs does steps 4-5 on its rows' candidates
+   alone (`top_k_top_p_candidates`: [R, largest k] sorted values and their ids; the whole vocab only when some row
+   has top-p without top-k), never scattering them back over the vocab;
 5. draw with the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with probability
    p_i. Rows with a seed draw E from their own `torch.Generator`, so a seeded row gets the same tokens whatever
    else shares its batch; other rows draw from the device's default generator.
@@ -266,18 +269,17 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_top_k_top_p(
+def top_k_top_p_candidates(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, top_k_max: int = 0
-) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus (out of place).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidates after top-k, then top-p: (values [R, C], their token ids [R, C]), sorted by decreasing
+    value, -inf where a candidate is dropped; C is `top_k_max` when it is below the vocab, else the whole vocab.
 
     `top_k_max` is the largest k among the rows that are sampled (0: unknown). When it is below the vocab,
     every such row keeps at most that many tokens, so the work happens on `topk(top_k_max)` (sorted)
     instead of a full sort of the vocab; top-p needs a full sort only when some sampled row has no top-k.
     Ties at the k-th value are broken by position (exactly k tokens kept).
     """
-    if top_k is None and top_p is None:
-        return logits
     vocab = logits.shape[-1]
     neg_inf = float("-inf")
     kmax = min(top_k_max or vocab, vocab) if top_k is not None else vocab
@@ -295,7 +297,18 @@ def apply_top_k_top_p(
         drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
         drop[:, 0] = False
         values = values.masked_fill(drop, neg_inf)
-    return torch.full_like(logits, neg_inf).scatter_(1, order, values)
+    return values, order
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, top_k_max: int = 0
+) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus (out of place): the
+    candidates of `top_k_top_p_candidates` scattered back over the vocab."""
+    if top_k is None and top_p is None:
+        return logits
+    values, order = top_k_top_p_candidates(logits, top_k, top_p, top_k_max)
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -341,6 +354,13 @@ class Sampler:
                 and not (batch.max_num_logprobs is not None and self.logprobs_mode == "processed")
                 and can_draw_on(logits))
 
+    def draws_among_candidates(self, batch: SamplingBatch) -> bool:
+        """Whether a truncated batch draws among its rows' top-k / top-p candidates only (the same law: the dropped
+        tokens have probability 0): no seeded row (whose noise must not depend on the batch's widest k) and no
+        "processed" logprobs (which need the whole truncated vocab)."""
+        return ((batch.top_k is not None or batch.top_p is not None) and not batch.generators
+                and not (batch.max_num_logprobs is not None and self.logprobs_mode == "processed"))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
@@ -363,6 +383,14 @@ class Sampler:
         elif fused:  # (processed logprobs never come here)
             seed = int(torch.randint(MAX_SEED, (1,)).item())  # the default CPU generator: no device sync
             token_ids = gumbel_argmax_triton(logits, batch.inv_temperature, seed)
+        elif self.draws_among_candidates(batch):
+            # truncated, unseeded, no processed logprobs: the draw among each row's candidates, never the whole vocab
+            values, order = top_k_top_p_candidates(logits / batch.temperature[:, None], batch.top_k, batch.top_p,
+                                                   batch.top_k_max)
+            picked = _exponential_race(apply_min_p(values, batch.min_p).softmax(dim=-1), {})
+            token_ids = order.gather(1, picked[:, None]).squeeze(1)
+            if not batch.all_random:
+                token_ids = torch.where(batch.greedy, greedy_argmax(logits), token_ids)
         else:
             scaled = logits / batch.temperature[:, None]
             scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.top_k_max)

@@ -545,3 +545,26 @@ def test_fused_draw_no_host_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(calls) == 1 and ids[1].item() == logits[1].float().argmax().item()
+
+
+def test_truncated_batches_draw_among_candidates(monkeypatch):
+    """Top-k / top-p batches with no seeded row draw among each row's candidates (never the vocab-wide masked
+    logits), with min-p on the candidates and greedy rows still their argmax; seeded rows and processed logprobs
+    keep the vocab-wide path."""
+    full_path = []
+    real = sampler_mod.apply_top_k_top_p
+    monkeypatch.setattr(sampler_mod, "apply_top_k_top_p", lambda *a: full_path.append(1) or real(*a))
+    logits = torch.randn(6, V)
+    params = [SamplingParams(temperature=0.9, top_k=4), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_p=0.5, top_k=6, min_p=0.1)] * 2
+    ids = Sampler()(logits, build(params)).token_ids
+    assert full_path == []
+    assert ids[1] == logits[1].argmax() and ids[4] == logits[4].argmax()
+    for r in (0, 3):
+        assert ids[r].item() in logits[r].topk(4).indices.tolist()
+    for r in (2, 5):
+        assert ids[r].item() in logits[r].topk(6).indices.tolist()
+    seeded = [SamplingParams(temperature=0.9, top_k=4, seed=1)] * 2
+    Sampler()(logits[:2], build(seeded, generators=[make_generator(1, "cpu")] * 2))
+    Sampler("processed")(logits[:2], build([SamplingParams(temperature=0.9, top_k=4, logprobs=1)] * 2))
+    assert full_path == [1, 1]
