@@ -72,6 +72,7 @@ BLOCK_SIZE = 16
 HQ, HKV, D = 16, 8, 128  # qwen3-0.6b
 SHAPES = ((64, 512), (64, 2048), (256, 512), (256, 2048))  # (batch, context) on CUDA
 LAYERS = 28
+VARIANTS = ("base", "wide", "prefetch", "swapab")  # _probe_kernel's VARIANT is the index here
 
 if HAS_TRITON:
     LOG2E = _split_k.LOG2E
@@ -140,18 +141,9 @@ if HAS_TRITON:
                  mask=(r < G)[:, None])
 
     @triton.jit
-    def _base_kernel(
-        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
-        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
-        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
-    ):  # fmt: skip
-        kvh = tl.program_id(1)
-        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
-                                                    s_bt, G, BLOCK_R, D)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
+    def _base_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i, acc,
+                   D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, VREGS: tl.constexpr):  # fmt: skip
+        """base: the op's loop, one key tile a step."""
         for start in range(0, ctx, BLOCK_N):
             _, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, ctx, BLOCK_SIZE, BLOCK_N)
             kt = _raw(kc_ptr, pblk, koff, k_ok, kvh, s_kb, s_ko, s_kh, D)
@@ -159,21 +151,12 @@ if HAS_TRITON:
             # V after the scores, as the op: the pipeliner reads each tile from shared memory where it was loaded
             vt = _raw(vc_ptr, pblk, koff, k_ok, kvh, s_vb, s_vo, s_vh, D)
             acc = _values(acc, p, alpha, vt, VREGS)
-        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+        return l_i, acc
 
     @triton.jit
-    def _wide_kernel(
-        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
-        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
-        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
-    ):  # fmt: skip
-        kvh = tl.program_id(1)
-        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
-                                                    s_bt, G, BLOCK_R, D)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
+    def _wide_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i, acc,
+                   D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, VREGS: tl.constexpr):  # fmt: skip
+        """wide: 2 x BLOCK_N keys a step."""
         for start in range(0, ctx, 2 * BLOCK_N):
             # both halves' block-table entries first; each tile loaded where it is used (under the pipeliner the
             # global loads of all four are issued a step ahead as cp.async, whatever their place here; in
@@ -189,21 +172,13 @@ if HAS_TRITON:
             p, alpha, m_i, l_i = _scores(qv, k1, start + BLOCK_N, ctx, m_i, l_i, qk_scale, BLOCK_N)
             v1 = _raw(vc_ptr, pb1, koff, ok1, kvh, s_vb, s_vo, s_vh, D)
             acc = _values(acc, p, alpha, v1, VREGS)
-        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+        return l_i, acc
 
     @triton.jit
-    def _prefetch_kernel(
-        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
-        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
-        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
-    ):  # fmt: skip
-        kvh = tl.program_id(1)
-        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
-                                                    s_bt, G, BLOCK_R, D)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
+    def _prefetch_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i,
+                       acc, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       VREGS: tl.constexpr):  # fmt: skip
+        """prefetch: the next step's raw tiles loaded at the top of the current one, carried in the loop."""
         _, ok, pb, koff = _split_k.key_tile(bt_row, 0, ctx, BLOCK_SIZE, BLOCK_N)
         kt = _raw(kc_ptr, pb, koff, ok, kvh, s_kb, s_ko, s_kh, D)
         vt = _raw(vc_ptr, pb, koff, ok, kvh, s_vb, s_vo, s_vh, D)
@@ -215,29 +190,21 @@ if HAS_TRITON:
             _, ok2, pb2, _ = _split_k.key_tile(bt_row, start + 2 * BLOCK_N, ctx, BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend(qv, kt, vt, start, ctx, m_i, l_i, acc, qk_scale, BLOCK_N, VREGS)
             kt, vt, ok1, pb1 = kn, vn, ok2, pb2
-        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+        return l_i, acc
 
     @triton.jit
-    def _swapab_kernel(
-        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
-        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
-        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, VREGS: tl.constexpr,
-    ):  # fmt: skip
-        kvh = tl.program_id(1)
-        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
-                                                    s_bt, G, BLOCK_R, D)
+    def _swapab_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i,
+                     acc, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     VREGS: tl.constexpr):  # fmt: skip
+        """swapab: S^T = K @ Q^T, O^T = V^T @ P^T, softmax along the key axis (axis 0)."""
         q_t = tl.trans(qv)  # [D, BLOCK_R]
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc_t = tl.zeros([D, BLOCK_R], tl.float32)
+        acc_t = tl.trans(acc)
         for start in range(0, ctx, BLOCK_N):
             kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, ctx, BLOCK_SIZE, BLOCK_N)
             kt = _raw(kc_ptr, pblk, koff, k_ok, kvh, s_kb, s_ko, s_kh, D)
             sc = tl.dot(_f16(kt, False), q_t) * qk_scale  # [BLOCK_N, BLOCK_R]: S^T
             if start + BLOCK_N > ctx:
                 sc = tl.where(k_ok[:, None], sc, float("-inf"))
-            # online_softmax_step along the key axis (axis 0)
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(sc - m_ref[None, :])
@@ -246,9 +213,37 @@ if HAS_TRITON:
             m_i = m_new
             vt = _raw(vc_ptr, pblk, koff, k_ok, kvh, s_vb, s_vo, s_vh, D)
             acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(_f16(vt, VREGS)), p.to(tl.float16))  # O^T
-        _store(out_ptr, tl.trans(acc_t), l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+        return l_i, tl.trans(acc_t)
 
-    KERNELS = {"base": _base_kernel, "wide": _wide_kernel, "prefetch": _prefetch_kernel, "swapab": _swapab_kernel}
+    @triton.jit
+    def _probe_kernel(
+        q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
+        s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
+        G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, VREGS: tl.constexpr, VARIANT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (sequence, kv head): the loop of variant VARIANT (an index into VARIANTS)."""
+        kvh = tl.program_id(1)
+        qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
+                                                    s_bt, G, BLOCK_R, D)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        if VARIANT == 0:
+            l_i, acc = _base_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+                                  m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
+        elif VARIANT == 1:
+            l_i, acc = _wide_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+                                  m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
+        elif VARIANT == 2:
+            l_i, acc = _prefetch_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                      s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
+        else:
+            l_i, acc = _swapab_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                    s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
+        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+
+    KERNELS = {name: _probe_kernel for name in VARIANTS}
 else:
     KERNELS = {}
 
@@ -276,7 +271,7 @@ def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         out.stride(0), out.stride(1), bt.stride(0),
         G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=kc.shape[1], BLOCK_N=block_n, VREGS=vregs,
-        num_warps=num_warps, num_stages=num_stages,
+        VARIANT=VARIANTS.index(variant), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -378,11 +373,12 @@ POINTER_TYPES = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "bt_ptr": "*i32", "
                  "vs_ptr": "*fp32"}
 
 
-def build_sm90(kernel, g, cfg, d=D):
+def build_sm90(kernel, g, cfg, d=D, variant="base"):
     from triton.backends.compiler import GPUTarget
 
     block_n, num_warps, num_stages, vregs = cfg
-    constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, VREGS=vregs)
+    constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, VREGS=vregs,
+                      VARIANT=VARIANTS.index(variant))
     sig = {a: "constexpr" if p.is_constexpr else POINTER_TYPES.get(a, "*bf16") if a.endswith("_ptr")
            else "fp32" if a == "scale" else "i32" for a, p in zip(kernel.arg_names, kernel.params)}
     div = [a for a in kernel.arg_names if a.endswith("_ptr") or a in DIVISIBLE]  # what a launch specializes
@@ -428,7 +424,7 @@ def sm90_report() -> int:
         for cfg in configs:
             t0 = time.perf_counter()
             try:
-                st = sm90_stats(build_sm90(KERNELS[variant], HQ // HKV, cfg), cfg[1])
+                st = sm90_stats(build_sm90(KERNELS[variant], HQ // HKV, cfg, variant=variant), cfg[1])
             except Exception as exc:  # a build that fails (shared memory, a Triton limit): say so
                 print(f"{variant:9s} {cfg_label(cfg):18s} | build failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
