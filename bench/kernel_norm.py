@@ -368,6 +368,40 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """A probe script's argument parser (bench/probe_*.py) with its two CPU modes, --cpu and --sm90, for `probe_main`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="interpreter check (TRITON_INTERPRET=1)")
+    ap.add_argument("--sm90", action="store_true", help="sm_90 builds on the CPU: registers, spills, smem, instructions")
+    return ap
+
+
+def probe_main(args, cpu: Callable[[], int], sm90: Callable[[], int], gpu: Callable[[], int]) -> int:
+    """A probe script's modes (bench/probe_*.py): `args.cpu` its interpreter check, `args.sm90` its sm_90 builds, else
+    its CUDA run; exit status 2 without Triton, for the builds where this process cannot compile (`compile_blocker`),
+    or for the CUDA run without a GPU."""
+    from mini_infer.ops._triton_support import HAS_TRITON
+
+    if not HAS_TRITON:
+        print("needs triton", file=sys.stderr)
+        return 2
+    if args.cpu:
+        return cpu()
+    if args.sm90:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.ops.compile_sm90 import compile_blocker
+
+        blocker = compile_blocker()
+        if blocker:
+            print(f"--sm90: {blocker}", file=sys.stderr)
+            return 2
+        return sm90()
+    if not torch.cuda.is_available():
+        print("no CUDA device: use --cpu or --sm90", file=sys.stderr)
+        return 2
+    return gpu()
+
+
 def int_list(text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]

@@ -47,13 +47,10 @@ swapab and the vregs builds were slower. No variant reads the cache near the cop
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import re
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -374,48 +371,29 @@ POINTER_TYPES = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "bt_ptr": "*i32", "
 
 
 def build_sm90(kernel, g, cfg, d=D, variant="base"):
-    from triton.backends.compiler import GPUTarget
+    """`kernel` built for sm_90 at launch shape `cfg` as a launch at the H200 shapes specializes it."""
+    from tests.ops.compile_sm90 import build_sm90 as build
 
     block_n, num_warps, num_stages, vregs = cfg
     constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, VREGS=vregs,
                       VARIANT=VARIANTS.index(variant))
-    sig = {a: "constexpr" if p.is_constexpr else POINTER_TYPES.get(a, "*bf16") if a.endswith("_ptr")
-           else "fp32" if a == "scale" else "i32" for a, p in zip(kernel.arg_names, kernel.params)}
-    div = [a for a in kernel.arg_names if a.endswith("_ptr") or a in DIVISIBLE]  # what a launch specializes
-    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                               num_stages=num_stages))
+    divisible = tuple(a for a in kernel.arg_names if a.endswith("_ptr") or a in DIVISIBLE)  # what a launch specializes
+    return build(kernel, constexprs, POINTER_TYPES, num_warps, num_stages, divisible=divisible, floats=("scale",))
 
 
 def sm90_stats(compiled, num_warps) -> dict:
-    from tests.ops.compile_sm90 import resource_usage
+    from tests.ops.compile_sm90 import build_stats
 
-    usage = resource_usage(compiled.asm["cubin"])
-    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage)}
-    ptx = compiled.asm["ptx"]
-    ops = Counter(re.findall(r"\b(cp\.async\.c[ag]|wgmma\.mma_async|mma\.sync|ld\.global(?:\.nc)?(?:\.v\d)?\.b\d+"
-                             r"|ld\.shared(?:\.v\d)?\.b\d+)", ptx))
-    regs = field.get("REG", 0)
-    smem = compiled.metadata.shared  # dynamic + static, bytes
-    by_regs = 65536 // (max(1, math.ceil(regs / 8) * 8) * 32 * num_warps) if regs else 0
-    by_smem = (233472 // (smem + 1024)) if smem else 32
-    return {"regs": regs, "stack": field.get("STACK", 0), "spill": field.get("LOCAL", 0), "smem": smem,
-            "cp_async": ops["cp.async.cg"] + ops["cp.async.ca"], "wgmma": ops["wgmma.mma_async"],
-            "mma_sync": ops["mma.sync"], "programs_per_sm": min(by_regs, by_smem, 64 // num_warps),
-            "global_loads": {k: v for k, v in ops.items() if k.startswith("ld.global")},
+    st = build_stats(compiled, num_warps, r"cp\.async\.c[ag]|wgmma\.mma_async|mma\.sync"
+                                          r"|ld\.global(?:\.nc)?(?:\.v\d)?\.b\d+|ld\.shared(?:\.v\d)?\.b\d+")
+    ops = st.pop("ops")
+    return {**st, "cp_async": ops["cp.async.cg"] + ops["cp.async.ca"], "wgmma": ops["wgmma.mma_async"],
+            "mma_sync": ops["mma.sync"], "global_loads": {k: v for k, v in ops.items() if k.startswith("ld.global")},
             "shared_b8_loads": ops["ld.shared.b8"]}
 
 
 def sm90_report() -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        print("--sm90: unset TRITON_INTERPRET (interpreted functions do not compile)", file=sys.stderr)
-        return 2
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as exc:
-        print(f"no CUDA backend: {exc}", file=sys.stderr)
-        return 2
+    """--sm90 (kernel_norm.probe_main has checked that this process can build for sm_90)."""
     print(f"triton {triton.__version__}, sm_90 builds at G {HQ // HKV}, D {D}, block {BLOCK_SIZE} (pointers and strides "
           f"divisible by 16, as launched); programs/SM from regs and shared memory")
     print(f"{'variant':9s} {'config':18s} | {'regs':>4s} {'spill':>5s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>5s} "
@@ -553,23 +531,15 @@ def gpu_run(variants, quick, device="cuda") -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="interpreter check (TRITON_INTERPRET=1)")
-    ap.add_argument("--sm90", action="store_true", help="sm_90 builds on the CPU: registers, smem, cp.async, wgmma")
+    sys.path.insert(0, str(BENCH))
+    from kernel_norm import probe_main, probe_parser
+
+    ap = probe_parser(__doc__)
     ap.add_argument("--variants", default=",".join(CONFIGS), help="comma-separated subset (CUDA run)")
     ap.add_argument("--quick", action="store_true", help="CUDA run: the first two launch shapes of each variant")
     args = ap.parse_args()
-    if not HAS_TRITON:
-        print("needs triton", file=sys.stderr)
-        return 2
-    if args.cpu:
-        return cpu_check()
-    if args.sm90:
-        return sm90_report()
-    if not torch.cuda.is_available():
-        print("no CUDA device: use --cpu or --sm90", file=sys.stderr)
-        return 2
-    return gpu_run([v for v in args.variants.split(",") if v], args.quick)
+    return probe_main(args, cpu_check, sm90_report,
+                      lambda: gpu_run([v for v in args.variants.split(",") if v], args.quick))
 
 
 if __name__ == "__main__":
