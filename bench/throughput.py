@@ -135,12 +135,16 @@ def main() -> None:
                                 kv_cache_tokens=kv_tokens, preemptions=st.get("preemptions", 0),
                                 kv_bytes_per_token=llm.engine.compiled.cache_bytes_per_token(),
                                 weight_bytes=llm.engine.compiled.weight_bytes))
+        # the host's own share of the steps' wall time (the rest waited on the device for sampled ids): near 1, the
+        # host bounds the run, not the GPU
+        step_s = st["decode_seconds"] + st["mixed_seconds"]
+        engine_meta[-1]["host_busy_share"] = (step_s - st["device_wait_seconds"]) / step_s if step_s else None
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
               f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
               f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each); KV cache {kv_tokens} tokens "
-              f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions",
-              flush=True)
+              f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "
+              f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
         print(f"{r.name}: {r.output_tok_s:.1f} output tok/s ({r.seconds:.1f}s; startup "
               f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
               flush=True)
