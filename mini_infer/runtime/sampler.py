@@ -20,10 +20,11 @@ Order of operations, per row:
 5. draw with the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with probability
    p_i. Rows with a seed draw E from their own `torch.Generator`, so a seeded row gets the same tokens whatever
    else shares its batch; other rows draw from the device's default generator.
-   On CUDA, a batch with no top-k, top-p, min-p, seeded row or "processed" logprobs skips steps 4-5's tensors:
+   On CUDA, a batch with no top-k, top-p, min-p or "processed" logprobs skips steps 4-5's tensors:
    one `gumbel_argmax` launch draws argmax(logits / T + Gumbel noise), the same law (the Gumbel-max trick), from
    the logits as they are (greedy rows of a mixed batch: their argmax in the same launch), its Philox noise keyed
-   by a seed drawn from torch's default CPU generator. At 256 rows x 151,936 that is one read of the logits
+   by a seed drawn from torch's default CPU generator; its seeded rows alone are then redrawn as above, from their
+   own generators. At 256 rows x 151,936 that is one read of the logits
    instead of seven passes over fp32 copies (`FUSED_DRAW`).
 
 Log-probabilities (when any row asks for them) are by default those of the RAW model distribution, i.e.
@@ -350,7 +351,7 @@ class Sampler:
     def fused_draw(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Whether `batch` draws with one `gumbel_argmax` launch (module docstring, step 5)."""
         return (FUSED_DRAW and not batch.all_greedy and batch.top_k is None and batch.top_p is None
-                and batch.min_p is None and not batch.generators
+                and batch.min_p is None
                 and not (batch.max_num_logprobs is not None and self.logprobs_mode == "processed")
                 and can_draw_on(logits))
 
@@ -360,6 +361,17 @@ class Sampler:
         "processed" logprobs (which need the whole truncated vocab)."""
         return ((batch.top_k is not None or batch.top_p is not None) and not batch.generators
                 and not (batch.max_num_logprobs is not None and self.logprobs_mode == "processed"))
+
+    @staticmethod
+    def _seeded_rows(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor) -> torch.Tensor:
+        """`token_ids` with the seeded rows of a fused-draw batch (untruncated) replaced by the torch path's draw
+        from each row's own generator: the same noise and probabilities as when the whole batch takes that path,
+        so a seeded row's tokens do not depend on what shares its batch."""
+        rows = list(batch.generators)
+        index = to_device(rows, torch.int64, logits.device)
+        probs = (logits.index_select(0, index) / batch.temperature.index_select(0, index)[:, None]).softmax(dim=-1)
+        drawn = _exponential_race(probs, {i: batch.generators[r] for i, r in enumerate(rows)})
+        return token_ids.index_copy(0, index, drawn)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
@@ -383,6 +395,8 @@ class Sampler:
         elif fused:  # (processed logprobs never come here)
             seed = int(torch.randint(MAX_SEED, (1,)).item())  # the default CPU generator: no device sync
             token_ids = gumbel_argmax_triton(logits, batch.inv_temperature, seed)
+            if batch.generators:  # seeded rows: redrawn from their own generators, as the torch path draws them
+                token_ids = self._seeded_rows(logits, batch, token_ids)
         elif self.draws_among_candidates(batch):
             # truncated, unseeded, no processed logprobs: the draw among each row's candidates, never the whole vocab
             values, order = top_k_top_p_candidates(logits / batch.temperature[:, None], batch.top_k, batch.top_p,

@@ -513,12 +513,11 @@ def test_fused_draw_is_the_ops_draw_at_the_batch_temperature(monkeypatch):
     (SamplingParams(temperature=0.7, top_k=3), False, "raw"),
     (SamplingParams(temperature=0.7, top_p=0.9), False, "raw"),
     (SamplingParams(temperature=0.7, min_p=0.1), False, "raw"),
-    (SamplingParams(temperature=0.7, seed=5), True, "raw"),
     (SamplingParams(temperature=0.7, logprobs=2), False, "processed"),
 ])
 def test_fused_draw_not_taken_where_the_torch_path_is_needed(monkeypatch, params, seeded, logprobs_mode):
-    """Truncation, a seeded row (its own generator's stream) and processed logprobs keep the torch path; with
-    none of them the batch takes the fused draw, unless FUSED_DRAW is off."""
+    """Truncation and processed logprobs keep the torch path; with neither the batch takes the fused draw, unless
+    FUSED_DRAW is off (seeded rows: the next test)."""
     calls = _fused_draws(monkeypatch)
     dev = _fused_device()
     gens = [make_generator(5, dev)] * 2 if seeded else None
@@ -568,3 +567,23 @@ def test_truncated_batches_draw_among_candidates(monkeypatch):
     Sampler()(logits[:2], build(seeded, generators=[make_generator(1, "cpu")] * 2))
     Sampler("processed")(logits[:2], build([SamplingParams(temperature=0.9, top_k=4, logprobs=1)] * 2))
     assert full_path == [1, 1]
+
+
+def test_fused_draw_seeded_rows_keep_their_own_stream(monkeypatch):
+    """A fused-draw batch redraws its seeded rows from their own generators: their ids are those of the torch path
+    (FUSED_DRAW off) from generators in the same state, so a seeded request's tokens do not depend on the path."""
+    calls = _fused_draws(monkeypatch)
+    dev = _fused_device()
+    logits = torch.randn(4, V, device=dev)
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=1.3, seed=9), SamplingParams(temperature=0.0)]
+
+    def draw_ids(fused: bool) -> list[int]:
+        monkeypatch.setattr(sampler_mod, "FUSED_DRAW", fused)
+        gens = [make_generator(p.seed, dev) if p.seed is not None else None for p in params]
+        return Sampler()(logits, build(params, generators=gens, device=dev)).token_ids.tolist()
+
+    fused, torch_path = draw_ids(True), draw_ids(False)
+    assert len(calls) == 1
+    assert fused[0] == torch_path[0] and fused[2] == torch_path[2]
+    assert fused[3] == logits[3].argmax().item()
