@@ -8,8 +8,9 @@ Triton launch: each row split over programs, merged by the last to arrive), not 
 
 --sample times, per (rows, vocab), a whole `Sampler()` call on bf16 logits whose rows all sample at temperature 0.6
 (no truncation): the torch path (`FUSED_DRAW` off: cast, divide, softmax, exponential noise, divide, argmax) against
-the one `gumbel_argmax` launch, eagerly with CUDA events over 50 calls after 5 warm-up calls (host time included:
-what a decode step pays between replays), and prints the ratio.
+the one `gumbel_argmax` launch, eagerly (bench/kernel_norm.py's `eager_ms`: back-to-back calls, host time included:
+what a decode step pays between replays; the H200 numbers in bench/RESULTS.md were taken as the mean of 50 calls
+after 5 warm-up calls), and prints the ratio.
 
 For every (rows, vocab) of bf16 logits (vocab 32000: llama-2 / mistral, 128256: llama-3, 151936: qwen2.5 / qwen3),
 times `x.argmax(dim=-1)` (torch's reduce, and the memset of its multi-block semaphore) and `argmax_rows_triton(x)`
@@ -26,7 +27,13 @@ import argparse
 import sys
 
 import torch
-from kernel_norm import check_device, int_list, time_calls, write_gpu_report  # the sibling script's helpers
+from kernel_norm import (  # the sibling script's helpers
+    check_device,
+    eager_ms,
+    int_list,
+    time_calls,
+    write_gpu_report,
+)
 
 ROWS = (1, 8, 64, 256)
 VOCABS = (32000, 128256, 151936)
@@ -111,18 +118,6 @@ def bench_sample(args) -> list[dict]:
     from mini_infer.runtime.sampler import Sampler, SamplingBatch
     from mini_infer.sampling_params import SamplingParams
 
-    def per_call_us(fn, n=50) -> float:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / n
-
     print(f"{torch.cuda.get_device_name()} | {args.dtype} logits, temperature 0.6 | us per Sampler() call (eager)")
     print(f"{'rows':>5}{'vocab':>8} | {'torch path':>11}{'gumbel':>9} | ratio")
     results = []
@@ -135,7 +130,7 @@ def bench_sample(args) -> list[dict]:
             times = {}
             for fused in (False, True):
                 sampler_mod.FUSED_DRAW = fused
-                times[fused] = per_call_us(lambda x=x, batch=batch: sampler(x, batch))
+                times[fused] = 1e3 * eager_ms(lambda x=x, batch=batch: sampler(x, batch))
             sampler_mod.FUSED_DRAW = True
             results.append({"rows": rows, "vocab": vocab, "torch_path_us": times[False], "gumbel_us": times[True]})
             print(f"{rows:>5}{vocab:>8} | {times[False]:>11.1f}{times[True]:>9.1f} | {times[False] / times[True]:.2f}x",
@@ -167,7 +162,7 @@ def main(argv=None) -> int:
         return run_check(args, device)
     if args.sample:
         write_gpu_report(args.out, f"kernel_sample_{gpu_tag()}.json", {"results": bench_sample(args)},
-                         timing="eager, CUDA events over 50 calls", target_ms=args.target_ms, rounds=args.rounds)
+                         timing="eager, median of rounds of back-to-back calls", target_ms=args.target_ms, rounds=args.rounds)
         return 0
     results = bench(args)
     name = f"kernel_argmax_{gpu_tag()}.json"

@@ -191,6 +191,27 @@ def time_calls(calls: list[Callable], target_ms: float, rounds: int) -> tuple[fl
     return statistics.median(times), first
 
 
+def eager_ms(fn, budget_ms=250.0, rounds=3):
+    """Median over `rounds` of the mean time of back-to-back calls (enough calls for ~budget_ms / rounds)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    iters = max(2, min(50, int(budget_ms / rounds / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
 def copy_bandwidth(gib: float, target_ms: float, rounds: int) -> dict:
     """`dst.copy_(src)` timed with events, outside a CUDA graph: inside one the copy becomes a memcpy node
     (measured ~2.7 TB/s that way on an H200, against ~4.3 TB/s eager, as bench/latency.py measures it)."""

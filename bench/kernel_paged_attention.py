@@ -65,7 +65,6 @@ import itertools
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +73,9 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from mini_infer.ops.paged_attention import paged_attention_reference, paged_attention_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_norm import eager_ms, git_info  # noqa: E402  (the sibling script's helpers)
 
 
 def build(s, ctx, new, hq, hkv, d, bs, dtype, device):
@@ -431,27 +433,6 @@ PREFILL_MODELS = {"qwen3-0.6b": (16, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # (Hq
 PREFILL_CHUNKED = (16384, 2048)  # (cached context, new tokens)
 
 
-def eager_ms(fn, budget_ms=250.0, rounds=3):
-    """Median over `rounds` of the mean time of back-to-back calls (enough calls for ~budget_ms / rounds)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    iters = max(2, min(50, int(budget_ms / rounds / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def prefill_case(hq, hkv, d, cached, new):
     """One row of --prefill: the four timings at (cached context, new tokens)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -492,7 +473,6 @@ def prefill_case(hq, hkv, d, cached, new):
 
 
 def prefill(lengths, out_dir):
-    from kernel_norm import git_info  # the sibling script's helper
 
     from mini_infer.ops import _prefill_sdpa
 
@@ -575,7 +555,6 @@ def arg_value(flag, default):
 
 if __name__ == "__main__":
     if "--prefill" in sys.argv:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         prefill([int(x) for x in arg_value("--lengths", "512,1024,4096,16384,32768").split(",")],
                 arg_value("--out", "bench/results"))
     elif "--plan-reuse" in sys.argv:

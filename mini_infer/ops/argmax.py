@@ -38,7 +38,7 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["argmax_config", "argmax_rows", "argmax_rows_reference", "argmax_rows_triton", "greedy_argmax"]
+__all__ = ["argmax_config", "argmax_rows", "check_rows", "argmax_rows_reference", "argmax_rows_triton", "greedy_argmax"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 4096  # elements a program loads at once (8 KiB of bf16)
@@ -165,15 +165,15 @@ def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor
     return vals, idx
 
 
-def _check(x: torch.Tensor, cols: bool = True) -> None:
-    """Refuse what the op does not take; `cols`: rows of no column too (not in the fake impl: no guard on a
-    symbolic vocab)."""
+def check_rows(x: torch.Tensor, cols: bool = True, op: str = "argmax_rows") -> None:
+    """Refuse the x that `op` (argmax_rows, or gumbel_argmax.py's op on this kernel) does not take; `cols`: rows of
+    no column too (not in the fake impl: no guard on a symbolic vocab)."""
     if x.dim() != 2:
-        raise ValueError(f"argmax_rows: x must be [rows, cols], got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be [rows, cols], got shape {tuple(x.shape)}")
     if x.dtype not in DTYPES:
-        raise ValueError(f"argmax_rows: x must be float16, bfloat16 or float32, got {x.dtype}")
+        raise ValueError(f"{op}: x must be float16, bfloat16 or float32, got {x.dtype}")
     if cols and x.shape[1] == 0:
-        raise ValueError("argmax_rows: rows of 0 columns have no maximum (torch.argmax refuses them too)")
+        raise ValueError(f"{op}: rows of 0 columns have no maximum (torch.argmax refuses them too)")
 
 
 def argmax_rows_triton(x: torch.Tensor, config: tuple[int, int] | None = None,
@@ -183,7 +183,7 @@ def argmax_rows_triton(x: torch.Tensor, config: tuple[int, int] | None = None,
     (inv_temperature [R] fp32, seed), gumbel_argmax.py's draw (see the kernel) instead of the plain argmax."""
     if not HAS_TRITON:
         raise RuntimeError("argmax_rows_triton needs triton")
-    _check(x)
+    check_rows(x)
     n_rows, n_cols = x.shape
     out = torch.empty(n_rows, dtype=torch.int64, device=x.device)
     if n_rows == 0:
@@ -216,13 +216,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [R, V] tensor: Triton on CUDA when available, else the torch reference."""
     if use_triton(x):
         return argmax_rows_triton(x)
-    _check(x)
+    check_rows(x)
     return argmax_rows_reference(x)
 
 
 @argmax_rows.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    _check(x, cols=False)
+    check_rows(x, cols=False)
     return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops._triton_support import HAS_TRITON, use_triton
-from mini_infer.ops.argmax import DTYPES, argmax_rows_triton
+from mini_infer.ops.argmax import DTYPES, argmax_rows_triton, check_rows
 
 __all__ = ["MAX_SEED", "can_draw_on", "gumbel_argmax", "gumbel_argmax_reference", "gumbel_argmax_triton"]
 
@@ -37,10 +37,7 @@ MAX_SEED = 2**31 - 1  # seeds are in [0, MAX_SEED)
 
 
 def _check(x: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"gumbel_argmax: x must be [rows, vocab], got shape {tuple(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"gumbel_argmax: x must be float16, bfloat16 or float32, got {x.dtype}")
+    check_rows(x, op="gumbel_argmax")
     if inv_temperature.shape != (x.shape[0],) or inv_temperature.dtype != torch.float32:
         raise ValueError(f"gumbel_argmax: inv_temperature must be float32 [{x.shape[0]}], got "
                          f"{inv_temperature.dtype} {tuple(inv_temperature.shape)}")
@@ -64,8 +61,6 @@ def gumbel_argmax_triton(x: torch.Tensor, inv_temperature: torch.Tensor, seed: i
     if not HAS_TRITON:
         raise RuntimeError("gumbel_argmax_triton needs triton")
     _check(x, inv_temperature, seed)
-    if x.shape[1] == 0:
-        raise ValueError("gumbel_argmax: rows of 0 columns have nothing to draw")
     return argmax_rows_triton(x, noise=(inv_temperature.contiguous(), seed))
 
 
