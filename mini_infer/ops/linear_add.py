@@ -16,17 +16,12 @@ before the kernel's PDL wait (`gemv_after_wait`; weights are never written by an
 then added in the loop's order (`chunk_sums`): the same sums (bit for bit under the interpreter; a GPU compiler may
 contract the loop's multiply-adds differently). Longer rows (the 7-8B down_proj) load a prefix of up to
 PREFIX_PRELOAD_K elements there (`prefix_preload_width`) and the rest in the loop after the wait: the same sums again.
-Several rows, up to ADDMM_MAX_ROWS of them (decode batches), without a bias, x, W and the residual of one dtype, run
-cuBLAS's addmm: the residual added in the GEMM's epilogue, no add kernel (the fp32 sum rounded once, where the
-unfused pair first rounds the product to x's dtype: in 16-bit dtypes the two differ by about that rounding).
-Anything else (more rows: prefill; a bias; mixed dtypes; a residual of another shape) runs `linear` then torch's
-add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the reference is
-`F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
+Anything else (several rows: prefill, batches; rows the GEMV does not take; a residual of another shape) runs
+`linear` then torch's add. The choice depends only on shapes and dtypes: CUDA-graph safe, no host syncs. On CPU the
+reference is `F.linear` then the add. Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -39,13 +34,7 @@ from mini_infer.ops.linear import (
     unit_stride_row,
 )
 
-__all__ = ["ADDMM_MAX_ROWS", "linear_add", "linear_add_reference", "linear_add_triton"]
-
-# Several-row calls of at most this many rows take `torch.addmm` (the residual in cuBLAS's epilogue). The twentieth
-# session's addmm for every row count (bench/RESULTS.md) took the nano-vllm workload's decode steps (256 rows) from
-# 5.3 to 5.2 ms on an H200 but its prefill steps (thousands of rows) from 20 to 87 ms: so decode-sized calls only.
-# MINI_INFER_LINEAR_ADD_ADDMM_MAX_ROWS (read once, at import) sets another limit; 0 turns addmm off. Read at each call.
-ADDMM_MAX_ROWS = int(os.environ.get("MINI_INFER_LINEAR_ADD_ADDMM_MAX_ROWS", "512"))
+__all__ = ["linear_add", "linear_add_reference", "linear_add_triton"]
 
 
 def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -85,14 +74,10 @@ def _sum_dtype(x: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
 def linear_add_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The CUDA path: one GEMV kernel with the add in its epilogue for a single row the GEMV takes (tile `config`;
-    None: the GEMV's default); for up to ADDMM_MAX_ROWS rows without a bias, of one dtype, cuBLAS's addmm (the
-    residual in the GEMM's epilogue); else `linear` (its kernel) then torch's add."""
+    None: the GEMV's default), else `linear` (its kernel) then torch's add."""
     n, k = weight.shape
     y_shape = (*x.shape[:-1], n)
     if not (takes_gemv(x.numel(), x.dtype, weight) and tuple(residual.shape) == y_shape):
-        if (bias is None and tuple(residual.shape) == y_shape and x.dtype == weight.dtype == residual.dtype
-                and x.numel() // k <= ADDMM_MAX_ROWS):
-            return torch.addmm(residual.reshape(-1, n), x.reshape(-1, k), weight.t()).view(y_shape)
         return linear_triton(x, weight, bias) + residual
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()

@@ -112,27 +112,6 @@ def test_other_shapes_run_linear_then_add(launches, rows, k, residual_rows):
     assert_close(s, linear_add_reference(x, w, b, r))
 
 
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "limit", "addmm"), [(5, 512, True), (5, 5, True), (6, 5, False), (5, 0, False)])
-def test_decode_batches_without_bias_add_in_the_gemm_epilogue(monkeypatch, launches, dtype, rows, limit, addmm):
-    """Several rows, at most ADDMM_MAX_ROWS, no bias, one dtype: one addmm (the residual in cuBLAS's epilogue, no
-    add kernel), as close to the unfused pair as the pair's own first rounding (of x @ W.T, before the add)
-    allows; more rows (prefill) or a limit of 0: the pair."""
-    calls = []
-    real = torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
-    monkeypatch.setattr(mod, "ADDMM_MAX_ROWS", limit)
-    x, w, _, r = _inputs(rows, 24, 96, dtype, False)
-    s = linear_add_triton(x, w, None, r)
-    assert launches == [] and calls == ([(rows, 24)] if addmm else [])
-    ref = linear_add_reference(x, w, None, r)
-    assert s.dtype == ref.dtype and s.shape == ref.shape
-    product = torch.nn.functional.linear(x.float(), w.float()).abs()
-    bound = torch.finfo(dtype).eps * (product + ref.float().abs())
-    assert ((s.float() - ref.float()).abs() <= bound + 1e-6).all()
-
-
 def test_registered_op_runs_the_reference_on_cpu():
     x, w, b, r = (t.cpu() for t in _inputs(5, 12, 32, torch.float32, bias=True))
     assert torch.equal(mi.linear_add(x, w, b, r), torch.nn.functional.linear(x, w, b) + r)
