@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from jit_watch import JitWatch  # Triton variants first used inside the timed run
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
 
 from mini_infer.benchmark import BenchResult, Workload, run_engine
@@ -124,7 +125,8 @@ def main() -> None:
         startup = time.perf_counter() - t0
         wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
               else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
-        r = run_engine(llm, wl, temperature=temp)
+        jit = JitWatch()
+        r = run_engine(llm, wl, temperature=temp, around_timed=jit)
         if len(variants) > 1:
             r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}]"
         r.startup_seconds = startup
@@ -139,12 +141,14 @@ def main() -> None:
         # host bounds the run, not the GPU
         step_s = st["decode_seconds"] + st["mixed_seconds"]
         engine_meta[-1]["host_busy_share"] = (step_s - st["device_wait_seconds"]) / step_s if step_s else None
+        engine_meta[-1]["triton_first_uses_timed"] = jit.first_uses  # variants loaded or compiled inside the timing
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
               f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
               f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each); KV cache {kv_tokens} tokens "
               f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "
               f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
+        print(f"{r.name} timed run: {jit.line()}", flush=True)
         print(f"{r.name}: {r.output_tok_s:.1f} output tok/s ({r.seconds:.1f}s; startup "
               f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
               flush=True)

@@ -4,6 +4,7 @@ bench/throughput.py). It measures; it does not compare with peers (the bench scr
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -61,18 +62,22 @@ class BenchResult:
                 f"{self.output_tok_s:>11.1f}")
 
 
-def run_engine(llm, workload: Workload, temperature: float = 0.0, warmup: bool = True) -> BenchResult:
-    """Generate the workload with an `LLM` (ignore_eos, exact output lengths); returns timing."""
+def run_engine(llm, workload: Workload, temperature: float = 0.0, warmup: bool = True,
+               around_timed: contextlib.AbstractContextManager | None = None) -> BenchResult:
+    """Generate the workload with an `LLM` (ignore_eos, exact output lengths); returns timing. `warmup`: one short
+    request first, sampled as the workload is (its sampler kernels' first use not timed); `around_timed`: a context
+    entered around the timed generate only (a benchmark's watch on it)."""
     from mini_infer.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
               for n in workload.output_lens]
     if warmup:
-        llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}], SamplingParams(max_tokens=4),
-                     use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+        llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}],
+                     SamplingParams(temperature=temperature, max_tokens=4), use_tqdm=False)
+    with around_timed if around_timed is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != workload.num_output_tokens:
         raise RuntimeError(f"engine produced {produced} tokens, expected {workload.num_output_tokens}")

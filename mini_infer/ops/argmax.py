@@ -74,7 +74,10 @@ if HAS_TRITON:
         has_nan = nan_idx < NO_INDEX
         return tl.where(has_nan, float("nan"), v_max), tl.where(has_nan, nan_idx, max_idx)
 
-    @triton.jit
+    # `seed` (a fresh random value every sampling step) is not specialized: Triton would otherwise build another
+    # variant of the kernel the first time a seed divisible by 16 (or equal to 1) comes, a compile of about a second
+    # in the middle of serving on a machine whose kernel cache is cold (bench/RESULTS.md, twenty-first session).
+    @triton.jit(do_not_specialize=["seed"])
     def _argmax_rows_kernel(
         x_ptr, out_ptr, ws_val_ptr, ws_idx_ptr, cnt_ptr, n_cols, s_xr, inv_t_ptr, seed,
         NUM_PROGRAMS: tl.constexpr, P_POW2: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,

@@ -67,6 +67,32 @@ def test_same_seed_same_draw_other_seed_other_draws():
     assert len(set(a.tolist())) > 32  # the rows draw apart (their noise counters differ)
 
 
+def _kernel_variants() -> int:
+    """How many compiled variants of the argmax kernel this process holds (0 under the interpreter)."""
+    from mini_infer.ops.argmax import _argmax_rows_kernel
+
+    caches = getattr(_argmax_rows_kernel, "device_caches", {})
+    return sum(len(c[0]) for c in caches.values())
+
+
+@requires_triton
+def test_a_new_seed_builds_no_new_kernel_variant():
+    """The seed changes every sampling step: it must not be a specialization key, or the first seed divisible by 16
+    (or equal to 1) compiles another variant mid-serving (a second's stall on a machine with a cold kernel cache)."""
+    from mini_infer.ops.argmax import _argmax_rows_kernel
+
+    declared = getattr(_argmax_rows_kernel, "kwargs", {}).get("do_not_specialize")  # the interpreter's copy
+    if declared is None:
+        declared = [p.name for p in _argmax_rows_kernel.params if p.do_not_specialize]
+    assert "seed" in declared
+    x, inv_t = torch.zeros(4, 512, device=DEVICE), torch.ones(4, device=DEVICE)
+    gumbel_argmax_triton(x, inv_t, 17)
+    before = _kernel_variants()
+    for seed in (1, 16, 32, 33):  # Triton's specialization classes of an int: == 1, % 16 == 0, other
+        gumbel_argmax_triton(x, inv_t, seed)
+    assert _kernel_variants() == before
+
+
 def _frequencies(ids: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.bincount(ids.cpu(), minlength=cols).double() / ids.numel()
 
