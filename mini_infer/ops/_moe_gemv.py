@@ -9,7 +9,9 @@ No align step and no slot sum:
      divides I, so each step lies in one slot, whose expert and routing weight are scalars there), the routing
      weight applied to act, slots without a (local) expert loading nothing: out [T, H] directly, summed in fp32
      in a fixed order. Unlike the grouped path, the slots' products are not rounded to hidden's dtype one by one
-     before the sum (the reference does not round them either).
+     before the sum (the reference does not round them either). Or (`DOWN_SLOTS`, opt-in, not yet timed on a GPU):
+     one K loop over I with every slot in each step, the slots' experts and weights read once before it
+     (`_moe_gemv_down_slots_kernel`).
 Each pair reads its expert's weights itself (tokens that share an expert read it again), so this can pay only
 while T * k is tiny. Measured on an H200 (bench/kernel_moe.py --decode, bench/results/kernel_moe_decode*_h200.json)
 it beat the grouped GEMMs only at mixtral-8x7b's batch 1 (2 pairs, I 14336: 183 vs 193 us); at qwen3-30b-a3b's
@@ -54,6 +56,7 @@ class MoeGemvConfig:
 
     gate_up: GemvTile
     down: GemvTile
+    down_slots: bool = False  # the down GEMV over all slots at once (`_moe_gemv_down_slots_kernel`)
 
 
 # The decode path serves calls of at most this many (token, slot) pairs: where it beat the grouped GEMMs on an
@@ -61,6 +64,20 @@ class MoeGemvConfig:
 # MINI_INFER_MOE_GEMV_MAX_PAIRS=8 vs 2: qwen3-30b-a3b batch 1 286.3 vs 342.5 tok/s, deepseek-v2-lite 257.2 vs
 # 350.6; bench/RESULTS.md twelfth session). MINI_INFER_MOE_GEMV_MAX_PAIRS sets another limit.
 MOE_GEMV_MAX_PAIRS = int(os.environ.get("MINI_INFER_MOE_GEMV_MAX_PAIRS", "2"))  # read once, at import
+
+# The down GEMV as `_moe_gemv_down_slots_kernel` (every slot's rows of a K step in one load, the slots' experts and
+# weights read once) instead of `_moe_gemv_down_kernel` (one slot's K step at a time, its expert re-read each
+# step). Why: the measured decode path fell off with the down K step (H200, bench/results/kernel_moe_decode_h200.json,
+# batch 1, both GEMVs against copy bandwidth): mixtral-8x7b (step 1,024) 0.94, qwen3-30b-a3b (256) 0.53,
+# deepseek-v2-lite (128) 0.38, as a chain of dependent loads per short step would. Built and checked under the
+# interpreter and in sm_90 builds (twenty-first session); not yet timed on a GPU, so off by default:
+# `bench/kernel_moe.py --decode` times both, `bench/latency.py --switch
+# _moe_gemv.DOWN_SLOTS=1,_moe_gemv.MOE_GEMV_MAX_PAIRS=8` the engine. MINI_INFER_MOE_GEMV_DOWN_SLOTS=1 at import sets
+# it; read at each `moe_gemv_tiles` call.
+DOWN_SLOTS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_SLOTS", "0") == "1"
+# (weight rows per program, K per step, warps, stages) of the slots kernel: a step loads next_pow2(top_k) x 2 x 256
+# weights (qwen3-30b-a3b: 8 KiB of bf16), three steps cover its I of 768 exactly.
+DOWN_SLOTS_TILE = (2, 256, 4, 2)
 
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
@@ -72,13 +89,16 @@ def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> Moe
 
 def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
-    divides I)."""
+    divides I, for the per-slot down kernel; the slots kernel, `DOWN_SLOTS`, takes any I)."""
+    gate_up = GemvTile(1, 1024, 4, 3)
+    if DOWN_SLOTS:
+        return MoeGemvConfig(gate_up, GemvTile(*DOWN_SLOTS_TILE), down_slots=True)
     down_k = down_k_step(inter)
     if down_k is None:
         return None
     # the H200 sweep's best of each GEMV (bench/results/kernel_moe_decode_sweep_h200.json): one gate and one up
     # row per program, 3 stages; the down GEMV 4 rows at K steps of 512+, else 2
-    return MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
+    return MoeGemvConfig(gate_up, GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
 
 
 def down_k_step(inter: int, most: int = 1024) -> int | None:
@@ -171,6 +191,47 @@ if HAS_TRITON:
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+    @triton.jit
+    def _moe_gemv_down_slots_kernel(
+        act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
+        stride_om, stride_we, stride_wn,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    ):  # fmt: skip
+        """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0), as
+        `_moe_gemv_down_kernel` computes it, but the K loop runs over I once with every slot in each step: the
+        TOP_K slots' experts and weights are read once, before the loop (SLOTS = TOP_K rounded up to a power of
+        two; slots past TOP_K and slots without a (local) expert masked off: no load, zero added), and a step
+        loads [SLOTS, BLOCK_N, BLOCK_K] weights at once, so the weight loads of a step depend on nothing read in
+        the loop. BLOCK_K need not divide I (the last step is masked). Sums in fp32: per step over the slots, then
+        along K, in a fixed order."""
+        await_producers(USE_GDC)
+        t = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < hidden
+        slot = tl.arange(0, SLOTS)
+        in_top = slot < TOP_K
+        pair = t * TOP_K + slot
+        expert = map_expert(tl.load(ids_ptr + pair, mask=in_top, other=-1).to(tl.int32), in_top, map_ptr,
+                            num_global, HAS_MAP)
+        mine = in_top & (expert >= 0) & (expert < num_experts)
+        wgt = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
+        w_rows = (w_ptr + tl.where(mine, expert, 0).to(tl.int64)[:, None] * stride_we
+                  + rows[None, :].to(tl.int64) * stride_wn)  # [SLOTS, BLOCK_N]
+        w_ok = mine[:, None] & row_ok[None, :]
+        a_rows = act_ptr + pair[:, None] * inter  # [SLOTS, 1]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < inter
+            a = tl.load(a_rows + cols[None, :], mask=mine[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows[:, :, None] + cols[None, None, :], mask=w_ok[:, :, None] & col_ok[None, None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * (a * wgt[:, None])[:, None, :], axis=0)
+        out = tl.sum(acc, axis=1)
+        tl.store(out_ptr + t * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig) -> torch.Tensor:
     """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
@@ -182,13 +243,18 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     gu, dn = config.gate_up, config.down
-    if inter % dn.block_k:
+    if inter % dn.block_k and not config.down_slots:
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
     _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
         HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x))
-    _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
-        act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
-        TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **pdl_args(act))
+    down_args = (act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0),
+                 w2.stride(1))
+    down_meta = dict(TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
+                     num_stages=dn.num_stages, **pdl_args(act))
+    if config.down_slots:
+        _moe_gemv_down_slots_kernel[(t, triton.cdiv(h, dn.block_n))](*down_args, SLOTS=triton.next_power_of_2(k),
+                                                                     **down_meta)
+    else:
+        _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](*down_args, **down_meta)
     return out

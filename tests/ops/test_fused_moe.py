@@ -4,6 +4,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import HAS_TRITON
+from mini_infer.ops import _moe_gemv as moe_gemv_mod
 from mini_infer.ops import fused_moe as fused_moe_mod
 from mini_infer.ops._moe_gemv import (
     MOE_GEMV_MAX_PAIRS,
@@ -33,6 +34,9 @@ PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 1
 # tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
 # runs one program at a time.
 GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
+# the same with the down GEMV over all slots at once (`_moe_gemv_down_slots_kernel`): a K step of 32 leaves I 48 a
+# masked tail (the slots kernel needs no step that divides I)
+GEMV_SLOTS = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 32, 4, 1), down_slots=True)
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -148,12 +152,15 @@ def test_triton_routing_patterns(pattern, config):
 
 
 @requires_triton
+@pytest.mark.parametrize("slots", [False, True], ids=["down_per_slot", "down_slots"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
-def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k):
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, monkeypatch):
     """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
     runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
-    expert" E, -1, far out of range: they contribute nothing)."""
+    expert" E, -1, far out of range: they contribute nothing); with either down kernel (top-k 5: slots past it
+    masked in the slots kernel's power-of-two slot range)."""
+    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
     hidden, inter = 24, 16
     torch.manual_seed(11)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -163,8 +170,20 @@ def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k):
     ids[-1, 0] = -1 if tokens > 1 else ids[-1, 0]
     if tokens > 2:
         ids[1, -1] = 1 << 20
-    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV
+    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV_SLOTS if slots else GEMV
+    assert config.down_slots == slots
     assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
+
+
+def test_down_slots_tiles_take_any_intermediate_size(monkeypatch):
+    """With DOWN_SLOTS the decode path's down GEMV is the slots kernel at DOWN_SLOTS_TILE, for any I (no K step has to
+    divide it: I 40 = 8 x 5 has none, and gets the per-slot kernel's None without the switch)."""
+    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", True)
+    for inter in (768, 40, 1408):
+        assert moe_gemv_tiles(2048, inter) == MoeGemvConfig(GemvTile(1, 1024, 4, 3),
+                                                            GemvTile(*moe_gemv_mod.DOWN_SLOTS_TILE), down_slots=True)
+    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", False)
+    assert moe_gemv_tiles(2048, 40) is None and not moe_gemv_tiles(2048, 768).down_slots
 
 
 def test_gemv_path_is_picked_by_shape(monkeypatch):
@@ -358,8 +377,9 @@ def test_reference_with_expert_map_is_the_ranks_share(dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV)],
-                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin"])  # map: in align / per slot
+@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV),
+                                                    ("round robin", GEMV_SLOTS)],
+                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin", "gemv_slots-round robin"])
 def test_triton_with_expert_map_matches_reference(placement, config):
     x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
     held = list(PLACEMENTS[placement])
