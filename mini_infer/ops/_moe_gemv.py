@@ -10,7 +10,8 @@ No align step and no slot sum:
      weight applied to act, slots without a (local) expert loading nothing: out [T, H] directly, summed in fp32
      in a fixed order. Unlike the grouped path, the slots' products are not rounded to hidden's dtype one by one
      before the sum (the reference does not round them either). Or (`DOWN_SLOTS`, opt-in, not yet timed on a GPU):
-     one K loop over I with every slot in each step, the slots' experts and weights read once before it
+     one K loop over I with every slot in each step, the slots' experts and weights read once before it, and
+     (`DOWN_SLOTS_PRELOAD`) those and the last step's weights loaded before the PDL wait
      (`_moe_gemv_down_slots_kernel`).
 Each pair reads its expert's weights itself (tokens that share an expert read it again), so this can pay only
 while T * k is tiny. Measured on an H200 (bench/kernel_moe.py --decode, bench/results/kernel_moe_decode*_h200.json)
@@ -78,6 +79,9 @@ DOWN_SLOTS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_SLOTS", "0") == "1"
 # (weight rows per program, K per step, warps, stages) of the slots kernel: a step loads next_pow2(top_k) x 2 x 256
 # weights (qwen3-30b-a3b: 8 KiB of bf16), three steps cover its I of 768 exactly.
 DOWN_SLOTS_TILE = (2, 256, 4, 2)
+# The slots kernel's routing and last K step's weights loaded before the PDL wait (its PRELOAD; the grouped down
+# GEMM's MOE_PRELOAD gained 2.9% at qwen3-30b-a3b batch 1). Read at each launch; not yet timed on a GPU either.
+DOWN_SLOTS_PRELOAD = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_SLOTS_PRELOAD", "1") != "0"
 
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
@@ -192,23 +196,14 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _moe_gemv_down_slots_kernel(
-        act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
-        stride_om, stride_we, stride_wn,
-        TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-    ):  # fmt: skip
-        """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0), as
-        `_moe_gemv_down_kernel` computes it, but the K loop runs over I once with every slot in each step: the
-        TOP_K slots' experts and weights are read once, before the loop (SLOTS = TOP_K rounded up to a power of
-        two; slots past TOP_K and slots without a (local) expert masked off: no load, zero added), and a step
-        loads [SLOTS, BLOCK_N, BLOCK_K] weights at once, so the weight loads of a step depend on nothing read in
-        the loop. BLOCK_K need not divide I (the last step is masked). Sums in fp32: per step over the slots, then
-        along K, in a fixed order."""
-        await_producers(USE_GDC)
+    def _slots_routing(ids_ptr, weights_ptr, map_ptr, w_ptr, num_global, num_experts, hidden, stride_we, stride_wn,
+                       TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Token program_id(0)'s slots for `_moe_gemv_down_slots_kernel`: (pair ids [SLOTS], which slots have a
+        (local) expert [SLOTS], their routing weights (fp32, 0 elsewhere), the weight-row pointers [SLOTS, BLOCK_N]
+        of this program's rows in each slot's expert, which of those exist). Reads only the routing (ids, weights,
+        expert map) and no weight."""
         t = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < hidden
         slot = tl.arange(0, SLOTS)
         in_top = slot < TOP_K
         pair = t * TOP_K + slot
@@ -217,19 +212,67 @@ if HAS_TRITON:
         mine = in_top & (expert >= 0) & (expert < num_experts)
         wgt = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
         w_rows = (w_ptr + tl.where(mine, expert, 0).to(tl.int64)[:, None] * stride_we
-                  + rows[None, :].to(tl.int64) * stride_wn)  # [SLOTS, BLOCK_N]
-        w_ok = mine[:, None] & row_ok[None, :]
-        a_rows = act_ptr + pair[:, None] * inter  # [SLOTS, 1]
+                  + rows[None, :].to(tl.int64) * stride_wn)
+        return pair, mine, wgt, w_rows, mine[:, None] & (rows < hidden)[None, :]
+
+    @triton.jit
+    def _slots_weights(w_rows, w_ok, k0, inter, BLOCK_K: tl.constexpr):
+        """The slots' weight rows at columns k0 .. k0 + BLOCK_K - 1 of I, [SLOTS, BLOCK_N, BLOCK_K] (zero where a
+        slot, row or column does not exist)."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_rows[:, :, None] + cols[None, None, :],
+                       mask=w_ok[:, :, None] & (cols < inter)[None, None, :], other=0.0)
+
+    @triton.jit
+    def _slots_step(acc, w, act_ptr, pair, mine, wgt, k0, inter, BLOCK_K: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_K] + the step's products summed over the slots: w [SLOTS, BLOCK_N, BLOCK_K] (from
+        `_slots_weights`) times each slot's act row at columns k0 .. (fp32) times its routing weight."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(act_ptr + pair[:, None] * inter + cols[None, :], mask=mine[:, None] & (cols < inter)[None, :],
+                    other=0.0).to(tl.float32)
+        return acc + tl.sum(w.to(tl.float32) * (a * wgt[:, None])[:, None, :], axis=0)
+
+    @triton.jit
+    def _moe_gemv_down_slots_kernel(
+        act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
+        stride_om, stride_we, stride_wn,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PRELOAD: tl.constexpr = False,
+    ):  # fmt: skip
+        """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0), as
+        `_moe_gemv_down_kernel` computes it, but the K loop runs over I once with every slot in each step: the
+        TOP_K slots' experts and weights are read once, before the loop (SLOTS = TOP_K rounded up to a power of
+        two; slots past TOP_K and slots without a (local) expert masked off: no load, zero added), and a step
+        loads [SLOTS, BLOCK_N, BLOCK_K] weights at once, so the weight loads of a step depend on nothing read in
+        the loop. BLOCK_K need not divide I (the last step is masked). Sums in fp32: per step over the slots, then
+        along K, in a fixed order (the last step last). PRELOAD: the routing and the last step's weights are
+        loaded before the PDL wait: the kernel just before this one is the call's gate/up GEMV, which writes only
+        act; the routing (ids, weights) was written before it (moe_topk's outputs) and the expert map is a
+        constant, as fused_moe.py's MOE_PRELOAD describes for the grouped down GEMM."""
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < inter
-            a = tl.load(a_rows + cols[None, :], mask=mine[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_rows[:, :, None] + cols[None, None, :], mask=w_ok[:, :, None] & col_ok[None, None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(w * (a * wgt[:, None])[:, None, :], axis=0)
+        if PRELOAD:  # the last step peeled: its weights loaded before the wait, added last (the loop's order)
+            last = (inter - 1) // BLOCK_K * BLOCK_K
+            pair, mine, wgt, w_rows, w_ok = _slots_routing(
+                ids_ptr, weights_ptr, map_ptr, w_ptr, num_global, num_experts, hidden, stride_we, stride_wn,
+                TOP_K, SLOTS, HAS_MAP, BLOCK_N)
+            w_last = _slots_weights(w_rows, w_ok, last, inter, BLOCK_K)
+            await_producers(USE_GDC)
+            for k0 in range(0, last, BLOCK_K):
+                acc = _slots_step(acc, _slots_weights(w_rows, w_ok, k0, inter, BLOCK_K), act_ptr, pair, mine, wgt,
+                                  k0, inter, BLOCK_K)
+            acc = _slots_step(acc, w_last, act_ptr, pair, mine, wgt, last, inter, BLOCK_K)
+        else:
+            await_producers(USE_GDC)
+            pair, mine, wgt, w_rows, w_ok = _slots_routing(
+                ids_ptr, weights_ptr, map_ptr, w_ptr, num_global, num_experts, hidden, stride_we, stride_wn,
+                TOP_K, SLOTS, HAS_MAP, BLOCK_N)
+            for k0 in range(0, inter, BLOCK_K):
+                acc = _slots_step(acc, _slots_weights(w_rows, w_ok, k0, inter, BLOCK_K), act_ptr, pair, mine, wgt,
+                                  k0, inter, BLOCK_K)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         out = tl.sum(acc, axis=1)
-        tl.store(out_ptr + t * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty),
+                 mask=rows < hidden)
 
 
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -253,8 +296,8 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     down_meta = dict(TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
                      num_stages=dn.num_stages, **pdl_args(act))
     if config.down_slots:
-        _moe_gemv_down_slots_kernel[(t, triton.cdiv(h, dn.block_n))](*down_args, SLOTS=triton.next_power_of_2(k),
-                                                                     **down_meta)
+        _moe_gemv_down_slots_kernel[(t, triton.cdiv(h, dn.block_n))](
+            *down_args, SLOTS=triton.next_power_of_2(k), PRELOAD=DOWN_SLOTS_PRELOAD, **down_meta)
     else:
         _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](*down_args, **down_meta)
     return out

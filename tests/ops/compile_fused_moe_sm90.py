@@ -76,14 +76,15 @@ def slot_sum(preload: bool):
 GEMV_CASES = [("qwen3_t1", 8, 768), ("deepseek_v2_lite_t1", 6, 1408)]
 
 
-def down_gemv(top_k: int, inter: int, slots: bool):
+def down_gemv(top_k: int, inter: int, slots: bool, preload: bool = False):
     """The decode path's down GEMV of one token as `moe_gemv_triton` launches it with DOWN_SLOTS on (the slots
-    kernel at DOWN_SLOTS_TILE) or off (the per-slot kernel at its K step), H 2048."""
+    kernel at DOWN_SLOTS_TILE, its loads before the PDL wait or not) or off (the per-slot kernel at its K step), H
+    2048."""
     from mini_infer.ops import _moe_gemv as mg
 
     if slots:
         bn, bk, warps, stages = mg.DOWN_SLOTS_TILE
-        kernel, extra = mg._moe_gemv_down_slots_kernel, {"SLOTS": 1 << (top_k - 1).bit_length()}
+        kernel, extra = mg._moe_gemv_down_slots_kernel, {"SLOTS": 1 << (top_k - 1).bit_length(), "PRELOAD": preload}
     else:
         tile = mg.moe_gemv_tiles(QWEN3["hidden"], inter).down if not mg.DOWN_SLOTS else None
         bn, bk, warps, stages = tile.block_n, tile.block_k, tile.num_warps, tile.num_stages
@@ -92,15 +93,18 @@ def down_gemv(top_k: int, inter: int, slots: bool):
                        {"weights_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32"}, warps, stages,
                        ("act_ptr", "w_ptr", "out_ptr", "weights_ptr", "ids_ptr", "map_ptr", "hidden", "inter",
                         "stride_om", "stride_we", "stride_wn"))
-    return {"block_n": bn, "block_k": bk, **build_stats(built, warps, r"ld\.global(?:\.\w+)*\.v4")}
+    stats = usage(built)
+    return {"block_n": bn, "block_k": bk, "preload": preload, **build_stats(built, warps, r"ld\.global(?:\.\w+)*\.v4"),
+            "vector_loads_before_wait": stats["vector_loads_before_wait"], "stores_before_wait": stats["stores_before_wait"]}
 
 
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}
            for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
-    return out + [{"kernel": "down_gemv_slots" if slots else "down_gemv", "name": name, **down_gemv(k, inter, slots)}
-                  for name, k, inter in GEMV_CASES for slots in (True, False)]
+    return out + [{"kernel": "down_gemv_slots" if slots else "down_gemv", "name": name,
+                   **down_gemv(k, inter, slots, preload)}
+                  for name, k, inter in GEMV_CASES for slots, preload in ((True, True), (True, False), (False, False))]
 
 
 if __name__ == "__main__":

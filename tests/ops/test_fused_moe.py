@@ -152,15 +152,18 @@ def test_triton_routing_patterns(pattern, config):
 
 
 @requires_triton
-@pytest.mark.parametrize("slots", [False, True], ids=["down_per_slot", "down_slots"])
+@pytest.mark.parametrize(("slots", "preload"), [(False, False), (True, True), (True, False)],
+                         ids=["down_per_slot", "down_slots", "down_slots_no_preload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
-def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, monkeypatch):
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, preload, monkeypatch):
     """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
     runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
     expert" E, -1, far out of range: they contribute nothing); with either down kernel (top-k 5: slots past it
-    masked in the slots kernel's power-of-two slot range)."""
+    masked in the slots kernel's power-of-two slot range), the slots kernel with its loads before the PDL wait or
+    not."""
     monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
+    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS_PRELOAD", preload)
     hidden, inter = 24, 16
     torch.manual_seed(11)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -173,6 +176,22 @@ def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, m
     config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV_SLOTS if slots else GEMV
     assert config.down_slots == slots
     assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
+
+
+@requires_triton
+def test_down_slots_preload_gives_the_same_bits(monkeypatch):
+    """The slots kernel's PRELOAD only moves its routing and last-step weight loads before the wait: the same sums in
+    the same order, the same output bits (three K steps at I 48: the peeled last one has a masked tail)."""
+    x = torch.randn(2, 24, device=DEVICE).to(torch.bfloat16)
+    w13, w2 = _experts(8, 24, 48, torch.bfloat16, seed=5)
+    weights, ids = _routing(2, 8, 4, seed=5)
+    config = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1), down_slots=True)
+    outs = []
+    for preload in (True, False):
+        monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS_PRELOAD", preload)
+        outs.append(fused_moe_triton(x, weights, ids, w13, w2, config=config))
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], fused_moe_reference(x, weights, ids, w13, w2))
 
 
 def test_down_slots_tiles_take_any_intermediate_size(monkeypatch):
