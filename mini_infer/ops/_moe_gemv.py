@@ -12,7 +12,8 @@ No align step and no slot sum:
      before the sum (the reference does not round them either). Or (`DOWN_SLOTS`, opt-in, not yet timed on a GPU):
      one K loop over I with every slot in each step, the slots' experts and weights read once before it, and
      (`DOWN_SLOTS_PRELOAD`) those and the last step's weights loaded before the PDL wait
-     (`_moe_gemv_down_slots_kernel`).
+     (`_moe_gemv_down_slots_kernel`). Likewise the gate/up GEMV (`GATE_UP_SLOTS`, opt-in, not yet timed on a GPU):
+     a program per (token, n-tile) over every slot (`_moe_gemv_gate_up_slots_kernel`).
 Each pair reads its expert's weights itself (tokens that share an expert read it again), so this can pay only
 while T * k is tiny. Measured on an H200 (bench/kernel_moe.py --decode, bench/results/kernel_moe_decode*_h200.json)
 it beat the grouped GEMMs only at mixtral-8x7b's batch 1 (2 pairs, I 14336: 183 vs 193 us); at qwen3-30b-a3b's
@@ -58,6 +59,7 @@ class MoeGemvConfig:
     gate_up: GemvTile
     down: GemvTile
     down_slots: bool = False  # the down GEMV over all slots at once (`_moe_gemv_down_slots_kernel`)
+    gate_up_slots: bool = False  # the gate/up GEMV over all slots at once (`_moe_gemv_gate_up_slots_kernel`)
 
 
 # The decode path serves calls of at most this many (token, slot) pairs: where it beat the grouped GEMMs on an
@@ -79,6 +81,15 @@ DOWN_SLOTS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_SLOTS", "0") == "1"
 # (weight rows per program, K per step, warps, stages) of the slots kernel: a step loads next_pow2(top_k) x 2 x 256
 # weights (qwen3-30b-a3b: 8 KiB of bf16), three steps cover its I of 768 exactly.
 DOWN_SLOTS_TILE = (2, 256, 4, 2)
+# The gate/up GEMV as `_moe_gemv_gate_up_slots_kernel` (a program per token and BLOCK_N-row tile of I over every slot,
+# its experts read once: T * I / BLOCK_N programs) instead of `_moe_gemv_gate_up_kernel` (a program per (pair, tile),
+# each starting with its slot's expert id: T * k * I / BLOCK_N programs). The same reasoning as DOWN_SLOTS: fewer
+# programs, each with more weight bytes in flight and one dependent id load. Not yet timed on a GPU: off by
+# default (MINI_INFER_MOE_GEMV_GATE_UP_SLOTS=1 at import; read at each `moe_gemv_tiles` call).
+GATE_UP_SLOTS = os.environ.get("MINI_INFER_MOE_GEMV_GATE_UP_SLOTS", "0") == "1"
+# its tile: one gate and one up row of every slot a program, 256 columns a step (qwen3-30b-a3b: 8 KiB of bf16 a step
+# over 8 slots, 768 programs, 8 steps over H 2,048)
+GATE_UP_SLOTS_TILE = (1, 256, 4, 3)
 # The slots kernel's routing and last K step's weights loaded before the PDL wait (its PRELOAD; the grouped down
 # GEMM's MOE_PRELOAD gained 2.9% at qwen3-30b-a3b batch 1). Read at each launch; not yet timed on a GPU either.
 DOWN_SLOTS_PRELOAD = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_SLOTS_PRELOAD", "1") != "0"
@@ -94,15 +105,15 @@ def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> Moe
 def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
     divides I, for the per-slot down kernel; the slots kernel, `DOWN_SLOTS`, takes any I)."""
-    gate_up = GemvTile(1, 1024, 4, 3)
+    # the H200 sweep's best of each GEMV (bench/results/kernel_moe_decode_sweep_h200.json): one gate and one up
+    # row per program, 3 stages; the down GEMV 4 rows at K steps of 512+, else 2
+    gate_up = GemvTile(*GATE_UP_SLOTS_TILE) if GATE_UP_SLOTS else GemvTile(1, 1024, 4, 3)
     if DOWN_SLOTS:
-        return MoeGemvConfig(gate_up, GemvTile(*DOWN_SLOTS_TILE), down_slots=True)
+        return MoeGemvConfig(gate_up, GemvTile(*DOWN_SLOTS_TILE), down_slots=True, gate_up_slots=GATE_UP_SLOTS)
     down_k = down_k_step(inter)
     if down_k is None:
         return None
-    # the H200 sweep's best of each GEMV (bench/results/kernel_moe_decode_sweep_h200.json): one gate and one up
-    # row per program, 3 stages; the down GEMV 4 rows at K steps of 512+, else 2
-    return MoeGemvConfig(gate_up, GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
+    return MoeGemvConfig(gate_up, GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3), gate_up_slots=GATE_UP_SLOTS)
 
 
 def down_k_step(inter: int, most: int = 1024) -> int | None:
@@ -194,6 +205,48 @@ if HAS_TRITON:
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
+
+    @triton.jit
+    def _moe_gemv_gate_up_slots_kernel(
+        x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, inter, hidden, stride_xm, stride_we,
+        stride_wn,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    ):  # fmt: skip
+        """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for every slot p = t * TOP_K + j of token t =
+        program_id(0), as `_moe_gemv_gate_up_kernel` computes it, in one program per (token, n-tile): the slots'
+        experts read once (SLOTS = TOP_K rounded up to a power of two; slots past TOP_K or without a (local)
+        expert masked off, their act rows unwritten), then one K loop whose steps load the tile's gate and up rows
+        of every slot at once, [SLOTS, 2 BLOCK_N, BLOCK_K], against x[t]'s columns. fp32 products summed per slot
+        along K, silu(gate) * up in fp32, rounded to act's dtype."""
+        await_producers(USE_GDC)
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.arange(0, SLOTS)
+        in_top = slot < TOP_K
+        pair = t * TOP_K + slot
+        expert = map_expert(tl.load(ids_ptr + pair, mask=in_top, other=-1).to(tl.int32), in_top, map_ptr,
+                            num_global, HAS_MAP)
+        mine = in_top & (expert >= 0) & (expert < num_experts)
+        stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows (I further down)
+        row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
+        w_rows = (w_ptr + tl.where(mine, expert, 0).to(tl.int64)[:, None] * stride_we
+                  + (row + stack // BLOCK_N * inter)[None, :].to(tl.int64) * stride_wn)  # [SLOTS, 2 BLOCK_N]
+        w_ok = mine[:, None] & (row < inter)[None, :]
+        x_row = x_ptr + t * stride_xm
+        acc = tl.zeros([SLOTS, 2 * BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < hidden
+            xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows[:, :, None] + cols[None, None, :], mask=w_ok[:, :, None] & col_ok[None, None, :],
+                        other=0.0)
+            acc += w.to(tl.float32) * xv[None, None, :]
+        dots = tl.sum(acc, axis=2)  # [SLOTS, 2 BLOCK_N]
+        gate, up = tl.split(tl.permute(tl.reshape(dots, [SLOTS, 2, BLOCK_N]), [0, 2, 1]))
+        act = gate * tl.sigmoid(gate) * up
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + pair[:, None] * inter + rows[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mine[:, None] & (rows < inter)[None, :])
 
     @triton.jit
     def _slots_routing(ids_ptr, weights_ptr, map_ptr, w_ptr, num_global, num_experts, hidden, stride_we, stride_wn,
@@ -288,9 +341,16 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     gu, dn = config.gate_up, config.down
     if inter % dn.block_k and not config.down_slots:
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
-    _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
-        x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x))
+    gu_meta = dict(HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps,
+                   num_stages=gu.num_stages, **pdl_args(x))
+    if config.gate_up_slots:
+        _moe_gemv_gate_up_slots_kernel[(t, triton.cdiv(inter, gu.block_n))](
+            x, w13, act, ids, map_ptr, num_global, e, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+            TOP_K=k, SLOTS=triton.next_power_of_2(k), **gu_meta)
+    else:
+        _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
+            x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+            **gu_meta)
     down_args = (act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0),
                  w2.stride(1))
     down_meta = dict(TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,

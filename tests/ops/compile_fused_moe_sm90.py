@@ -98,13 +98,30 @@ def down_gemv(top_k: int, inter: int, slots: bool, preload: bool = False):
             "vector_loads_before_wait": stats["vector_loads_before_wait"], "stores_before_wait": stats["stores_before_wait"]}
 
 
+def gate_up_gemv_slots(top_k: int, inter: int):
+    """The decode path's gate/up GEMV over all slots (`_moe_gemv.GATE_UP_SLOTS`) of one token at its tile, H 2048."""
+    from mini_infer.ops import _moe_gemv as mg
+
+    bn, bk, warps, stages = mg.GATE_UP_SLOTS_TILE
+    built = build_sm90(mg._moe_gemv_gate_up_slots_kernel,
+                       dict(TOP_K=top_k, SLOTS=1 << (top_k - 1).bit_length(), HAS_MAP=False, BLOCK_N=bn, BLOCK_K=bk,
+                            USE_GDC=True),
+                       {"ids_ptr": "*i32", "map_ptr": "*i32"}, warps, stages,
+                       ("x_ptr", "w_ptr", "act_ptr", "ids_ptr", "map_ptr", "inter", "hidden", "stride_xm",
+                        "stride_we", "stride_wn"))
+    stats = usage(built)
+    return {"block_n": bn, "block_k": bk, "preload": False, **build_stats(built, warps, r"ld\.global(?:\.\w+)*\.v4"),
+            "vector_loads_before_wait": stats["vector_loads_before_wait"], "stores_before_wait": stats["stores_before_wait"]}
+
+
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}
            for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
     return out + [{"kernel": "down_gemv_slots" if slots else "down_gemv", "name": name,
                    **down_gemv(k, inter, slots, preload)}
-                  for name, k, inter in GEMV_CASES for slots, preload in ((True, True), (True, False), (False, False))]
+                  for name, k, inter in GEMV_CASES for slots, preload in ((True, True), (True, False), (False, False))] + \
+        [{"kernel": "gate_up_gemv_slots", "name": name, **gate_up_gemv_slots(k, inter)} for name, k, inter in GEMV_CASES]
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,6 +39,8 @@ GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
 # the same with the down GEMV over all slots at once (`_moe_gemv_down_slots_kernel`): a K step of 32 leaves I 48 a
 # masked tail (the slots kernel needs no step that divides I)
 GEMV_SLOTS = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 32, 4, 1), down_slots=True)
+# and both GEMVs over all slots (`_moe_gemv_gate_up_slots_kernel` too: H 32 in two K steps)
+GEMV_BOTH_SLOTS = MoeGemvConfig(GemvTile(16, 16, 4, 1), GemvTile(32, 32, 4, 1), down_slots=True, gate_up_slots=True)
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -152,18 +156,21 @@ def test_triton_routing_patterns(pattern, config):
 
 
 @requires_triton
-@pytest.mark.parametrize(("slots", "preload"), [(False, False), (True, True), (True, False)],
-                         ids=["down_per_slot", "down_slots", "down_slots_no_preload"])
+@pytest.mark.parametrize(("slots", "preload", "gate_up_slots"),
+                         [(False, False, False), (True, True, False), (True, False, False), (False, False, True),
+                          (True, True, True)],
+                         ids=["per_slot", "down_slots", "down_slots_no_preload", "gate_up_slots", "both_slots"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
-def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, preload, monkeypatch):
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, preload, gate_up_slots, monkeypatch):
     """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
     runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
-    expert" E, -1, far out of range: they contribute nothing); with either down kernel (top-k 5: slots past it
-    masked in the slots kernel's power-of-two slot range), the slots kernel with its loads before the PDL wait or
-    not."""
+    expert" E, -1, far out of range: they contribute nothing); with either down kernel and either gate/up kernel
+    (top-k 5: slots past it masked in the slots kernels' power-of-two slot range), the down slots kernel with its
+    loads before the PDL wait or not."""
     monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
     monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS_PRELOAD", preload)
+    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", gate_up_slots)
     hidden, inter = 24, 16
     torch.manual_seed(11)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -174,7 +181,9 @@ def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, p
     if tokens > 2:
         ids[1, -1] = 1 << 20
     config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV_SLOTS if slots else GEMV
-    assert config.down_slots == slots
+    if tokens > 1:
+        config = dataclasses.replace(config, gate_up_slots=gate_up_slots)
+    assert config.down_slots == slots and config.gate_up_slots == gate_up_slots
     assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
 
 
@@ -203,6 +212,12 @@ def test_down_slots_tiles_take_any_intermediate_size(monkeypatch):
                                                             GemvTile(*moe_gemv_mod.DOWN_SLOTS_TILE), down_slots=True)
     monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", False)
     assert moe_gemv_tiles(2048, 40) is None and not moe_gemv_tiles(2048, 768).down_slots
+    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", True)  # the gate/up switch: its kernel and tile, either down
+    for down_slots in (False, True):
+        monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", down_slots)
+        config = moe_gemv_tiles(2048, 768)
+        assert config.gate_up_slots and config.down_slots == down_slots
+        assert config.gate_up == GemvTile(*moe_gemv_mod.GATE_UP_SLOTS_TILE)
 
 
 def test_gemv_path_is_picked_by_shape(monkeypatch):
@@ -397,7 +412,7 @@ def test_reference_with_expert_map_is_the_ranks_share(dtype):
 
 @requires_triton
 @pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV),
-                                                    ("round robin", GEMV_SLOTS)],
+                                                    ("round robin", GEMV_BOTH_SLOTS)],
                          ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin", "gemv_slots-round robin"])
 def test_triton_with_expert_map_matches_reference(placement, config):
     x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
