@@ -13,7 +13,10 @@ back as {"error": ...} with vLLM's last log lines, so a table can name what did 
 This file must not import mini_infer's engine (only the preset configs and the embedded tokenizer).
 
 On the GPU machines vLLM comes from `../shared/peers/vllm/build.sh` (three parts carried one per call, unpacked
-once, `PYTHONPATH=...:vllm-site/site`). Its OpenAI server (serving.py --peers vllm) also imports
+once, `PYTHONPATH=...:vllm-site/site`). Carry them as git-ignored paths (e.g. `.peer/partN`) and copy each out of
+the working tree in its own call (`mkdir -p /tmp/peer && cp -r .peer/part1 /tmp/peer/`): a call that carries
+another path removes the one an earlier call left in the tree; /tmp stays while the machine is held (calls back
+to back, within its 30 s idle release). The third call unpacks /tmp/peer/part*/ and runs. Its OpenAI server (serving.py --peers vllm) also imports
 `model_hosting_container_standards`, which needs `jmespath` and `supervisor`; that pack lacks all three: carry
 their wheels (bench/RESULTS.md, fifth session, has the exact calls).
 

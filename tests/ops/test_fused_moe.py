@@ -283,8 +283,9 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize(("config", "pair_blocks"), [(GEMV, None), (DECODE, False), (DECODE, True)],
-                         ids=["gemv", "grouped", "pair_per_block"])
+@pytest.mark.parametrize(("config", "pair_blocks"),
+                         [(GEMV, None), (GEMV_BOTH_SLOTS, None), (DECODE, False), (DECODE, True)],
+                         ids=["gemv", "gemv_slots", "grouped", "pair_per_block"])
 def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
     """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
     path and the grouped GEMMs, after align or pair per block)."""
@@ -306,12 +307,18 @@ def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("slots", [False, True], ids=["", "slots"])
 @pytest.mark.parametrize("placement", [None, "linear rank 1"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_cuda_graph_replays_new_routing(tokens, placement):
+def test_cuda_graph_replays_new_routing(tokens, placement, slots, monkeypatch):
     """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
     (other experts, other counts per expert) into its input buffers gives that routing's result (also with an
-    expert map: the rank's share changes with the routing)."""
+    expert map: the rank's share changes with the routing). One token (2 pairs) takes the decode path: with its
+    slots kernels too (`_moe_gemv.DOWN_SLOTS` / `GATE_UP_SLOTS`)."""
+    if slots and tokens > 1:
+        pytest.skip("the slots kernels are the decode path's (few pairs)")
+    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
+    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", slots)
     num_experts, hidden, inter = 8, 64, 96
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
