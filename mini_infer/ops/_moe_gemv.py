@@ -205,6 +205,18 @@ if HAS_TRITON:
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
+    @triton.jit
+    def _slot_experts(ids_ptr, map_ptr, num_global, num_experts, t, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                      HAS_MAP: tl.constexpr):
+        """Token t's slots for the slots kernels: (pair ids t * TOP_K + j [SLOTS], their (local) experts, which
+        slots have one: j < TOP_K (SLOTS is TOP_K rounded up to a power of two) and an expert in [0,
+        num_experts))."""
+        slot = tl.arange(0, SLOTS)
+        in_top = slot < TOP_K
+        pair = t * TOP_K + slot
+        expert = map_expert(tl.load(ids_ptr + pair, mask=in_top, other=-1).to(tl.int32), in_top, map_ptr,
+                            num_global, HAS_MAP)
+        return pair, expert, in_top & (expert >= 0) & (expert < num_experts)
 
     @triton.jit
     def _moe_gemv_gate_up_slots_kernel(
@@ -221,12 +233,7 @@ if HAS_TRITON:
         along K, silu(gate) * up in fp32, rounded to act's dtype."""
         await_producers(USE_GDC)
         t = tl.program_id(0).to(tl.int64)
-        slot = tl.arange(0, SLOTS)
-        in_top = slot < TOP_K
-        pair = t * TOP_K + slot
-        expert = map_expert(tl.load(ids_ptr + pair, mask=in_top, other=-1).to(tl.int32), in_top, map_ptr,
-                            num_global, HAS_MAP)
-        mine = in_top & (expert >= 0) & (expert < num_experts)
+        pair, expert, mine = _slot_experts(ids_ptr, map_ptr, num_global, num_experts, t, TOP_K, SLOTS, HAS_MAP)
         stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows (I further down)
         row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
         w_rows = (w_ptr + tl.where(mine, expert, 0).to(tl.int64)[:, None] * stride_we
@@ -255,14 +262,9 @@ if HAS_TRITON:
         (local) expert [SLOTS], their routing weights (fp32, 0 elsewhere), the weight-row pointers [SLOTS, BLOCK_N]
         of this program's rows in each slot's expert, which of those exist). Reads only the routing (ids, weights,
         expert map) and no weight."""
-        t = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot = tl.arange(0, SLOTS)
-        in_top = slot < TOP_K
-        pair = t * TOP_K + slot
-        expert = map_expert(tl.load(ids_ptr + pair, mask=in_top, other=-1).to(tl.int32), in_top, map_ptr,
-                            num_global, HAS_MAP)
-        mine = in_top & (expert >= 0) & (expert < num_experts)
+        pair, expert, mine = _slot_experts(ids_ptr, map_ptr, num_global, num_experts, tl.program_id(0).to(tl.int64),
+                                           TOP_K, SLOTS, HAS_MAP)
         wgt = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
         w_rows = (w_ptr + tl.where(mine, expert, 0).to(tl.int64)[:, None] * stride_we
                   + rows[None, :].to(tl.int64) * stride_wn)
