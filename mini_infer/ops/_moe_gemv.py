@@ -137,6 +137,17 @@ if HAS_TRITON:
         return expert
 
     @triton.jit
+    def store_sum(out_ptr, res_ptr, offs, y, ok, HAS_RES: tl.constexpr):
+        """out[offs] = the fp32 sums y rounded to out's dtype (the MoE output), plus, with HAS_RES, residual[offs] in
+        fp32, rounded again: `fused_moe` then torch's add, bit for bit, when residual has out's dtype. Also the
+        slot sum's epilogue (fused_moe.py)."""
+        y = y.to(out_ptr.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, y, mask=ok)
+
+    @triton.jit
     def _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP: tl.constexpr):
         """The local expert of slot `pair` (int64; this rank's when in [0, E_local))."""
         return map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP).to(tl.int64)
@@ -179,8 +190,9 @@ if HAS_TRITON:
     @triton.jit
     def _moe_gemv_down_kernel(
         act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
-        stride_om, stride_we, stride_wn,
+        stride_om, stride_we, stride_wn, res_ptr,
         TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        HAS_RES: tl.constexpr = False,
     ):  # fmt: skip
         """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0):
         one K loop over the TOP_K slots' rows laid end to end (BLOCK_K divides I: a step stays within one slot,
@@ -202,8 +214,7 @@ if HAS_TRITON:
             a = tl.load(act_ptr + pair.to(tl.int64) * inter + cols, mask=col_ok, other=0.0).to(tl.float32)
             a *= tl.load(weights_ptr + pair).to(tl.float32)
             acc = gemv_step(acc, w_rows + tl.where(mine, expert, 0) * stride_we, row_ok, cols, col_ok, a)
-        out = tl.sum(acc, axis=1)
-        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        store_sum(out_ptr, res_ptr, t.to(tl.int64) * stride_om + rows, tl.sum(acc, axis=1), row_ok, HAS_RES)
 
     @triton.jit
     def _slot_experts(ids_ptr, map_ptr, num_global, num_experts, t, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
@@ -290,9 +301,9 @@ if HAS_TRITON:
     @triton.jit
     def _moe_gemv_down_slots_kernel(
         act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
-        stride_om, stride_we, stride_wn,
+        stride_om, stride_we, stride_wn, res_ptr,
         TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PRELOAD: tl.constexpr = False,
+        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, PRELOAD: tl.constexpr = False, HAS_RES: tl.constexpr = False,
     ):  # fmt: skip
         """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0), as
         `_moe_gemv_down_kernel` computes it, but the K loop runs over I once with every slot in each step: the
@@ -325,16 +336,17 @@ if HAS_TRITON:
                 acc = _slots_step(acc, _slots_weights(w_rows, w_ok, k0, inter, BLOCK_K), act_ptr, pair, mine, wgt,
                                   k0, inter, BLOCK_K)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = tl.sum(acc, axis=1)
-        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty),
-                 mask=rows < hidden)
+        store_sum(out_ptr, res_ptr, tl.program_id(0).to(tl.int64) * stride_om + rows, tl.sum(acc, axis=1),
+                  rows < hidden, HAS_RES)
 
 
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig) -> torch.Tensor:
+                    map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
     ids flat [T*k] contiguous, w13 [E, 2I, H] and w2 [E, H, I] with unit last stride; `map_ptr` / `num_global`
-    / `has_map` as fused_moe.py's `_map_args` gives them. Returns [T, H] in x's dtype."""
+    / `has_map` as fused_moe.py's `_map_args` gives them. Returns [T, H] in x's dtype; with `residual` (contiguous
+    [T, H] of x's dtype) the output plus it, the add in the down GEMV's epilogue (`store_sum`)."""
     t, h = x.shape
     e, inter = w2.shape[0], w2.shape[2]
     k = ids.numel() // t
@@ -354,9 +366,9 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
             x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
             **gu_meta)
     down_args = (act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0),
-                 w2.stride(1))
+                 w2.stride(1), residual if residual is not None else out)
     down_meta = dict(TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
-                     num_stages=dn.num_stages, **pdl_args(act))
+                     num_stages=dn.num_stages, HAS_RES=residual is not None, **pdl_args(act))
     if config.down_slots:
         _moe_gemv_down_slots_kernel[(t, triton.cdiv(h, dn.block_n))](
             *down_args, SLOTS=triton.next_power_of_2(k), PRELOAD=DOWN_SLOTS_PRELOAD, **down_meta)
