@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
-from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.fuse_norm_gemv import _pair_outputs
-from mini_infer.passes.fuse_residual_gemvs import _consumer
+from mini_infer.passes.fuse_residual_gemvs import _consumer, norm_into_consumer
 from mini_infer.passes.pattern import is_op
 
 ops = torch.ops.mini_infer
@@ -83,12 +83,7 @@ class FuseMoeResidual(GraphPass):
                 if reshape is not None:
                     total = graph.call_function(reshape.target, (total, *reshape.args[1:]))
             total.meta["val"] = norm.meta["val"][1] if "val" in norm.meta else None
-            nw, eps = norm.args[2:]
-            replace_with_call(gm, consumer, ops.rms_norm_linear.default, (total, nw, eps, *consumer.args[1:]))
-            if 1 in items:
-                items[1].replace_all_uses_with(total)
-                graph.erase_node(items[1])
-            for dead in (consumer, items[0], norm, *([reshape] if reshape is not None else []), moe):
-                graph.erase_node(dead)
+            norm_into_consumer(gm, norm, items, consumer, total, total,
+                               [items[0], norm, *([reshape] if reshape is not None else []), moe])
             count += 1
         return PassResult(count, f"{count} MoE residual adds" if count else "")

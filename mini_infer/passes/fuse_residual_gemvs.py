@@ -52,6 +52,21 @@ aten = torch.ops.aten
 THROUGH_SELECT = False
 
 
+def norm_into_consumer(gm: fx.GraphModule, norm: fx.Node, items: dict[int, fx.Node], consumer: fx.Node,
+                       total: fx.Node, row: fx.Node, dead: list[fx.Node]) -> None:
+    """The end of a rewrite whose new node `total` computes `norm`'s residual sum (here: linear_add; fuse_moe_residual:
+    fused_moe_add): `consumer` (a linear) becomes rms_norm_linear(row, nw, eps, W, b) over `row` (total, or rows
+    gathered from it), the readers of the norm's sum (`items[1]`) read `total`, and the consumer, that sum and
+    `dead` (the replaced nodes, readers first) are erased."""
+    nw, eps = norm.args[2:]
+    replace_with_call(gm, consumer, ops.rms_norm_linear.default, (row, nw, eps, *consumer.args[1:]))
+    if 1 in items:
+        items[1].replace_all_uses_with(total)
+        gm.graph.erase_node(items[1])
+    for node in (consumer, *dead):
+        gm.graph.erase_node(node)
+
+
 def _selected_consumer(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(row gather, linear) when `node`'s one reader is `aten.index_select(node, dim, idx)` whose one reader is a
     `mini_infer.linear` taking it as its input row (`_consumer`); else None."""
@@ -123,11 +138,6 @@ class FuseResidualGemvs(GraphPass):
         row = total
         if select is not None:  # the rows gathered from the residual sum instead (the norm is row-wise)
             row = replace_with_call(gm, select, aten.index_select.default, (total, *select.args[1:]))
-        nw, eps = norm.args[2:]
-        replace_with_call(gm, consumer, ops.rms_norm_linear.default, (row, nw, eps, *consumer.args[1:]))
-        if 1 in items:
-            items[1].replace_all_uses_with(total)
-            graph.erase_node(items[1])
-        for dead in (consumer, *([select] if select is not None else []), items[0], norm, producer):
-            graph.erase_node(dead)
+        dead = [items[0], norm, producer] if select is None else [select, items[0], norm, producer]
+        norm_into_consumer(gm, norm, items, consumer, total, row, dead)
         return 1
