@@ -9,8 +9,8 @@ Triton launch: each row split over programs, merged by the last to arrive), not 
 --sample times, per (rows, vocab), a whole `Sampler()` call on bf16 logits whose rows all sample at temperature 0.6
 (no truncation): the torch path (`FUSED_DRAW` off: cast, divide, softmax, exponential noise, divide, argmax) against
 the one `gumbel_argmax` launch, eagerly (bench/kernel_norm.py's `eager_ms`: back-to-back calls, host time included:
-what a decode step pays between replays; the H200 numbers in bench/RESULTS.md were taken as the mean of 50 calls
-after 5 warm-up calls), and prints the ratio.
+what a decode step pays between replays; --rounds rounds of about --target-ms each, their median; the H200 numbers in
+bench/RESULTS.md were taken as the mean of 50 calls after 5 warm-up calls), and prints the ratio.
 
 For every (rows, vocab) of bf16 logits (vocab 32000: llama-2 / mistral, 128256: llama-3, 151936: qwen2.5 / qwen3),
 times `x.argmax(dim=-1)` (torch's reduce, and the memset of its multi-block semaphore) and `argmax_rows_triton(x)`
@@ -130,7 +130,8 @@ def bench_sample(args) -> list[dict]:
             times = {}
             for fused in (False, True):
                 sampler_mod.FUSED_DRAW = fused
-                times[fused] = 1e3 * eager_ms(lambda x=x, batch=batch: sampler(x, batch))
+                times[fused] = 1e3 * eager_ms(lambda x=x, batch=batch: sampler(x, batch),
+                                              budget_ms=args.target_ms * args.rounds, rounds=args.rounds)
             sampler_mod.FUSED_DRAW = True
             results.append({"rows": rows, "vocab": vocab, "torch_path_us": times[False], "gumbel_us": times[True]})
             print(f"{rows:>5}{vocab:>8} | {times[False]:>11.1f}{times[True]:>9.1f} | {times[False] / times[True]:.2f}x",

@@ -473,7 +473,6 @@ def prefill_case(hq, hkv, d, cached, new):
 
 
 def prefill(lengths, out_dir):
-
     from mini_infer.ops import _prefill_sdpa
 
     if "MINI_INFER_PREFILL_ROUTE" not in os.environ:
