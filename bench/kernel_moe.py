@@ -25,10 +25,8 @@ from the previous call.
 --decode times, at T = 1, 2, 4, 8 for qwen3-30b-a3b, mixtral-8x7b and deepseek-v2-lite, the decode path
 (`_moe_gemv.py`: two grouped GEMVs, no align, no slot sum) beside the grouped GEMMs (`moe_tile_config`'s tiles),
 each forced whatever `fused_moe_triton` would pick by shape (the "picks" column: "gemv" up to
-MOE_GEMV_MAX_PAIRS pairs), the decode path with the down GEMV over all slots at once ("slots":
-`_moe_gemv.DOWN_SLOTS`'s kernel) and with both GEMVs so ("all": `GATE_UP_SLOTS` too), as CUDA-graph replays with %
-of copy bandwidth over the touched expert bytes; with --check the paths are first compared with the reference; with
---sweep the decode path's tiles (the slots kernels' too) are varied.
+MOE_GEMV_MAX_PAIRS pairs), as CUDA-graph replays with % of copy bandwidth over the touched expert bytes; with
+--check both paths are first compared with the reference; with --sweep the decode path's tiles are varied too.
 
 --check first compares the Triton output with the reference on every shape (relative Frobenius error and max
 |err|), and stops with exit status 1 on a mismatch. Prints a table; writes JSON to --out
@@ -147,17 +145,12 @@ def check_case(case: Case, config=None) -> dict:
 
 
 def decode_paths(case: Case) -> dict:
-    """{"grouped": moe_tile_config's tiles, "gemv": the decode path's tiles, "gemv_slots": the same with the down
-    GEMV over all slots at once (_moe_gemv.DOWN_SLOTS's kernel and tile)} for this shape, each forced."""
-    from mini_infer.ops import _moe_gemv as mg
+    """{"grouped": moe_tile_config's tiles, "gemv": the decode path's tiles} for this shape, each forced."""
+    from mini_infer.ops._moe_gemv import moe_gemv_tiles
     from mini_infer.ops.fused_moe import moe_tile_config
 
-    gemv = mg.moe_gemv_tiles(case.hidden, case.inter)
-    slots = mg.MoeGemvConfig(gemv.gate_up if gemv else mg.GemvTile(1, 1024, 4, 3), mg.GemvTile(*mg.DOWN_SLOTS_TILE),
-                             down_slots=True)
-    all_slots = mg.MoeGemvConfig(mg.GemvTile(*mg.GATE_UP_SLOTS_TILE), slots.down, down_slots=True, gate_up_slots=True)
     return {"grouped": moe_tile_config(case.tokens, case.experts, case.top_k, case.hidden, case.inter),
-            "gemv": gemv, "gemv_slots": slots, "gemv_all_slots": all_slots}
+            "gemv": moe_gemv_tiles(case.hidden, case.inter)}
 
 
 def gemv_sweep_configs(base, inter: int):
@@ -174,15 +167,7 @@ def gemv_sweep_configs(base, inter: int):
         for block_n in (2, 4, 8):
             for stages in (1, 3):
                 if GemvTile(block_n, block_k, 4, stages) != base.down:
-                    yield "down", replace(base, down=GemvTile(block_n, block_k, 4, stages), down_slots=False)
-    for block_n, block_k, warps, stages in ((1, 256, 4, 2), (2, 128, 4, 2), (2, 256, 4, 1), (2, 256, 4, 3),
-                                            (2, 256, 8, 2), (2, 512, 4, 2), (2, 512, 8, 2), (4, 256, 4, 2),
-                                            (4, 128, 4, 2), (8, 128, 8, 2)):  # the slots kernel (down_slots)
-        yield "down_slots", replace(base, down=GemvTile(block_n, block_k, warps, stages), down_slots=True)
-    for block_n, block_k, warps, stages in ((1, 128, 4, 3), (1, 256, 4, 1), (1, 256, 8, 3), (1, 512, 4, 3),
-                                            (1, 512, 8, 3), (2, 128, 4, 3), (2, 256, 4, 3), (2, 256, 8, 3),
-                                            (4, 128, 8, 3)):  # the gate/up slots kernel (gate_up_slots)
-        yield "gate_up_slots", replace(base, gate_up=GemvTile(block_n, block_k, warps, stages), gate_up_slots=True)
+                    yield "down", replace(base, down=GemvTile(block_n, block_k, 4, stages))
 
 
 def bench_decode(args, dtype) -> dict:
@@ -193,8 +178,7 @@ def bench_decode(args, dtype) -> dict:
     print(f"{torch.cuda.get_device_name()} | {args.dtype} | copy bandwidth {copy['gbps']:.0f} GB/s | CUDA-graph "
           f"timings over {args.sets} routings, median of {args.rounds}", flush=True)
     print(f"{'model':<17}{'T':>3}{'pairs':>6}{'used':>5}{'MB':>7} |{'grouped us':>11}{'%copy':>6} |{'gemv us':>8}"
-          f"{'%copy':>6} |{'speedup':>8} |{'slots us':>9}{'%copy':>6} |{'speedup':>8} |{'all us':>7}{'%copy':>6} |"
-          f"{'speedup':>8}  picks")
+          f"{'%copy':>6} |{'speedup':>8}  picks")
     rows = []
     for model in args.models:
         shape = MODELS[model]
@@ -209,12 +193,10 @@ def bench_decode(args, dtype) -> dict:
                 ms, _ = time_calls(case.triton_calls(cfg), args.target_ms, args.rounds)
                 row["impls"][name] = _metrics(ms, case, copy["gbps"])
                 row["configs"][name] = repr(cfg)
-            g, v, sl, al = (row["impls"][n] for n in ("grouped", "gemv", "gemv_slots", "gemv_all_slots"))
+            g, v = row["impls"]["grouped"], row["impls"]["gemv"]
             line = (f"{model:<17}{tokens:>3}{tokens * case.top_k:>6}{statistics.mean(case.used):>5.0f}"
                     f"{case.touched_bytes() / 1e6:>7.1f} |{g['us']:>11.1f}{100 * g['frac_copy']:>5.0f}% |"
-                    f"{v['us']:>8.1f}{100 * v['frac_copy']:>5.0f}% |{g['us'] / v['us']:>7.2f}x |"
-                    f"{sl['us']:>9.1f}{100 * sl['frac_copy']:>5.0f}% |{g['us'] / sl['us']:>7.2f}x |"
-                    f"{al['us']:>7.1f}{100 * al['frac_copy']:>5.0f}% |{g['us'] / al['us']:>7.2f}x  {picks}")
+                    f"{v['us']:>8.1f}{100 * v['frac_copy']:>5.0f}% |{g['us'] / v['us']:>7.2f}x  {picks}")
             if args.check:
                 bad = [n for n, c in row["check"].items() if not c["ok"]]
                 line += "  rel err " + " / ".join(f"{c['rel_err']:.1e}" for c in row["check"].values())
@@ -225,10 +207,9 @@ def bench_decode(args, dtype) -> dict:
                 timed = [(gemv, alt, time_calls(case.triton_calls(alt), args.target_ms, args.rounds)[0] * 1e3)
                          for gemv, alt in gemv_sweep_configs(base, case.inter)]
                 row["sweep"] = [{"varied": gemv, "config": repr(alt), "us": us} for gemv, alt, us in timed]
-                for gemv in ("gate_up", "down", "down_slots", "gate_up_slots"):
+                for gemv in ("gate_up", "down"):
                     _, alt, us = min((t for t in timed if t[0] == gemv), key=lambda t: t[2])
-                    print(f"    best {gemv} variation: {us:.1f} us {getattr(alt, gemv.removesuffix('_slots'))}",
-                          flush=True)
+                    print(f"    best {gemv} variation: {us:.1f} us {getattr(alt, gemv)}", flush=True)
             rows.append(row)
             del case
             torch.cuda.empty_cache()

@@ -101,7 +101,7 @@ from mini_infer.ops._triton_support import (
 )
 
 if HAS_TRITON:
-    from mini_infer.ops._moe_gemv import map_expert, store_sum
+    from mini_infer.ops._moe_gemv import map_expert
 
 __all__ = [
     "ACTIVATIONS",
@@ -236,11 +236,10 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) ->
 
 
 def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
-                        residual: torch.Tensor | None = None) -> torch.Tensor:
+                        w2: torch.Tensor, activation: str = "silu",
+                        expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch: for each (local) expert in use, its rows through gate/up, silu * up (rounded to hidden's
-    dtype), down, times the routing weight, added into an fp32 [T, H] accumulator; rounded to hidden's dtype, then
-    plus `residual` (torch's add) when given."""
+    dtype), down, times the routing weight, added into an fp32 [T, H] accumulator."""
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     flat_ids = local_expert_ids(topk_ids, expert_map).reshape(-1)
@@ -253,7 +252,7 @@ def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_i
         gate_up = F.linear(hidden.index_select(0, tokens).float(), w13[expert].float())
         act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
         out.index_add_(0, tokens, F.linear(act, w2[expert].float()) * flat_w[pairs, None])
-    return out.to(hidden.dtype) if residual is None else out.to(hidden.dtype) + residual
+    return out.to(hidden.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,14 +501,13 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, res_ptr,
-                        TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr,
-                        PRELOAD: tl.constexpr, USE_GDC: tl.constexpr, HAS_RES: tl.constexpr = False):  # fmt: skip
+    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr,
+                        USE_GDC: tl.constexpr):  # fmt: skip
         """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
-        expert (their rows were never written); HAS_RES: plus residual[t] (`store_sum`: rounded as fused_moe then
-        torch's add). PRELOAD (TOP_K <= 63; module docstring, "Before the wait"): the token's slot ids, mapped and
-        checked, are loaded before the PDL wait as a bit set (BLOCK_K: TOP_K's power of two), read slot by slot
-        after it; the rows and the sum as without it."""
+        expert (their rows were never written). PRELOAD (TOP_K <= 63; module docstring, "Before the wait"): the
+        token's slot ids, mapped and checked, are loaded before the PDL wait as a bit set (BLOCK_K: TOP_K's
+        power of two), read slot by slot after it; the rows and the sum as without it."""
         t = tl.program_id(0).to(tl.int64)
         if PRELOAD:  # the routing's ids: written before the grouped GEMMs, so two kernels back at least
             slot = tl.arange(0, BLOCK_K)
@@ -530,7 +528,7 @@ if HAS_TRITON:
                 slot_used = (expert >= 0) & (expert < num_experts)
             row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             acc += tl.where(slot_used, row, 0.0)
-        store_sum(out_ptr, res_ptr, t * n_cols + cols, acc, ok, HAS_RES)
+        tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -689,21 +687,14 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
-                     pair_blocks: bool | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                     pair_blocks: bool | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
     the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
     weights of unit last stride), else `moe_tile_config`. The grouped GEMMs run in pair-per-block mode (no align
-    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT.
-    `residual`: the output plus it (fused_moe_add.py), added in the last kernel's epilogue (the slot sum's, or the
-    decode path's down GEMV's) when it is [T, H] of hidden's dtype and top-k > 1 or the decode path runs; else by
-    torch's add after."""
+    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
-    if residual is not None and (tuple(residual.shape) != (t, h) or residual.dtype != hidden.dtype):
-        return fused_moe_triton(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, config,
-                                pair_blocks) + residual
-    res = residual.contiguous() if residual is not None else None
     if t == 0:
         return hidden.new_empty(0, h)
     num_global = e if expert_map is None else expert_map.shape[0]
@@ -717,7 +708,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if isinstance(config, MoeGemvConfig):
         emap, n_global = _map_args(ids, expert_map)
         w13, w2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13, w2))  # only with a given config
-        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config, residual=res)
+        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config)
     cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
     # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
@@ -746,11 +737,10 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
         _moe_sum_kernel[(t, triton.cdiv(h, block))](
-            per_slot, ids, out, h, e, emap, n_global, res if res is not None else out, TOP_K=k, BLOCK=block,
-            BLOCK_K=next_pow2(k), HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS,
-            HAS_RES=res is not None, num_warps=4, **pdl_args(per_slot))
-        return out
-    return out if res is None else out + res  # top-1: the down GEMM wrote the output rows itself
+            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
+            HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
+            **pdl_args(per_slot))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

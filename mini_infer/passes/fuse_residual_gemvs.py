@@ -18,13 +18,7 @@ several rows run the unfused kernels, and the CPU references are the unfused one
 Runs in the lowering stage after gemv_linear (whose `mini_infer.linear` nodes it matches) and fuse_rmsnorm (whose
 norms it matches), BEFORE fuse_gemv_norm: where the normalized row has other readers (an MoE router and its
 experts; the final norm, whose rows select_logits gathers before lm_head) the pattern stays a linear feeding a
-`fused_add_rms_norm`, which fuse_gemv_norm then takes. With THROUGH_SELECT (opt-in, below) the final norm's chain
-fuses too, the row gather moved before the norm (it is row-wise, so gathering the residual sum's rows and
-normalizing them is gathering the normalized rows):
-    n, s = fused_add_rms_norm(linear(x, W, b), r, nw, eps);  y = linear(index_select(n, d, i), W2, b2)
-        → s = linear_add(x, W, b, r);  y = rms_norm_linear(index_select(s, d, i), nw, eps, W2, b2)
-(at batch-1 decode: the last down_proj's add without the last-program norm tail of fuse_gemv_norm's op, the norm
-in lm_head's one-pass prologue). It leaves alone: a linear with another reader or reaching
+`fused_add_rms_norm`, which fuse_gemv_norm then takes. It leaves alone: a linear with another reader or reaching
 the add through anything else (a view, tensor parallel's all-reduce), a norm output read by anything but the one
 linear's input, and quantized linears (int8 / fp8 ops are not `mini_infer.linear`).
 
@@ -44,40 +38,6 @@ from mini_infer.passes.fuse_norm_gemv import _pair_outputs
 from mini_infer.passes.pattern import is_op
 
 ops = torch.ops.mini_infer
-aten = torch.ops.aten
-
-# Also fuse the final norm's chain through select_logits' row gather (module docstring). Off by default until a GPU
-# run shows the norm in lm_head's prologue beats fuse_gemv_norm's last-program tail (twenty-first session: built, not
-# yet timed: `bench/latency.py --switch passes.fuse_residual_gemvs.THROUGH_SELECT=1`). Read at each apply.
-THROUGH_SELECT = False
-
-
-def norm_into_consumer(gm: fx.GraphModule, norm: fx.Node, items: dict[int, fx.Node], consumer: fx.Node,
-                       total: fx.Node, row: fx.Node, dead: list[fx.Node]) -> None:
-    """The end of a rewrite whose new node `total` computes `norm`'s residual sum (here: linear_add; fuse_moe_residual:
-    fused_moe_add): `consumer` (a linear) becomes rms_norm_linear(row, nw, eps, W, b) over `row` (total, or rows
-    gathered from it), the readers of the norm's sum (`items[1]`) read `total`, and the consumer, that sum and
-    `dead` (the replaced nodes, readers first) are erased."""
-    nw, eps = norm.args[2:]
-    replace_with_call(gm, consumer, ops.rms_norm_linear.default, (row, nw, eps, *consumer.args[1:]))
-    if 1 in items:
-        items[1].replace_all_uses_with(total)
-        gm.graph.erase_node(items[1])
-    for node in (consumer, *dead):
-        gm.graph.erase_node(node)
-
-
-def _selected_consumer(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(row gather, linear) when `node`'s one reader is `aten.index_select(node, dim, idx)` whose one reader is a
-    `mini_infer.linear` taking it as its input row (`_consumer`); else None."""
-    if len(node.users) != 1:
-        return None
-    (sel,) = node.users
-    if not (is_op(sel, aten.index_select.default) and len(sel.args) == 3 and not sel.kwargs and sel.args[0] is node
-            and node not in sel.args[1:]):
-        return None
-    lin = _consumer(sel)
-    return (sel, lin) if lin is not None else None
 
 
 def _consumer(node: fx.Node) -> fx.Node | None:
@@ -123,21 +83,19 @@ class FuseResidualGemvs(GraphPass):
         if len(norm.args) != 4 or norm.kwargs:
             return 0
         found, items = _absorbed_linear(norm, (ops.linear.default,)), _pair_outputs(norm)
-        if found is None or len(found[0].args) != 3 or items is None or 0 not in items:
-            return 0
-        consumer, select = _consumer(items[0]), None
-        if consumer is None and THROUGH_SELECT and (picked := _selected_consumer(items[0])) is not None:
-            select, consumer = picked
-        if consumer is None:
+        if found is None or len(found[0].args) != 3 or items is None or 0 not in items \
+                or (consumer := _consumer(items[0])) is None:
             return 0
         producer, residual = found
         graph = gm.graph
         with graph.inserting_before(norm):  # every operand (x, W, b, residual) is defined before the norm
             total = graph.call_function(ops.linear_add.default, (*producer.args, residual))
         total.meta["val"] = norm.meta["val"][1] if "val" in norm.meta else None
-        row = total
-        if select is not None:  # the rows gathered from the residual sum instead (the norm is row-wise)
-            row = replace_with_call(gm, select, aten.index_select.default, (total, *select.args[1:]))
-        dead = [items[0], norm, producer] if select is None else [select, items[0], norm, producer]
-        norm_into_consumer(gm, norm, items, consumer, total, row, dead)
+        nw, eps = norm.args[2:]
+        replace_with_call(gm, consumer, ops.rms_norm_linear.default, (total, nw, eps, *consumer.args[1:]))
+        if 1 in items:
+            items[1].replace_all_uses_with(total)
+            graph.erase_node(items[1])
+        for dead in (consumer, items[0], norm, producer):
+            graph.erase_node(dead)
         return 1

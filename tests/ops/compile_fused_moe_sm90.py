@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import sys
 
-from tests.ops.compile_sm90 import build_sm90, build_stats, report_main, resource_usage
+from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
 
 QWEN3 = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 # (name, tokens, local experts: None for all of them)
@@ -72,56 +72,10 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
-# the decode path's down GEMV at batch 1 (_moe_gemv.py): (name, top_k, I)
-GEMV_CASES = [("qwen3_t1", 8, 768), ("deepseek_v2_lite_t1", 6, 1408)]
-
-
-def down_gemv(top_k: int, inter: int, slots: bool, preload: bool = False):
-    """The decode path's down GEMV of one token as `moe_gemv_triton` launches it with DOWN_SLOTS on (the slots
-    kernel at DOWN_SLOTS_TILE, its loads before the PDL wait or not) or off (the per-slot kernel at its K step), H
-    2048."""
-    from mini_infer.ops import _moe_gemv as mg
-
-    if slots:
-        bn, bk, warps, stages = mg.DOWN_SLOTS_TILE
-        kernel, extra = mg._moe_gemv_down_slots_kernel, {"SLOTS": 1 << (top_k - 1).bit_length(), "PRELOAD": preload}
-    else:
-        tile = mg.moe_gemv_tiles(QWEN3["hidden"], inter).down if not mg.DOWN_SLOTS else None
-        bn, bk, warps, stages = tile.block_n, tile.block_k, tile.num_warps, tile.num_stages
-        kernel, extra = mg._moe_gemv_down_kernel, {}
-    built = build_sm90(kernel, dict(TOP_K=top_k, HAS_MAP=False, BLOCK_N=bn, BLOCK_K=bk, USE_GDC=True, **extra),
-                       {"weights_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32"}, warps, stages,
-                       ("act_ptr", "w_ptr", "out_ptr", "weights_ptr", "ids_ptr", "map_ptr", "hidden", "inter",
-                        "stride_om", "stride_we", "stride_wn"))
-    stats = usage(built)
-    return {"block_n": bn, "block_k": bk, "preload": preload, **build_stats(built, warps, r"ld\.global(?:\.\w+)*\.v4"),
-            "vector_loads_before_wait": stats["vector_loads_before_wait"], "stores_before_wait": stats["stores_before_wait"]}
-
-
-def gate_up_gemv_slots(top_k: int, inter: int):
-    """The decode path's gate/up GEMV over all slots (`_moe_gemv.GATE_UP_SLOTS`) of one token at its tile, H 2048."""
-    from mini_infer.ops import _moe_gemv as mg
-
-    bn, bk, warps, stages = mg.GATE_UP_SLOTS_TILE
-    built = build_sm90(mg._moe_gemv_gate_up_slots_kernel,
-                       dict(TOP_K=top_k, SLOTS=1 << (top_k - 1).bit_length(), HAS_MAP=False, BLOCK_N=bn, BLOCK_K=bk,
-                            USE_GDC=True),
-                       {"ids_ptr": "*i32", "map_ptr": "*i32"}, warps, stages,
-                       ("x_ptr", "w_ptr", "act_ptr", "ids_ptr", "map_ptr", "inter", "hidden", "stride_xm",
-                        "stride_we", "stride_wn"))
-    stats = usage(built)
-    return {"block_n": bn, "block_k": bk, "preload": False, **build_stats(built, warps, r"ld\.global(?:\.\w+)*\.v4"),
-            "vector_loads_before_wait": stats["vector_loads_before_wait"], "stores_before_wait": stats["stores_before_wait"]}
-
-
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}
            for name, tokens, local in CASES for preload in (True, False)]
-    out += [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
-    return out + [{"kernel": "down_gemv_slots" if slots else "down_gemv", "name": name,
-                   **down_gemv(k, inter, slots, preload)}
-                  for name, k, inter in GEMV_CASES for slots, preload in ((True, True), (True, False), (False, False))] + \
-        [{"kernel": "gate_up_gemv_slots", "name": name, **gate_up_gemv_slots(k, inter)} for name, k, inter in GEMV_CASES]
+    return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 
 if __name__ == "__main__":

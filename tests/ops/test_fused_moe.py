@@ -1,12 +1,9 @@
-import dataclasses
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import HAS_TRITON
-from mini_infer.ops import _moe_gemv as moe_gemv_mod
 from mini_infer.ops import fused_moe as fused_moe_mod
 from mini_infer.ops._moe_gemv import (
     MOE_GEMV_MAX_PAIRS,
@@ -36,11 +33,6 @@ PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 1
 # tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
 # runs one program at a time.
 GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
-# the same with the down GEMV over all slots at once (`_moe_gemv_down_slots_kernel`): a K step of 32 leaves I 48 a
-# masked tail (the slots kernel needs no step that divides I)
-GEMV_SLOTS = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 32, 4, 1), down_slots=True)
-# and both GEMVs over all slots (`_moe_gemv_gate_up_slots_kernel` too: H 32 in two K steps)
-GEMV_BOTH_SLOTS = MoeGemvConfig(GemvTile(16, 16, 4, 1), GemvTile(32, 32, 4, 1), down_slots=True, gate_up_slots=True)
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -156,21 +148,12 @@ def test_triton_routing_patterns(pattern, config):
 
 
 @requires_triton
-@pytest.mark.parametrize(("slots", "preload", "gate_up_slots"),
-                         [(False, False, False), (True, True, False), (True, False, False), (False, False, True),
-                          (True, True, True)],
-                         ids=["per_slot", "down_slots", "down_slots_no_preload", "gate_up_slots", "both_slots"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 16, 8), (2, 8, 2), (3, 64, 5)])
-def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, preload, gate_up_slots, monkeypatch):
+def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k):
     """The decode path (its own tiles, `moe_gemv_tiles`, at one token; else the wide test tiles: the interpreter
     runs one program at a time) matches the reference, also with ids outside [0, E) in some slots (HF's "no
-    expert" E, -1, far out of range: they contribute nothing); with either down kernel and either gate/up kernel
-    (top-k 5: slots past it masked in the slots kernels' power-of-two slot range), the down slots kernel with its
-    loads before the PDL wait or not."""
-    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
-    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS_PRELOAD", preload)
-    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", gate_up_slots)
+    expert" E, -1, far out of range: they contribute nothing)."""
     hidden, inter = 24, 16
     torch.manual_seed(11)
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
@@ -180,44 +163,8 @@ def test_gemv_path_matches_reference(dtype, tokens, num_experts, top_k, slots, p
     ids[-1, 0] = -1 if tokens > 1 else ids[-1, 0]
     if tokens > 2:
         ids[1, -1] = 1 << 20
-    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV_SLOTS if slots else GEMV
-    if tokens > 1:
-        config = dataclasses.replace(config, gate_up_slots=gate_up_slots)
-    assert config.down_slots == slots and config.gate_up_slots == gate_up_slots
+    config = moe_gemv_tiles(hidden, inter) if tokens == 1 else GEMV
     assert_close(fused_moe_triton(x, weights, ids, w13, w2, config=config), fused_moe_reference(x, weights, ids, w13, w2))
-
-
-@requires_triton
-def test_down_slots_preload_gives_the_same_bits(monkeypatch):
-    """The slots kernel's PRELOAD only moves its routing and last-step weight loads before the wait: the same sums in
-    the same order, the same output bits (three K steps at I 48: the peeled last one has a masked tail)."""
-    x = torch.randn(2, 24, device=DEVICE).to(torch.bfloat16)
-    w13, w2 = _experts(8, 24, 48, torch.bfloat16, seed=5)
-    weights, ids = _routing(2, 8, 4, seed=5)
-    config = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1), down_slots=True)
-    outs = []
-    for preload in (True, False):
-        monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS_PRELOAD", preload)
-        outs.append(fused_moe_triton(x, weights, ids, w13, w2, config=config))
-    assert torch.equal(outs[0], outs[1])
-    assert_close(outs[0], fused_moe_reference(x, weights, ids, w13, w2))
-
-
-def test_down_slots_tiles_take_any_intermediate_size(monkeypatch):
-    """With DOWN_SLOTS the decode path's down GEMV is the slots kernel at DOWN_SLOTS_TILE, for any I (no K step has to
-    divide it: I 40 = 8 x 5 has none, and gets the per-slot kernel's None without the switch)."""
-    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", True)
-    for inter in (768, 40, 1408):
-        assert moe_gemv_tiles(2048, inter) == MoeGemvConfig(GemvTile(1, 1024, 4, 3),
-                                                            GemvTile(*moe_gemv_mod.DOWN_SLOTS_TILE), down_slots=True)
-    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", False)
-    assert moe_gemv_tiles(2048, 40) is None and not moe_gemv_tiles(2048, 768).down_slots
-    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", True)  # the gate/up switch: its kernel and tile, either down
-    for down_slots in (False, True):
-        monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", down_slots)
-        config = moe_gemv_tiles(2048, 768)
-        assert config.gate_up_slots and config.down_slots == down_slots
-        assert config.gate_up == GemvTile(*moe_gemv_mod.GATE_UP_SLOTS_TILE)
 
 
 def test_gemv_path_is_picked_by_shape(monkeypatch):
@@ -231,9 +178,9 @@ def test_gemv_path_is_picked_by_shape(monkeypatch):
         return
     launch, calls = fused_moe_mod.moe_gemv_triton, []
 
-    def spy(*args, **kwargs):  # records the config the launcher ran with, and runs it
+    def spy(*args):  # records the config the launcher ran with, and runs it
         calls.append(args[-1])
-        return launch(*args, **kwargs)
+        return launch(*args)
 
     monkeypatch.setattr(fused_moe_mod, "moe_gemv_triton", spy)
     torch.manual_seed(12)
@@ -283,9 +230,8 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize(("config", "pair_blocks"),
-                         [(GEMV, None), (GEMV_BOTH_SLOTS, None), (DECODE, False), (DECODE, True)],
-                         ids=["gemv", "gemv_slots", "grouped", "pair_per_block"])
+@pytest.mark.parametrize(("config", "pair_blocks"), [(GEMV, None), (DECODE, False), (DECODE, True)],
+                         ids=["gemv", "grouped", "pair_per_block"])
 def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
     """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
     path and the grouped GEMMs, after align or pair per block)."""
@@ -307,18 +253,12 @@ def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("slots", [False, True], ids=["", "slots"])
 @pytest.mark.parametrize("placement", [None, "linear rank 1"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_cuda_graph_replays_new_routing(tokens, placement, slots, monkeypatch):
+def test_cuda_graph_replays_new_routing(tokens, placement):
     """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
     (other experts, other counts per expert) into its input buffers gives that routing's result (also with an
-    expert map: the rank's share changes with the routing). One token (2 pairs) takes the decode path: with its
-    slots kernels too (`_moe_gemv.DOWN_SLOTS` / `GATE_UP_SLOTS`)."""
-    if slots and tokens > 1:
-        pytest.skip("the slots kernels are the decode path's (few pairs)")
-    monkeypatch.setattr(moe_gemv_mod, "DOWN_SLOTS", slots)
-    monkeypatch.setattr(moe_gemv_mod, "GATE_UP_SLOTS", slots)
+    expert map: the rank's share changes with the routing)."""
     num_experts, hidden, inter = 8, 64, 96
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
@@ -418,9 +358,8 @@ def test_reference_with_expert_map_is_the_ranks_share(dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV),
-                                                    ("round robin", GEMV_BOTH_SLOTS)],
-                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin", "gemv_slots-round robin"])
+@pytest.mark.parametrize(("placement", "config"), [*[(p, DECODE) for p in PLACEMENTS], ("round robin", GEMV)],
+                         ids=[*[f"grouped-{p}" for p in PLACEMENTS], "gemv-round robin"])  # map: in align / per slot
 def test_triton_with_expert_map_matches_reference(placement, config):
     x, weights, ids, w13, w2 = _rank_case(dtype=torch.float16)
     held = list(PLACEMENTS[placement])

@@ -145,19 +145,9 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
     """Built for sm_90 as qwen3-30b-a3b's decode launches build them (no GPU needed): no register spills with the
     preload or without it, no store before the wait, and with the preload the B tile's vector loads (the slot sum:
     its ids) before the wait, without it no load there. Batch 1's tile is within the preload's size limit, batch 4's
-    128 x 128 is not. The decode path's two down GEMVs and its gate/up GEMV over all slots at batch 1 (qwen3-30b-a3b,
-    deepseek-v2-lite): no spills, the slots kernels' weight loads vectorized (the per-slot down kernel's are not),
-    the down slots kernel's PRELOAD's loads before the wait."""
+    128 x 128 is not."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90"])
-    gemvs = [case for case in report["cases"] if "gemv" in case["kernel"]]
-    for case in gemvs:  # the decode path's down GEMV (_moe_gemv.py): no spills, no store before the wait; the slots
-        # kernel's loads vectorized, and with its PRELOAD the last step's weights loaded before the wait (else none)
-        assert case["stack"] == 0 and case["spill"] == 0 and case["stores_before_wait"] == 0, case
-        if case["kernel"].endswith("_slots"):
-            assert case["ops"].get("ld.global.v4", 0) > 0, case
-        assert (case["vector_loads_before_wait"] > 0) == case["preload"], case
-    assert {case["kernel"] for case in gemvs} == {"down_gemv", "down_gemv_slots", "gate_up_gemv_slots"}
-    for case in (case for case in report["cases"] if case not in gemvs):
+    for case in report["cases"]:
         assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], case
         assert case["stores_before_wait"] == 0, case
         if not case["preload"]:

@@ -51,9 +51,6 @@ PRE_WAIT_POINTERS = {
     # GEMM, which writes only its src); b_ptr is the expert weights
     "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr"},
     "_moe_sum_kernel": {"ids_ptr", "map_ptr"},
-    # (PRELOAD) the decode path's down GEMV over all slots: the routing (moe_topk's ids and weights, before the
-    # call's gate/up GEMV, the kernel just before, which writes only act) and the expert map
-    "_moe_gemv_down_slots_kernel": {"ids_ptr", "weights_ptr", "map_ptr"},
 }
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
 

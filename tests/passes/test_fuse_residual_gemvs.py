@@ -94,42 +94,6 @@ def test_full_pipeline_leaves_the_final_norm_to_fuse_gemv_norm(name):
     check_against_eager(name, gm, ctx, 1, 30, seed=2)  # one row: a decode step
 
 
-@pytest.mark.parametrize("name", TINY_DENSE_PRESETS)
-def test_through_select_fuses_the_final_norm_into_lm_head(name, monkeypatch):
-    """THROUGH_SELECT: the final norm's chain fuses too, select_logits' row gather moved onto the residual sum: the
-    last down_proj becomes a linear_add, lm_head an rms_norm_linear over the gathered rows, and fuse_gemv_norm finds
-    nothing left; logits equal eager HF for several rows and for one."""
-    from mini_infer.passes import fuse_residual_gemvs
-
-    monkeypatch.setattr(fuse_residual_gemvs, "THROUGH_SELECT", True)
-    gm, ctx, stats = pipeline_with_passes(name)
-    added, plain = EXPECTED[name]
-    counts = op_counts(gm)
-    assert stats[-2].num_matches == added + 1 + plain and stats[-1].num_matches == 0
-    assert counts[mi.linear_add.default] == added + 1 and counts[mi.rms_norm_linear.default] == added + 1 + plain
-    assert counts[mi.linear_add_rms_norm.default] == counts[mi.fused_add_rms_norm.default] == 0
-    assert counts[mi.linear.default] == 0  # lm_head took the final norm
-    (select,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.index_select.default]
-    assert select.args[0].target is mi.linear_add.default
-    (head,) = [n for n in select.users]
-    assert head.target is mi.rms_norm_linear.default and head.args[3].meta["val"].shape[0] == VOCAB
-    check_against_eager(name, gm, ctx, 9, 5, seed=1)
-    check_against_eager(name, gm, ctx, 1, 30, seed=2)  # one row: a decode step
-
-
-def test_through_select_one_row_with_triton_kernels(monkeypatch):
-    """The same graph bound to the Triton kernels (interpreter): a one-row step runs lm_head as the one-pass norm
-    GEMV and gives eager HF's logits."""
-    from mini_infer.passes import fuse_residual_gemvs
-
-    monkeypatch.setattr(fuse_residual_gemvs, "THROUGH_SELECT", True)
-    gm, ctx, _ = pipeline_with_passes("tiny-qwen3")
-    bound, names = bound_copy(gm, "triton")
-    assert {"linear_add_triton", "rms_norm_linear_triton"} <= names and "linear_add_rms_norm_triton" not in names
-    ids, pos = random_ids(1, 7), positions(12, 1)
-    assert_logits_close(graph_logits(bound, ctx, ids, pos), eager_logits("tiny-qwen3", ids, pos))
-
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_one_row_with_triton_kernels(name):
     """The full pipeline's graph bound to the Triton kernels (interpreter): a one-row step runs the epilogue-add and
