@@ -157,13 +157,6 @@ DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") !
 # keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
 # it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
-# With ATTN_PRELOAD, whether the first tile's values are loaded before the wait too (the default) or only its keys,
-# the value tile then loaded whole after the in-kernel write, in flight during the first tile's scores. The preloaded
-# tiles stay live through the in-kernel q/k norm + rotary, whose sm_90 build then spills (STACK bytes in
-# tests/ops/compile_paged_attention_sm90.py); keys alone keep fewer registers live. Opt-in, not yet timed on a GPU:
-# `bench/latency.py --model qwen3-0.6b --peers none --switch paged_attention.ATTN_PRELOAD_V=0 --rounds 2`
-# (MINI_INFER_ATTN_PRELOAD_V=0 at import). Read at launch.
-ATTN_PRELOAD_V = os.environ.get("MINI_INFER_ATTN_PRELOAD_V", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -622,7 +615,6 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        PRELOAD_V: tl.constexpr = True,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -659,8 +651,7 @@ if HAS_TRITON:
                                                            BLOCK_N)
             old0 = k_ok0 & (kpos0 < new0)
             kt0 = _cache_tile(kc_ptr, pblk0, koff0, kvh, d, old0[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch)
-            if PRELOAD_V:
-                vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
+            vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
         await_producers(USE_GDC)
         if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
             zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
@@ -737,13 +728,8 @@ if HAS_TRITON:
                 p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, k_lo, kpos0, k_ok0, q_pos, first_q_pos, qk_scale,
                                                   softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
                                                   FP8_DOT)
-                if not PRELOAD_V:  # the whole value tile, after the scores
-                    vt = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, k_ok0[:, None] & dv_ok[None, :], s_vcb, s_vco,
-                                     s_vch)
-                else:
-                    vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
-                                                               new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch),
-                                  vt0)
+                vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
+                                                           new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch), vt0)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
                 k_from = k_lo + BLOCK_N
             for start in range(k_from, k_hi, BLOCK_N):
@@ -1037,7 +1023,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, PRELOAD_V=ATTN_PRELOAD_V, num_warps=num_warps,
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, num_warps=num_warps,
                 num_stages=num_stages, **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

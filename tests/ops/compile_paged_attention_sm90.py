@@ -25,12 +25,10 @@ POINTERS = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "cn
             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_ptr": "*i64"}
 
 
-def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False, preload: bool | None = None,
-          preload_v: bool = True):
+def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False, preload: bool | None = None):
     """The kernel as `_triton_attention` launches it for a decode step (head dim 128, block 16, a bf16 q): split
     launches over a bf16 cache at the "decode_split" shape with the first key tile loaded before the wait (PRELOAD;
-    `preload=False`: the same shape without it; `preload_v=False`: its keys only, ATTN_PRELOAD_V off), others at
-    "decode" / "decode_fp8" without it."""
+    `preload=False`: the same shape without it), others at "decode" / "decode_fp8" without it."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -49,7 +47,6 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: boo
         BLOCK_N=cfg["block_n"], BLOCK_D=128, BLOCK_DV=128, NUM_SPLITS=splits, FUSED_MERGE=splits > 1, SEARCH_STEPS=4,
         USE_WINDOW=window, USE_SOFTCAP=False, DOT_FP32=False, KV_FP8=fp8,
         FP8_DOT=pa._FP8_DOT[cfg["fp8_dot"]] if fp8 else 0, ROUND_P_EXACTLY=False, PRELOAD=preload, USE_GDC=True,
-        PRELOAD_V=preload_v,
     )  # fmt: skip
     stages = min(cfg["num_stages"], 2) if splits > 1 else cfg["num_stages"]
     return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
@@ -58,11 +55,9 @@ def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: boo
 
 def report(name: str, fp8: bool, g: int, splits: int, window: bool) -> dict:
     out = {"name": name}
-    for key, write, rotary, preload, preload_v in (
-            ("no_write", False, False, None, True), ("write", True, False, None, True), ("rotary", True, True, None, True),
-            ("rotary_no_preload", True, True, False, True), ("write_keys_only", True, False, None, False),
-            ("rotary_keys_only", True, True, None, False)):
-        compiled = build(write, fp8, g, splits, window, rotary, preload, preload_v)
+    for key, write, rotary, preload in (("no_write", False, False, None), ("write", True, False, None),
+                                        ("rotary", True, True, None), ("rotary_no_preload", True, True, False)):
+        compiled = build(write, fp8, g, splits, window, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),

@@ -265,24 +265,6 @@ def test_triton_split_k_decode(small_key_tiles):
     assert not _split_k.split_counters(case.q.device, 1).any()
 
 
-@requires_triton
-def test_triton_split_decode_preloads_keys_only_the_same(small_key_tiles, monkeypatch):
-    """ATTN_PRELOAD_V off (split decode launches load only the first tile's keys before the wait, its values after
-    the scores) gives the bits and the caches of the default (keys and values before the wait)."""
-    from mini_infer.ops import paged_attention as pa
-
-    case = make_case(SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3, pad_tokens=1)
-    args = case.args()
-    out = paged_attention_triton(*args, decode_only=True, num_splits=4)
-    monkeypatch.setattr(pa, "ATTN_PRELOAD_V", False)
-    keys_only_args = case.args()
-    keys_only = paged_attention_triton(*keys_only_args, decode_only=True, num_splits=4)
-    assert torch.equal(keys_only, out)
-    for cache, want in zip(keys_only_args[3:5], args[3:5]):
-        torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)  # slots never written: NaN
-    assert_close(keys_only, oracle(case))
-
-
 def test_grown_counters_keep_the_old_set_alive(monkeypatch):
     """A CUDA graph captured with one set of counters keeps counting in it; a later call asking for more (the
     sampler's argmax with more rows than any captured launch) gets a new set, and the old one stays allocated."""
