@@ -1,12 +1,23 @@
-"""Compile paged_attention's unified kernel (`_paged_attn_kernel`) for sm_90 as a decode-shaped launch builds it, with
+"""Compile paged_attention's unified kernel (`_paged_attn_kernel`) for sm_90 as a decode step's launch builds it, with
 and without the KV write inside it (WRITE_KV), and with the write and the q/k norms + rotary (ROTARY, HAS_Q_NORM,
 HAS_K_NORM: rotary_paged_attention's launch), no GPU needed; print one JSON line.
 
-Each is built as launched (the bf16 split case at "decode_split" with its first key tile loaded before the wait,
-PRELOAD) and, for the rotary build, also without PRELOAD. Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1), and an fp8 cache in one
-split under a sliding window (qwen2.5-7b's group of 7), each at `_CONFIG`'s decode shape. For each: cuobjdump's
-resource line (LOCAL: spill bytes) and, from the PTX, the barriers (`bar.sync` / `barrier.sync`) and the loads through
-the non-coherent path (`ld.global.nc`, which need not see the CTA's own stores to the cache).
+Each build is the launch `_triton_attention` makes for a decode step of the case's shapes (head dim 128, block 16, a
+bf16 q from the merged projection, fresh 16-byte aligned tensors as the engine's): its arguments are recorded by
+calling it on CPU tensors with the kernel replaced by a recorder, then specialized as Triton's launcher specializes
+them (`launch_signature`: a pointer 16-byte aligned and an integer a multiple of 16 are marked divisible by 16, an
+integer 1 becomes a constant), with the constexprs and launch shape of a CUDA launch on sm_90 (16-bit dots, the PDL
+wait). The specialization matters: built without the divisibility marks (a signature no launch of these shapes has)
+an fp8 cache's tiles are loaded a byte at a time, each thread holding the row addresses of all 128 keys, and Triton
+3.6 spills 1.3-6 KB there; with them it loads 16-byte vectors and keeps everything in registers.
+
+Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1: the "decode_split" shape,
+its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`), an
+fp8 cache in one split under a sliding window (qwen2.5-7b's group of 7, batch 64), and nano-vllm's fp8 workload
+(qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones at `_CONFIG["decode_fp8"]`. For each build:
+cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stays 0), from the PTX the barriers
+(`bar.sync` / `barrier.sync`) and the loads through the non-coherent path (`ld.global.nc`, which need not see the
+CTA's own stores to the cache), and the launch shape.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_paged_attention_sm90`. Exits
 NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test_paged_attention.py. Builds only.
@@ -19,50 +30,121 @@ import sys
 
 from tests.ops.compile_sm90 import report_main, resource_usage
 
-# (name, fp8 cache, query heads per kv head, splits, sliding window)
-CASES = [("bf16_splits", False, 2, 8, False), ("fp8_window_g7", True, 7, 1, True)]
-POINTERS = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "cnt_ptr": "*i32", "bt_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_ptr": "*i64"}
+# (name, fp8 cache, query heads, kv heads, sequences (one query row each), splits, sliding window)
+CASES = [("bf16_splits", False, 16, 8, 1, 8, 0), ("fp8_window_g7", True, 28, 4, 64, 1, 4096),
+         ("fp8_g2", True, 16, 8, 256, 1, 0)]
+HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capacity (its row stride: 64 blocks)
 
 
-def build(write: bool, fp8: bool, g: int, splits: int, window: bool, rotary: bool = False, preload: bool | None = None):
-    """The kernel as `_triton_attention` launches it for a decode step (head dim 128, block 16, a bf16 q): split
-    launches over a bf16 cache at the "decode_split" shape with the first key tile loaded before the wait (PRELOAD;
-    `preload=False`: the same shape without it), others at "decode" / "decode_fp8" without it."""
+class _Recorder:
+    """Stands in for the kernel: `kernel[grid](*args, **kwargs)` records (args, kwargs) instead of launching."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool,
+           preload: bool = True) -> tuple[tuple, dict]:
+    """(args, kwargs) of the `_paged_attn_kernel` launch `_triton_attention` makes for a decode step of `seqs`
+    sequences (one new token each) over caches holding CONTEXT keys a sequence: the step's k / v written in the kernel
+    (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms). `preload`:
+    `ATTN_PRELOAD` for the launch. Only shapes, strides and alignment matter: the tensors are left uninitialized."""
+    import torch
+
+    from mini_infer.ops import paged_attention as pa
+
+    d, t = HEAD_DIM, seqs
+    qkv = torch.empty(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16)  # q, k, v: views of the merged projection
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k_cache, v_cache = (torch.empty(8, BLOCK_SIZE, hkv, d, dtype=cache_dtype) for _ in range(2))  # few blocks: unread
+    scales = (torch.ones(1), torch.ones(1)) if fp8 else (None, None)
+    block_tables = torch.zeros(t, CONTEXT // BLOCK_SIZE, dtype=torch.int32)
+    seq_lens = torch.full((t,), CONTEXT, dtype=torch.int32)
+    query_start_loc = torch.arange(t + 1, dtype=torch.int32)
+    slots = torch.zeros(t, dtype=torch.int64)
+    rot = None
+    if rotary:  # cos / sin rows as rotary_paged_attention passes them ([T, D]), the norms' weights [D]
+        cos, sin = (torch.empty(t, d, dtype=torch.bfloat16) for _ in range(2))
+        rot = pa.Rotary(cos, sin, torch.empty(d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16), 1e-6)
+    kernel, saved_preload, recorder = pa._paged_attn_kernel, pa.ATTN_PRELOAD, _Recorder()
+    pa._paged_attn_kernel, pa.ATTN_PRELOAD = recorder, preload
+    try:
+        pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
+                             *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
+                             rotary=rot)
+    finally:
+        pa._paged_attn_kernel, pa.ATTN_PRELOAD = kernel, saved_preload
+    (args, kwargs), = recorder.calls
+    # what a CUDA launch on sm_90 takes where the CPU call differs: 16-bit dots for a 16-bit q (the CPU's are fp32,
+    # the interpreter's bf16 dot being wrong), the fp32 -> fp8 cast of the GPU, the PDL wait
+    kwargs = dict(kwargs, DOT_FP32=q.dtype == torch.float32, ROUND_P_EXACTLY=False, USE_GDC=True)
+    return args, kwargs
+
+
+_POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv",
+                  "int32": "i32", "int64": "i64"}
+
+
+def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of `kernel` launched with `args` / `kwargs`, specialized as Triton's launcher
+    does (3.6 and 3.9 alike): a tensor is a pointer, divisible by 16 when its data is 16-byte aligned; an integer 1 is
+    a constant; another integer is divisible by 16 when it is a multiple of 16; floats are not specialized."""
+    import torch
+
+    values = {**dict(zip(kernel.arg_names, args)), **kwargs}
+    sig, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        value = values[name]
+        if param.is_constexpr or (type(value) is int and value == 1):
+            sig[name], constexprs[name] = "constexpr", value
+            continue
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            sig[name], divisible = "fp32", False
+        else:
+            sig[name], divisible = "i32" if -(2**31) <= value < 2**31 else "i64", value % 16 == 0
+        if divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+
+def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool = False,
+          preload: bool = True):
+    """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from mini_infer.ops import paged_attention as pa
 
-    kernel = pa._paged_attn_kernel
-    split_shape = not fp8 and splits > 1
-    preload = split_shape if preload is None else preload
-    cfg = pa._CONFIG["decode_fp8" if fp8 else "decode_split" if split_shape else "decode"]
-    pointers = {**POINTERS, **({"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} if fp8 else {})}
-    sig = {arg: "constexpr" if p.is_constexpr else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
-           else "fp32" if arg in ("scale", "softcap", "eps") else "i32" for arg, p in zip(kernel.arg_names, kernel.params)}
-    block_g = 1 << (g - 1).bit_length()
-    constexprs = dict(
-        BLOCK_SIZE=16, WRITE_KV=write, ROTARY=rotary, HAS_Q_NORM=rotary, HAS_K_NORM=rotary, G=g, BLOCK_Q=1, BLOCK_G=block_g, BLOCK_R=max(16, block_g),
-        BLOCK_N=cfg["block_n"], BLOCK_D=128, BLOCK_DV=128, NUM_SPLITS=splits, FUSED_MERGE=splits > 1, SEARCH_STEPS=4,
-        USE_WINDOW=window, USE_SOFTCAP=False, DOT_FP32=False, KV_FP8=fp8,
-        FP8_DOT=pa._FP8_DOT[cfg["fp8_dot"]] if fp8 else 0, ROUND_P_EXACTLY=False, PRELOAD=preload, USE_GDC=True,
-    )  # fmt: skip
-    stages = min(cfg["num_stages"], 2) if splits > 1 else cfg["num_stages"]
-    return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=stages))
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
+    kwargs.pop("launch_pdl", None)
+    sig, constexprs, attrs = launch_signature(pa._paged_attn_kernel, args, kwargs)
+    source = triton.compiler.ASTSource(fn=pa._paged_attn_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    shape = dict(options, block_n=constexprs["BLOCK_N"], splits=constexprs["NUM_SPLITS"],
+                 preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"])
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), shape
 
 
-def report(name: str, fp8: bool, g: int, splits: int, window: bool) -> dict:
+def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int) -> dict:
     out = {"name": name}
-    for key, write, rotary, preload in (("no_write", False, False, None), ("write", True, False, None),
-                                        ("rotary", True, True, None), ("rotary_no_preload", True, True, False)):
-        compiled = build(write, fp8, g, splits, window, rotary, preload)
+    builds = [("no_write", False, False, True), ("write", True, False, True), ("rotary", True, True, True)]
+    if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
+        builds.append(("rotary_no_preload", True, True, False))
+    for key, write, rotary, preload in builds:
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),
             "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
             "nc_loads": len(re.findall(r"\bld\.global\.nc\b", ptx)),
+            "shape": shape,
         }
     return out
 

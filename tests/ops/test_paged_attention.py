@@ -7,6 +7,7 @@ block-table entry the op must not read turns the output into NaN or crashes.
 """
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -381,18 +382,33 @@ def test_write_kernel_only_for_prefill_shapes(kernel_launches):
 
 
 
+# Stack bytes (where ptxas puts spilled registers) a build of compile_paged_attention_sm90 may keep: none, but the
+# bf16 split launch with the write, which Triton 3.6 builds with 16 (three registers stored before the write loop and
+# loaded after the key loop: no spill traffic inside it; 3.9: 0). Every build is as a launch specializes it: the
+# same builds without the alignment marks spill up to 6 KB with 3.6 (the script's docstring).
+STACK_ALLOWED = {("bf16_splits", "write"): 16}
+
+
 @requires_triton
 def test_decode_kernel_with_the_write_compiles_sm90():
-    """Compiled for sm_90 (no GPU needed; tests/ops/compile_paged_attention_sm90.py), bf16 with splits and fp8 under a
-    window: the kernel with the KV write has one barrier more than without it (between its stores and its key loads),
-    no load through the non-coherent path (it could miss the CTA's own stores) and no register spills. (The
-    interpreter runs programs one after another: it shows neither a missing barrier nor a compile error.)"""
+    """Compiled for sm_90 as decode launches build it (no GPU needed; tests/ops/compile_paged_attention_sm90.py), bf16
+    with splits, fp8 under a window and fp8 at qwen3-0.6b's batch-256 decode: the kernel with the KV write has one
+    barrier more than without it (between its stores and its key loads), the builds that write no load through the
+    non-coherent path (it could miss the CTA's own stores), and no build spills (no local memory, no stack beyond
+    STACK_ALLOWED). (The interpreter runs programs one after another: it shows neither a missing barrier nor a
+    compile error.)"""
     report = run_uninterpreted(["-m", "tests.ops.compile_paged_attention_sm90"])
+    assert {case["name"] for case in report["cases"]} == {"bf16_splits", "fp8_window_g7", "fp8_g2"}, report
     for case in report["cases"]:
         write, no_write = case["write"], case["no_write"]
         assert write["barriers"] == no_write["barriers"] + 1, case
-        for built in (write, case["rotary"]):  # with the q/k norms and rotary in it too (rotary_paged_attention)
-            assert built["nc_loads"] == 0 and "LOCAL:0 " in built["usage"], case
+        builds = {key: built for key, built in case.items() if key != "name"}
+        for key, built in builds.items():  # rotary*: with the q/k norms and rotary in it too (rotary_paged_attention)
+            stack = re.search(r"\bSTACK:(\d+) ", built["usage"])
+            assert stack and "LOCAL:0 " in built["usage"], (case["name"], key, built)
+            assert int(stack[1]) <= STACK_ALLOWED.get((case["name"], key), 0), (report["triton"], case["name"], key,
+                                                                                 built)
+            assert key == "no_write" or built["nc_loads"] == 0, (case["name"], key, built)
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
