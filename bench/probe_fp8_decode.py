@@ -396,7 +396,7 @@ def sm90_report() -> int:
     """--sm90 (kernel_norm.probe_main has checked that this process can build for sm_90)."""
     print(f"triton {triton.__version__}, sm_90 builds at G {HQ // HKV}, D {D}, block {BLOCK_SIZE} (pointers and strides "
           f"divisible by 16, as launched); programs/SM from regs and shared memory")
-    print(f"{'variant':9s} {'config':18s} | {'regs':>4s} {'spill':>5s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>5s} "
+    print(f"{'variant':9s} {'config':18s} | {'regs':>4s} {'stack':>5s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>5s} "
           f"{'mma':>4s} {'prog/SM':>7s} | global loads, ld.shared.b8")
     for variant, configs in CONFIGS.items():
         for cfg in configs:
@@ -407,7 +407,7 @@ def sm90_report() -> int:
                 print(f"{variant:9s} {cfg_label(cfg):18s} | build failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             loads = " ".join(f"{k}x{v}" for k, v in sorted(st["global_loads"].items()))
-            print(f"{variant:9s} {cfg_label(cfg):18s} | {st['regs']:4d} {st['spill'] + st['stack']:5d} "
+            print(f"{variant:9s} {cfg_label(cfg):18s} | {st['regs']:4d} {st['stack']:5d} "
                   f"{st['smem']:7d} {st['cp_async']:8d} {st['wgmma']:5d} {st['mma_sync']:4d} "
                   f"{st['programs_per_sm']:7d} | {loads}, b8x{st['shared_b8_loads']} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -335,14 +335,14 @@ def sm90_stats(compiled, num_warps) -> dict:
     st = build_stats(compiled, num_warps, r"cp\.async\.bulk\.tensor|cp\.async\.c[ag]|wgmma\.mma_async|mma\.sync"
                                           r"|red\.global|atom\.global")
     ops = st["ops"]
-    return {"regs": st["regs"], "spill": st["spill"] + st["stack"], "smem": st["smem"],
+    return {"regs": st["regs"], "stack": st["stack"], "smem": st["smem"],
             "wgmma": ops["wgmma.mma_async"], "mma": ops["mma.sync"],
             "cp_async": ops["cp.async.cg"] + ops["cp.async.ca"], "tma": ops["cp.async.bulk.tensor"],
             "atomics": ops["red.global"] + ops["atom.global"], "per_sm": st["programs_per_sm"]}
 
 
 def stats_line(st) -> str:
-    return (f"{st['regs']:4d} {st['spill']:5d} {st['smem']:6d} {st['wgmma']:5d} {st['mma']:4d} "
+    return (f"{st['regs']:4d} {st['stack']:5d} {st['smem']:6d} {st['wgmma']:5d} {st['mma']:4d} "
             f"{st['cp_async']:8d} {st['tma']:3d} {st['atomics']:7d} {st['per_sm']:7d}")
 
 
@@ -350,7 +350,7 @@ def sm90_report() -> int:
     """--sm90 (kernel_norm.probe_main has checked that this process can build for sm_90)."""
     print(f"triton {triton.__version__}, sm_90 builds (pointers, M/N/K, k_slice, strides divisible by 16, as "
           f"launched at the H200 shapes); prog/SM from registers and shared memory")
-    print(f"{'tile':18s} {'build':18s} | {'regs':>4s} {'spill':>5s} {'smem':>6s} {'wgmma':>5s} {'mma':>4s} "
+    print(f"{'tile':18s} {'build':18s} | {'regs':>4s} {'stack':>5s} {'smem':>6s} {'wgmma':>5s} {'mma':>4s} "
           f"{'cp.async':>8s} {'TMA':>3s} {'atomics':>7s} {'prog/SM':>7s}")
     bad = 0
     builds = [("direct", dict(SPLIT=False, REDUCE=0, HAS_RES=False)),

@@ -5,9 +5,17 @@ Cases: fp8 "dot" (tensor cores, `_padded_row_dot`) and fp8 "cuda-cores" (fp8 -> 
 their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, and "dot" inside
 linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel. For each: whether
 the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and the conversion
-instructions (`cvt.*e4m3*`), cuobjdump's resource line (LOCAL: spill bytes) and, from the SASS, the K loop (the
-longest backward branch's body) by instruction class, as warp instructions per weight byte (body count x warps /
-(BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
+instructions (`cvt.*e4m3*`), cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stays 0)
+and, from the SASS, the K loop (the longest backward branch's body) by instruction class, as warp instructions per
+weight byte (body count x warps / (BLOCK_N x BLOCK_K bytes of weights an iteration reads)).
+
+Each build is the launch its op's launcher makes (`scaled_gemv_triton`; `scaled_linear_add_rms_norm_quant_triton`
+for fp8-dot-fused, into bf16 and an fp8 quantized row) at the case's tile and fp8 GEMV mode for one row times
+qwen2.5-7b's o_proj weight (N = K = 3584), or its down_proj (N 3584, K 18944) for a tile whose BLOCK_K passes 3584
+(the long-K tile), recorded by calling the launcher on CPU tensors with the kernel replaced by a recorder and
+specialized as Triton's launcher specializes it (compile_sm90's `launch_signature`: fresh tensors 16-byte aligned;
+N, K and the row stride, in int32 words for int8, multiples of 16), with what a CUDA launch on sm_90 sets otherwise
+(the PDL wait, and int8's dp4a inline asm).
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fp8_gemv_sm90
 [mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8 or fp8-dot-fused; no arguments: the
@@ -24,7 +32,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
+from tests.ops.compile_sm90 import build_launch, record_launches, report_main, resource_usage
 
 # SASS opcode (the part before the first dot) -> class; anything else counts as "other"
 SASS_CLASSES = {
@@ -68,28 +76,46 @@ def classify(body: Counter) -> dict[str, int]:
     return out
 
 
-def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
-    """Mode int8, fp8-cuda-cores, fp8-dot: `_scaled_gemv_kernel`; fp8-dot-fused: linear_add_rms_norm.py's kernel
-    that runs the same GEMV body before the add + norm + fp8 quantization."""
-    import triton.language as tl
+def launch(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> tuple[object, tuple, dict]:
+    """(kernel, args, kwargs) of the case's launch. Mode int8, fp8-cuda-cores, fp8-dot: `_scaled_gemv_kernel` by
+    `scaled_gemv_triton`; fp8-dot-fused: linear_add_rms_norm.py's kernel that runs the same GEMV body before the
+    add + norm + fp8 quantization, by `scaled_linear_add_rms_norm_quant_triton` (its GPU check of fp8 support
+    passed on the CPU)."""
+    import torch
 
     from mini_infer.ops import int8_linear as il
     from mini_infer.ops import linear_add_rms_norm as lar
 
-    int8 = mode == "int8"
-    constexprs = dict(HAS_BIAS=False, ACC_DTYPE=tl.int32 if int8 else tl.float32, PACKED=int8, ASM=int8,
-                      DOT=mode.startswith("fp8-dot"), BLOCK_N=block_n, BLOCK_K=block_k // 4 if int8 else block_k,
-                      USE_GDC=True)
-    operand = "*i32" if int8 else "*fp8e4nv"  # int8: int32 words of four, as launch_scaled_gemv packs them
-    pointers = {"x_ptr": operand, "w_ptr": operand, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "b_ptr": "*fp32",
-                "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
-    divisible = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "b_ptr", "y_ptr", "K", "stride_wn")
-    kernel = il._scaled_gemv_kernel
+    n, k = (3584, 18944) if block_k > 3584 else (3584, 3584)
+    operand = torch.int8 if mode == "int8" else torch.float8_e4m3fn
+    x_q, x_scale = torch.empty(1, k, dtype=operand), torch.empty(1, 1)
+    w_q, w_scale = torch.empty(n, k, dtype=operand), torch.empty(n)
+    fp8_gemv = {"int8": None, "fp8-cuda-cores": "cuda-cores"}.get(mode, "dot")
+    config = (block_n, block_k, num_warps, num_stages)
     if mode == "fp8-dot-fused":
-        kernel = lar._scaled_gemv_add_rms_norm_quant_kernel
-        constexprs.update(NORM_DTYPE=tl.bfloat16, IS_FP8=True, QMAX=448.0, NORM_BLOCK_M=1, NORM_BLOCK_N=4096)
-    return build_sm90(kernel, constexprs, pointers, num_warps, num_stages, divisible)
+        module, kernel = lar, "_scaled_gemv_add_rms_norm_quant_kernel"
+        residual, norm_weight = torch.empty(1, n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        with record_launches(lar, kernel, fp8_supported=lambda device: True) as calls, \
+                record_launches(il, FP8_GEMV=fp8_gemv, SCALED_GEMV_CONFIG_FP8_DOT=config):
+            lar.scaled_linear_add_rms_norm_quant_triton(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, residual,
+                                                        norm_weight, 1e-6, torch.float8_e4m3fn)
+    else:
+        module, kernel = il, "_scaled_gemv_kernel"
+        with record_launches(il, kernel) as calls:
+            il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, config, fp8_gemv=fp8_gemv)
+    (args, kwargs), = calls[kernel]
+    # a CUDA launch: the PDL wait; int8's packed words through the dp4a inline asm (`launch_scaled_gemv`)
+    kwargs = dict(kwargs, USE_GDC=True, launch_pdl=True, ASM=kwargs["PACKED"])
+    return getattr(module, kernel), args, kwargs
 
+
+def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    kernel, args, kwargs = launch(mode, block_n, block_k, num_warps, num_stages)
+    expected_k = block_k // 4 if mode == "int8" else block_k  # int8: the K step in int32 words
+    assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["num_stages"], kwargs["DOT"],
+            kwargs["PACKED"]) == (block_n, expected_k, num_warps, num_stages, mode.startswith("fp8-dot"),
+                                  mode == "int8"), (mode, kwargs)
+    return build_launch(kernel, args, kwargs)[0]
 
 def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
     kernel = build(mode, block_n, block_k, num_warps, num_stages)

@@ -1,8 +1,17 @@
 """Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue) and its slot sum
 (`_moe_sum_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
 tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
-GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK / LOCAL: spill bytes)
-and, from the PTX, the global loads and the stores (st / atom / red) issued before `griddepcontrol.wait`.
+GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
+spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
+`griddepcontrol.wait`.
+
+Each build is the launch `fused_moe_triton` makes (given `moe_tile_config`'s tiles: the grouped GEMMs' path) for the
+case's tokens, bf16 hidden rows and routing weights and int32 ids, recorded by calling it on CPU tensors with every
+kernel of fused_moe replaced by a recorder and specialized as Triton's launcher specializes it (compile_sm90's
+`launch_signature`: a pointer marked divisible by 16 where its data is 16-byte aligned, which the align step's views
+into one int32 buffer need not be; integers where they are multiples of 16, an integer 1 a constant), with what a
+CUDA launch on sm_90 sets otherwise (16-bit dots, the PDL wait) and the case's PRELOAD (which the launcher would not
+give batch 4's down GEMM).
 
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
@@ -18,13 +27,13 @@ from __future__ import annotations
 import re
 import sys
 
-from tests.ops.compile_sm90 import build_sm90, report_main, resource_usage
+from tests.ops.compile_sm90 import build_launch, record_launches, report_main, resource_usage
 
 QWEN3 = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 # (name, tokens, local experts: None for all of them)
 CASES = [("qwen3_t1", 1, None), ("qwen3_t1_ep2", 1, 64), ("qwen3_t2", 2, None), ("qwen3_t4", 4, None)]
-POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "map_ptr": "*i32",
-            "ids_ptr": "*i32"}
+KERNELS = ("_moe_gemm_kernel", "_moe_sum_kernel", "_align_single_kernel", "_align_count_kernel", "_align_scan_kernel",
+           "_align_scatter_kernel")
 
 
 def usage(built) -> dict:
@@ -36,27 +45,42 @@ def usage(built) -> dict:
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before))}
 
 
-def down_gemm(tokens: int, local: int | None, preload: bool):
-    """The down GEMM as fused_moe_triton launches it for `tokens` tokens of qwen3-30b-a3b (bf16 routing weights, as
-    its router rounds them): pair-per-block mode where `uses_pair_blocks` takes it, else after align."""
+def launches(tokens: int, local: int | None) -> tuple[object, dict]:
+    """(the tile config, {kernel: [(args, kwargs), ...]}): the launches `fused_moe_triton` makes for `tokens` tokens
+    of qwen3-30b-a3b (bf16 routing weights, as its router rounds them; with `local`, the first `local` experts on this
+    rank through an expert map)."""
+    import torch
+
     from mini_infer.ops import fused_moe as fm
 
     e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
-    cfg = fm.moe_tile_config(tokens, e, k, h, inter, local_experts=local)
+    experts = local or e
+    cfg = fm.moe_tile_config(tokens, e, k, h, inter, local_experts=experts)
     assert cfg.kind == "decode", cfg
+    hidden, weights = torch.empty(tokens, h, dtype=torch.bfloat16), torch.empty(tokens, k, dtype=torch.bfloat16)
+    ids = torch.zeros(tokens, k, dtype=torch.int32)
+    w13 = torch.empty(experts, 2 * inter, h, dtype=torch.bfloat16)  # never touched: not backed by memory
+    w2 = torch.empty(experts, h, inter, dtype=torch.bfloat16)
+    expert_map = None if local is None else torch.zeros(e, dtype=torch.int32)
+    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, _TILE_OK={}) as calls:
+        fm.fused_moe_triton(hidden, weights, ids, w13, w2, expert_map=expert_map, config=cfg)
+    return cfg, calls
+
+
+def down_gemm(tokens: int, local: int | None, preload: bool):
+    """The down GEMM as fused_moe_triton launches it for `tokens` tokens of qwen3-30b-a3b: pair-per-block mode where
+    `uses_pair_blocks` takes it, else after align."""
+    from mini_infer.ops import fused_moe as fm
+
+    cfg, calls = launches(tokens, local)
+    (args, kwargs), = [call for call in calls["_moe_gemm_kernel"] if not call[1]["GATED"]]
     tile = cfg.down
-    pair_blocks = fm.uses_pair_blocks(tokens, k, e)
-    constexprs = dict(
-        GATED=False, MUL_WEIGHT=True, EVEN_K=inter % tile.block_k == 0, DOT_FP32=False, BLOCK_M=cfg.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, PAIR_BLOCKS=pair_blocks,
-        HAS_MAP=pair_blocks and local is not None, PRELOAD=preload, USE_GDC=True,
-        rows_per_a=1, stride_bk=1,  # integer arguments equal to 1: constexpr in a launch's specialization
-    )  # fmt: skip
-    # pointers 16-byte aligned; integers that are multiples of 16 at these shapes (num_pairs and num_pid_m need not be)
-    divisible = ("a_ptr", "b_ptr", "c_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr",
-                 "map_ptr", "n_out", "k_in", "up_offset", "stride_am", "stride_be", "stride_bn", "stride_cm",
-                 "num_experts", "num_global")
-    built = build_sm90(fm._moe_gemm_kernel, constexprs, POINTERS, tile.num_warps, tile.num_stages, divisible)
+    pair_blocks = fm.uses_pair_blocks(tokens, QWEN3["top_k"], QWEN3["num_experts"])
+    assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["PAIR_BLOCKS"]) == (
+        tile.block_n, tile.block_k, tile.num_warps, pair_blocks), kwargs
+    # a CUDA launch: 16-bit dots (the CPU's are fp32), the PDL wait; the case's preload
+    kwargs = dict(kwargs, DOT_FP32=False, USE_GDC=True, launch_pdl=True, PRELOAD=preload)
+    built, _ = build_launch(fm._moe_gemm_kernel, args, kwargs)
     return {"block_m": cfg.block_m, "block_n": tile.block_n, "block_k": tile.block_k, "pair_blocks": pair_blocks,
             "within_preload_limit": tile.block_n * tile.block_k <= fm._PRELOAD_MAX_TILE, **usage(built)}
 
@@ -65,12 +89,11 @@ def slot_sum(preload: bool):
     """The slot sum of a qwen3-30b-a3b decode call: one token's 8 slots, 1024 columns per program."""
     from mini_infer.ops import fused_moe as fm
 
-    k = QWEN3["top_k"]
-    built = build_sm90(fm._moe_sum_kernel, dict(TOP_K=k, BLOCK=1024, BLOCK_K=k, HAS_MAP=False, PRELOAD=preload,
-                                                USE_GDC=True),
-                       POINTERS, 4, 1, ("src_ptr", "ids_ptr", "out_ptr", "map_ptr", "n_cols", "num_experts"))
+    _, calls = launches(1, None)
+    (args, kwargs), = calls["_moe_sum_kernel"]
+    assert (kwargs["TOP_K"], kwargs["BLOCK"], kwargs["num_warps"]) == (QWEN3["top_k"], 1024, 4), kwargs
+    built, _ = build_launch(fm._moe_sum_kernel, args, dict(kwargs, USE_GDC=True, launch_pdl=True, PRELOAD=preload))
     return usage(built)
-
 
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}

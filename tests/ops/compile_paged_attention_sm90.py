@@ -5,7 +5,7 @@ HAS_K_NORM: rotary_paged_attention's launch), no GPU needed; print one JSON line
 Each build is the launch `_triton_attention` makes for a decode step of the case's shapes (head dim 128, block 16, a
 bf16 q from the merged projection, fresh 16-byte aligned tensors as the engine's): its arguments are recorded by
 calling it on CPU tensors with the kernel replaced by a recorder, then specialized as Triton's launcher specializes
-them (`launch_signature`: a pointer 16-byte aligned and an integer a multiple of 16 are marked divisible by 16, an
+them (compile_sm90's `launch_signature`: a pointer 16-byte aligned and an integer a multiple of 16 are marked divisible by 16, an
 integer 1 becomes a constant), with the constexprs and launch shape of a CUDA launch on sm_90 (16-bit dots, the PDL
 wait). The specialization matters: built without the divisibility marks (a signature no launch of these shapes has)
 an fp8 cache's tiles are loaded a byte at a time, each thread holding the row addresses of all 128 keys, and Triton
@@ -28,22 +28,12 @@ from __future__ import annotations
 import re
 import sys
 
-from tests.ops.compile_sm90 import report_main, resource_usage
+from tests.ops.compile_sm90 import build_launch, record_launches, report_main, resource_usage
 
 # (name, fp8 cache, query heads, kv heads, sequences (one query row each), splits, sliding window)
 CASES = [("bf16_splits", False, 16, 8, 1, 8, 0), ("fp8_window_g7", True, 28, 4, 64, 1, 4096),
          ("fp8_g2", True, 16, 8, 256, 1, 0)]
 HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capacity (its row stride: 64 blocks)
-
-
-class _Recorder:
-    """Stands in for the kernel: `kernel[grid](*args, **kwargs)` records (args, kwargs) instead of launching."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
 def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool,
@@ -70,66 +60,27 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
     if rotary:  # cos / sin rows as rotary_paged_attention passes them ([T, D]), the norms' weights [D]
         cos, sin = (torch.empty(t, d, dtype=torch.bfloat16) for _ in range(2))
         rot = pa.Rotary(cos, sin, torch.empty(d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16), 1e-6)
-    kernel, saved_preload, recorder = pa._paged_attn_kernel, pa.ATTN_PRELOAD, _Recorder()
-    pa._paged_attn_kernel, pa.ATTN_PRELOAD = recorder, preload
-    try:
+    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
                              *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
                              rotary=rot)
-    finally:
-        pa._paged_attn_kernel, pa.ATTN_PRELOAD = kernel, saved_preload
-    (args, kwargs), = recorder.calls
+    (args, kwargs), = calls["_paged_attn_kernel"]
     # what a CUDA launch on sm_90 takes where the CPU call differs: 16-bit dots for a 16-bit q (the CPU's are fp32,
     # the interpreter's bf16 dot being wrong), the fp32 -> fp8 cast of the GPU, the PDL wait
     kwargs = dict(kwargs, DOT_FP32=q.dtype == torch.float32, ROUND_P_EXACTLY=False, USE_GDC=True)
     return args, kwargs
 
 
-_POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv",
-                  "int32": "i32", "int64": "i64"}
-
-
-def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) of `kernel` launched with `args` / `kwargs`, specialized as Triton's launcher
-    does (3.6 and 3.9 alike): a tensor is a pointer, divisible by 16 when its data is 16-byte aligned; an integer 1 is
-    a constant; another integer is divisible by 16 when it is a multiple of 16; floats are not specialized."""
-    import torch
-
-    values = {**dict(zip(kernel.arg_names, args)), **kwargs}
-    sig, constexprs, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        value = values[name]
-        if param.is_constexpr or (type(value) is int and value == 1):
-            sig[name], constexprs[name] = "constexpr", value
-            continue
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
-            divisible = value.data_ptr() % 16 == 0
-        elif isinstance(value, float):
-            sig[name], divisible = "fp32", False
-        else:
-            sig[name], divisible = "i32" if -(2**31) <= value < 2**31 else "i64", value % 16 == 0
-        if divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, constexprs, attrs
-
-
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool = False,
           preload: bool = True):
     """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from mini_infer.ops import paged_attention as pa
 
     args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
-    kwargs.pop("launch_pdl", None)
-    sig, constexprs, attrs = launch_signature(pa._paged_attn_kernel, args, kwargs)
-    source = triton.compiler.ASTSource(fn=pa._paged_attn_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    shape = dict(options, block_n=constexprs["BLOCK_N"], splits=constexprs["NUM_SPLITS"],
-                 preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"])
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), shape
+    compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
+    shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
+                 splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"])
+    return compiled, shape
 
 
 def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int) -> dict:

@@ -117,7 +117,8 @@ def test_preload_kernels_compile_for_sm90():
     preloads = {}
     for case in report["cases"]:
         preloads.setdefault(case["kernel"], []).append(case["preload_k"] // case["block_k"])
-        assert case["resources"] == "" or "LOCAL:0 " in case["resources"], case
+        # no spills: ptxas puts them on the stack (STACK:), LOCAL stays 0 when it spills
+        assert case["resources"] == "" or ("LOCAL:0 " in case["resources"] and "STACK:0 " in case["resources"]), case
     whole = {name: chunks for name, chunks in preloads.items() if ":" not in name}
     assert len(whole) == 2 and all(0 in chunks and 2 in chunks and 4 in chunks for chunks in whole.values())
     assert preloads["linear_add._gemv_add_kernel:prefix"] == [2, 4]  # a prefix of a longer row (PRELOAD_PREFIX)
