@@ -7,8 +7,9 @@ experts, dense layers, lm_head. So
 
     active = all graph tensors except the embedding and position tables  -  sum over fused_moe nodes of (w13 + w2 bytes) * (E - k) / E
 
-Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config.
-Used by bench/latency.py; runs on any device (no GPU needed to count).
+Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config. Stacked
+expert weights feeding any other op are an error, not a dense count. Used by bench/latency.py; runs on any device
+(no GPU needed to count).
 
     PYTHONPATH=. python bench/active_bytes.py tiny-qwen3-moe tiny-mixtral   # compiled on the GPU if there is one
 """
@@ -61,7 +62,25 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
         experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
         idle += tensor_bytes([w13, w2]) * (experts - min(top_k, experts)) / experts
         layers += 1
+    _check_experts_counted(gm, fused_moe)
     return TokenBytes(total, round(total - idle), layers, experts, top_k)
+
+
+def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
+    """ValueError when stacked expert weights (a 3-D tensor under an `experts` module) feed a node other than
+    fused_moe: a token would read all of them by this count, and the floor would silently be a dense one's (an
+    MoE op that replaced fused_moe did this once: 1 of 48 layers counted)."""
+    from mini_infer.passes import PassContext
+
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or "experts" not in str(node.target).split("."):
+            continue
+        if PassContext.tensor_of(gm, node).dim() != 3:
+            continue
+        for user in node.users:
+            if user.op != "call_function" or fused_moe not in (user.target, user.meta.get("op")):
+                raise ValueError(f"active_bytes: the stacked expert weights {node.target} feed {user.format_node()}, "
+                                 "which token_bytes counts as read whole: teach it that op before trusting the floor")
 
 
 def main() -> None:

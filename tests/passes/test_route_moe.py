@@ -303,6 +303,15 @@ def test_bench_active_bytes_counts_top_k_experts():
             if name in MOE else 0
         assert counted.active == counted.total - experts // 2  # top-2 of 4 experts
         assert counted.moe_layers == (2 if experts else 0)
+    # stacked expert weights read by an op it does not count: an error naming the weights, not a dense floor
+    gm = copy_gm(mc.compiled("tiny-qwen3-moe").graph_module)
+    moe = next(n for n in gm.graph.nodes if n.op == "call_function" and torch.ops.mini_infer.fused_moe.default in
+               (n.target, n.meta.get("op")))
+    w13 = moe.args[3]
+    with gm.graph.inserting_after(moe):
+        gm.graph.call_function(torch.ops.aten.sum.default, (w13,))
+    with pytest.raises(ValueError, match=f"stacked expert weights {w13.target} feed"):
+        module.token_bytes(gm)
 
 
 # -- refusals -------------------------------------------------------------------------------------------------
