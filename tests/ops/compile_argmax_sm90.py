@@ -32,7 +32,7 @@ CASES = [(1000, "*bf16", False), (151936, "*bf16", False), (151936, "*fp16", Fal
 
 def launch(n_cols: int, x_type: str, noise: bool) -> tuple[tuple, dict]:
     """(args, kwargs) of the kernel launch for one row of `n_cols` logits of `x_type` (gumbel_argmax's with `noise`),
-    as a CUDA launch on sm_90 passes them (the PDL wait)."""
+    as recorded on CPU tensors (`build_launch` adds the PDL wait of a CUDA launch)."""
     import torch
 
     from mini_infer.ops import argmax
@@ -46,7 +46,7 @@ def launch(n_cols: int, x_type: str, noise: bool) -> tuple[tuple, dict]:
         else:
             argmax.argmax_rows_triton(x)
     (args, kwargs), = calls["_argmax_rows_kernel"]
-    return args, dict(kwargs, USE_GDC=True, launch_pdl=True)
+    return args, kwargs
 
 
 def cases() -> list[dict]:

@@ -104,8 +104,8 @@ def launch(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: in
         with record_launches(il, kernel) as calls:
             il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, config, fp8_gemv=fp8_gemv)
     (args, kwargs), = calls[kernel]
-    # a CUDA launch: the PDL wait; int8's packed words through the dp4a inline asm (`launch_scaled_gemv`)
-    kwargs = dict(kwargs, USE_GDC=True, launch_pdl=True, ASM=kwargs["PACKED"])
+    # a CUDA launch: int8's packed words through the dp4a inline asm (`launch_scaled_gemv`; the PDL wait: build_launch)
+    kwargs = dict(kwargs, ASM=kwargs["PACKED"])
     return getattr(module, kernel), args, kwargs
 
 

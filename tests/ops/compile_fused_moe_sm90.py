@@ -78,8 +78,8 @@ def down_gemm(tokens: int, local: int | None, preload: bool):
     pair_blocks = fm.uses_pair_blocks(tokens, QWEN3["top_k"], QWEN3["num_experts"])
     assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["PAIR_BLOCKS"]) == (
         tile.block_n, tile.block_k, tile.num_warps, pair_blocks), kwargs
-    # a CUDA launch: 16-bit dots (the CPU's are fp32), the PDL wait; the case's preload
-    kwargs = dict(kwargs, DOT_FP32=False, USE_GDC=True, launch_pdl=True, PRELOAD=preload)
+    # a CUDA launch: 16-bit dots (the CPU's are fp32; the PDL wait: build_launch); the case's preload
+    kwargs = dict(kwargs, DOT_FP32=False, PRELOAD=preload)
     built, _ = build_launch(fm._moe_gemm_kernel, args, kwargs)
     return {"block_m": cfg.block_m, "block_n": tile.block_n, "block_k": tile.block_k, "pair_blocks": pair_blocks,
             "within_preload_limit": tile.block_n * tile.block_k <= fm._PRELOAD_MAX_TILE, **usage(built)}
@@ -92,7 +92,7 @@ def slot_sum(preload: bool):
     _, calls = launches(1, None)
     (args, kwargs), = calls["_moe_sum_kernel"]
     assert (kwargs["TOP_K"], kwargs["BLOCK"], kwargs["num_warps"]) == (QWEN3["top_k"], 1024, 4), kwargs
-    built, _ = build_launch(fm._moe_sum_kernel, args, dict(kwargs, USE_GDC=True, launch_pdl=True, PRELOAD=preload))
+    built, _ = build_launch(fm._moe_sum_kernel, args, dict(kwargs, PRELOAD=preload))
     return usage(built)
 
 def cases() -> list[dict]:

@@ -44,7 +44,7 @@ KERNELS = {
 def launch(module, kernel: str, launcher: str, k: int, knobs: dict) -> tuple[tuple, dict]:
     """(args, kwargs) of `kernel`'s launch by `module`'s `launcher` for one bf16 row of `k` elements times a [N, k]
     weight (with a bias), with linear.py's `knobs` (PRELOAD_MAX_K 4096 and PREFIX_PRELOAD_K 4096 unless they say
-    otherwise), as a CUDA launch on sm_90 passes them (the PDL wait)."""
+    otherwise), as recorded on CPU tensors (`build_launch` adds the PDL wait of a CUDA launch)."""
     import torch
 
     from mini_infer.ops import linear
@@ -56,7 +56,7 @@ def launch(module, kernel: str, launcher: str, k: int, knobs: dict) -> tuple[tup
             record_launches(module, kernel) as calls:
         getattr(module, launcher)(x, weight, bias, residual, *extra)
     (args, kwargs), = calls[kernel]
-    return args, dict(kwargs, USE_GDC=True, launch_pdl=True)
+    return args, kwargs
 
 
 def cases() -> list[dict]:

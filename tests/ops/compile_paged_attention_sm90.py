@@ -66,8 +66,8 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
                              rotary=rot)
     (args, kwargs), = calls["_paged_attn_kernel"]
     # what a CUDA launch on sm_90 takes where the CPU call differs: 16-bit dots for a 16-bit q (the CPU's are fp32,
-    # the interpreter's bf16 dot being wrong), the fp32 -> fp8 cast of the GPU, the PDL wait
-    kwargs = dict(kwargs, DOT_FP32=q.dtype == torch.float32, ROUND_P_EXACTLY=False, USE_GDC=True)
+    # the interpreter's bf16 dot being wrong), the fp32 -> fp8 cast of the GPU (the PDL wait: build_launch)
+    kwargs = dict(kwargs, DOT_FP32=q.dtype == torch.float32, ROUND_P_EXACTLY=False)
     return args, kwargs
 
 
