@@ -56,7 +56,7 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
                           if "embed_tokens" not in n and not n.startswith(TABLE_PREFIX)])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or fused_moe not in (node.target, node.meta.get("op")):
+        if not _runs(node, fused_moe):
             continue
         w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
         experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
@@ -64,6 +64,11 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
         layers += 1
     _check_experts_counted(gm, fused_moe)
     return TokenBytes(total, round(total - idle), layers, experts, top_k)
+
+
+def _runs(node: fx.Node, op) -> bool:
+    """Whether `node` calls `op` (as traced, or bound to a kernel: the op kept in `node.meta["op"]`)."""
+    return node.op == "call_function" and op in (node.target, node.meta.get("op"))
 
 
 def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
@@ -78,7 +83,7 @@ def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
         if PassContext.tensor_of(gm, node).dim() != 3:
             continue
         for user in node.users:
-            if user.op != "call_function" or fused_moe not in (user.target, user.meta.get("op")):
+            if not _runs(user, fused_moe):
                 raise ValueError(f"active_bytes: the stacked expert weights {node.target} feed {user.format_node()}, "
                                  "which token_bytes counts as read whole: teach it that op before trusting the floor")
 

@@ -66,5 +66,6 @@ def cases() -> list[dict]:
                     "loads": sorted(set(re.findall(r"ld\.global[\w.]*", ptx)))})
     return out
 
+
 if __name__ == "__main__":
     sys.exit(report_main(cases))

@@ -110,12 +110,14 @@ def launch(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: in
 
 
 def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    """The case's kernel compiled for sm_90 as `launch` launches it (its recorded tile checked against the case's)."""
     kernel, args, kwargs = launch(mode, block_n, block_k, num_warps, num_stages)
     expected_k = block_k // 4 if mode == "int8" else block_k  # int8: the K step in int32 words
     assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["num_stages"], kwargs["DOT"],
             kwargs["PACKED"]) == (block_n, expected_k, num_warps, num_stages, mode.startswith("fp8-dot"),
                                   mode == "int8"), (mode, kwargs)
     return build_launch(kernel, args, kwargs)[0]
+
 
 def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
     kernel = build(mode, block_n, block_k, num_warps, num_stages)
@@ -142,6 +144,7 @@ def default_cases() -> list[tuple]:
 def main(argv: list[str]) -> int:
     cases = [(argv[i], *map(int, argv[i + 1 : i + 5])) for i in range(0, len(argv), 5)] if argv else None
     return report_main(lambda: [report(*case) for case in cases or default_cases()])
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

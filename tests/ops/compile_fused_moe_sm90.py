@@ -95,6 +95,7 @@ def slot_sum(preload: bool):
     built, _ = build_launch(fm._moe_sum_kernel, args, dict(kwargs, PRELOAD=preload))
     return usage(built)
 
+
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}
            for name, tokens, local in CASES for preload in (True, False)]

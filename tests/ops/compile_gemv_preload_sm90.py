@@ -76,5 +76,6 @@ def cases() -> list[dict]:
                         "resources": resource_usage(built.asm["cubin"])})
     return out
 
+
 if __name__ == "__main__":
     sys.exit(report_main(cases))
