@@ -3,8 +3,9 @@
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
                                             | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
-                                            | --decode-sweep [--wide | --grid G] [--ways W] [--layers N]
-                                            | --decode-write [--layers N]]
+                                            | --decode-sweep [--wide | --grid G] [--ways W] [--caches C] [--layers N]
+                                            | --decode-write [--layers N]
+                                            | --split-sweep [--grid G] [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
@@ -15,7 +16,12 @@ bf16 default shape unless --wide) timed as --decode-latency times them (qwen3-0.
 and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints the best configs per cache, the winner
 (least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
 reference. --wide: a larger grid (minutes). --grid "block_n=128,256;num_warps=4,8;num_stages=2,3": this grid instead
-(each key a launch-shape field, its values tried in every combination); --ways fp16,fp16_vregs: only these fp8 ways.
+(each key a launch-shape field, its values tried in every combination; `maxnreg`: ptxas's register cap a thread, 0
+for none); --ways fp16,fp16_vregs: only these fp8 ways; --caches fp8: only this cache dtype's configs.
+
+--split-sweep: the batch-1 decode launches' shape (_CONFIG["decode_split"]: split launches over a 16-bit cache) over a
+grid (--grid as --decode-sweep's; default SPLIT_SWEEP_GRID), for qwen3-0.6b's (16 / 8), qwen2.5-7b's (28 / 4) and
+qwen3-30b-a3b's (32 / 4) heads at context 128, 384 and 1,024, timed as --decode-sweep times (no rotary).
 
 --decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
 (default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
@@ -340,6 +346,11 @@ def fp8_way_diffs(name, base, args, ways=None):
     return diffs
 
 
+def launch_shape(grid: dict, values) -> dict:
+    """One point of a --grid as a _CONFIG entry: `maxnreg` 0 (no register cap) left out, as the defaults leave it."""
+    return {k: v for k, v in zip(grid, values) if not (k == "maxnreg" and v == 0)}
+
+
 def parse_grid(text: str) -> dict[str, list[int]]:
     """--grid's "key=v,v;key=v" as {key: [v, ...]}."""
     grid = {}
@@ -352,7 +363,7 @@ def parse_grid(text: str) -> dict[str, list[int]]:
 
 
 def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, shapes=SWEEP_SHAPES,
-                 prefill_shapes=SWEEP_PREFILL, heads=None, ways=None):
+                 prefill_shapes=SWEEP_PREFILL, heads=None, ways=None, caches=("bf16", "fp8")):
     """--decode-sweep (see the module docstring). `timer(fn)` -> us per call (default: `graph_us` over `layers`
     calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes."""
     from mini_infer.ops import paged_attention as pa
@@ -370,12 +381,14 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
     best = {}
     try:
         for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
+            if kv not in caches:
+                continue
             cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device) for s, ctx in shapes]
             kv_ways = [w for w in pa._FP8_DOT if ways is None or w in ways] if kv == "fp8" else [None]
-            candidates = [{**dict(zip(grid, v)), **({"fp8_dot": w} if w else {})}
+            candidates = [{**launch_shape(grid, v), **({"fp8_dot": w} if w else {})}
                           for w in kv_ways for v in itertools.product(*grid.values())]
             if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
-                old_shape = {k: saved["decode"][k] for k in grid}
+                old_shape = launch_shape(grid, [saved["decode"].get(k, 0) for k in grid])
                 candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
             results = time_configs(name, candidates, cases, timer)
             print_ranking(name, labels, results, saved[name])
@@ -390,8 +403,9 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
                 print("  max |triton - reference| at " + labels[0] + ": "
                       + ", ".join(f"{w} {x:.2e}" for w, x in diffs.items()), flush=True)
             del cases
-        print("fp8 / bf16 cache, best config of each: "
-              + " ".join(f"{lab} {f / b:.2f}" for lab, f, b in zip(labels, best["fp8"][1], best["bf16"][1])))
+        if len(best) == 2:
+            print("fp8 / bf16 cache, best config of each: "
+                  + " ".join(f"{lab} {f / b:.2f}" for lab, f, b in zip(labels, best["fp8"][1], best["bf16"][1])))
 
         cases = []
         for s, ctx, new in prefill_shapes:
@@ -403,7 +417,7 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
         del cases
 
         s, ctx = shapes[-1]
-        for kv in ("bf16", "fp8"):
+        for kv in caches:
             a = decode_args(s, ctx, hq, hkv, d, kv=kv, device=device)
             us = timer(lambda a=a: write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5], *a[12:]))
             print(f"cache write alone, batch {s}, {kv} cache: {us:.2f} us per call")
@@ -413,6 +427,38 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
         pa._LAUNCH_OK.clear()
     print(f"{time.perf_counter() - t0:.0f} s")
     return best
+
+
+SPLIT_SWEEP_HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen3-30b-a3b": (32, 4, 128)}
+SPLIT_SWEEP_SHAPES = ((1, 128), (1, 384), (1, 1024))  # (batch, context): batch-1 decode, as bench/latency.py's
+SPLIT_SWEEP_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 2])
+
+
+def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SWEEP_SHAPES, heads=None):
+    """--split-sweep: _CONFIG["decode_split"] (the small batches' split launches over a 16-bit cache) over `grid`
+    (default SPLIT_SWEEP_GRID), timed as --decode-sweep times its configs, for each model's heads of
+    SPLIT_SWEEP_HEADS (or `heads`: {name: (Hq, Hkv, D)}); best first per model."""
+    from mini_infer.ops import paged_attention as pa
+
+    timer = timer or (lambda fn: graph_us(fn, layers, replays=10))
+    grid = grid or SPLIT_SWEEP_GRID
+    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
+    labels = [f"b{s}/ctx{c}" for s, c in shapes]
+    print(f"{torch.cuda.get_device_name() if device == 'cuda' else device} | decode_split, bf16 q and cache, block "
+          f"16, block tables {DECODE_CAPACITY} keys, CUDA graph of {layers} calls (write + attention + merge); "
+          f"grid {grid}", flush=True)
+    try:
+        for model, (hq, hkv, d) in (heads or SPLIT_SWEEP_HEADS).items():
+            cases = [decode_args(s, ctx, hq, hkv, d, device=device) for s, ctx in shapes]
+            candidates = [launch_shape(grid, v) for v in itertools.product(*grid.values())]
+            print(f"{model} ({hq} / {hkv} heads):")
+            print_ranking("decode_split", labels, time_configs("decode_split", candidates, cases, timer),
+                          saved["decode_split"])
+            del cases
+    finally:
+        pa._CONFIG.clear()
+        pa._CONFIG.update(saved)
+        pa._LAUNCH_OK.clear()
 
 
 def cpu():
@@ -566,7 +612,10 @@ if __name__ == "__main__":
     elif "--decode-sweep" in sys.argv:
         ways = arg_value("--ways", None)
         decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")),
-                     grid=parse_grid(arg_value("--grid", "")) or None, ways=ways.split(",") if ways else None)
+                     grid=parse_grid(arg_value("--grid", "")) or None, ways=ways.split(",") if ways else None,
+                     caches=tuple(arg_value("--caches", "bf16,fp8").split(",")))
+    elif "--split-sweep" in sys.argv:
+        split_sweep(int(arg_value("--layers", "28")), grid=parse_grid(arg_value("--grid", "")) or None)
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 from active_bytes import token_bytes  # the sibling script's count of the weight bytes a token reads
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
+from switches import switched  # a kernel switch set for one engine's build
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -156,26 +156,6 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     return result
 
 
-@contextlib.contextmanager
-def switched(assignment: str):
-    """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
-    switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type, for the block, then restored:
-    a kernel switch read at launch, for an engine built (and its graphs captured) inside the block. Several
-    switches for one engine are joined by commas: `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
-    with contextlib.ExitStack() as stack:
-        for one in assignment.split(","):
-            name, _, value = one.partition("=")
-            mod_name, _, attr = name.rpartition(".")
-            if not mod_name or not value:
-                raise SystemExit(f"--switch takes module.ATTR=int[,module.ATTR=int...], got {assignment!r}")
-            # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
-            module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
-            old = getattr(module, attr)
-            setattr(module, attr, type(old)(int(value)))
-            stack.callback(setattr, module, attr, old)
-        yield
-
-
 def variant_runs(first_passes: list, without: str | None, with_: str | None, switches: list[str],
                  rounds: int) -> list[tuple[str, list | None, str | None]]:
     """The engines built after the first one, in order, as (tag, passes or None for the first engine's, switch or
@@ -213,9 +193,10 @@ def main() -> None:
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="one more engine per quantized one: its pipeline with the lm_head quantized too (lm_head=True)")
     ap.add_argument("--switch", action="append", default=[],
-                    help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0; several "
-                         "for one engine joined by commas): one more engine, the first one's, built with that switch "
-                         "set (restored after); repeatable")
+                    help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0), or "
+                         "`module.TABLE[key][field]=int` (e.g. paged_attention._CONFIG[decode_split][num_warps]=4); "
+                         "several for one engine joined by commas: one more engine, the first one's, built with that "
+                         "switch set (restored after); repeatable (bench/switches.py)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --switch / --without / --with: build and time the first engine and the other ones "
                          "this many times, alternated")

@@ -19,12 +19,15 @@ Prints a table, writes JSON and a PNG bar chart to --out (default bench/out/).
 `--quantization` and `--kv-cache-dtype` take comma lists ("none" = no quantization): each combination is an
 engine of its own, run on the same workload one after the other in the same run (rows `mini-infer[q=..,kv=..]`).
 `--kv-cache-memory-bytes` caps the KV cache (to see what a cache of half the bytes per token buys when memory is
-short); the peers always run the unquantized model.
+short); the peers always run the unquantized model. `--switch` (bench/switches.py, as bench/latency.py takes it) adds
+one more engine per combination, built and run with a kernel switch set, e.g.
+`--kv-cache-dtype fp8 --switch "paged_attention._CONFIG[decode_fp8][maxnreg]=128"`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 from jit_watch import JitWatch  # Triton variants first used inside the timed run
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
+from switches import switched  # a kernel switch set for one engine's build
 
 from mini_infer.benchmark import BenchResult, Workload, run_engine
 
@@ -93,6 +97,10 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (engine default)")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several for one "
+                         "engine joined by commas): one more engine per --quantization / --kv-cache-dtype variant, "
+                         "built with that switch set (restored after); repeatable")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.threads:
@@ -109,31 +117,32 @@ def main() -> None:
     if args.peers != "auto":
         peers = [] if args.peers == "none" else args.peers.split(",")
 
-    variants = [(None if q == "none" else q, kv) for q in args.quantization.split(",")
-                for kv in args.kv_cache_dtype.split(",")]
+    variants = [(None if q == "none" else q, kv, switch) for switch in [None, *args.switch]
+                for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     results, engine_meta, llm = [], [], None
-    for quantization, kv_cache_dtype in variants:
+    for quantization, kv_cache_dtype, switch in variants:
         llm = None  # free the previous engine before building the next
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304,
-                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
-                  quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
-        startup = time.perf_counter() - t0
-        wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
-              else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
-        jit = JitWatch()
-        r = run_engine(llm, wl, temperature=temp, around_timed=jit)
+        with switched(switch) if switch else contextlib.nullcontext():  # for the build and the eager launches too
+            llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304,
+                      max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
+                      quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+            startup = time.perf_counter() - t0
+            wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
+                  else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
+            jit = JitWatch()
+            r = run_engine(llm, wl, temperature=temp, around_timed=jit)
         if len(variants) > 1:
-            r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}]"
+            r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}]"
         r.startup_seconds = startup
         results.append(r)
         st = llm.engine.stats
         kv_tokens = llm.engine.kv_cache.num_blocks * llm.engine.config.block_size
-        engine_meta.append(dict(name=r.name, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        engine_meta.append(dict(name=r.name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, switch=switch,
                                 kv_cache_tokens=kv_tokens, preemptions=st.get("preemptions", 0),
                                 kv_bytes_per_token=llm.engine.compiled.cache_bytes_per_token(),
                                 weight_bytes=llm.engine.compiled.weight_bytes))

@@ -58,3 +58,27 @@ def test_rounds_alternate_every_variant(monkeypatch):
                     (",linear.X=0,round=2", None, "linear.X=0")]
     assert latency.variant_runs(first, None, None, [], 3) == []
     assert latency.variant_runs(first, "a,c", None, [], 1) == [(",without=a+c", ["b"], None)]
+
+
+def test_table_switch_sets_one_field_and_clears_launch_shapes(monkeypatch):
+    """`module.TABLE[key][field]=int`: one entry of a launch-shape table for the block (added if absent, removed
+    after), the module's cached launch shapes dropped on the way in and out (else the next engine would launch the
+    previous one's shape)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import paged_attention
+
+    before = {k: dict(v) for k, v in paged_attention._CONFIG.items()}
+    paged_attention._LAUNCH_OK["stale"] = (1, 2, 3, 4, 0)
+    with latency.switched("paged_attention._CONFIG[decode_fp8][maxnreg]=128,"
+                          "paged_attention._CONFIG[decode_split][num_warps]=4"):
+        assert paged_attention._CONFIG["decode_fp8"]["maxnreg"] == 128
+        assert paged_attention._CONFIG["decode_split"]["num_warps"] == 4
+        assert "stale" not in paged_attention._LAUNCH_OK
+        paged_attention._LAUNCH_OK["inside"] = (1, 2, 3, 4, 128)
+    assert paged_attention._CONFIG == before and paged_attention._LAUNCH_OK == {}
+    for bad in ("paged_attention._CONFIG[decode_fp8]maxnreg=1", "paged_attention._CONFIG[decode_fp8][maxnreg]=x"):
+        with pytest.raises(SystemExit), latency.switched(bad):
+            pass
+    assert paged_attention._CONFIG == before

@@ -117,7 +117,8 @@ _REF_QUERY_CHUNK = 256
 # Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches; "decode_split": decode launches
 # cut into key splits over a 16-bit cache, the small batches, which load their first tile before the PDL wait: module
 # docstring, "Before the wait"). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
-# fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT). Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
+# fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register
+# cap a thread, passed to the launch. Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
 # bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
@@ -815,7 +816,7 @@ def write_kv_cache_triton(
 
 
 # (_CONFIG name, device, q dtype, BLOCK_G, BLOCK_D, BLOCK_DV) -> the launch shape that compiled there
-_LAUNCH_OK: dict[tuple, tuple[int, int, int, int]] = {}
+_LAUNCH_OK: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
 def _launch_configs(name: str, key: tuple):
@@ -825,8 +826,9 @@ def _launch_configs(name: str, key: tuple):
         return
     cfg = _CONFIG[name]
     rows, block_n, num_warps, num_stages = cfg.get("rows", 1), cfg["block_n"], cfg["num_warps"], cfg["num_stages"]
+    maxnreg = cfg.get("maxnreg", 0)
     while True:
-        yield rows, block_n, num_warps, num_stages
+        yield rows, block_n, num_warps, num_stages, maxnreg
         if block_n > 32:
             block_n //= 2
         elif num_stages > 1:
@@ -997,7 +999,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                                                                  writes_every_row=True)
 
     key = (name, q.device, q.dtype, block_g, block_d, block_dv)
-    for rows, block_n, num_warps, num_stages in _launch_configs(name, key):
+    for rows, block_n, num_warps, num_stages, maxnreg in _launch_configs(name, key):
         if fp8_dot == _FP8_DOT["fp8"]:
             block_n = max(32, block_n)
         if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200)
@@ -1024,11 +1026,11 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, num_warps=num_warps,
-                num_stages=num_stages, **pdl_args(q),
+                num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape
-        _LAUNCH_OK[key] = (rows, block_n, num_warps, num_stages)
+        _LAUNCH_OK[key] = (rows, block_n, num_warps, num_stages, maxnreg)
         break
     else:
         raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")

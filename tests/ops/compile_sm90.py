@@ -109,7 +109,7 @@ def build_launch(kernel, args: tuple, kwargs: dict):
     from triton.backends.compiler import GPUTarget
 
     kwargs = dict(kwargs, **({"USE_GDC": True} if "USE_GDC" in kernel.arg_names else {}))
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     kwargs.pop("launch_pdl", None)
     sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
     source = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)

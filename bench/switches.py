@@ -1,0 +1,71 @@
+"""Kernel switches for benchmark A/Bs (shared by bench/latency.py and bench/throughput.py): a module attribute of
+mini_infer, or one field of a dict attribute (a launch-shape table such as paged_attention's `_CONFIG`), set for
+the block in which an engine is built (its CUDA graphs captured), then restored. Benchmarks only: nothing in
+mini_infer imports this."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+
+# module.ATTR, or module.ATTR[key][field]... (dict entries; keys are strings, or ints where they read as ints)
+_TARGET = re.compile(r"^(?P<mod>[A-Za-z_][\w.]*)\.(?P<attr>[A-Za-z_]\w*)(?P<keys>(\[[^\[\]]+\])*)$")
+
+
+_MISSING = object()  # a dict entry the switch added (removed again on the way out)
+
+
+def _restore(table: dict, key, old) -> None:
+    if old is _MISSING:
+        table.pop(key, None)
+    else:
+        table[key] = old
+
+
+def _key(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _clear_launch_cache(module) -> None:
+    """A module that caches the launch shape it found per key (`_LAUNCH_OK`) must look again under a new table."""
+    cache = getattr(module, "_LAUNCH_OK", None)
+    if isinstance(cache, dict):
+        cache.clear()
+
+
+@contextlib.contextmanager
+def switched(assignment: str):
+    """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
+    switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type, for the block, then
+    restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
+    `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
+    e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
+    cleared on the way in and out. Several switches for one engine are joined by commas:
+    `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
+    with contextlib.ExitStack() as stack:
+        for one in assignment.split(","):
+            name, _, value = one.partition("=")
+            m = _TARGET.match(name.strip())
+            if not m or not value or not value.strip().lstrip("-").isdigit():
+                raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int, joined by commas; "
+                                 f"got {assignment!r}")
+            mod_name, attr = m["mod"], m["attr"]
+            # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
+            module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
+            keys = [_key(k) for k in re.findall(r"\[([^\[\]]+)\]", m["keys"])]
+            if not keys:
+                old = getattr(module, attr)
+                setattr(module, attr, type(old)(int(value)))
+                stack.callback(setattr, module, attr, old)
+                continue
+            table = getattr(module, attr)
+            for k in keys[:-1]:
+                table = table[k]
+            last = keys[-1]
+            old = table.get(last, _MISSING)
+            table[last] = int(value) if old is _MISSING else type(old)(int(value))
+            stack.callback(_restore, table, last, old)
+            _clear_launch_cache(module)
+            stack.callback(_clear_launch_cache, module)
+        yield
