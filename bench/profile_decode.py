@@ -16,9 +16,11 @@ little), summed by kernel name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
+from switches import switched  # a kernel switch set for the run
 
 
 def main() -> None:
@@ -34,7 +36,12 @@ def main() -> None:
     ap.add_argument("--without", default=None, help="comma list of passes left out of the recommended pipeline")
     ap.add_argument("--timeline", type=int, default=0, help="also profile this many engine steps as a GPU timeline")
     ap.add_argument("--trace-out", default=None, help="write the --timeline steps' chrome trace here")
+    ap.add_argument("--switch", default=None,
+                    help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several joined by "
+                         "commas): set for the whole run")
     args = ap.parse_args()
+    if args.switch:  # for the process's life: the engine is built and profiled under it
+        contextlib.ExitStack().enter_context(switched(args.switch))
     if args.prefill:
         profile_prefill(args.model, args.prefill)
         return
