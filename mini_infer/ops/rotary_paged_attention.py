@@ -52,10 +52,14 @@ __all__ = [
 #   PDL wait), `bench/latency.py --switch rotary_paged_attention.ROTARY_MAX_GROUP=...`, engines in one process:
 #   qwen3-30b-a3b (8) 369.2 vs 361.7; llama-3.1-8b (4) 234.4 / 234.4 vs 233.4 / 233.1 (two rounds); mistral-7b (4)
 #   245.0 / 245.0 vs 244.3 / 244.2, and 247.0 vs 246.4 in another run; qwen2.5-7b (7) 254.3 vs 253.6.
+# - 2026-11-29, the nano-vllm throughput workload (qwen3-0.6b, group 2, decode batches up to 256: one-split launches;
+#   `bench/throughput.py --switch rotary_paged_attention.ROTARY_MAX_GROUP=0`): 22,175.5 output tok/s with the rotary
+#   in the kernel, 23,375.3 with the two kernels (decode steps 5.3 -> 5.0 ms; fp8 cache 22,292.7 -> 22,714.3). A
+#   batch-256 step's attention took 3,960 us in the kernel with the rotary, 3,442 us without it (+ the qk_rotary
+#   kernels), `bench/profile_decode.py --batch 256 --prompt-len 600 [--without fuse_rotary_attention]`.
 # So split launches (small batches: fewer sequence x kv-head programs than SMs, `_split_k.splits_pay`) take groups
-# up to ROTARY_MAX_GROUP_SPLIT; one-split launches (large batches; not measured with larger groups) keep the first
-# limit. Larger groups run the two kernels.
-ROTARY_MAX_GROUP = 2
+# up to ROTARY_MAX_GROUP_SPLIT; one-split launches (large batches) take none (0): the two kernels.
+ROTARY_MAX_GROUP = 0
 ROTARY_MAX_GROUP_SPLIT = 8
 
 

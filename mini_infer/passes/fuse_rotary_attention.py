@@ -25,9 +25,10 @@ Default: on for CUDA targets, where a decode step's attention launch absorbs the
 layer on the critical path by bench/kernel_layer_chain.py on an H200: the gain this pass is for). End to end on an
 H200 (2026-11-24, bf16, batch 1, with / without this pass in one run) it won at small query groups and lost at large
 ones: qwen3-0.6b (2 q heads a kv head) 1,258.0 vs 1,245.6 tok/s, qwen2.5-7b (7) 249.1 vs 249.0, qwen3-30b-a3b (8)
-339.4 vs 345.3; so the op keeps the one-kernel path to groups of at most ops/rotary_paged_attention.py's
-ROTARY_MAX_GROUP (2) and runs the two kernels for larger ones. Off on other devices: there the op runs the two
-references one after the other and saves nothing.
+339.4 vs 345.3. Split launches (small batches) took groups up to 8 once they loaded their first tile before the
+wait (ops/rotary_paged_attention.py's ROTARY_MAX_GROUP_SPLIT); one-split launches (large batches) take none
+(ROTARY_MAX_GROUP 0: the nano-vllm throughput workload ran 5.4% faster with the two kernels there, 2026-11-29). Off
+on other devices: there the op runs the two references one after the other and saves nothing.
 """
 
 from __future__ import annotations
