@@ -31,25 +31,34 @@ if HAS_TRITON:
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                           ROW_TILES: tl.constexpr = False):
         """(s, q_beg, qlen, ctx, q_off) of query tile `tile`: its sequence s, whose query rows start at q_beg,
         number qlen and sit at the end of a context of ctx positions; q_off is the tile's first row within s.
 
         Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)): disjoint, below
         T // BLOCK_Q + S. A binary search (SEARCH_STEPS >= S.bit_length() steps) finds the last s whose first
-        tile is <= `tile`; q_off >= qlen marks a tile past its sequence's rows (nothing to do)."""
+        tile is <= `tile`; q_off >= qlen marks a tile past its sequence's rows (nothing to do). ROW_TILES (one
+        query row a tile, BLOCK_Q == 1): tile t is row t, owned by the last s with qsl[s] <= t (never one of no
+        rows: its qsl equals the next one's), so T tiles cover the rows and none is past its sequence's."""
         lo = tile * 0
         hi = lo + n_seqs - 1
         for _ in range(SEARCH_STEPS):
             mid = (lo + hi + 1) // 2
-            take = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+            if ROW_TILES:
+                take = tl.load(qsl_ptr + mid) <= tile
+            else:
+                take = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
             lo = tl.where(take, mid, lo)
             hi = tl.where(take, hi, mid - 1)
         s = lo
         q_beg = tl.load(qsl_ptr + s)
         qlen = tl.load(qsl_ptr + s + 1) - q_beg
         ctx = tl.load(seq_lens_ptr + s)
-        q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q
+        if ROW_TILES:
+            q_off = tile - q_beg
+        else:
+            q_off = (tile - (q_beg // BLOCK_Q + s)) * BLOCK_Q
         return s, q_beg, qlen, ctx, q_off
 
     @triton.jit

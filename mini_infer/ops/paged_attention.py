@@ -158,6 +158,11 @@ DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") !
 # keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
 # it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
+# Launches of one query row a tile (decode-shaped): T programs a kv head (and split), tile t being row t
+# (`_split_k.find_tile_sequence`'s ROW_TILES), instead of T + S, of which a decode step's S are past their sequence's
+# one row and exit at once (half the programs of a decode step). Off until timed on a GPU (twenty-third session: not
+# yet run there); `bench/latency.py` / `bench/throughput.py --switch paged_attention.ROW_TILES=1`. Read at launch.
+ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -616,6 +621,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
+        ROW_TILES: tl.constexpr = False,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -624,7 +630,7 @@ if HAS_TRITON:
         # kernel of the step writes, and with PRELOAD the first key tile's cached positions (older than the step's
         # keys) are loaded too; nothing is stored before the wait.
         s, q_beg, qlen, ctx, q_off = _split_k.find_tile_sequence(
-            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS
+            tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS, ROW_TILES
         )
         n_owned = tl.load(qsl_ptr + n_seqs)  # rows from here on belong to no sequence
         # score rows: (query row i, head-in-group g) pairs sharing kv head kvh
@@ -655,7 +661,7 @@ if HAS_TRITON:
             vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
         await_producers(USE_GDC)
         if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
-            zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S) tiles of BLOCK_Q rows cover all T rows
+            zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S, or T: ROW_TILES) tiles cover all T rows
             unowned = (qi < BLOCK_Q) & (g < G) & (zrow >= n_owned) & (zrow < n_tokens)
             tl.store(out_ptr + zrow[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
                      tl.zeros([BLOCK_R, BLOCK_DV], out_ptr.dtype.element_ty), mask=unowned[:, None] & dv_ok[None, :])
@@ -1006,7 +1012,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             num_stages = min(num_stages, 2)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
-        tiles = t // block_q + n_seqs
+        row_tiles = ROW_TILES and block_q == 1
+        tiles = t if row_tiles else t // block_q + n_seqs
         counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
             _paged_attn_kernel[(tiles, hkv, num_splits)](
@@ -1025,7 +1032,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, num_warps=num_warps,
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

@@ -421,6 +421,37 @@ def test_triton_half_precision(dtype, name):
     assert_close(out, oracle(case))
 
 
+@requires_triton
+@pytest.mark.parametrize("name", list(FUSED_WRITE))
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, True)])
+def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, monkeypatch, name, dtype, fp8):
+    """ROW_TILES (one program a query row instead of T + S tiles, half of them past their sequence's row in a decode
+    step): the output and the cache bytes of the T + S launch, bit for bit (qlen-2 and -3 runs, sequences of no
+    rows, a padding row with a slot, splits with the fused merge and with the reduce kernel, fp8 caches), from a
+    grid of T tiles."""
+    from mini_infer.ops import paged_attention as pa
+
+    grids = []
+    real = pa._paged_attn_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
+    runs = {}
+    for row_tiles in (False, True):
+        monkeypatch.setattr(pa, "ROW_TILES", row_tiles)
+        case, scales, knobs = fused_write_case(name, dtype, fp8)
+        args = (*case.args(), *scales)
+        runs[row_tiles] = (paged_attention_triton(*args, **knobs), args[3], args[4])
+    (old, old_k, old_v), (new, new_k, new_v) = runs[False], runs[True]
+    assert same_bytes(new, old) and same_bytes(new_k, old_k) and same_bytes(new_v, old_v)
+    t, n_seqs = case.q.shape[0], case.seq_lens.shape[0]
+    assert [g[0] for g in grids] == [t + n_seqs, t]
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9)), min_size=1, max_size=4),
