@@ -3,9 +3,10 @@
     python bench/kernel_paged_attention.py [--cpu-only | --sweep | --prefill [--lengths 512,4096] [--out DIR]
                                             | --plan-reuse
                                             | --decode-latency [--check] [--layers N] [--kv-cache-dtype fp8]
-                                            | --decode-sweep [--wide | --grid G] [--ways W] [--caches C] [--layers N]
+                                            | --decode-sweep [--wide | --grid G] [--ways W] [--caches C] [--rotary]
+                                                             [--layers N]
                                             | --decode-write [--layers N]
-                                            | --split-sweep [--grid G] [--layers N]]
+                                            | --split-sweep [--grid G] [--rotary] [--layers N]]
 
 --sweep times the Triton kernel over launch configs (mini_infer.ops.paged_attention._CONFIG).
 
@@ -17,11 +18,15 @@ and 2048 new over 6144 cached); the cache write alone per cache dtype. Prints th
 (least summed time) as a _CONFIG line, fp8 / bf16 per shape, and each fp8 way's largest difference from the torch
 reference. --wide: a larger grid (minutes). --grid "block_n=128,256;num_warps=4,8;num_stages=2,3": this grid instead
 (each key a launch-shape field, its values tried in every combination; `maxnreg`: ptxas's register cap a thread, 0
-for none); --ways fp16,fp16_vregs: only these fp8 ways; --caches fp8: only this cache dtype's configs.
+for none); --ways fp16,fp16_vregs: only these fp8 ways; --caches fp8: only this cache dtype's configs; --rotary:
+the launches apply Qwen3's q/k norms and the rotary too, as a rotary model's decode steps do (split launches for
+groups up to 8; one-split launches run qk_rotary first in the engine, rotary_paged_attention.ROTARY_MAX_GROUP).
 
 --split-sweep: the batch-1 decode launches' shape (_CONFIG["decode_split"]: split launches over a 16-bit cache) over a
 grid (--grid as --decode-sweep's; default SPLIT_SWEEP_GRID), for qwen3-0.6b's (16 / 8), qwen2.5-7b's (28 / 4) and
-qwen3-30b-a3b's (32 / 4) heads at context 128, 384 and 1,024, timed as --decode-sweep times (no rotary).
+qwen3-30b-a3b's (32 / 4) heads at context 128, 384 and 1,024, timed as --decode-sweep times; --rotary as there. The
+kernel alone is not the engine (no GEMVs around it): the twenty-third session's best shape here lost 8% in the
+engine at a 2,048-token prompt. Confirm with bench/latency.py --switch, short and long prompts.
 
 --decode-latency: decode steps (one query row per sequence) as the engine runs them: a CUDA graph of --layers
 (default 28) calls of `paged_attention_triton` (cache write + attention + merge, the op's body with the prefill route
@@ -173,16 +178,30 @@ DECODE_CONTEXTS = (128, 1024, 4096)
 DECODE_CAPACITY = 4096  # keys a block-table row addresses (max_model_len)
 
 
-def decode_args(s, ctx, hq, hkv, d, bs=16, capacity=DECODE_CAPACITY, kv="bf16", device="cuda"):
+class Launch(list):
+    """paged_attention_triton's positional arguments, and `kwargs` for the call (a rotary, where asked)."""
+
+    kwargs: dict = {}
+
+
+def decode_args(s, ctx, hq, hkv, d, bs=16, capacity=DECODE_CAPACITY, kv="bf16", device="cuda", rotary=False):
     """`build`'s decode step (one new token per sequence at context ctx) with block tables `capacity` keys wide:
     the entries past ctx point at block 0 (never read). kv="fp8": float8_e4m3fn caches holding `build`'s values
-    over per-layer scales amax / 448, the scales appended to the arguments."""
-    args = list(build(s, ctx, 1, hq, hkv, d, bs, torch.bfloat16, device))
+    over per-layer scales amax / 448, the scales appended to the arguments. rotary: the launch also applies Qwen3's
+    q/k head norms and the rotary (`Rotary` in `kwargs`), as the engine's decode steps of a rotary model do."""
+    args = Launch(build(s, ctx, 1, hq, hkv, d, bs, torch.bfloat16, device))
     bt = torch.zeros((s, capacity // bs), dtype=torch.int32, device=device)
     bt[:, : args[6].shape[1]] = args[6]
     args[6] = bt
     if kv == "fp8":
         args += fp8_caches(args)
+    if rotary:
+        from mini_infer.ops.paged_attention import Rotary
+
+        angles = torch.rand(s, d // 2, device=device) * 6.28
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        weights = (1 + 0.1 * torch.randn(2, d, device=device)).to(torch.bfloat16)
+        args.kwargs = {"rotary": Rotary(cos, sin, weights[0], weights[1], 1e-6)}
     return args
 
 
@@ -311,7 +330,7 @@ def time_configs(name, candidates, cases, timer):
         pa._CONFIG[name] = cfg
         pa._LAUNCH_OK.clear()
         try:
-            times = [timer(lambda a=a: paged_attention_triton(*a)) for a in cases]
+            times = [timer(lambda a=a: paged_attention_triton(*a, **getattr(a, "kwargs", {}))) for a in cases]
         except Exception as e:  # no launch shape fits, etc.
             print(f"  {name} {cfg} failed: {type(e).__name__}", flush=True)
             continue
@@ -363,7 +382,7 @@ def parse_grid(text: str) -> dict[str, list[int]]:
 
 
 def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, shapes=SWEEP_SHAPES,
-                 prefill_shapes=SWEEP_PREFILL, heads=None, ways=None, caches=("bf16", "fp8")):
+                 prefill_shapes=SWEEP_PREFILL, heads=None, ways=None, caches=("bf16", "fp8"), rotary=False):
     """--decode-sweep (see the module docstring). `timer(fn)` -> us per call (default: `graph_us` over `layers`
     calls); the other arguments let a CPU run (interpreter) walk the same code on small shapes."""
     from mini_infer.ops import paged_attention as pa
@@ -376,14 +395,14 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
     labels = [f"b{s}/ctx{c}" for s, c in shapes]
     dev_name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"{dev_name} | decode, Hq={hq} Hkv={hkv} D={d} block 16, bf16 q, CUDA graph of {layers} calls "
-          f"(write + attention + merge); grid {grid}", flush=True)
+          f"(write + attention + merge{' + q/k norms and rotary' if rotary else ''}); grid {grid}", flush=True)
     t0 = time.perf_counter()
     best = {}
     try:
         for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
             if kv not in caches:
                 continue
-            cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device) for s, ctx in shapes]
+            cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device, rotary=rotary) for s, ctx in shapes]
             kv_ways = [w for w in pa._FP8_DOT if ways is None or w in ways] if kv == "fp8" else [None]
             candidates = [{**launch_shape(grid, v), **({"fp8_dot": w} if w else {})}
                           for w in kv_ways for v in itertools.product(*grid.values())]
@@ -434,7 +453,8 @@ SPLIT_SWEEP_SHAPES = ((1, 128), (1, 384), (1, 1024))  # (batch, context): batch-
 SPLIT_SWEEP_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 2])
 
 
-def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SWEEP_SHAPES, heads=None):
+def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SWEEP_SHAPES, heads=None,
+                rotary=False):
     """--split-sweep: _CONFIG["decode_split"] (the small batches' split launches over a 16-bit cache) over `grid`
     (default SPLIT_SWEEP_GRID), timed as --decode-sweep times its configs, for each model's heads of
     SPLIT_SWEEP_HEADS (or `heads`: {name: (Hq, Hkv, D)}); best first per model."""
@@ -445,11 +465,11 @@ def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SW
     saved = {k: dict(v) for k, v in pa._CONFIG.items()}
     labels = [f"b{s}/ctx{c}" for s, c in shapes]
     print(f"{torch.cuda.get_device_name() if device == 'cuda' else device} | decode_split, bf16 q and cache, block "
-          f"16, block tables {DECODE_CAPACITY} keys, CUDA graph of {layers} calls (write + attention + merge); "
-          f"grid {grid}", flush=True)
+          f"16, block tables {DECODE_CAPACITY} keys, CUDA graph of {layers} calls (write + attention + merge"
+          f"{' + q/k norms and rotary' if rotary else ''}); grid {grid}", flush=True)
     try:
         for model, (hq, hkv, d) in (heads or SPLIT_SWEEP_HEADS).items():
-            cases = [decode_args(s, ctx, hq, hkv, d, device=device) for s, ctx in shapes]
+            cases = [decode_args(s, ctx, hq, hkv, d, device=device, rotary=rotary) for s, ctx in shapes]
             candidates = [launch_shape(grid, v) for v in itertools.product(*grid.values())]
             print(f"{model} ({hq} / {hkv} heads):")
             print_ranking("decode_split", labels, time_configs("decode_split", candidates, cases, timer),
@@ -613,9 +633,10 @@ if __name__ == "__main__":
         ways = arg_value("--ways", None)
         decode_sweep("--wide" in sys.argv, int(arg_value("--layers", "28")),
                      grid=parse_grid(arg_value("--grid", "")) or None, ways=ways.split(",") if ways else None,
-                     caches=tuple(arg_value("--caches", "bf16,fp8").split(",")))
+                     caches=tuple(arg_value("--caches", "bf16,fp8").split(",")), rotary="--rotary" in sys.argv)
     elif "--split-sweep" in sys.argv:
-        split_sweep(int(arg_value("--layers", "28")), grid=parse_grid(arg_value("--grid", "")) or None)
+        split_sweep(int(arg_value("--layers", "28")), grid=parse_grid(arg_value("--grid", "")) or None,
+                    rotary="--rotary" in sys.argv)
     elif "--sweep" in sys.argv:
         sweep()
     elif torch.cuda.is_available() and "--cpu-only" not in sys.argv:
