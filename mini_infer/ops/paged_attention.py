@@ -154,6 +154,11 @@ _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 # layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
 # --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
 DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
+# ... and launches of one split (large batches) too (True), or only split launches (False: one-split launches run the
+# write kernel first). Not yet timed apart (twenty-third session): a batch-256 decode step's attention is bound by its
+# programs' fixed costs, of which the write, the barrier and the new key's read back are part. Read at launch;
+# `bench/throughput.py --switch paged_attention.DECODE_WRITE_ONE_SPLIT=0`.
+DECODE_WRITE_ONE_SPLIT = os.environ.get("MINI_INFER_DECODE_WRITE_ONE_SPLIT", "1") != "0"
 # Split decode launches (small batches over a 16-bit cache: "decode_split") load their first key tile's cached
 # keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
 # it, as every other launch does. Read at launch.
@@ -910,10 +915,19 @@ class Rotary(NamedTuple):
     eps: float
 
 
-def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None) -> bool:
-    """Whether a launch writes the step's keys in the attention kernel (decode-shaped: DECODE_WRITE_IN_KERNEL)."""
+def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None, split: bool = True) -> bool:
+    """Whether a launch writes the step's keys in the attention kernel (decode-shaped: DECODE_WRITE_IN_KERNEL; a
+    launch of one split, `split` False, also DECODE_WRITE_ONE_SPLIT)."""
     decode_only = t <= n_seqs if decode_only is None else decode_only
-    return DECODE_WRITE_IN_KERNEL and new_rows > 0 and decode_only and t > 0 and n_seqs > 0
+    return (DECODE_WRITE_IN_KERNEL and (split or DECODE_WRITE_ONE_SPLIT) and new_rows > 0 and decode_only and t > 0
+            and n_seqs > 0)
+
+
+def _splits(q: torch.Tensor, n_seqs: int, hkv: int, capacity: int, decode_only: bool, num_splits: int | None) -> int:
+    """The launch's key splits: `num_splits`, or by default `_split_k.default_num_splits` for decode-shaped ones."""
+    if num_splits is None:
+        num_splits = _split_k.default_num_splits(q, n_seqs, hkv, capacity) if decode_only else 1
+    return max(1, int(num_splits))
 
 
 def _dot_plan(q: torch.Tensor, d: int, kv_fp8: bool, decode_only: bool) -> tuple[str, int, bool, int]:
@@ -931,12 +945,15 @@ def _dot_plan(q: torch.Tensor, d: int, kv_fp8: bool, decode_only: bool) -> tuple
 
 
 def rotary_in_kernel(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     kv_fp8: bool, decode_only: bool | None = None) -> bool:
+                     kv_fp8: bool, decode_only: bool | None = None, num_splits: int | None = None) -> bool:
     """Whether `paged_attention_triton(..., rotary=...)` takes these shapes (packed q [T, Hq, D], k [T, Hkv, D]):
     a launch that writes the step's keys in the attention kernel, whose head tile is the head dim (D a power of two,
-    16 or more), so that the rotated halves of a q row, laid side by side, are the row as the kernel's dots read it."""
+    16 or more), so that the rotated halves of a q row, laid side by side, are the row as the kernel's dots read it.
+    `num_splits` as the launch gets it (None: split where `_split_k.splits_pay`)."""
     t, _, d = q.shape
-    if not _writes_in_kernel(k.shape[0], t, seq_lens.shape[0], decode_only):
+    n_seqs = seq_lens.shape[0]
+    split = num_splits > 1 if num_splits is not None else _split_k.splits_pay(q, n_seqs, k_cache.shape[2])
+    if not _writes_in_kernel(k.shape[0], t, n_seqs, decode_only, split):
         return False
     return _dot_plan(q, d, kv_fp8, t <= seq_lens.shape[0] if decode_only is None else decode_only)[3] == d
 
@@ -961,11 +978,12 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         decode_only = t <= n_seqs
     if new_kv is not None and new_kv[0].shape[0] == 0:  # no keys to write (mla_attention's expanded path wrote its own)
         new_kv = None
+    num_splits = _splits(q, n_seqs, hkv, block_tables.shape[1] * k_cache.shape[1], decode_only, num_splits)
     if rotary is not None and (new_kv is None or not rotary_in_kernel(q, new_kv[0], k_cache, seq_lens, kv_fp8,
-                                                                      decode_only)):
+                                                                      decode_only, num_splits)):
         raise ValueError(f"paged_attention: the rotary runs in decode-shaped launches that write the step's keys, "
                          f"with a power-of-two head dim of 16 or more (q {tuple(q.shape)}, {n_seqs} sequences)")
-    write_kv = new_kv is not None and _writes_in_kernel(new_kv[0].shape[0], t, n_seqs, decode_only)
+    write_kv = new_kv is not None and _writes_in_kernel(new_kv[0].shape[0], t, n_seqs, decode_only, num_splits > 1)
     if new_kv is not None and not write_kv:
         k, v, slot_mapping = new_kv
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -991,11 +1009,6 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     else:  # placeholders, never read (ROTARY off)
         rot_args, rot_strides, eps = (q, q, q, q), (0, 0, 0, 0), 0.0
     block_size = k_cache.shape[1]
-    if num_splits is None:
-        num_splits = (
-            _split_k.default_num_splits(q, n_seqs, hkv, block_tables.shape[1] * block_size) if decode_only else 1
-        )
-    num_splits = max(1, int(num_splits))
     fused_merge = fused_merge and num_splits > 1
     preload = False
     if name == "decode" and num_splits > 1:  # a small batch over a 16-bit cache: latency-bound (module docstring)

@@ -109,7 +109,7 @@ def _in_kernel(q, k, v, cos, sin, q_weight, k_weight, k_cache, v_cache, seq_lens
     if q.shape[1] > max_group(q, k, seq_lens, num_splits) * k.shape[1]:
         return False
     kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    return pa.rotary_in_kernel(_pack(q), _pack(k), k_cache, seq_lens, kv_fp8, decode_only)
+    return pa.rotary_in_kernel(_pack(q), _pack(k), k_cache, seq_lens, kv_fp8, decode_only, num_splits)
 
 
 def _rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight, k_weight, eps: float) -> pa.Rotary:

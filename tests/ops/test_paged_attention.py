@@ -358,6 +358,30 @@ def test_decode_launch_writes_the_step_keys(small_key_tiles, kernel_launches, na
 
 
 @requires_triton
+@pytest.mark.parametrize("name", list(FUSED_WRITE))
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, True)])
+def test_one_split_launches_may_write_first(small_key_tiles, kernel_launches, monkeypatch, name, dtype, fp8):
+    """DECODE_WRITE_ONE_SPLIT off: a decode launch of one split runs the write kernel, then the attention kernel
+    (which writes nothing), a split launch still writes in the attention kernel; the output and the cache bytes of
+    the default launch, bit for bit, either way; and a one-split launch no longer takes the rotary in the kernel."""
+    from mini_infer.ops import paged_attention as pa
+
+    runs = []
+    for one_split in (True, False):
+        monkeypatch.setattr(pa, "DECODE_WRITE_ONE_SPLIT", one_split)
+        case, scales, knobs = fused_write_case(name, dtype, fp8)
+        args = (*case.args(), *scales)
+        runs.append((paged_attention_triton(*args, **knobs), args[3], args[4]))
+    split = knobs["num_splits"] > 1
+    assert kernel_launches == ["_paged_attn_kernel"] * 2 if split else ["_paged_attn_kernel", "_write_kv_kernel",
+                                                                        "_paged_attn_kernel"]
+    (out, k_cache, v_cache), (out2, k_cache2, v_cache2) = runs
+    assert same_bytes(out2, out) and same_bytes(k_cache2, k_cache) and same_bytes(v_cache2, v_cache)
+    if case.q.shape[-1] >= 16:  # a head dim the rotary path takes
+        assert pa.rotary_in_kernel(case.q, case.k, case.k_cache, case.seq_lens, fp8, True, knobs["num_splits"]) == split
+
+
+@requires_triton
 def test_write_kernel_only_for_prefill_shapes(kernel_launches):
     """Prefill-shaped launches (a tile reads keys other tiles' rows own) keep the write kernel before the attention;
     decode-shaped ones, also through the registered op's body, launch the attention kernel alone; the cached
