@@ -40,8 +40,12 @@ def main() -> None:
                     help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several joined by "
                          "commas): set for the whole run")
     args = ap.parse_args()
-    if args.switch:  # for the process's life: the engine is built and profiled under it
-        contextlib.ExitStack().enter_context(switched(args.switch))
+    with switched(args.switch) if args.switch else contextlib.nullcontext():  # the engine built and profiled under it
+        profile(args)
+
+
+def profile(args: argparse.Namespace) -> None:
+    """main's run for its parsed arguments (a switch, if any, already set)."""
     if args.prefill:
         profile_prefill(args.model, args.prefill)
         return

@@ -82,3 +82,19 @@ def test_table_switch_sets_one_field_and_clears_launch_shapes(monkeypatch):
         with pytest.raises(SystemExit), latency.switched(bad):
             pass
     assert paged_attention._CONFIG == before
+
+
+def test_profile_decode_keeps_its_switch_for_the_run(monkeypatch):
+    """bench/profile_decode.py --switch: set while the engine is built and profiled, restored after (a first version
+    entered it in an ExitStack it dropped at once, which restored the switch before anything ran)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_decode
+
+    from mini_infer.ops import paged_attention
+
+    seen = []
+    monkeypatch.setattr(profile_decode, "profile",
+                        lambda args: seen.append(paged_attention._CONFIG["decode_fp8"].get("maxnreg")))
+    monkeypatch.setattr("sys.argv", ["profile_decode.py", "--switch", "paged_attention._CONFIG[decode_fp8][maxnreg]=128"])
+    profile_decode.main()
+    assert seen == [128] and "maxnreg" not in paged_attention._CONFIG["decode_fp8"]
