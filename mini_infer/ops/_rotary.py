@@ -69,6 +69,37 @@ if HAS_TRITON:
         return first, second, mask, o1, o2
 
     @triton.jit
+    def rotated_tile(
+        x_ptr, xo, sx3, cos_ptr, co, sc3, sin_ptr, so, ss3, w_ptr, row_ok, HALF, eps,
+        BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):  # fmt: skip
+        """`rotated_pairs`' neox rows (not interleaved) as one fp32 tile [BLOCK_R, BLOCK_D], column c the rotated
+        x[c] (zero past 2 * HALF): each element computed as `rotated_pairs` computes its pair's half (the norm's sum
+        over the two halves in its order, the same products), from full-width loads of x and of each column's
+        partner (c +- HALF). A tile laid out as a load lays it out, not assembled from two halves (paged_attention's
+        ROTARY_Q_TILE: what its dots then read their q from)."""
+        d = tl.arange(0, BLOCK_D)[None, :]
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        mask = row_ok[:, None] & (d < 2 * HALF)
+        x = tl.load(x_ptr + xo + d * sx3, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + xo + partner * sx3, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x_dtype = x_ptr.dtype.element_ty
+            sq = x * x  # each half's sum on its own, as rotated_pairs adds them (the other half's terms are zeros)
+            inv_rms = rms_inverse(tl.sum(tl.where(first, sq, 0.0), axis=1) + tl.sum(tl.where(first, 0.0, sq), axis=1),
+                                  2 * HALF, eps)[:, None]
+            w_ok = d < 2 * HALF
+            x = weighted_norm(x, inv_rms, tl.load(w_ptr + d, mask=w_ok, other=0.0).to(tl.float32), x_dtype)
+            xp = weighted_norm(xp, inv_rms, tl.load(w_ptr + partner, mask=w_ok, other=0.0).to(tl.float32), x_dtype)
+            if w_ptr.dtype.element_ty == x_dtype:  # as rotated_pairs rounds
+                x = x.to(x_dtype).to(tl.float32)
+                xp = xp.to(x_dtype).to(tl.float32)
+        c = tl.load(cos_ptr + co + d * sc3, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + so + d * ss3, mask=mask, other=0.0).to(tl.float32)
+        return tl.where(first, x * c - xp * s, x * c + xp * s)
+
+    @triton.jit
     def rotated_rows(
         x_ptr, cos_ptr, sin_ptr, w_ptr, row_block, n_rows, N1, N2, HALF, eps,
         sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
