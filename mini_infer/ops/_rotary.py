@@ -2,7 +2,8 @@
 its row body `rotate_rows` (an @triton.jit helper, with an optional RMSNorm of each row first) is also the body of
 `qk_rotary`'s kernel, and its math, `rotated_rows` (the rotated rows, not stored), that of `qk_rotary_kv_write`'s
 k rows, which go to the paged cache; `rotated_pairs`, that math over rows given by their offsets, is what
-paged_attention's decode kernel applies to its q rows and new k rows (`rotary_paged_attention`).
+paged_attention's decode kernel applies to its q rows and new k rows (`rotary_paged_attention`), and `rotated_tile`
+the same values as one full-width tile (its q rows under paged_attention's ROTARY_Q_TILE).
 
 One kernel body rotates pairs of x's last dim; the INTERLEAVED constexpr picks which elements pair up and which
 cos/sin column each pair reads:
