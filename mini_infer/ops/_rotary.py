@@ -25,6 +25,15 @@ if HAS_TRITON:
     from mini_infer.ops.rms_norm import rms_inverse, weighted_norm
 
     @triton.jit
+    def normed(x, inv_rms, w_ptr, cols, w_ok, x_dtype: tl.constexpr):
+        """x (fp32) RMS-normalized by `inv_rms` and weighted by the norm weight's columns `cols` (`weighted_norm`),
+        rounded to x's dtype when the weight has it (else promote(x, w) is fp32: no rounding), in fp32."""
+        y = weighted_norm(x, inv_rms, tl.load(w_ptr + cols, mask=w_ok, other=0.0).to(tl.float32), x_dtype)
+        if w_ptr.dtype.element_ty == x_dtype:
+            y = y.to(x_dtype).to(tl.float32)
+        return y
+
+    @triton.jit
     def rotated_pairs(
         x_ptr, xo, sx3, cos_ptr, co, sc3, sin_ptr, so, ss3, w_ptr, row_ok, HALF, eps,
         BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -48,13 +57,8 @@ if HAS_TRITON:
             x_dtype = x_ptr.dtype.element_ty
             inv_rms = rms_inverse(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), 2 * HALF, eps)[:, None]
             w_ok = (p < HALF)[None, :]
-            w1 = tl.load(w_ptr + first, mask=w_ok, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + second, mask=w_ok, other=0.0).to(tl.float32)
-            x1 = weighted_norm(x1, inv_rms, w1, x_dtype)
-            x2 = weighted_norm(x2, inv_rms, w2, x_dtype)
-            if w_ptr.dtype.element_ty == x_dtype:  # else promote(x, w) is fp32 (fp16/bf16/fp32): no rounding
-                x1 = x1.to(x_dtype).to(tl.float32)
-                x2 = x2.to(x_dtype).to(tl.float32)
+            x1 = normed(x1, inv_rms, w_ptr, first, w_ok, x_dtype)
+            x2 = normed(x2, inv_rms, w_ptr, second, w_ok, x_dtype)
         if INTERLEAVED:  # one angle per pair, column p
             c1 = tl.load(cos_ptr + (co + p[None, :] * sc3), mask=mask, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + (so + p[None, :] * ss3), mask=mask, other=0.0).to(tl.float32)
@@ -91,11 +95,8 @@ if HAS_TRITON:
             inv_rms = rms_inverse(tl.sum(tl.where(first, sq, 0.0), axis=1) + tl.sum(tl.where(first, 0.0, sq), axis=1),
                                   2 * HALF, eps)[:, None]
             w_ok = d < 2 * HALF
-            x = weighted_norm(x, inv_rms, tl.load(w_ptr + d, mask=w_ok, other=0.0).to(tl.float32), x_dtype)
-            xp = weighted_norm(xp, inv_rms, tl.load(w_ptr + partner, mask=w_ok, other=0.0).to(tl.float32), x_dtype)
-            if w_ptr.dtype.element_ty == x_dtype:  # as rotated_pairs rounds
-                x = x.to(x_dtype).to(tl.float32)
-                xp = xp.to(x_dtype).to(tl.float32)
+            x = normed(x, inv_rms, w_ptr, d, w_ok, x_dtype)
+            xp = normed(xp, inv_rms, w_ptr, partner, w_ok, x_dtype)
         c = tl.load(cos_ptr + co + d * sc3, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + so + d * ss3, mask=mask, other=0.0).to(tl.float32)
         return tl.where(first, x * c - xp * s, x * c + xp * s)

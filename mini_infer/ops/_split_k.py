@@ -318,7 +318,10 @@ def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_
     return next_pow2(splits) if splits > 1 else 1
 
 
-def splits_pay(q: torch.Tensor, n_seqs: int, programs_per_seq: int) -> bool:
-    """Whether `default_num_splits` splits these launches, at any context: a CUDA launch of fewer (sequence x
-    programs_per_seq) programs than SMs (then at least 3 splits, rounded up to 4)."""
+def splits_pay(q: torch.Tensor, n_seqs: int, programs_per_seq: int, num_splits: int | None = None) -> bool:
+    """Whether a launch splits its key ranges: `num_splits` > 1 when the launch is given one, else whether
+    `default_num_splits` splits it, at any context: a CUDA launch of fewer (sequence x programs_per_seq) programs
+    than SMs (then at least 3 splits, rounded up to 4)."""
+    if num_splits is not None:
+        return num_splits > 1
     return default_num_splits(q, n_seqs, programs_per_seq, 0) > 1

@@ -929,7 +929,7 @@ class Rotary(NamedTuple):
     eps: float
 
 
-def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None, split: bool = True) -> bool:
+def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None, split: bool) -> bool:
     """Whether a launch writes the step's keys in the attention kernel (decode-shaped: DECODE_WRITE_IN_KERNEL; a
     launch of one split, `split` False, also DECODE_WRITE_ONE_SPLIT)."""
     decode_only = t <= n_seqs if decode_only is None else decode_only
@@ -966,7 +966,7 @@ def rotary_in_kernel(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, se
     `num_splits` as the launch gets it (None: split where `_split_k.splits_pay`)."""
     t, _, d = q.shape
     n_seqs = seq_lens.shape[0]
-    split = num_splits > 1 if num_splits is not None else _split_k.splits_pay(q, n_seqs, k_cache.shape[2])
+    split = _split_k.splits_pay(q, n_seqs, k_cache.shape[2], num_splits)
     if not _writes_in_kernel(k.shape[0], t, n_seqs, decode_only, split):
         return False
     return _dot_plan(q, d, kv_fp8, t <= seq_lens.shape[0] if decode_only is None else decode_only)[3] == d

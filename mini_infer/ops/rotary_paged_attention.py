@@ -93,7 +93,7 @@ def max_group(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, num_spli
     """The largest query group the one-kernel path takes for this launch (q [1, Hq, T, D], k [1, Hkv, T, D]):
     ROTARY_MAX_GROUP_SPLIT where the attention launch splits its key ranges (`num_splits` > 1, or by default a small
     batch: `_split_k.splits_pay`), else ROTARY_MAX_GROUP."""
-    split = num_splits > 1 if num_splits is not None else _split_k.splits_pay(q, seq_lens.shape[0], k.shape[1])
+    split = _split_k.splits_pay(q, seq_lens.shape[0], k.shape[1], num_splits)
     return ROTARY_MAX_GROUP_SPLIT if split else ROTARY_MAX_GROUP
 
 
