@@ -72,6 +72,7 @@ key with it (power-of-two rounding under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, or 
 their context key with the group's first context row.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -365,6 +366,21 @@ def fp8_way_diffs(name, base, args, ways=None):
     return diffs
 
 
+@contextlib.contextmanager
+def configs_restored():
+    """Yields a copy of paged_attention's `_CONFIG` as it was (the defaults a sweep ranks against); the sweep inside
+    the block may rewrite it; the table and the cached launch shapes are restored after."""
+    from mini_infer.ops import paged_attention as pa
+
+    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
+    try:
+        yield saved
+    finally:
+        pa._CONFIG.clear()
+        pa._CONFIG.update(saved)
+        pa._LAUNCH_OK.clear()
+
+
 def launch_shape(grid: dict, values) -> dict:
     """One point of a --grid as a _CONFIG entry: `maxnreg` 0 (no register cap) left out, as the defaults leave it."""
     return {k: v for k, v in zip(grid, values) if not (k == "maxnreg" and v == 0)}
@@ -391,14 +407,13 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
     timer = timer or (lambda fn: graph_us(fn, layers, replays=3))
     hq, hkv, d = heads or PREFILL_MODELS["qwen3-0.6b"]
     grid = grid or sweep_grid(wide)
-    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
     labels = [f"b{s}/ctx{c}" for s, c in shapes]
     dev_name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"{dev_name} | decode, Hq={hq} Hkv={hkv} D={d} block 16, bf16 q, CUDA graph of {layers} calls "
           f"(write + attention + merge{' + q/k norms and rotary' if rotary else ''}); grid {grid}", flush=True)
     t0 = time.perf_counter()
     best = {}
-    try:
+    with configs_restored() as saved:
         for kv, name in (("bf16", "decode"), ("fp8", "decode_fp8")):
             if kv not in caches:
                 continue
@@ -440,10 +455,6 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
             a = decode_args(s, ctx, hq, hkv, d, kv=kv, device=device)
             us = timer(lambda a=a: write_kv_cache_triton(a[1], a[2], a[3], a[4], a[5], *a[12:]))
             print(f"cache write alone, batch {s}, {kv} cache: {us:.2f} us per call")
-    finally:
-        pa._CONFIG.clear()
-        pa._CONFIG.update(saved)
-        pa._LAUNCH_OK.clear()
     print(f"{time.perf_counter() - t0:.0f} s")
     return best
 
@@ -458,16 +469,13 @@ def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SW
     """--split-sweep: _CONFIG["decode_split"] (the small batches' split launches over a 16-bit cache) over `grid`
     (default SPLIT_SWEEP_GRID), timed as --decode-sweep times its configs, for each model's heads of
     SPLIT_SWEEP_HEADS (or `heads`: {name: (Hq, Hkv, D)}); best first per model."""
-    from mini_infer.ops import paged_attention as pa
-
     timer = timer or (lambda fn: graph_us(fn, layers, replays=10))
     grid = grid or SPLIT_SWEEP_GRID
-    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
     labels = [f"b{s}/ctx{c}" for s, c in shapes]
     print(f"{torch.cuda.get_device_name() if device == 'cuda' else device} | decode_split, bf16 q and cache, block "
           f"16, block tables {DECODE_CAPACITY} keys, CUDA graph of {layers} calls (write + attention + merge"
           f"{' + q/k norms and rotary' if rotary else ''}); grid {grid}", flush=True)
-    try:
+    with configs_restored() as saved:
         for model, (hq, hkv, d) in (heads or SPLIT_SWEEP_HEADS).items():
             cases = [decode_args(s, ctx, hq, hkv, d, device=device, rotary=rotary) for s, ctx in shapes]
             candidates = [launch_shape(grid, v) for v in itertools.product(*grid.values())]
@@ -475,10 +483,6 @@ def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SW
             print_ranking("decode_split", labels, time_configs("decode_split", candidates, cases, timer),
                           saved["decode_split"])
             del cases
-    finally:
-        pa._CONFIG.clear()
-        pa._CONFIG.update(saved)
-        pa._LAUNCH_OK.clear()
 
 
 def cpu():
