@@ -31,9 +31,10 @@ Two implementations:
     sequence (and one chunk of at most 256 query rows) at a time. It reads lengths on the host, so on
     CUDA (no Triton) it syncs and cannot be captured in a CUDA graph.
   * `paged_attention_triton`: a KV-write kernel, then one unified kernel whose grid depends only on
-    shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles x Hkv kv-heads x
-    `num_splits` key-range splits. A decode-shaped launch (one query row per tile, `decode_only`) has no write
-    kernel (unless `MINI_INFER_DECODE_KV_WRITE=separate`: DECODE_WRITE_IN_KERNEL): each program of the unified
+    shapes (CUDA-graph capturable, no host sync): `T // BLOCK_Q + S` query tiles (decode-shaped launches under
+    ROW_TILES: `T`) x Hkv kv-heads x `num_splits` key-range splits. A decode-shaped launch (one query row per tile,
+    `decode_only`) has no write kernel (unless `MINI_INFER_DECODE_KV_WRITE=separate`: DECODE_WRITE_IN_KERNEL; or it
+    is a one-split launch of a kind whose `_CONFIG` "write_one_split" is 0: fp8 caches): each program of the unified
     kernel first writes the step's new k/v rows (of its kv head) that fall in its key range, then a CTA barrier,
     then reads them back with the rest (several programs may write one row: the same bytes); a token no sequence owns is written by its tile's first program. Prefill-shaped launches
     keep the write kernel (a tile there reads keys that other tiles' rows own). Each program finds its sequence
@@ -118,21 +119,28 @@ _REF_QUERY_CHUNK = 256
 # cut into key splits over a 16-bit cache, the small batches, which load their first tile before the PDL wait: module
 # docstring, "Before the wait"). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
 # fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register
-# cap a thread, passed to the launch. Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
+# cap a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped launch of
+# one split (large batches) writes the step's keys in the attention kernel (1) or runs `_write_kv_kernel` first (0;
+# split launches always write in the kernel, DECODE_WRITE_IN_KERNEL allowing); row_tiles (1 when absent): whether its
+# one-split launches take ROW_TILES' T programs (split launches do whenever ROW_TILES is on). Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
 # bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
-    "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3},
+    "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3, "write_one_split": 1, "row_tiles": 0},
     "decode_split": {"block_n": 64, "num_warps": 8, "num_stages": 2},
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
-    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_dot": "fp16"},
+    "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128,
+                   "write_one_split": 0},
 }
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs" then, "fp16"
 # since: 121.4 / 132.6 us against 126.2 / 137.6 (2026-11-29, twentieth session's sweep) and 120.5 / 132.2 against
-# 125.2 / 136.6 (twenty-third session's), the same values either way.
+# 125.2 / 136.6 (twenty-third session's), the same values either way. Decode's register cap of 128 with two stages
+# and the write kernel first at one split (twenty-fourth session, nano-vllm workload over an fp8 cache, one run):
+# 24,585.9 output tok/s against 23,210.5 without the three (cap and stages alone 23,599.7); the bf16 cache's
+# one-split launches lost 1.8% with the write kernel first (22,806.6 vs 23,225.4) and keep the write inside.
 # The 16-bit dots over an fp8 cache (16-bit q; fp32 q keeps fp32 dots): "q": tiles cast to q's dtype (bf16: two
 # cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
 # "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
@@ -156,20 +164,18 @@ _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 # layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
 # --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
 DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
-# ... and launches of one split (large batches) too (True), or only split launches (False: one-split launches run the
-# write kernel first). Not yet timed apart (twenty-third session): a batch-256 decode step's attention is bound by its
-# programs' fixed costs, of which the write, the barrier and the new key's read back are part. Read at launch;
-# `bench/throughput.py --switch paged_attention.DECODE_WRITE_ONE_SPLIT=0`.
-DECODE_WRITE_ONE_SPLIT = os.environ.get("MINI_INFER_DECODE_WRITE_ONE_SPLIT", "1") != "0"
 # Split decode launches (small batches over a 16-bit cache: "decode_split") load their first key tile's cached
 # keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
 # it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 # Launches of one query row a tile (decode-shaped): T programs a kv head (and split), tile t being row t
 # (`_split_k.find_tile_sequence`'s ROW_TILES), instead of T + S, of which a decode step's S are past their sequence's
-# one row and exit at once (half the programs of a decode step). Off until timed on a GPU (twenty-third session: not
-# yet run there); `bench/latency.py` / `bench/throughput.py --switch paged_attention.ROW_TILES=1`. Read at launch.
-ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "0") == "1"
+# one row and exit at once (half the programs of a decode step). H200 (twenty-fourth session, bench/RESULTS.md):
+# qwen3-0.6b batch 1 (split launches) 1,504.6 / 1,510.4 tok/s against 1,497.5 / 1,504.3 (128-token prompt), 1,292.8
+# against 1,268.2 (2,048-token prompt); the nano-vllm workload (one-split launches) +1.0 / +1.7% over an fp8 cache but
+# -1.4 / -1.6% over a bf16 one, so "decode" (16-bit caches) keeps T + S tiles at one split (_CONFIG's row_tiles).
+# MINI_INFER_ATTN_ROW_TILES=0 (or `--switch paged_attention.ROW_TILES=0`): T + S tiles everywhere. Read at launch.
+ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # Launches that rotate their q rows (ROTARY) build the q tile with `_rotary.rotated_tile` (True: full-width loads, each
 # element's pair math, the tile laid out as a load lays it out) instead of joining `rotated_pairs`' two halves (False).
 # The same values. In the sm_90 build (Triton 3.6) of the joined halves the key loop reads a dot operand with plain
@@ -929,11 +935,13 @@ class Rotary(NamedTuple):
     eps: float
 
 
-def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None, split: bool) -> bool:
+def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | None, split: bool,
+                      kv_fp8: bool) -> bool:
     """Whether a launch writes the step's keys in the attention kernel (decode-shaped: DECODE_WRITE_IN_KERNEL; a
-    launch of one split, `split` False, also DECODE_WRITE_ONE_SPLIT)."""
+    launch of one split, `split` False, also its _CONFIG kind's "write_one_split")."""
     decode_only = t <= n_seqs if decode_only is None else decode_only
-    return (DECODE_WRITE_IN_KERNEL and (split or DECODE_WRITE_ONE_SPLIT) and new_rows > 0 and decode_only and t > 0
+    one_split = _CONFIG["decode_fp8" if kv_fp8 else "decode"].get("write_one_split", 1)
+    return (DECODE_WRITE_IN_KERNEL and (split or bool(one_split)) and new_rows > 0 and decode_only and t > 0
             and n_seqs > 0)
 
 
@@ -967,7 +975,7 @@ def rotary_in_kernel(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, se
     t, _, d = q.shape
     n_seqs = seq_lens.shape[0]
     split = _split_k.splits_pay(q, n_seqs, k_cache.shape[2], num_splits)
-    if not _writes_in_kernel(k.shape[0], t, n_seqs, decode_only, split):
+    if not _writes_in_kernel(k.shape[0], t, n_seqs, decode_only, split, kv_fp8):
         return False
     return _dot_plan(q, d, kv_fp8, t <= seq_lens.shape[0] if decode_only is None else decode_only)[3] == d
 
@@ -997,7 +1005,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                                                                       decode_only, num_splits)):
         raise ValueError(f"paged_attention: the rotary runs in decode-shaped launches that write the step's keys, "
                          f"with a power-of-two head dim of 16 or more (q {tuple(q.shape)}, {n_seqs} sequences)")
-    write_kv = new_kv is not None and _writes_in_kernel(new_kv[0].shape[0], t, n_seqs, decode_only, num_splits > 1)
+    write_kv = new_kv is not None and _writes_in_kernel(new_kv[0].shape[0], t, n_seqs, decode_only, num_splits > 1,
+                                                        kv_fp8)
     if new_kv is not None and not write_kv:
         k, v, slot_mapping = new_kv
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -1032,14 +1041,15 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                                                                  writes_every_row=True)
 
     key = (name, q.device, q.dtype, block_g, block_d, block_dv)
-    for rows, block_n, num_warps, num_stages, maxnreg in _launch_configs(name, key):
+    for shape in _launch_configs(name, key):
+        rows, block_n, num_warps, num_stages, maxnreg = shape
         if fp8_dot == _FP8_DOT["fp8"]:
             block_n = max(32, block_n)
-        if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200)
-            num_stages = min(num_stages, 2)
+        if num_splits > 1:  # split launches (small batches): 2 stages, ~0.2 us a call faster at batch 1 (H200), no
+            num_stages, maxnreg = min(num_stages, 2), 0  # register cap (fp8 cache at batch 1: 936.1 vs 1,173.0 tok/s)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
-        row_tiles = ROW_TILES and block_q == 1
+        row_tiles = ROW_TILES and block_q == 1 and (num_splits > 1 or bool(_CONFIG[name].get("row_tiles", 1)))
         tiles = t if row_tiles else t // block_q + n_seqs
         counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
@@ -1065,7 +1075,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape
-        _LAUNCH_OK[key] = (rows, block_n, num_warps, num_stages, maxnreg)
+        _LAUNCH_OK[key] = (rows, block_n, num_warps, *shape[3:])  # the kind's stages / cap (split launches: theirs)
         break
     else:
         raise RuntimeError(f"paged_attention_triton: no launch shape fits for {key}")

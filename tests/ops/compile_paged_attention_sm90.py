@@ -57,11 +57,15 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
     seq_lens = torch.full((t,), CONTEXT, dtype=torch.int32)
     query_start_loc = torch.arange(t + 1, dtype=torch.int32)
     slots = torch.zeros(t, dtype=torch.int64)
+    kind = "decode_fp8" if fp8 else "decode"
     rot = None
     if rotary:  # cos / sin rows as rotary_paged_attention passes them ([T, D]), the norms' weights [D]
         cos, sin = (torch.empty(t, d, dtype=torch.bfloat16) for _ in range(2))
         rot = pa.Rotary(cos, sin, torch.empty(d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16), 1e-6)
-    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, ROTARY_Q_TILE=q_tile) as calls:
+    # the write in the kernel, as split launches (and one-split ones of kinds whose "write_one_split" is on) build it
+    config = {**pa._CONFIG, kind: {**pa._CONFIG[kind], "write_one_split": 1}} if write else pa._CONFIG
+    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, ROTARY_Q_TILE=q_tile,
+                         _CONFIG=config) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
                              *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
                              rotary=rot)
