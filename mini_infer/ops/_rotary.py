@@ -2,8 +2,7 @@
 its row body `rotate_rows` (an @triton.jit helper, with an optional RMSNorm of each row first) is also the body of
 `qk_rotary`'s kernel, and its math, `rotated_rows` (the rotated rows, not stored), that of `qk_rotary_kv_write`'s
 k rows, which go to the paged cache; `rotated_pairs`, that math over rows given by their offsets, is what
-paged_attention's decode kernel applies to its q rows and new k rows (`rotary_paged_attention`), and `rotated_tile`
-the same values as one full-width tile (its q rows under paged_attention's ROTARY_Q_TILE).
+paged_attention's decode kernel applies to its q rows and new k rows (`rotary_paged_attention`).
 
 One kernel body rotates pairs of x's last dim; the INTERLEAVED constexpr picks which elements pair up and which
 cos/sin column each pair reads:
@@ -72,34 +71,6 @@ if HAS_TRITON:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
         return first, second, mask, o1, o2
-
-    @triton.jit
-    def rotated_tile(
-        x_ptr, xo, sx3, cos_ptr, co, sc3, sin_ptr, so, ss3, w_ptr, row_ok, HALF, eps,
-        BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
-    ):  # fmt: skip
-        """`rotated_pairs`' neox rows (not interleaved) as one fp32 tile [BLOCK_R, BLOCK_D], column c the rotated
-        x[c] (zero past 2 * HALF): each element computed as `rotated_pairs` computes its pair's half (the norm's sum
-        over the two halves in its order, the same products), from full-width loads of x and of each column's
-        partner (c +- HALF). A tile laid out as a load lays it out, not assembled from two halves (paged_attention's
-        ROTARY_Q_TILE: what its dots then read their q from)."""
-        d = tl.arange(0, BLOCK_D)[None, :]
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        mask = row_ok[:, None] & (d < 2 * HALF)
-        x = tl.load(x_ptr + xo + d * sx3, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(x_ptr + xo + partner * sx3, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            x_dtype = x_ptr.dtype.element_ty
-            sq = x * x  # each half's sum on its own, as rotated_pairs adds them (the other half's terms are zeros)
-            inv_rms = rms_inverse(tl.sum(tl.where(first, sq, 0.0), axis=1) + tl.sum(tl.where(first, 0.0, sq), axis=1),
-                                  2 * HALF, eps)[:, None]
-            w_ok = d < 2 * HALF
-            x = normed(x, inv_rms, w_ptr, d, w_ok, x_dtype)
-            xp = normed(xp, inv_rms, w_ptr, partner, w_ok, x_dtype)
-        c = tl.load(cos_ptr + co + d * sc3, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + so + d * ss3, mask=mask, other=0.0).to(tl.float32)
-        return tl.where(first, x * c - xp * s, x * c + xp * s)
 
     @triton.jit
     def rotated_rows(

@@ -176,13 +176,6 @@ ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 # -1.4 / -1.6% over a bf16 one, so "decode" (16-bit caches) keeps T + S tiles at one split (_CONFIG's row_tiles).
 # MINI_INFER_ATTN_ROW_TILES=0 (or `--switch paged_attention.ROW_TILES=0`): T + S tiles everywhere. Read at launch.
 ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
-# Launches that rotate their q rows (ROTARY) build the q tile with `_rotary.rotated_tile` (True: full-width loads, each
-# element's pair math, the tile laid out as a load lays it out) instead of joining `rotated_pairs`' two halves (False).
-# The same values. In the sm_90 build (Triton 3.6) of the joined halves the key loop reads a dot operand with plain
-# shared loads where the build without the rotary uses ldmatrix (bench/RESULTS.md, twenty-third session): the rotary
-# launches cost 13% of a batch-256 attention, so large batches run qk_rotary first (rotary_paged_attention's
-# ROTARY_MAX_GROUP 0). Off until timed on a GPU (not yet run there); `--switch paged_attention.ROTARY_Q_TILE=1`.
-ROTARY_Q_TILE = os.environ.get("MINI_INFER_ATTN_ROTARY_Q_TILE", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -475,7 +468,7 @@ def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_star
 
 if HAS_TRITON:
     # the fp8 rounding and the per-row scale of the activation quantization (the KV write; q of the "fp8" dots)
-    from mini_infer.ops._rotary import rotated_pairs, rotated_tile
+    from mini_infer.ops._rotary import rotated_pairs
     from mini_infer.ops.quant import _quantize_values, _scale_and_inverse, round_to_fp8_e4m3
 
 
@@ -641,7 +634,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        ROW_TILES: tl.constexpr = False, ROTARY_Q_TILE: tl.constexpr = False,
+        ROW_TILES: tl.constexpr = False,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -700,12 +693,7 @@ if HAS_TRITON:
             tok0 = (q_beg + q_off).to(tl.int64)  # the tile's first query row
             tok = tok0 + qi
             q_pos = ctx - qlen + q_idx
-            if ROTARY and ROTARY_Q_TILE:  # the same values as a tile laid out as a load's (`rotated_tile`)
-                qv = rotated_tile(
-                    q_ptr, (tok * s_qt + head * s_qh)[:, None], 1, cos_ptr, (tok * s_ct)[:, None], s_cd, sin_ptr,
-                    (tok * s_st)[:, None], s_sd, qw_ptr, row_ok, head_d // 2, eps, BLOCK_D, HAS_Q_NORM,
-                ).to(q_ptr.dtype.element_ty)
-            elif ROTARY:  # (BLOCK_D == head_d) qk_rotary's math on the q rows, rounded to q's dtype as its output is
+            if ROTARY:  # (BLOCK_D == head_d) qk_rotary's math on the q rows, rounded to q's dtype as its output is
                 _, _, _, o1, o2 = rotated_pairs(
                     q_ptr, (tok * s_qt + head * s_qh)[:, None], 1, cos_ptr, (tok * s_ct)[:, None], s_cd, sin_ptr,
                     (tok * s_st)[:, None], s_sd, qw_ptr, row_ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_Q_NORM)
@@ -1069,8 +1057,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles,
-                ROTARY_Q_TILE=rotary is not None and ROTARY_Q_TILE, num_warps=num_warps,
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

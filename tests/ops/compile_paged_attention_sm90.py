@@ -1,7 +1,6 @@
 """Compile paged_attention's unified kernel (`_paged_attn_kernel`) for sm_90 as a decode step's launch builds it, with
 and without the KV write inside it (WRITE_KV), and with the write and the q/k norms + rotary (ROTARY, HAS_Q_NORM,
-HAS_K_NORM: rotary_paged_attention's launch; also with the q tile built by `_rotary.rotated_tile`, ROTARY_Q_TILE), no
-GPU needed; print one JSON line.
+HAS_K_NORM: rotary_paged_attention's launch), no GPU needed; print one JSON line.
 
 Each build is the launch `_triton_attention` makes for a decode step of the case's shapes (head dim 128, block 16, a
 bf16 q from the merged projection, fresh 16-byte aligned tensors as the engine's): its arguments are recorded by
@@ -38,7 +37,7 @@ HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capa
 
 
 def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool,
-           preload: bool = True, q_tile: bool = False) -> tuple[tuple, dict]:
+           preload: bool = True) -> tuple[tuple, dict]:
     """(args, kwargs) of the `_paged_attn_kernel` launch `_triton_attention` makes for a decode step of `seqs`
     sequences (one new token each) over caches holding CONTEXT keys a sequence: the step's k / v written in the kernel
     (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms). `preload`:
@@ -64,8 +63,7 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
         rot = pa.Rotary(cos, sin, torch.empty(d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16), 1e-6)
     # the write in the kernel, as split launches (and one-split ones of kinds whose "write_one_split" is on) build it
     config = {**pa._CONFIG, kind: {**pa._CONFIG[kind], "write_one_split": 1}} if write else pa._CONFIG
-    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, ROTARY_Q_TILE=q_tile,
-                         _CONFIG=config) as calls:
+    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, _CONFIG=config) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
                              *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
                              rotary=rot)
@@ -77,11 +75,11 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
 
 
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool = False,
-          preload: bool = True, q_tile: bool = False):
+          preload: bool = True):
     """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
-    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, write, rotary, preload, q_tile)
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
                  splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"])
@@ -90,12 +88,12 @@ def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wri
 
 def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int) -> dict:
     out = {"name": name}
-    builds = [("no_write", False, False, True, False), ("write", True, False, True, False),
-              ("rotary", True, True, True, False), ("rotary_q_tile", True, True, True, True)]
+    builds = [("no_write", False, False, True), ("write", True, False, True),
+              ("rotary", True, True, True)]
     if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
-        builds.append(("rotary_no_preload", True, True, False, False))
-    for key, write, rotary, preload, q_tile in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, write, rotary, preload, q_tile)
+        builds.append(("rotary_no_preload", True, True, False))
+    for key, write, rotary, preload in builds:
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),

@@ -94,12 +94,10 @@ def _assert_gpu_close(out, want, caches, want_caches, dtype) -> None:
 
 @requires_triton
 @pytest.mark.usefixtures("small_key_tiles")
-@pytest.mark.parametrize("q_tile", [False, True])  # paged_attention.ROTARY_Q_TILE: q as one tile or two halves
 @pytest.mark.parametrize("name,dtype,fp8,norms", DECODE)
-def test_decode_launch_is_the_unfused_pair_bitwise(launches, monkeypatch, name, dtype, fp8, norms, q_tile):
+def test_decode_launch_is_the_unfused_pair_bitwise(launches, monkeypatch, name, dtype, fp8, norms):
     monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP", 64)  # the kernel's math at every group size (g4 included)
     monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP_SPLIT", 64)
-    monkeypatch.setattr(pa, "ROTARY_Q_TILE", q_tile)
     case, scales, knobs = fused_write_case(name, dtype, fp8)
     rot = rotary_args(case, norms)
     args = case.args()
