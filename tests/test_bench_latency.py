@@ -71,9 +71,9 @@ def test_table_switch_sets_one_field_and_clears_launch_shapes(monkeypatch):
 
     before = {k: dict(v) for k, v in paged_attention._CONFIG.items()}
     paged_attention._LAUNCH_OK["stale"] = (1, 2, 3, 4, 0)
-    with latency.switched("paged_attention._CONFIG[decode_fp8][maxnreg]=128,"
+    with latency.switched("paged_attention._CONFIG[decode_fp8][maxnreg]=96,"
                           "paged_attention._CONFIG[decode_split][num_warps]=4"):
-        assert paged_attention._CONFIG["decode_fp8"]["maxnreg"] == 128
+        assert paged_attention._CONFIG["decode_fp8"]["maxnreg"] == 96
         assert paged_attention._CONFIG["decode_split"]["num_warps"] == 4
         assert "stale" not in paged_attention._LAUNCH_OK
         paged_attention._LAUNCH_OK["inside"] = (1, 2, 3, 4, 128)
@@ -92,9 +92,9 @@ def test_profile_decode_keeps_its_switch_for_the_run(monkeypatch):
 
     from mini_infer.ops import paged_attention
 
-    seen = []
+    seen, before = [], dict(paged_attention._CONFIG["decode_fp8"])
     monkeypatch.setattr(profile_decode, "profile",
                         lambda args: seen.append(paged_attention._CONFIG["decode_fp8"].get("maxnreg")))
-    monkeypatch.setattr("sys.argv", ["profile_decode.py", "--switch", "paged_attention._CONFIG[decode_fp8][maxnreg]=128"])
+    monkeypatch.setattr("sys.argv", ["profile_decode.py", "--switch", "paged_attention._CONFIG[decode_fp8][maxnreg]=96"])
     profile_decode.main()
-    assert seen == [128] and "maxnreg" not in paged_attention._CONFIG["decode_fp8"]
+    assert seen == [96] != [before.get("maxnreg")] and paged_attention._CONFIG["decode_fp8"] == before
