@@ -186,9 +186,9 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
     _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x))
+        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x, trigger_first=False))
     _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
         TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **pdl_args(act))
+        num_stages=dn.num_stages, **pdl_args(act, trigger_first=False))
     return out

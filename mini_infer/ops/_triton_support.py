@@ -10,6 +10,15 @@ the earlier one ends), and `await_producers` is where each program waits for the
 batch-1 decode step, a chain of a few hundred short dependent kernels, that hides ~0.6 us of launch and ramp per
 kernel boundary (H200, 112 chained GEMVs of qwen3-0.6b shapes in one CUDA graph: 457 -> 387 us).
 `MINI_INFER_PDL=0` turns it off (read at each launch: set it before graphs are captured).
+
+PDL_TRIGGER_FIRST (off; `MINI_INFER_PDL_TRIGGER_FIRST=1`, or `--switch _triton_support.PDL_TRIGGER_FIRST=1` in the
+benchmarks): kernels whose launch allows it let the next kernel launch before their own wait instead of after it, so
+that the kernel two ahead may start (and preload its weights) while this one's producer still runs: a chain two deep
+instead of one. Safe for a kernel X only if X's successor loads nothing before its wait that any kernel of the step
+writes (weights, the step's inputs, earlier steps' cache positions): each wait still returns only once the kernel
+before has finished, which finished only after its own wait, so every earlier kernel is done by then; only what a
+successor loads before its wait can be early. The MoE kernels, whose successors preload the routing's outputs
+(tests/ops/test_triton_support.py's PRE_WAIT_POINTERS), never allow it. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -56,13 +65,20 @@ def _pdl_capable(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
-def pdl_args(t: torch.Tensor) -> dict:
+# Let the next kernel launch before this one's wait (module docstring); read at each launch.
+PDL_TRIGGER_FIRST = os.environ.get("MINI_INFER_PDL_TRIGGER_FIRST", "0") == "1"
+TRIGGER_FIRST = 2  # the USE_GDC value of a launch that triggers before its wait
+
+
+def pdl_args(t: torch.Tensor, trigger_first: bool = True) -> dict:
     """Launch keywords for a kernel that starts with `await_producers`, launched on `t`'s device:
     {"USE_GDC": True, "launch_pdl": True} on a CUDA GPU of compute capability 9.0+ (unless MINI_INFER_PDL=0),
-    else {"USE_GDC": False} (the interpreter, older GPUs: an ordinary launch)."""
+    else {"USE_GDC": False} (the interpreter, older GPUs: an ordinary launch). USE_GDC is TRIGGER_FIRST instead of
+    True under PDL_TRIGGER_FIRST for launches that allow it (`trigger_first`: False where the kernel's successor may
+    load, before its wait, what a kernel of the step writes)."""
     if (t.is_cuda and os.environ.get("MINI_INFER_PDL", "1") != "0" and not os.environ.get("TRITON_INTERPRET")
             and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())):
-        return {"USE_GDC": True, "launch_pdl": True}
+        return {"USE_GDC": TRIGGER_FIRST if PDL_TRIGGER_FIRST and trigger_first else True, "launch_pdl": True}
     return {"USE_GDC": False}
 
 
@@ -74,7 +90,11 @@ if HAS_TRITON:
         finished and its writes are visible (griddepcontrol.wait), then allow the next kernel to launch
         (griddepcontrol.launch_dependents). A kernel calls it first, in every program, before it reads any tensor
         an earlier kernel writes and before any early exit: a program that skips the wait could let this kernel
-        finish before its producer, and the kernel after it would then wait on the wrong one."""
-        if USE_GDC:
+        finish before its producer, and the kernel after it would then wait on the wrong one. USE_GDC ==
+        TRIGGER_FIRST (2): the next kernel is allowed to launch first, then the wait (PDL_TRIGGER_FIRST)."""
+        if USE_GDC == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        elif USE_GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

@@ -556,16 +556,16 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_pairs <= _ALIGN_SINGLE_MAX:
         _align_single_kernel[(1,)](ids, counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs,
                                    num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK, BLOCK_M=block_m,
-                                   BLOCK_E=block_e, HAS_MAP=has_map, num_warps=8, **pdl_args(ids))
+                                   BLOCK_E=block_e, HAS_MAP=has_map, num_warps=8, **pdl_args(ids, trigger_first=False))
     else:
         counts.zero_()
         grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
         _align_count_kernel[grid](ids, counts, num_pairs, num_experts, emap, num_global, BLOCK=_ALIGN_BLOCK,
-                                  HAS_MAP=has_map, num_warps=4, **pdl_args(ids))
+                                  HAS_MAP=has_map, num_warps=4, **pdl_args(ids, trigger_first=False))
         _align_scan_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
-                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8, **pdl_args(counts))
+                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=8, **pdl_args(counts, trigger_first=False))
         _align_scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, num_experts, emap, num_global,
-                                    BLOCK=_ALIGN_BLOCK, HAS_MAP=has_map, num_warps=4, **pdl_args(ids))
+                                    BLOCK=_ALIGN_BLOCK, HAS_MAP=has_map, num_warps=4, **pdl_args(ids, trigger_first=False))
     return sorted_pairs, block_expert, num_padded
 
 
@@ -626,7 +626,7 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a),
+                PRELOAD=preload, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -739,7 +739,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         _moe_sum_kernel[(t, triton.cdiv(h, block))](
             per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
             HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
-            **pdl_args(per_slot))
+            **pdl_args(per_slot, trigger_first=False))
     return out
 
 

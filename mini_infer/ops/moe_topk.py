@@ -309,7 +309,7 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
         float(routed_scaling_factor), _RENORM_EPS[scoring],
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
         BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k),
-        num_warps=topk_num_warps(e), **pdl_args(logits),
+        num_warps=topk_num_warps(e), **pdl_args(logits, trigger_first=False),
         enable_fp_fusion=False,  # no FMA: portable_sigmoid must round exactly as the reference does
     )  # fmt: skip
     return weights, ids

@@ -100,15 +100,15 @@ def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dic
     return sig, constexprs, attrs
 
 
-def build_launch(kernel, args: tuple, kwargs: dict):
+def build_launch(kernel, args: tuple, kwargs: dict, use_gdc: bool | int = True):
     """`kernel` compiled for sm_90 as the launch `kernel[grid](*args, **kwargs)` builds it (`launch_signature`, and
     the launch's num_warps / num_stages; `launch_pdl` is a launch option only), with the PDL wait a CUDA launch on
-    sm_90 takes (`pdl_args`: USE_GDC, where the kernel has it; a launch recorded on CPU tensors passed False).
-    Returns (the compiled kernel, its constexprs by name)."""
+    sm_90 takes (`pdl_args`: USE_GDC, where the kernel has it, set to `use_gdc`; a launch recorded on CPU tensors
+    passed False). Returns (the compiled kernel, its constexprs by name)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kwargs = dict(kwargs, **({"USE_GDC": True} if "USE_GDC" in kernel.arg_names else {}))
+    kwargs = dict(kwargs, **({"USE_GDC": use_gdc} if "USE_GDC" in kernel.arg_names else {}))
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     kwargs.pop("launch_pdl", None)
     sig, constexprs, attrs = launch_signature(kernel, args, kwargs)

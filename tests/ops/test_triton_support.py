@@ -19,6 +19,7 @@ import torch
 
 import mini_infer.ops as ops_pkg
 from mini_infer.ops._triton_support import pdl_args
+from tests.ops.helpers import run_uninterpreted
 
 OPS_DIR = Path(ops_pkg.__file__).parent
 
@@ -233,3 +234,53 @@ def test_pdl_is_off_on_the_cpu(monkeypatch, env):
     if env is not None:
         monkeypatch.setenv("MINI_INFER_PDL", env)
     assert pdl_args(torch.zeros(1)) == {"USE_GDC": False}
+
+
+# Files whose launches never let the next kernel launch before their wait (PDL_TRIGGER_FIRST): the MoE ones. After
+# them a kernel may load, before its wait, what a kernel two or more back wrote (PRE_WAIT_POINTERS: the down GEMM
+# and the slot sum load the routing's outputs), which is safe only while the kernel just before it lets it launch
+# after its own wait (_triton_support's docstring); the kernels just before those loaders are MoE kernels.
+NO_TRIGGER_FIRST = {"fused_moe.py", "_moe_gemv.py", "moe_topk.py"}
+STEP_WRITTEN_PRE_WAIT = {"_moe_gemm_kernel", "_moe_sum_kernel"}  # of PRE_WAIT_POINTERS: loads the step writes
+
+
+def test_moe_launches_never_trigger_first():
+    """Every `pdl_args` call in the MoE files passes trigger_first=False, and the kernels that load step-written
+    tensors before their wait are launched only there."""
+    assert STEP_WRITTEN_PRE_WAIT <= set(PRE_WAIT_POINTERS)
+    calls, launched_elsewhere = 0, set()
+    for path in sorted(OPS_DIR.glob("*.py")):
+        for call in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)):
+            if getattr(call.func, "id", "") == "pdl_args" and path.name in NO_TRIGGER_FIRST:
+                calls += 1
+                assert any(k.arg == "trigger_first" and isinstance(k.value, ast.Constant) and k.value.value is False
+                           for k in call.keywords), f"{path.name}:{call.lineno}: pdl_args without trigger_first=False"
+            elif isinstance(call.func, ast.Subscript) and getattr(call.func.value, "id", "") in STEP_WRITTEN_PRE_WAIT:
+                if path.name not in NO_TRIGGER_FIRST:
+                    launched_elsewhere.add(f"{path.name}:{call.func.value.id}")
+    assert calls >= 9 and not launched_elsewhere, launched_elsewhere
+
+
+def test_trigger_first_only_where_allowed(monkeypatch):
+    """On a PDL-capable GPU, pdl_args asks for the wait first unless PDL_TRIGGER_FIRST is on and the launch allows
+    the other order."""
+    from types import SimpleNamespace
+
+    from mini_infer.ops import _triton_support as ts
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MINI_INFER_PDL", raising=False)
+    monkeypatch.setattr(ts, "_pdl_capable", lambda index: True)
+    gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    assert ts.pdl_args(gpu) == {"USE_GDC": True, "launch_pdl": True}
+    monkeypatch.setattr(ts, "PDL_TRIGGER_FIRST", True)
+    assert ts.pdl_args(gpu) == {"USE_GDC": ts.TRIGGER_FIRST, "launch_pdl": True}
+    assert ts.pdl_args(gpu, trigger_first=False) == {"USE_GDC": True, "launch_pdl": True}
+
+
+def test_trigger_first_orders_the_ptx():
+    """The sm_90 build of a kernel launched with each USE_GDC order (tests/ops/compile_pdl_sm90.py): the wait, then
+    the next kernel's launch allowed; or, with TRIGGER_FIRST, the other way round."""
+    report = run_uninterpreted(["-m", "tests.ops.compile_pdl_sm90"])
+    assert {case["name"]: case["order"] for case in report["cases"]} == {
+        "wait_first": ["wait", "launch_dependents"], "trigger_first": ["launch_dependents", "wait"]}
