@@ -122,8 +122,8 @@ _REF_QUERY_CHUNK = 256
 # cap a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped launch of
 # one split (large batches) writes the step's keys in the attention kernel (1) or runs `_write_kv_kernel` first (0;
 # split launches always write in the kernel, DECODE_WRITE_IN_KERNEL allowing); row_tiles (1 when absent): whether its
-# one-split launches take ROW_TILES' T programs (split launches do whenever ROW_TILES is on). Tuned on an H200 (bf16, head dim 128, GQA 28/4) with
-# bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
+# one-split launches take ROW_TILES' T programs (split launches do whenever ROW_TILES is on). Tuned on an H200 (bf16,
+# head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
 # where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
