@@ -486,8 +486,9 @@ def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, monk
 @requires_triton
 def test_register_cap_only_on_one_split_launches(small_key_tiles, monkeypatch):
     """An fp8 cache's decode kind with a register cap and 3 stages: its one-split launches (large batches) take both,
-    its split launches (small batches) neither the cap nor more than 2 stages, whatever launched first (the launch
-    cache keeps the kind's shape, not a split launch's changes to it)."""
+    its split launches (small batches: "decode_split_fp8") neither the cap nor more than 2 stages. Prefill-shaped
+    launches of one kind, split then not: 2 stages, then the kind's 3, whatever launched first (the launch cache
+    keeps the kind's shape, not a split launch's changes to it)."""
     from mini_infer.ops import paged_attention as pa
 
     launches = []
@@ -502,10 +503,12 @@ def test_register_cap_only_on_one_split_launches(small_key_tiles, monkeypatch):
 
     monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
     monkeypatch.setitem(pa._CONFIG, "decode_fp8", {**pa._CONFIG["decode_fp8"], "num_stages": 3, "maxnreg": 128})
-    for splits in (4, 1, 4):
-        case, scales, knobs = fused_write_case("qlen2_one_split_g4", torch.bfloat16, True)
-        paged_attention_triton(*case.args(), *scales, **{**knobs, "num_splits": splits})
-    assert launches == [(4, 2, 0), (1, 3, 128), (4, 2, 0)]
+    monkeypatch.setitem(pa._CONFIG, "prefill_fp8", {**pa._CONFIG["prefill_fp8"], "num_stages": 3})
+    for decode_only in (True, False):
+        for splits in (4, 1, 4):
+            case, scales, knobs = fused_write_case("qlen2_one_split_g4", torch.bfloat16, True)
+            paged_attention_triton(*case.args(), *scales, **{**knobs, "num_splits": splits, "decode_only": decode_only})
+    assert launches == [(4, 2, 0), (1, 3, 128), (4, 2, 0), (4, 2, 0), (1, 3, 0), (4, 2, 0)]
 
 
 @settings(max_examples=10, deadline=None)
