@@ -117,8 +117,8 @@ _REF_QUERY_CHUNK = 256
 
 # Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches; "decode_split": decode launches
 # cut into key splits over a 16-bit cache, the small batches, which load their first tile before the PDL wait: module
-# docstring, "Before the wait"; "decode_split_fp8": the same launches over an fp8 cache, no preload, their dot way
-# decode_fp8's). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
+# docstring, "Before the wait"; "decode_split_fp8": the same launches over an fp8 cache, their dot way decode_fp8's,
+# the first tile loaded before the wait only with its "preload" 1: off, not yet timed). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
 # fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register
 # cap a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped launch of
 # one split (large batches) writes the step's keys in the attention kernel (1) or runs `_write_kv_kernel` first (0;
@@ -133,7 +133,7 @@ _CONFIG = {
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
     "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128,
                    "write_one_split": 0},
-    "decode_split_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2},
+    "decode_split_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "preload": 0},
 }
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
@@ -1030,6 +1030,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         name, preload = "decode_split", ATTN_PRELOAD
     elif name == "decode_fp8" and num_splits > 1:  # ... over an fp8 cache: the large batches' register cap cost 20%
         name = "decode_split_fp8"
+        preload = ATTN_PRELOAD and bool(_CONFIG[name].get("preload", 0))
     # the kernel zeroes the rows no sequence owns: out needs no memset
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
                                                                  writes_every_row=True)

@@ -484,6 +484,36 @@ def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, monk
 
 
 @requires_triton
+@pytest.mark.parametrize("name", [n for n, (_, knobs) in FUSED_WRITE.items() if knobs["num_splits"] > 1])
+def test_fp8_split_launches_may_preload(small_key_tiles, monkeypatch, name):
+    """decode_split_fp8's "preload" (the first key tile's older keys and values loaded before the PDL wait, as the
+    16-bit split launches load theirs): the output and the cache bytes of the launch without it, bit for bit, over an
+    fp8 cache (qlen-2 and -3 runs, sequences of no rows, padding with a slot, both merges, a sliding window)."""
+    from mini_infer.ops import paged_attention as pa
+
+    preloads = []
+    real = pa._paged_attn_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                preloads.append(kwargs["PRELOAD"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
+    runs = []
+    for preload in (0, 1):
+        monkeypatch.setitem(pa._CONFIG, "decode_split_fp8", {**pa._CONFIG["decode_split_fp8"], "preload": preload})
+        case, scales, knobs = fused_write_case(name, torch.bfloat16, True)
+        args = (*case.args(), *scales)
+        runs.append((paged_attention_triton(*args, **knobs), args[3], args[4]))
+    (out, k_cache, v_cache), (out2, k_cache2, v_cache2) = runs
+    assert preloads == [False, True]
+    assert same_bytes(out2, out) and same_bytes(k_cache2, k_cache) and same_bytes(v_cache2, v_cache)
+
+
+@requires_triton
 def test_register_cap_only_on_one_split_launches(small_key_tiles, monkeypatch):
     """An fp8 cache's decode kind with a register cap and 3 stages: its one-split launches (large batches) take both,
     its split launches (small batches: "decode_split_fp8") neither the cap nor more than 2 stages. Prefill-shaped
