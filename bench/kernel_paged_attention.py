@@ -145,33 +145,31 @@ def sweep():
     from mini_infer.ops import paged_attention as pa
 
     hq, hkv, d, bs, dtype = 28, 4, 128, 16, torch.bfloat16
-    saved = {k: dict(v) for k, v in pa._CONFIG.items()}
     grids = {
         "prefill": dict(rows=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 2, 3]),
         "decode": dict(block_n=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[1, 2, 3, 4]),
     }
     shapes = {"prefill": [(4, 1024, 1024), (1, 4096, 4096)], "decode": [(64, 4096, 1), (8, 4096, 1), (256, 512, 1)]}
-    for kind, grid in grids.items():
-        cases = [build(*shape, hq, hkv, d, bs, dtype, "cuda") for shape in shapes[kind]]
-        results = []
-        for values in itertools.product(*grid.values()):
-            pa._CONFIG[kind] = dict(zip(grid, values))
-            pa._LAUNCH_OK.clear()
-            try:
-                times = [cuda_ms(lambda a=a: paged_attention_triton(*a), iters=20) for a in cases]
-            except Exception as e:  # out of shared memory, etc.
-                print(kind, pa._CONFIG[kind], "failed:", type(e).__name__)
-                continue
-            results.append((sum(times), times, dict(pa._CONFIG[kind])))
-        results.sort(key=lambda r: r[0])
-        print(f"{kind}: shapes {shapes[kind]}; best first")
-        for _total, times, cfg in results[:6]:
-            print(f"  {cfg} " + " ".join(f"{t:.3f}" for t in times) + " ms")
-        default = [r for r in results if r[2] == saved[kind]]
-        if default:
-            print("  current default:", " ".join(f"{t:.3f}" for t in default[0][1]))
-    pa._CONFIG.update(saved)
-    pa._LAUNCH_OK.clear()
+    with configs_restored() as saved:
+        for kind, grid in grids.items():
+            cases = [build(*shape, hq, hkv, d, bs, dtype, "cuda") for shape in shapes[kind]]
+            results = []
+            for values in itertools.product(*grid.values()):
+                pa._CONFIG[kind] = launch_shape(saved[kind], grid, values)
+                pa._LAUNCH_OK.clear()
+                try:
+                    times = [cuda_ms(lambda a=a: paged_attention_triton(*a), iters=20) for a in cases]
+                except Exception as e:  # out of shared memory, etc.
+                    print(kind, pa._CONFIG[kind], "failed:", type(e).__name__)
+                    continue
+                results.append((sum(times), times, dict(pa._CONFIG[kind])))
+            results.sort(key=lambda r: r[0])
+            print(f"{kind}: shapes {shapes[kind]}; best first")
+            for _total, times, cfg in results[:6]:
+                print(f"  {cfg} " + " ".join(f"{t:.3f}" for t in times) + " ms")
+            default = [r for r in results if r[2] == saved[kind]]
+            if default:
+                print("  current default:", " ".join(f"{t:.3f}" for t in default[0][1]))
 
 
 DECODE_BATCHES = (1, 8, 64, 256)
@@ -381,9 +379,13 @@ def configs_restored():
         pa._LAUNCH_OK.clear()
 
 
-def launch_shape(grid: dict, values) -> dict:
-    """One point of a --grid as a _CONFIG entry: `maxnreg` 0 (no register cap) left out, as the defaults leave it."""
-    return {k: v for k, v in zip(grid, values) if not (k == "maxnreg" and v == 0)}
+def launch_shape(base: dict, grid: dict, values) -> dict:
+    """One point of a --grid over `base` (the kind's _CONFIG entry, so that its other fields, e.g. write_one_split or
+    row_tiles, stay as the engine launches them): `maxnreg` 0 means no register cap (the field left out)."""
+    cfg = {**base, **dict(zip(grid, values))}
+    if cfg.get("maxnreg") == 0:
+        del cfg["maxnreg"]
+    return cfg
 
 
 def parse_grid(text: str) -> dict[str, list[int]]:
@@ -419,10 +421,10 @@ def decode_sweep(wide=False, layers=28, device="cuda", timer=None, grid=None, sh
                 continue
             cases = [decode_args(s, ctx, hq, hkv, d, kv=kv, device=device, rotary=rotary) for s, ctx in shapes]
             kv_ways = [w for w in pa._FP8_DOT if ways is None or w in ways] if kv == "fp8" else [None]
-            candidates = [{**launch_shape(grid, v), **({"fp8_dot": w} if w else {})}
+            candidates = [{**launch_shape(saved[name], grid, v), **({"fp8_dot": w} if w else {})}
                           for w in kv_ways for v in itertools.product(*grid.values())]
             if kv == "fp8" and not wide:  # the old way ("q": fp8 -> bf16, two cvts a value) at the bf16 shape only
-                old_shape = launch_shape(grid, [saved["decode"].get(k, 0) for k in grid])
+                old_shape = launch_shape(saved[name], grid, [saved["decode"].get(k, 0) for k in grid])
                 candidates = [c for c in candidates if c["fp8_dot"] != "q" or c == {**old_shape, "fp8_dot": "q"}]
             results = time_configs(name, candidates, cases, timer)
             print_ranking(name, labels, results, saved[name])
@@ -478,7 +480,7 @@ def split_sweep(layers=28, device="cuda", timer=None, grid=None, shapes=SPLIT_SW
     with configs_restored() as saved:
         for model, (hq, hkv, d) in (heads or SPLIT_SWEEP_HEADS).items():
             cases = [decode_args(s, ctx, hq, hkv, d, device=device, rotary=rotary) for s, ctx in shapes]
-            candidates = [launch_shape(grid, v) for v in itertools.product(*grid.values())]
+            candidates = [launch_shape(saved["decode_split"], grid, v) for v in itertools.product(*grid.values())]
             print(f"{model} ({hq} / {hkv} heads):")
             print_ranking("decode_split", labels, time_configs("decode_split", candidates, cases, timer),
                           saved["decode_split"])
