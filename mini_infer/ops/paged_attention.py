@@ -115,17 +115,19 @@ __all__ = [
 # Longest run of query rows the reference attends in one matmul (bounds its fp32 score buffer).
 _REF_QUERY_CHUNK = 256
 
-# Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches; "decode_split": decode launches
-# cut into key splits over a 16-bit cache, the small batches, which load their first tile before the PDL wait: module
-# docstring, "Before the wait"; "decode_split_fp8": the same launches over an fp8 cache, their dot way decode_fp8's,
-# the first tile loaded before the wait only with its "preload" 1: off, not yet timed). "rows": (query row, head) pairs per prefill tile; block_n: keys per inner step;
-# fp8_dot: how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register
-# cap a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped launch of
-# one split (large batches) writes the step's keys in the attention kernel (1) or runs `_write_kv_kernel` first (0;
-# split launches always write in the kernel, DECODE_WRITE_IN_KERNEL allowing); row_tiles (1 when absent): whether its
-# one-split launches take ROW_TILES' T programs (split launches do whenever ROW_TILES is on). Tuned on an H200 (bf16,
-# head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at batch 1, RESULTS' sixteenth session);
-# where a shape runs out of shared memory (fp32, large head dims) the launch retries smaller ones.
+# Triton launch shapes per kernel kind ("prefill", "decode"; "_fp8": over fp8 caches; "decode_split": decode
+# launches cut into key splits over a 16-bit cache, the small batches; "decode_split_fp8": the same launches
+# over an fp8 cache, their dot way decode_fp8's). "rows": (query row, head) pairs per prefill tile; block_n:
+# keys per inner step; preload (split kinds; 1 when absent): the first key tile loaded before the PDL wait
+# (module docstring, "Before the wait"; ATTN_PRELOAD allowing; "decode_split_fp8" 0: not yet timed); fp8_dot:
+# how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register cap
+# a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped
+# launch of one split (large batches) writes the step's keys in the attention kernel (1) or runs
+# `_write_kv_kernel` first (0; split launches always write in the kernel, DECODE_WRITE_IN_KERNEL allowing);
+# row_tiles (1 when absent): whether the kind's decode launches take ROW_TILES' T programs. Tuned on an H200
+# (bf16, head dim 128, GQA 28/4) with bench/kernel_paged_attention.py --sweep ("decode_split": engine runs at
+# batch 1, RESULTS' sixteenth session); where a shape runs out of shared memory (fp32, large head dims) the
+# launch retries smaller ones.
 _CONFIG = {
     "prefill": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "decode": {"block_n": 128, "num_warps": 4, "num_stages": 3, "write_one_split": 1, "row_tiles": 0},
@@ -135,6 +137,8 @@ _CONFIG = {
                    "write_one_split": 0},
     "decode_split_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "preload": 0},
 }
+# The kind of a decode launch cut into key splits (small batches: latency-bound, module docstring), by its cache's kind.
+_SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8"}
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs" then, "fp16"
@@ -168,9 +172,9 @@ _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 # layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
 # --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
 DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
-# Split decode launches (small batches over a 16-bit cache: "decode_split") load their first key tile's cached
-# keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0 loads them after
-# it, as every other launch does. Read at launch.
+# Split decode launches (small batches) of kinds with "preload" (today "decode_split": 16-bit caches) load their first
+# key tile's cached keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0
+# loads them after it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 # Launches of one query row a tile (decode-shaped): T programs a kv head (and split), tile t being row t
 # (`_split_k.find_tile_sequence`'s ROW_TILES), instead of T + S, of which a decode step's S are past their sequence's
@@ -1026,11 +1030,9 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     block_size = k_cache.shape[1]
     fused_merge = fused_merge and num_splits > 1
     preload = False
-    if name == "decode" and num_splits > 1:  # a small batch over a 16-bit cache: latency-bound (module docstring)
-        name, preload = "decode_split", ATTN_PRELOAD
-    elif name == "decode_fp8" and num_splits > 1:  # ... over an fp8 cache: the large batches' register cap cost 20%
-        name = "decode_split_fp8"
-        preload = ATTN_PRELOAD and bool(_CONFIG[name].get("preload", 0))
+    if num_splits > 1 and name in _SPLIT_KINDS:
+        name = _SPLIT_KINDS[name]
+        preload = ATTN_PRELOAD and bool(_CONFIG[name].get("preload", 1))
     # the kernel zeroes the rows no sequence owns: out needs no memset
     out, ws_m, ws_l, ws_acc, ws_strides = _split_k.split_outputs(q, (t, hq, dv), num_splits, t, hq, dv,
                                                                  writes_every_row=True)
@@ -1044,7 +1046,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             num_stages = min(num_stages, 2)
         block_q = 1 if decode_only else max(1, rows // block_g)
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
-        row_tiles = ROW_TILES and block_q == 1 and (num_splits > 1 or bool(_CONFIG[name].get("row_tiles", 1)))
+        row_tiles = ROW_TILES and block_q == 1 and bool(_CONFIG[name].get("row_tiles", 1))
         tiles = t if row_tiles else t // block_q + n_seqs
         counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:

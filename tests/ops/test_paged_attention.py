@@ -301,6 +301,25 @@ def kernel_launches(monkeypatch):
     return record_kernel_launches(monkeypatch, pa, "_write_kv_kernel", "_paged_attn_kernel")
 
 
+@pytest.fixture
+def attn_launches(monkeypatch):
+    """(grid, keyword arguments) of each `_paged_attn_kernel` launch, in order (each still runs)."""
+    from mini_infer.ops import paged_attention as pa
+
+    launches = []
+    real = pa._paged_attn_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
+    return launches
+
+
 def spare_slot(case: Case) -> int:
     """The first slot of a cache block no sequence's block table holds (make_case leaves spares)."""
     used = set(case.block_tables.flatten().tolist())
@@ -454,22 +473,14 @@ def test_triton_half_precision(dtype, name):
 @requires_triton
 @pytest.mark.parametrize("name", list(FUSED_WRITE))
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, True)])
-def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, monkeypatch, name, dtype, fp8):
+def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, attn_launches, monkeypatch, name, dtype,
+                                                           fp8):
     """ROW_TILES (one program a query row instead of T + S tiles, half of them past their sequence's row in a decode
     step): the output and the cache bytes of the T + S launch, bit for bit (qlen-2 and -3 runs, sequences of no
     rows, a padding row with a slot, splits with the fused merge and with the reduce kernel, fp8 caches), from a
     grid of T tiles."""
     from mini_infer.ops import paged_attention as pa
 
-    grids = []
-    real = pa._paged_attn_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
     monkeypatch.setitem(pa._CONFIG["decode"], "row_tiles", 1)  # 16-bit caches' one-split launches: off by default
     runs = {}
     for row_tiles in (False, True):
@@ -480,28 +491,17 @@ def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, monk
     (old, old_k, old_v), (new, new_k, new_v) = runs[False], runs[True]
     assert same_bytes(new, old) and same_bytes(new_k, old_k) and same_bytes(new_v, old_v)
     t, n_seqs = case.q.shape[0], case.seq_lens.shape[0]
-    assert [g[0] for g in grids] == [t + n_seqs, t]
+    assert [grid[0] for grid, _ in attn_launches] == [t + n_seqs, t]
 
 
 @requires_triton
 @pytest.mark.parametrize("name", [n for n, (_, knobs) in FUSED_WRITE.items() if knobs["num_splits"] > 1])
-def test_fp8_split_launches_may_preload(small_key_tiles, monkeypatch, name):
+def test_fp8_split_launches_may_preload(small_key_tiles, attn_launches, monkeypatch, name):
     """decode_split_fp8's "preload" (the first key tile's older keys and values loaded before the PDL wait, as the
     16-bit split launches load theirs): the output and the cache bytes of the launch without it, bit for bit, over an
     fp8 cache (qlen-2 and -3 runs, sequences of no rows, padding with a slot, both merges, a sliding window)."""
     from mini_infer.ops import paged_attention as pa
 
-    preloads = []
-    real = pa._paged_attn_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                preloads.append(kwargs["PRELOAD"])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
     runs = []
     for preload in (0, 1):
         monkeypatch.setitem(pa._CONFIG, "decode_split_fp8", {**pa._CONFIG["decode_split_fp8"], "preload": preload})
@@ -509,36 +509,26 @@ def test_fp8_split_launches_may_preload(small_key_tiles, monkeypatch, name):
         args = (*case.args(), *scales)
         runs.append((paged_attention_triton(*args, **knobs), args[3], args[4]))
     (out, k_cache, v_cache), (out2, k_cache2, v_cache2) = runs
-    assert preloads == [False, True]
+    assert [kwargs["PRELOAD"] for _, kwargs in attn_launches] == [False, True]
     assert same_bytes(out2, out) and same_bytes(k_cache2, k_cache) and same_bytes(v_cache2, v_cache)
 
 
 @requires_triton
-def test_register_cap_only_on_one_split_launches(small_key_tiles, monkeypatch):
+def test_register_cap_only_on_one_split_launches(small_key_tiles, attn_launches, monkeypatch):
     """An fp8 cache's decode kind with a register cap and 3 stages: its one-split launches (large batches) take both,
     its split launches (small batches: "decode_split_fp8") neither the cap nor more than 2 stages. Prefill-shaped
     launches of one kind, split then not: 2 stages, then the kind's 3, whatever launched first (the launch cache
     keeps the kind's shape, not a split launch's changes to it)."""
     from mini_infer.ops import paged_attention as pa
 
-    launches = []
-    real = pa._paged_attn_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((kwargs["NUM_SPLITS"], kwargs["num_stages"], kwargs.get("maxnreg", 0)))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
     monkeypatch.setitem(pa._CONFIG, "decode_fp8", {**pa._CONFIG["decode_fp8"], "num_stages": 3, "maxnreg": 128})
     monkeypatch.setitem(pa._CONFIG, "prefill_fp8", {**pa._CONFIG["prefill_fp8"], "num_stages": 3})
     for decode_only in (True, False):
         for splits in (4, 1, 4):
             case, scales, knobs = fused_write_case("qlen2_one_split_g4", torch.bfloat16, True)
             paged_attention_triton(*case.args(), *scales, **{**knobs, "num_splits": splits, "decode_only": decode_only})
-    assert launches == [(4, 2, 0), (1, 3, 128), (4, 2, 0), (4, 2, 0), (1, 3, 0), (4, 2, 0)]
+    launched = [(kwargs["NUM_SPLITS"], kwargs["num_stages"], kwargs.get("maxnreg", 0)) for _, kwargs in attn_launches]
+    assert launched == [(4, 2, 0), (1, 3, 128), (4, 2, 0), (4, 2, 0), (1, 3, 0), (4, 2, 0)]
 
 
 @settings(max_examples=10, deadline=None)
