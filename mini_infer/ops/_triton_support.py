@@ -11,14 +11,17 @@ batch-1 decode step, a chain of a few hundred short dependent kernels, that hide
 kernel boundary (H200, 112 chained GEMVs of qwen3-0.6b shapes in one CUDA graph: 457 -> 387 us).
 `MINI_INFER_PDL=0` turns it off (read at each launch: set it before graphs are captured).
 
-PDL_TRIGGER_FIRST (off; `MINI_INFER_PDL_TRIGGER_FIRST=1`, or `--switch _triton_support.PDL_TRIGGER_FIRST=1` in the
-benchmarks): kernels whose launch allows it let the next kernel launch before their own wait instead of after it, so
+PDL_TRIGGER_FIRST (on; `MINI_INFER_PDL_TRIGGER_FIRST=0`, or `--switch _triton_support.PDL_TRIGGER_FIRST=0` in the
+benchmarks, turns it off): kernels whose launch allows it let the next kernel launch before their own wait instead of after it, so
 that the kernel two ahead may start (and preload its weights) while this one's producer still runs: a chain two deep
 instead of one. Safe for a kernel X only if X's successor loads nothing before its wait that any kernel of the step
 writes (weights, the step's inputs, earlier steps' cache positions): each wait still returns only once the kernel
 before has finished, which finished only after its own wait, so every earlier kernel is done by then; only what a
 successor loads before its wait can be early. The MoE kernels, whose successors preload the routing's outputs
-(tests/ops/test_triton_support.py's PRE_WAIT_POINTERS), never allow it. Not yet timed on a GPU.
+(tests/ops/test_triton_support.py's PRE_WAIT_POINTERS), never allow it. H200 (bench/RESULTS.md, twenty-fifth
+session), batch 1: qwen3-0.6b 1,520.1 / 1,518.6 tok/s against 1,511.9 (round 2), qwen2.5-7b 265.0 against 262.5,
+qwen3-30b-a3b 371.8 against 371.7; the nano-vllm workload 23,207.4 against 22,795.3 (bf16 cache), 24,648.1 against
+24,646.4 (fp8 cache).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _pdl_capable(device_index: int) -> bool:
 
 
 # Let the next kernel launch before this one's wait (module docstring); read at each launch.
-PDL_TRIGGER_FIRST = os.environ.get("MINI_INFER_PDL_TRIGGER_FIRST", "0") == "1"
+PDL_TRIGGER_FIRST = os.environ.get("MINI_INFER_PDL_TRIGGER_FIRST", "1") != "0"
 TRIGGER_FIRST = 2  # the USE_GDC value of a launch that triggers before its wait
 
 

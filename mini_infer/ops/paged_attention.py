@@ -66,14 +66,15 @@ above.
 
 Before the wait (programmatic dependent launch: `await_producers`). Every program first reads what no kernel of the
 step writes: its sequence's lengths (`query_start_loc`, `seq_lens`) and block-table entries, inputs copied before the
-step's graph runs. Split decode launches (`num_splits` > 1 over a 16-bit cache: a small batch, where the attention is a
-chain of dependent loads with idle SMs around it) also load their first key tile's cached keys and values there, the
-positions older than the step's own keys (written by an earlier step's kernels: a kernel starts only after the one
-before it has passed its wait, so anything two kernels back is done); the step's keys in that tile are loaded after
-the in-kernel write, as before. Only loads move; every store stays after the wait. Those launches take the
-"decode_split" shape (64 keys a step, 8 warps: with 128 keys and 4 warps the preloaded tiles spill). H200, qwen3-0.6b
-batch 1, engines alternated over two rounds: 1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the shape
-alone, 1,349.8 / 1,362.4 with the "decode" shape as before (bench/RESULTS.md, sixteenth session).
+step's graph runs. Split decode launches (`num_splits` > 1: a small batch, where the attention is a chain of dependent
+loads with idle SMs around it) also load their first key tile's cached keys and values there, the positions older
+than the step's own keys (written by an earlier step's kernels, all finished before this step's first kernel
+started); the step's keys in that tile are loaded after the in-kernel write, as before. Only loads move; every store
+stays after the wait. Those launches take the "decode_split" / "decode_split_fp8" shape (64 keys a step, 8 warps:
+with 128 keys and 4 warps the preloaded tiles spill). H200, qwen3-0.6b batch 1, engines alternated over two rounds:
+1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the shape alone, 1,349.8 / 1,362.4 with the "decode" shape
+as before (bench/RESULTS.md, sixteenth session); over an fp8 cache (2,048-token prompt, twenty-fifth session)
+1,242.6 with it, 1,192.5 with the shape alone, 1,177.8 with 128 keys and 4 warps.
 `MINI_INFER_ATTN_PRELOAD=0` keeps the shape and loads after the wait.
 
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
@@ -119,7 +120,7 @@ _REF_QUERY_CHUNK = 256
 # launches cut into key splits over a 16-bit cache, the small batches; "decode_split_fp8": the same launches
 # over an fp8 cache, their dot way decode_fp8's). "rows": (query row, head) pairs per prefill tile; block_n:
 # keys per inner step; preload (split kinds; 1 when absent): the first key tile loaded before the PDL wait
-# (module docstring, "Before the wait"; ATTN_PRELOAD allowing; "decode_split_fp8" 0: not yet timed); fp8_dot:
+# (module docstring, "Before the wait"; ATTN_PRELOAD allowing); fp8_dot:
 # how fp8 tiles meet q and p in the dots (_FP8_DOT); maxnreg (optional, none by default): ptxas's register cap
 # a thread, passed to the launch; write_one_split (decode kinds; 1 when absent): whether a decode-shaped
 # launch of one split (large batches) writes the step's keys in the attention kernel (1) or runs
@@ -135,7 +136,7 @@ _CONFIG = {
     "prefill_fp8": {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fp8_dot": "fp16"},
     "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128,
                    "write_one_split": 0},
-    "decode_split_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "preload": 0},
+    "decode_split_fp8": {"block_n": 64, "num_warps": 8, "num_stages": 2, "preload": 1},
 }
 # The kind of a decode launch cut into key splits (small batches: latency-bound, module docstring), by its cache's kind.
 _SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8"}
@@ -148,7 +149,9 @@ _SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8"}
 # 24,585.9 output tok/s against 23,210.5 without the three (cap and stages alone 23,599.7); the bf16 cache's
 # one-split launches lost 1.8% with the write kernel first (22,806.6 vs 23,225.4) and keep the write inside. The cap
 # on split launches (small batches) cost qwen3-0.6b over an fp8 cache at batch 1 20% (936.1 vs 1,173.0 tok/s, a
-# 2,048-token prompt): they take "decode_split_fp8", today's shape before the cap (not yet swept on its own).
+# 2,048-token prompt): they take "decode_split_fp8", uncapped; its shape is the bf16 split launches' (64 keys, 8
+# warps) with their preload (twenty-fifth session, qwen3-0.6b batch 1 over an fp8 cache, 2,048-token prompt, one
+# engine each: 128 keys / 4 warps / no preload 1,177.8 tok/s, 64 / 8 1,192.5, 64 / 8 with preload 1,242.6).
 # The 16-bit dots over an fp8 cache (16-bit q; fp32 q keeps fp32 dots): "q": tiles cast to q's dtype (bf16: two
 # cvts per value, fp8 -> fp16 -> bf16); "fp16": q and p in fp16, tiles cast to fp16 (one cvt per pair of values);
 # "fp16_vregs": as "fp16", the V tile converted in registers (`_dot_tile`'s IN_REGISTERS). The casts are exact for
@@ -172,7 +175,7 @@ _FP8_DOT = {"q": 0, "fp16": 1, "fp16_vregs": 2, "fp8": 3}
 # layers, the two are within -1.1..+0.6 us a call either way by shape (bench/kernel_paged_attention.py
 # --decode-write). MINI_INFER_DECODE_KV_WRITE=separate (read once, at import) for the separate write kernel.
 DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") != "separate"
-# Split decode launches (small batches) of kinds with "preload" (today "decode_split": 16-bit caches) load their first
+# Split decode launches (small batches) of kinds whose "preload" is 1 (both split kinds) load their first
 # key tile's cached keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0
 # loads them after it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"

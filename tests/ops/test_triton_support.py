@@ -272,6 +272,7 @@ def test_trigger_first_only_where_allowed(monkeypatch):
     monkeypatch.delenv("MINI_INFER_PDL", raising=False)
     monkeypatch.setattr(ts, "_pdl_capable", lambda index: True)
     gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    monkeypatch.setattr(ts, "PDL_TRIGGER_FIRST", False)
     assert ts.pdl_args(gpu) == {"USE_GDC": True, "launch_pdl": True}
     monkeypatch.setattr(ts, "PDL_TRIGGER_FIRST", True)
     assert ts.pdl_args(gpu) == {"USE_GDC": ts.TRIGGER_FIRST, "launch_pdl": True}
