@@ -12,9 +12,10 @@ kernel boundary (H200, 112 chained GEMVs of qwen3-0.6b shapes in one CUDA graph:
 `MINI_INFER_PDL=0` turns it off (read at each launch: set it before graphs are captured).
 
 PDL_TRIGGER_FIRST (on; `MINI_INFER_PDL_TRIGGER_FIRST=0`, or `--switch _triton_support.PDL_TRIGGER_FIRST=0` in the
-benchmarks, turns it off): kernels whose launch allows it let the next kernel launch before their own wait instead of after it, so
-that the kernel two ahead may start (and preload its weights) while this one's producer still runs: a chain two deep
-instead of one. Safe for a kernel X only if X's successor loads nothing before its wait that any kernel of the step
+benchmarks, turns it off): kernels whose launch allows it let the next kernel launch before their own wait instead
+of after it, so that kernels two or more ahead may start (and preload their weights) while this one's producer still
+runs; a kernel launches once every program of the one before it has started, so how far ahead is bounded by the
+room the SMs have for resident programs. Safe for a kernel X only if X's successor loads nothing before its wait that any kernel of the step
 writes (weights, the step's inputs, earlier steps' cache positions): each wait still returns only once the kernel
 before has finished, which finished only after its own wait, so every earlier kernel is done by then; only what a
 successor loads before its wait can be early. The MoE kernels, whose successors preload the routing's outputs
