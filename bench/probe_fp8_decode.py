@@ -26,6 +26,19 @@ Variants, each after more K/V bytes in flight per SM:
             no pipeliner).
   swapab    S^T = K @ Q^T and O^T = V^T @ P^T: keys on the MMA's M side (wgmma on Hopper with M = BLOCK_N,
             N = 16), softmax along the key axis.
+  vt        base over a V cache stored transposed per block, [num_blocks, Hkv, D, 16] (`v_transposed`: the
+            same values, made once per cache, outside the timed calls; K keeps the op's layout): V^T tiles
+            [D, BLOCK_N], keys contiguous, dotted as p @ trans(V^T) as K is in Q @ K^T; whole blocks loaded (a
+            mask per block: 16-byte copies), the last partial tile peeled out of the loop to zero its keys past
+            the context.
+
+Why vt: P @ V reduces over keys, but the op's V tile [keys, D] has D contiguous. For 16-bit data ldmatrix.trans
+gives the MMA's B operand its key pairs; for fp8 bytes Triton reads the V tile from shared memory one byte at a
+time (base n128: 128 ld.shared.b8 per 128-key step). K has no such problem (Q @ K^T reduces over D, contiguous);
+with V stored keys-contiguous, V takes K's path. tl.trans(_f16(V^T)), _f16(tl.trans(V^T)) and a [keys, D] load
+from the transposed layout build alike (same resources and counts, Triton 3.9 and 3.6). A tl.where on the V tile
+inside the loop (the last tile's keys past the context; even under an `if`) makes Triton convert V in registers,
+store it as fp16 to shared memory and read it back (74,240 B of shared memory at n128): hence the peeled tail.
 
 The CUDA run (qwen3-0.6b's 16 / 8 heads, D 128, batch 64 / 256, context 512 / 2048, block tables 4,096 keys wide
 as bench/kernel_paged_attention.py builds them): each variant's max error against the dequantized fp32 reference
@@ -40,9 +53,26 @@ Note on sm_90 builds (--sm90): a launch specializes 16-aligned pointers and inte
 one byte at a time and Triton's pipeliner leaves them alone, so it shows no cp.async. This script's builds carry
 the hints a real launch at the H200 shapes gets.
 
+sm_90 builds of base and vt (--sm90 on the CPU: builds without a GPU, not timed; Triton 3.9.0 / 3.6.0; G 2,
+D 128, 4 warps, 3 stages). PTX instructions are static counts in the key loop (one step, LLVM's loop blocks; vt's
+peeled tail doubles its whole-kernel counts); "wider" is every other ld.shared (b32/s32/b64, v2, v4); no wgmma:
+
+  build           regs (stack 0)  smem B   ld.shared.b8   wider    ldmatrix   cvt.rn.f16x2.e4m3x2   mma.sync
+  base n128          192 / 200     41472     128 / 128   50 / 62     9 / 8          128              64
+  base n128 vregs    144 / 156     74240       0 / 0     50 / 46    25 / 24         128              64
+  vt   n128          190 / 214     41472       0 / 0     43 / 47    17 / 16         128              64
+  vt   n128 vregs    172 / 168     41472       0 / 0     51 / 55     9 / 8          128              64
+  base n64           149 / 154     22784      64 / 64    38 / 42     4 / 4           64              32
+  vt   n64           142 / 153     23040       0 / 0     31 / 35     8 / 8           64              32
+
+vt has no byte-wise V reads: its V tile reaches the MMA by 8 more ldmatrix.x4 per 128 keys (vregs: 8
+ld.shared.v4.b32 instead), from the same shared memory as base (no fp16 copy; base's vregs builds store one and
+read it with ldmatrix.trans), and its V copies into shared memory are 16-byte cp.async.cg where base's are 8-byte
+cp.async.ca. Same conversions and MMAs as base. Not yet run on a GPU.
+
 Run on an H200 (2026-11-29, bench/RESULTS.md twentieth session, `s20_probe_fp8_decode_h200.txt`): the best variant
 is base n128 w4 s3, 0.85-0.92x the op's time without its write, at most 0.66 of the copy bandwidth; wide, prefetch,
-swapab and the vregs builds were slower. No variant reads the cache near the copy bandwidth.
+swapab and the vregs builds were slower. No variant reads the cache near the copy bandwidth (that run predates vt).
 """
 
 from __future__ import annotations
@@ -69,7 +99,7 @@ BLOCK_SIZE = 16
 HQ, HKV, D = 16, 8, 128  # qwen3-0.6b
 SHAPES = ((64, 512), (64, 2048), (256, 512), (256, 2048))  # (batch, context) on CUDA
 LAYERS = 28
-VARIANTS = ("base", "wide", "prefetch", "swapab")  # _probe_kernel's VARIANT is the index here
+VARIANTS = ("base", "wide", "prefetch", "swapab", "vt")  # _probe_kernel's VARIANT is the index here
 
 if HAS_TRITON:
     LOG2E = _split_k.LOG2E
@@ -213,6 +243,41 @@ if HAS_TRITON:
         return l_i, tl.trans(acc_t)
 
     @triton.jit
+    def _vt_step(qv, start, ctx, ctx_blk, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vd, s_vh,
+                 m_i, l_i, acc, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 VREGS: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+        """vt: base's step over keys start .. with V^T tiles [D, BLOCK_N] from the transposed V cache, whole blocks
+        (mask per block, so that each D row's BLOCK_SIZE keys load as one 16-byte vector); TAIL: the last tile,
+        its keys past ctx zeroed (whatever the block holds there: 0 * NaN is NaN)."""
+        kpos, blk_ok, pblk, koff = _split_k.key_tile(bt_row, start, ctx_blk, BLOCK_SIZE, BLOCK_N)
+        k_ok = kpos < ctx
+        kt = _raw(kc_ptr, pblk, koff, k_ok, kvh, s_kb, s_ko, s_kh, D)
+        p, alpha, m_i, l_i = _scores(qv, kt, start, ctx, m_i, l_i, qk_scale, BLOCK_N)
+        d = tl.arange(0, D)
+        v_tr = tl.load(vc_ptr + pblk[None, :] * s_vb + kvh * s_vh + d[:, None] * s_vd + koff[None, :],
+                       mask=blk_ok[None, :], other=0.0)
+        vf = tl.trans(_f16(v_tr, VREGS))  # [BLOCK_N, D], as _scores's K^T: the reduction axis contiguous
+        if TAIL:
+            vf = tl.where(k_ok[:, None], vf, 0.0)
+        return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(tl.float16), vf)
+
+    @triton.jit
+    def _vt_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vd, s_vh, m_i, l_i, acc,
+                 D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, VREGS: tl.constexpr):  # fmt: skip
+        """vt: the V cache stored transposed per block, [blocks, Hkv, D, BLOCK_SIZE] (s_vd the stride of D, keys
+        contiguous); the whole tiles in the loop, a last partial one after it (a tl.where on the V tile inside the
+        loop, even under an `if`, makes Triton store the converted fp16 tile to shared memory and read it back)."""
+        ctx_blk = tl.cdiv(ctx, BLOCK_SIZE) * BLOCK_SIZE  # the context's blocks, whole
+        n_full = ctx // BLOCK_N * BLOCK_N
+        for start in range(0, n_full, BLOCK_N):
+            m_i, l_i, acc = _vt_step(qv, start, ctx, ctx_blk, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh,
+                                     s_vb, s_vd, s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS, False)
+        if n_full < ctx:
+            m_i, l_i, acc = _vt_step(qv, n_full, ctx, ctx_blk, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh,
+                                     s_vb, s_vd, s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS, True)
+        return l_i, acc
+
+    @triton.jit
     def _probe_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, scale,
         s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
@@ -235,9 +300,12 @@ if HAS_TRITON:
         elif VARIANT == 2:
             l_i, acc = _prefetch_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
                                       s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
-        else:
+        elif VARIANT == 3:
             l_i, acc = _swapab_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
                                     s_vh, m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
+        else:  # vt: s_vo is the stride of D in the transposed V cache
+            l_i, acc = _vt_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+                                m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
         _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
 
     KERNELS = {name: _probe_kernel for name in VARIANTS}
@@ -251,21 +319,41 @@ CONFIGS = {
     "wide": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, True), (64, 4, 5, True)],
     "prefetch": [(64, 4, 1, True), (128, 8, 1, True), (32, 4, 1, True), (64, 4, 1, False)],
     "swapab": [(128, 4, 3, True), (64, 4, 3, True), (64, 4, 6, True), (128, 4, 3, False), (64, 4, 3, False)],
+    "vt": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, False), (64, 4, 6, False), (128, 8, 4, False)],
 }
 COMPILED = {}  # (variant, *config) -> the last launch's compiled kernel (the CUDA run prints its resources)
 CPU_CONFIGS = {name: [(128, 4, 3, False), (64, 4, 3, True), (32, 4, 3, True)] for name in CONFIGS}  # values only
 
 
+_V_TRANSPOSED = {}  # "last": (vc, its values as vt's cache)
+
+
+def v_transposed(vc):
+    """vt's V cache: the values of vc [blocks, 16, Hkv, D] as [blocks, Hkv, D, 16] (each kv head's D rows of a
+    block's 16 keys, keys contiguous), made once per cache (kept with vc, which stays alive while it is kept) so that
+    timed and graph-captured launches do not include the copy."""
+    last = _V_TRANSPOSED.get("last")
+    if last is None or last[0] is not vc or last[1] != vc._version:
+        _V_TRANSPOSED["last"] = last = (vc, vc._version, vc.permute(0, 2, 3, 1).contiguous())
+    return last[2]
+
+
 def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_stages, vregs, out=None):
-    """Variant `variant` of the decode attention; out [S, Hq, D] (new unless given)."""
+    """Variant `variant` of the decode attention; out [S, Hq, D] (new unless given). vc in the op's layout for every
+    variant: vt reads `v_transposed(vc)`, its strides of block, D and head passed as s_vb, s_vo, s_vh."""
     s, hq, d = q.shape
     hkv = kc.shape[2]
     g = hq // hkv
     if out is None:
         out = torch.empty_like(q)  # (any float dtype: the kernel casts to it)
+    if variant == "vt":
+        vc = v_transposed(vc)
+        v_strides = vc.stride(0), vc.stride(2), vc.stride(1)
+    else:
+        v_strides = vc.stride(0), vc.stride(1), vc.stride(2)
     COMPILED[(variant, block_n, num_warps, num_stages, vregs)] = KERNELS[variant][(s, hkv)](
         q, kc, vc, out, bt, lens, ks, vs, float(scale),
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), *v_strides,
         out.stride(0), out.stride(1), bt.stride(0),
         G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=kc.shape[1], BLOCK_N=block_n, VREGS=vregs,
         VARIANT=VARIANTS.index(variant), num_warps=num_warps, num_stages=num_stages,
@@ -392,25 +480,85 @@ def sm90_stats(compiled, num_warps) -> dict:
             "shared_b8_loads": ops["ld.shared.b8"]}
 
 
+# The V operand's path at the main launch shapes: fp8 bytes read from shared memory one at a time (b8) or wider,
+# ldmatrix, fp8 -> fp16 conversions, the dots' MMAs
+V_OPS = (r"ld\.shared(?:\.v\d)?\.[bsu]\d+|ldmatrix\.sync\.aligned\.m8n8\.x\d(?:\.trans)?|cvt\.rn\.f16x2\.e4m3x2"
+         r"|mma\.sync|wgmma\.mma_async")
+OPS_VARIANTS = ("base", "vt")
+OPS_CONFIGS = [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, False), (64, 4, 3, True)]
+
+
+def ptx_ops(ptx: str, instructions: str = V_OPS):
+    """(whole kernel, key loop): Counters of the PTX instructions matching `instructions`, static counts; the key
+    loop is the blocks LLVM's comments mark "Loop Header" / "in Loop" (one step of BLOCK_N keys, with the
+    pipeliner's copies for a later step)."""
+    from collections import Counter
+
+    whole, loop, in_loop = Counter(), Counter(), False
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\$L__BB\d+_\d+:|// %bb\.\d+:", line):  # a block: its loop comment is on this line or the next
+            in_loop = "Loop" in line or "in Loop:" in (lines[i + 1] if i + 1 < len(lines) else "")
+        for op in re.findall(rf"(?<![\w.])({instructions})(?![\w])", line):
+            whole[op] += 1
+            loop[op] += in_loop
+    return whole, loop
+
+
+def ops_row(ptx: str) -> str:
+    """ptx_ops grouped: b8 shared loads, wider shared loads, ldmatrix, e4m3x2 conversions, mma.sync, wgmma; each
+    as "in the key loop (whole kernel)", then the wider loads and ldmatrix in the loop by kind."""
+    whole, loop = ptx_ops(ptx)
+    groups = (lambda k: re.fullmatch(r"ld\.shared\.[bsu]8", k), lambda k: k.startswith("ld.shared"),
+              lambda k: k.startswith("ldmatrix"), lambda k: k.startswith("cvt"), lambda k: k == "mma.sync",
+              lambda k: k.startswith("wgmma"))
+    cells, seen = [], set()
+    for g in groups:
+        keys = [k for k in whole if k not in seen and g(k)]
+        seen.update(keys)
+        cells.append(f"{sum(loop[k] for k in keys):4d} ({sum(whole[k] for k in keys):4d})")
+    kinds = " ".join(f"{k.replace('ld.shared.', '').replace('ldmatrix.sync.aligned.m8n8.', 'ldm.')}x{loop[k]}"
+                     for k in sorted(loop) if loop[k] and not re.fullmatch(r"ld\.shared\.[bsu]8", k)
+                     and k.startswith(("ld.shared", "ldmatrix")))
+    return " ".join(cells) + " | " + kinds
+
+
 def sm90_report() -> int:
     """--sm90 (kernel_norm.probe_main has checked that this process can build for sm_90)."""
     print(f"triton {triton.__version__}, sm_90 builds at G {HQ // HKV}, D {D}, block {BLOCK_SIZE} (pointers and strides "
           f"divisible by 16, as launched); programs/SM from regs and shared memory")
     print(f"{'variant':9s} {'config':18s} | {'regs':>4s} {'stack':>5s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>5s} "
           f"{'mma':>4s} {'prog/SM':>7s} | global loads, ld.shared.b8")
+    ptxs = {}  # (variant, *cfg) -> PTX, for the V operand table
     for variant, configs in CONFIGS.items():
         for cfg in configs:
             t0 = time.perf_counter()
             try:
-                st = sm90_stats(build_sm90(KERNELS[variant], HQ // HKV, cfg, variant=variant), cfg[1])
+                compiled = build_sm90(KERNELS[variant], HQ // HKV, cfg, variant=variant)
+                st = sm90_stats(compiled, cfg[1])
             except Exception as exc:  # a build that fails (shared memory, a Triton limit): say so
                 print(f"{variant:9s} {cfg_label(cfg):18s} | build failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
+            ptxs[(variant, *cfg)] = compiled.asm["ptx"]
             loads = " ".join(f"{k}x{v}" for k, v in sorted(st["global_loads"].items()))
             print(f"{variant:9s} {cfg_label(cfg):18s} | {st['regs']:4d} {st['stack']:5d} "
                   f"{st['smem']:7d} {st['cp_async']:8d} {st['wgmma']:5d} {st['mma_sync']:4d} "
                   f"{st['programs_per_sm']:7d} | {loads}, b8x{st['shared_b8_loads']} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    print("\nthe V operand's path, PTX instructions (static counts) in the key loop (whole kernel): shared loads of one "
+          "byte, wider shared loads, ldmatrix, cvt.rn.f16x2.e4m3x2, mma.sync, wgmma; then the loop's wider loads "
+          "and ldmatrix by kind (vt's last partial tile is peeled: its code is in the whole kernel only)")
+    print(f"{'variant':9s} {'config':18s} | {'b8':>11s} {'wider':>11s} {'ldmatrix':>11s} {'cvt e4m3x2':>11s} "
+          f"{'mma.sync':>11s} {'wgmma':>11s} | loop's wider loads, ldmatrix")
+    for variant in OPS_VARIANTS:
+        for cfg in OPS_CONFIGS:
+            if (variant, *cfg) not in ptxs:
+                try:
+                    ptxs[(variant, *cfg)] = build_sm90(KERNELS[variant], HQ // HKV, cfg, variant=variant).asm["ptx"]
+                except Exception as exc:
+                    print(f"{variant:9s} {cfg_label(cfg):18s} | build failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+            print(f"{variant:9s} {cfg_label(cfg):18s} | {ops_row(ptxs[(variant, *cfg)])}", flush=True)
     return 0
 
 
@@ -420,12 +568,14 @@ def sm90_report() -> int:
 
 
 def device_stats(compiled) -> str:
-    """Registers, spills, shared memory and cp.async / wgmma counts of a launched kernel (this Triton's build)."""
+    """Registers, spills, shared memory and cp.async / wgmma / ld.shared.b8 counts of a launched kernel (this
+    Triton's build)."""
     ptx = compiled.asm.get("ptx", "")
     n_cp = len(re.findall(r"\bcp\.async\.c[ag]\b", ptx))
     n_wg = len(re.findall(r"\bwgmma\.mma_async\b", ptx))
+    n_b8 = len(re.findall(r"\bld\.shared\.[bsu]8\b", ptx))
     return (f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')} smem "
-            f"{compiled.metadata.shared} cp.async {n_cp} wgmma {n_wg}")
+            f"{compiled.metadata.shared} cp.async {n_cp} wgmma {n_wg} ld.shared.b8 {n_b8}")
 
 
 def gpu_run(variants, quick, device="cuda") -> int:
@@ -499,6 +649,7 @@ def gpu_run(variants, quick, device="cuda") -> int:
         print(f"{shape}: worst max|variant - reference| {worst[0][0]:.2e} ({worst[0][1]}), worst max|variant - op| "
               f"{worst[1][0]:.2e} ({worst[1][1]})", flush=True)
         del args, mine, ref, op_out, q, kc, vc
+        _V_TRANSPOSED.clear()
         if device == "cuda":
             torch.cuda.empty_cache()
         b16 = kpa.decode_args(s, ctx, HQ, HKV, D, kv="bf16", device=device)
