@@ -5,7 +5,7 @@ The op is opaque to FX and to CUDA-graph capture like the other ops (fake impl: 
 to sum, by device and size (`use_one_shot`, a pure function):
   * CUDA, torch's symmetric memory usable, bf16 or fp32, a multiple of 4 bytes and at most `one_shot_max_bytes()`
     (the environment's MINI_INFER_ONE_SHOT_ALLREDUCE in bytes, e.g. ONE_SHOT_MAX_BYTES = 262144; unset or "0" =
-    never: opt-in until it has run on two GPUs): a one-shot
+    never: opt-in, kept so after its two-GPU runs, bench/RESULTS.md fifteenth session): a one-shot
     all-reduce over peer memory (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: one kernel copies `x` into
     this rank's symmetric buffer, waits for the peers' copies, reads every peer's buffer over NVLink and sums in
     rank order, so every rank gets the same bits). The buffer is allocated once per (group, dtype, device) with
@@ -39,7 +39,7 @@ import torch
 logger = logging.getLogger("mini_infer")
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # the size to try: the largest message then taken (a [64, 2048] bf16 activation)
-ONE_SHOT_DEFAULT_BYTES = 0  # off (always NCCL) until the one-shot path has run on two GPUs (bench/tp.py)
+ONE_SHOT_DEFAULT_BYTES = 0  # off (always NCCL): opt-in after its two-GPU runs (bench/RESULTS.md, fifteenth session)
 ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel implements
 _MIN_ALIGNMENT = 4  # bytes: the kernel's smallest vector
@@ -52,7 +52,7 @@ _said: set[str] = set()  # reasons already logged
 
 def one_shot_max_bytes() -> int:
     """The largest message (bytes) the one-shot path takes: MINI_INFER_ONE_SHOT_ALLREDUCE when set ("0": never;
-    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (0: not yet on by default)."""
+    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (0: off by default)."""
     value = os.environ.get(ONE_SHOT_ENV, "").strip()
     if not value:
         return ONE_SHOT_DEFAULT_BYTES
