@@ -2,10 +2,11 @@
 
 Every cache is paged in the same blocks: a sequence's block table names, for every layer and every cache, the
 blocks holding its tokens. A spec lists its paged tensors (shape per token, storage dtype; the runtime
-allocates `[num_blocks, block_size, *shape]` for each) and any fixed per-layer tensors (e.g. quantization
-scales), and computes its bytes per token. The runtime sizes the pool from the sum over specs, allocates each
-spec's tensors by calling `allocate`, passes them to the graph as the inputs they are named after, and frees
-blocks that every layer's attention window has left behind (`attention_window`).
+allocates `[num_blocks, block_size, *shape]` for each, or that view of storage holding each block's tokens
+contiguous, `CacheTensor.keys_contiguous`) and any fixed per-layer tensors (e.g. quantization scales), and
+computes its bytes per token. The runtime sizes the pool from the sum over specs, allocates each spec's tensors
+by calling `allocate`, passes them to the graph as the inputs they are named after, and frees blocks that every
+layer's attention window has left behind (`attention_window`).
 
 Kinds (vLLM keeps the same split in `kv_cache_interface.py`): `FullAttentionSpec` (K and V per KV head; a
 float8 storage dtype comes with per-layer K and V scales), `SlidingWindowSpec` (the same, attending to the last
@@ -27,15 +28,26 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @dataclass(frozen=True)
 class CacheTensor:
-    """One paged tensor: graph input `name`, allocated `[num_blocks, block_size, *shape]` of `dtype`."""
+    """One paged tensor: graph input `name`, allocated `[num_blocks, block_size, *shape]` of `dtype`.
+    `keys_contiguous`: stored `[num_blocks, *shape, block_size]` (each block's tokens side by side for every element
+    of `shape`) and handed out as the `[num_blocks, block_size, *shape]` view of that storage, so that readers index
+    it as any other cache and kernels see the layout in its strides (stride 1 along the block's tokens)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    keys_contiguous: bool = False
 
     @property
     def bytes_per_token(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def zeros(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+        """The zeroed tensor of `num_blocks` blocks, `[num_blocks, block_size, *shape]` (a view when
+        `keys_contiguous`)."""
+        if self.keys_contiguous:
+            return torch.zeros(num_blocks, *self.shape, block_size, dtype=self.dtype, device=device).movedim(-1, 1)
+        return torch.zeros(num_blocks, block_size, *self.shape, dtype=self.dtype, device=device)
 
 
 class CacheSpec:
@@ -64,21 +76,22 @@ class CacheSpec:
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Zeroed paged tensors for `num_blocks` blocks of `block_size` tokens, plus the fixed tensors."""
-        out = {t.name: torch.zeros(num_blocks, block_size, *t.shape, dtype=t.dtype, device=device)
-               for t in self.tensors()}
+        out = {t.name: t.zeros(num_blocks, block_size, device) for t in self.tensors()}
         out.update({k: v.to(device) for k, v in self.fixed_tensors().items()})
         return out
 
     def describe(self) -> str:
         """One line for logs and summaries."""
-        parts = ", ".join(f"{t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.tensors())
+        parts = ", ".join(f"{t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                          f"{' (tokens contiguous)' if t.keys_contiguous else ''}" for t in self.tensors())
         return f"layer {self.layer_idx}: {type(self).__name__}({parts}; {self.bytes_per_token()} B/token)"
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec(CacheSpec):
     """K `[num_kv_heads, head_size]` and V `[num_kv_heads, head_size_v]` per token. A float8 `dtype` is a
-    quantized cache: values are stored divided by `scales` = (k_scale, v_scale) and read back multiplied."""
+    quantized cache: values are stored divided by `scales` = (k_scale, v_scale) and read back multiplied.
+    `v_keys_contiguous`: V stored with each block's tokens contiguous (`CacheTensor.keys_contiguous`)."""
 
     layer_idx: int
     num_kv_heads: int
@@ -86,6 +99,7 @@ class FullAttentionSpec(CacheSpec):
     head_size_v: int
     dtype: torch.dtype
     scales: tuple[float, float] | None = None
+    v_keys_contiguous: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype in FP8_DTYPES and self.scales is None:
@@ -109,7 +123,7 @@ class FullAttentionSpec(CacheSpec):
 
     def tensors(self) -> tuple[CacheTensor, ...]:
         return (CacheTensor(self.k_input, (self.num_kv_heads, self.head_size), self.dtype),
-                CacheTensor(self.v_input, (self.num_kv_heads, self.head_size_v), self.dtype))
+                CacheTensor(self.v_input, (self.num_kv_heads, self.head_size_v), self.dtype, self.v_keys_contiguous))
 
     def fixed_tensors(self) -> dict[str, torch.Tensor]:
         if self.scales is None:

@@ -137,9 +137,14 @@ _CONFIG = {
     "decode_fp8": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128,
                    "write_one_split": 0},
     "decode_split_fp8": {"block_n": 64, "num_warps": 8, "num_stages": 2, "preload": 1},
+    # one-split decode launches over an fp8 cache whose V is stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): as
+    # "decode_fp8" but uncapped (sm_90, Triton 3.6, qwen3-0.6b heads at batch 256: 248 registers, no spill; capped
+    # at 128 it spills 504 bytes, the loop's last partial tile being a second copy of its body); its dot way and
+    # its write (the write kernel first) are decode_fp8's. Not yet timed on a GPU.
+    "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16"},
 }
 # The kind of a decode launch cut into key splits (small batches: latency-bound, module docstring), by its cache's kind.
-_SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8"}
+_SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8", "decode_fp8_vkeys": "decode_split_fp8"}
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs" then, "fp16"
@@ -187,6 +192,14 @@ ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 # -1.4 / -1.6% over a bf16 one, so "decode" (16-bit caches) keeps T + S tiles at one split (_CONFIG's row_tiles).
 # MINI_INFER_ATTN_ROW_TILES=0 (or `--switch paged_attention.ROW_TILES=0`): T + S tiles everywhere. Read at launch.
 ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
+# fp8 KV caches with V stored tokens-contiguous ([blocks, Hkv, Dv, block_size] under the usual [blocks, block_size,
+# Hkv, Dv] view: `FullAttentionSpec.v_keys_contiguous`, declared by the paged_attention pass when this is on at
+# compile time). P @ V reduces over keys: with Dv contiguous the sm_90 build reads an fp8 V tile from shared memory
+# a byte at a time (128 ld.shared.b8 a 128-key step), with the keys contiguous it takes ldmatrix as K does
+# (bench/probe_fp8_decode.py's "vt" variant, built without a GPU). Launches over such a cache load whole key tiles
+# without a per-key mask (V_WHOLE_TILES) and the last partial tile after them. Off by default: not yet timed on a
+# GPU. MINI_INFER_FP8_V_KEYS_CONTIGUOUS=1 (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=1`) turns it on.
+FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,29 +505,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_cache_rows(
-        c_ptr, scale_ptr, x, slot, h, cols, m, block_size, s_cb, s_co, s_ch, KV_FP8: tl.constexpr,
+        c_ptr, scale_ptr, x, slot, h, cols, m, block_size, s_cb, s_co, s_ch, s_cd, KV_FP8: tl.constexpr,
     ):  # fmt: skip
         """x (rows of kv heads h, a vector, at columns `cols` [1, C]; only where m) into flat slot `slot` (int64; any
-        value where not m) of a cache, as `_to_cache_values` converts it."""
+        value where not m) of a cache whose columns are s_cd apart (1 but for a tokens-contiguous V cache), as
+        `_to_cache_values` converts it."""
         slot = tl.maximum(slot, 0)
-        dst = c_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_co + h[:, None] * s_ch + cols
+        dst = c_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_co + h[:, None] * s_ch + cols * s_cd
         tl.store(dst, _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _store_v_rows(
-        v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
+        v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch, s_vcd,
         KV_FP8: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         """Packed token tok's v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`."""
         dv = tl.arange(0, BLOCK_DV)[None, :]
         m = ok[:, None] & (dv < head_dv)
         x = tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0)
-        _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, KV_FP8)
+        _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
 
     @triton.jit
     def _store_kv_rows(
         k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
-        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd,
         KV_FP8: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         """Packed token tok's k and v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`
@@ -522,15 +536,15 @@ if HAS_TRITON:
         d = tl.arange(0, BLOCK_D)[None, :]
         m = ok[:, None] & (d < head_d)
         x = tl.load(k_ptr + tok * s_kt + h[:, None] * s_kh + d, mask=m, other=0.0)
-        _store_cache_rows(kc_ptr, ks_ptr, x, slot, h, d, m, block_size, s_kcb, s_kco, s_kch, KV_FP8)
+        _store_cache_rows(kc_ptr, ks_ptr, x, slot, h, d, m, block_size, s_kcb, s_kco, s_kch, 1, KV_FP8)
         _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
-                      KV_FP8, BLOCK_DV)
+                      s_vcd, KV_FP8, BLOCK_DV)
 
     @triton.jit
     def _store_new_kv_rows(
         k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, tok, slot, h, ok, block_size, head_d,
         head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
-        ROTARY: tl.constexpr, KV_FP8: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+        s_vcd, ROTARY: tl.constexpr, KV_FP8: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         """The attention kernel's write of a new token: `_store_kv_rows`, with ROTARY the k rows first put through
@@ -543,19 +557,20 @@ if HAS_TRITON:
                 (tok * s_st + zero)[:, None], s_sd, kw_ptr, ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_K_NORM)
             k_dtype = k_ptr.dtype.element_ty
             _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco, s_kch,
-                              KV_FP8)
+                              1, KV_FP8)
             _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco, s_kch,
-                              KV_FP8)
+                              1, KV_FP8)
             _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco,
-                          s_vch, KV_FP8, BLOCK_DV)
+                          s_vch, s_vcd, KV_FP8, BLOCK_DV)
         else:
             _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
-                           s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
+                           s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, KV_FP8, BLOCK_D,
+                           BLOCK_DV)
 
     @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, block_size, n_heads, head_d, head_dv,
-        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd,
         KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         USE_GDC: tl.constexpr,
     ):  # fmt: skip
@@ -567,7 +582,8 @@ if HAS_TRITON:
         # the scalar because the interpreter mis-types `scalar_bool & tensor_bool`.)
         ok = ((slot + h * 0) >= 0) & (h < n_heads)
         _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, t, slot, h, ok, block_size, head_d, head_dv,
-                       s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, KV_FP8, BLOCK_D, BLOCK_DV)
+                       s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, KV_FP8, BLOCK_D,
+                       BLOCK_DV)
 
     @triton.jit
     def _dot_tile(x, dtype, IN_REGISTERS: tl.constexpr):
@@ -587,11 +603,11 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _cache_tile(c_ptr, pblk, koff, h, cols, mask, s_cb, s_co, s_ch):
-        """Rows (cache block pblk, offset koff) of kv head h of a cache, at columns `cols`, as stored: a key or value
-        tile [BLOCK_N, C], zero where not `mask`."""
-        return tl.load(c_ptr + pblk[:, None] * s_cb + koff[:, None] * s_co + h * s_ch + cols[None, :], mask=mask,
-                       other=0.0)
+    def _cache_tile(c_ptr, pblk, koff, h, cols, mask, s_cb, s_co, s_ch, s_cd):
+        """Rows (cache block pblk, offset koff) of kv head h of a cache, at columns `cols` (s_cd apart: 1 but for a
+        tokens-contiguous V cache), as stored: a key or value tile [BLOCK_N, C], zero where not `mask`."""
+        return tl.load(c_ptr + pblk[:, None] * s_cb + koff[:, None] * s_co + h * s_ch + cols[None, :] * s_cd,
+                       mask=mask, other=0.0)
 
     @triton.jit
     def _tile_scores(
@@ -634,18 +650,47 @@ if HAS_TRITON:
         return pv
 
     @triton.jit
+    def _attend_key_tile(
+        qv, m_i, l_i, acc, bt_row, start, k_hi, kc_ptr, vc_ptr, kvh, d, d_ok, dv, dv_ok, q_pos, first_q_pos, qk_scale,
+        softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, WHOLE: tl.constexpr,
+    ):  # fmt: skip
+        """The keys start .. start + BLOCK_N - 1 below k_hi folded into the running softmax (m_i, l_i) and the
+        output rows acc: the key tile's scores, then its value tile times p. WHOLE (every key of the tile is below
+        k_hi): the block-table entries and the K / V rows loaded with no per-key mask, so that a tokens-contiguous V
+        cache (FP8_V_KEYS_CONTIGUOUS) is read in 16-byte runs of a block's keys; else masked per key, as zeros."""
+        if WHOLE:
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < k_hi
+            pblk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+            koff = (kpos % BLOCK_SIZE).to(tl.int64)
+            k_mask = d_ok[None, :]
+            v_mask = dv_ok[None, :]
+        else:
+            kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
+            k_mask = k_ok[:, None] & d_ok[None, :]
+            v_mask = k_ok[:, None] & dv_ok[None, :]
+        kt = _cache_tile(kc_ptr, pblk, koff, kvh, d, k_mask, s_kcb, s_kco, s_kch, 1)
+        p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale, softcap,
+                                          sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, FP8_DOT)
+        vt = _cache_tile(vc_ptr, pblk, koff, kvh, dv, v_mask, s_vcb, s_vco, s_vch, s_vcd)
+        acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
         n_tokens, n_seqs, scale, softcap, sliding_window, eps, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
-        s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_ot, s_oh, s_bt,
+        s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd,
         WRITE_KV: tl.constexpr, ROTARY: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        ROW_TILES: tl.constexpr = False,
+        ROW_TILES: tl.constexpr = False, V_WHOLE_TILES: tl.constexpr = False,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -681,8 +726,9 @@ if HAS_TRITON:
             kpos0, k_ok0, pblk0, koff0 = _split_k.key_tile(bt_row, k_lo, tl.where(works, k_hi, k_lo), BLOCK_SIZE,
                                                            BLOCK_N)
             old0 = k_ok0 & (kpos0 < new0)
-            kt0 = _cache_tile(kc_ptr, pblk0, koff0, kvh, d, old0[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch)
-            vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
+            kt0 = _cache_tile(kc_ptr, pblk0, koff0, kvh, d, old0[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch, 1)
+            vt0 = _cache_tile(vc_ptr, pblk0, koff0, kvh, dv, old0[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch,
+                              s_vcd)
         await_producers(USE_GDC)
         if split == 0:  # rows of q owned by no sequence get zeros: tile j's programs zero rows j * BLOCK_Q + qi
             zrow = (tile * BLOCK_Q + qi).to(tl.int64)  # (T // BLOCK_Q + S, or T: ROW_TILES) tiles cover all T rows
@@ -696,8 +742,8 @@ if HAS_TRITON:
                 zslot = tl.load(slot_ptr + ztok, mask=zown, other=-1).to(tl.int64)
                 _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, ztok, zslot,
                                    wh, zslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd,
-                                   s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8, HAS_K_NORM,
-                                   BLOCK_D, BLOCK_DV)
+                                   s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, ROTARY, KV_FP8,
+                                   HAS_K_NORM, BLOCK_D, BLOCK_DV)
         if works:
             q_idx = q_off + qi
             row_ok = (qi < BLOCK_Q) & (q_idx < qlen) & (g < G)
@@ -727,8 +773,8 @@ if HAS_TRITON:
                     wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
                     _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok,
                                        wslot, wh, wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh,
-                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, ROTARY, KV_FP8,
-                                       HAS_K_NORM, BLOCK_D, BLOCK_DV)
+                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, ROTARY,
+                                       KV_FP8, HAS_K_NORM, BLOCK_D, BLOCK_DV)
                 tl.debug_barrier()
             if DOT_FP32:
                 qv = qv.to(tl.float32)
@@ -755,22 +801,33 @@ if HAS_TRITON:
             if PRELOAD:  # the first tile: its older keys as loaded before the wait, the step's keys (written above) now
                 new_ok = k_ok0 & (kpos0 >= new0)
                 kt = tl.where(new_ok[:, None], _cache_tile(kc_ptr, pblk0, koff0, kvh, d, new_ok[:, None] & d_ok[None, :],
-                                                           s_kcb, s_kco, s_kch), kt0)
+                                                           s_kcb, s_kco, s_kch, 1), kt0)
                 p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, k_lo, kpos0, k_ok0, q_pos, first_q_pos, qk_scale,
                                                   softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
                                                   FP8_DOT)
                 vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
-                                                           new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch), vt0)
+                                                           new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch,
+                                                           s_vcd), vt0)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
                 k_from = k_lo + BLOCK_N
-            for start in range(k_from, k_hi, BLOCK_N):
-                kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
-                kt = _cache_tile(kc_ptr, pblk, koff, kvh, d, k_ok[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch)
-                p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale,
-                                                  softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
-                                                  FP8_DOT)
-                vt = _cache_tile(vc_ptr, pblk, koff, kvh, dv, k_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch)
-                acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
+            k_whole = k_hi  # V_WHOLE_TILES: the loop takes the whole tiles below it, the last partial one follows
+            if V_WHOLE_TILES:
+                k_whole = k_from + (k_hi - k_from) // BLOCK_N * BLOCK_N
+            for start in range(k_from, k_whole, BLOCK_N):
+                m_i, l_i, acc = _attend_key_tile(
+                    qv, m_i, l_i, acc, bt_row, start, k_hi, kc_ptr, vc_ptr, kvh, d, d_ok, dv, dv_ok, q_pos,
+                    first_q_pos, qk_scale, softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd,
+                    BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
+                    V_WHOLE_TILES,
+                )  # fmt: skip
+            if V_WHOLE_TILES:
+                if k_whole < k_hi:
+                    m_i, l_i, acc = _attend_key_tile(
+                        qv, m_i, l_i, acc, bt_row, k_whole, k_hi, kc_ptr, vc_ptr, kvh, d, d_ok, dv, dv_ok, q_pos,
+                        first_q_pos, qk_scale, softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+                        s_vcd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT,
+                        ROUND_P_EXACTLY, False,
+                    )  # fmt: skip
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
@@ -809,11 +866,24 @@ def _scale_args(k_scale, v_scale, placeholder: torch.Tensor) -> tuple[torch.Tens
     return (k_scale if k_scale is not None else placeholder, v_scale if v_scale is not None else placeholder)
 
 
+def v_keys_contiguous(v_cache: torch.Tensor) -> bool:
+    """Whether a V cache [blocks, block_size, Hkv, Dv] is stored tokens-contiguous (`CacheTensor.keys_contiguous`):
+    unit stride along its block's tokens, not along its last dim."""
+    return v_cache.stride(1) == 1 and v_cache.stride(-1) != 1
+
+
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, who: str = "paged_attention") -> None:
+    """Raise unless the K cache has unit stride along its last dim and the V cache along its last dim or, stored
+    tokens-contiguous (`CacheTensor.keys_contiguous`), along its block's tokens (dim 1)."""
+    if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and v_cache.stride(1) != 1):
+        raise ValueError(f"{who}: the caches need unit stride along their last dim (the V cache: or along its "
+                         f"block's tokens), got strides {k_cache.stride()} and {v_cache.stride()}")
+
+
 def _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t: int) -> None:
     """Raise unless k [t, Hkv, D] and v [t, Hkv, Dv] match the caches, slot_mapping has a slot for each of the t
-    tokens, and the caches have unit stride along their last dim (both Triton writes index them so)."""
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged_attention: the caches need unit stride along their last dim")
+    tokens, and the caches' layouts are ones the kernels take (`check_cache_layout`)."""
+    check_cache_layout(k_cache, v_cache)
     want_k, want_v = (t, *k_cache.shape[2:]), (t, *v_cache.shape[2:])
     if tuple(k.shape) != want_k or tuple(v.shape) != want_v or slot_mapping.dim() != 1 or slot_mapping.shape[0] < t:
         raise ValueError(f"paged_attention: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
@@ -839,7 +909,7 @@ def write_kv_cache_triton(
         k, v, k_cache, v_cache, slot_mapping, *_scale_args(k_scale, v_scale, slot_mapping), k_cache.shape[1],
         hkv, d, dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         KV_FP8=kv_fp8, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_warps=4,
         **pdl_args(k),
     )  # fmt: skip
@@ -995,6 +1065,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
     n_seqs = seq_lens.shape[0]
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    check_cache_layout(k_cache, v_cache)
     if decode_only is None:
         decode_only = t <= n_seqs
     if new_kv is not None and new_kv[0].shape[0] == 0:  # no keys to write (mla_attention's expanded path wrote its own)
@@ -1022,6 +1093,9 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     else:  # placeholders, never read (WRITE_KV off)
         k, v, slot_mapping = q, q, seq_lens
     name, fp8_dot, dot_fp32, block_d = _dot_plan(q, d, kv_fp8, decode_only)
+    v_keys = v_keys_contiguous(v_cache)
+    if v_keys and name == "decode_fp8":
+        name = "decode_fp8_vkeys"
     block_dv = max(16, next_pow2(dv))
     if fp8_dot == _FP8_DOT["fp8"]:
         _check_fp8_dots(q)
@@ -1059,7 +1133,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 *rot_args, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
                 out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), *rot_strides,
                 WRITE_KV=write_kv, ROTARY=rotary is not None, HAS_Q_NORM=rotary is not None and rotary.q_weight is not None,
@@ -1069,7 +1143,8 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 # so batches of changing size do not each compile a new kernel
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, num_warps=num_warps,
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles,
+                V_WHOLE_TILES=v_keys, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

@@ -28,7 +28,7 @@ from mini_infer.ops._triton_support import (
     triton,
     use_triton,
 )
-from mini_infer.ops.paged_attention import check_kv_scales, write_kv_cache_reference
+from mini_infer.ops.paged_attention import check_cache_layout, check_kv_scales, write_kv_cache_reference
 from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference, rotary_launch
 
 __all__ = ["qk_rotary_kv_write", "qk_rotary_kv_write_reference", "qk_rotary_kv_write_triton"]
@@ -61,7 +61,7 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         q_blocks, n_q_rows, n_k_rows, HQ, HK, T, HALF, DV, eps, block_size,
         sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sc0, sc2, sc3, ss0, ss2, ss3, sqo0, sqo1, sqo2,
-        s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd,
         K_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_DV: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, USE_GDC: tl.constexpr,
     ):  # fmt: skip
@@ -91,7 +91,7 @@ if HAS_TRITON:
             dv = tl.arange(0, BLOCK_DV)[None, :]
             m = ok[:, None] & (dv < DV)
             x = tl.load(v_ptr + (b * sv0 + h * sv1 + t * sv2)[:, None] + dv * sv3, mask=m, other=0.0)
-            vc = vc_ptr + (blk * s_vcb + off * s_vco + h * s_vch)[:, None] + dv
+            vc = vc_ptr + (blk * s_vcb + off * s_vco + h * s_vch)[:, None] + dv * s_vcd
             tl.store(vc, _to_cache_values(x, vs_ptr, KV_FP8).to(vc_ptr.dtype.element_ty), mask=m)
 
 
@@ -103,8 +103,7 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if tuple(k_cache.shape[2:]) != (hk, d) or tuple(v_cache.shape[2:]) != (hk, v.shape[3]):
         raise ValueError(f"qk_rotary_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not "
                          f"hold k {tuple(k.shape)} / v {tuple(v.shape)} rows")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("qk_rotary_kv_write: the caches need unit stride along their last dim")
+    check_cache_layout(k_cache, v_cache, "qk_rotary_kv_write")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != b * t:
         raise ValueError(f"qk_rotary_kv_write: slot_mapping {tuple(slot_mapping.shape)} needs one slot per token, "
                          f"{b * t}")
@@ -136,7 +135,7 @@ def qk_rotary_kv_write_triton(
         ln.q_blocks, ln.n_q_rows, ln.n_k_rows, hq, k.shape[1], t, d // 2, dv, float(eps), k_cache.shape[1],
         *q.stride(), *k.stride(), *v.stride(),
         c4.stride(0), c4.stride(2), c4.stride(3), s4.stride(0), s4.stride(2), s4.stride(3), *q_out.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride(),
         K_DTYPE=_tl_dtype(_out_dtype(k, k_weight, cos, sin)), KV_FP8=kv_fp8, BLOCK_R=ln.block_r, BLOCK_H=ln.block_h,
         BLOCK_DV=next_pow2(dv), HAS_Q_NORM=q_weight is not None, HAS_K_NORM=k_weight is not None,
         num_warps=4, **pdl_args(q),

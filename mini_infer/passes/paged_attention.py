@@ -23,6 +23,9 @@ within the spread of that measure): not worth a calibration step whose result de
 `calculate_kv_scales` takes the first batch). Calibrated scales from a checkpoint go in through `kv_scales`. The cache halves K/V bytes against 16-bit caches; prefix
 caching, chunked prefill, preemption and sliding windows are unchanged (bytes per token is all they see).
 On CUDA the fp8 cache needs compute capability >= 8.9 (the kernels convert e4m3 in hardware): refused below.
+With the op module's FP8_V_KEYS_CONTIGUOUS on (off by default, not yet timed on a GPU; read when the pass runs)
+the fp8 specs declare V with each block's tokens contiguous (`FullAttentionSpec.v_keys_contiguous`), the layout
+in which the decode kernel's P @ V reads its value tiles as Q @ K^T reads keys (ops/paged_attention.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import mini_infer.ops  # noqa: F401
 from mini_infer.contract import FullAttentionSpec, SlidingWindowSpec
 from mini_infer.contract.caches import FP8_DTYPES
 from mini_infer.contract.inputs import ATTENTION_METADATA, UNCAPTURED_QUERY_ROWS
+from mini_infer.ops import paged_attention as paged_attention_op
 from mini_infer.ops.paged_attention import route_min_query_rows
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, repeat_kv_source, shape
@@ -125,8 +129,9 @@ class PagedAttention(GraphPass):
             window = layer_sliding_window(ctx.config, layer_idx)
             softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
-            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, sliding_window=window) \
-                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales)
+            v_keys = fp8 and paged_attention_op.FP8_V_KEYS_CONTIGUOUS
+            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, sliding_window=window) \
+                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys)
             caches = ctx.add_cache(gm, spec)
             kv_scales = tuple(caches[name] for name in spec.fixed_tensors())  # (k_scale_i, v_scale_i) or ()
             with graph.inserting_before(sdpa):

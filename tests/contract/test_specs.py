@@ -87,3 +87,20 @@ def test_latent_spec_is_one_tensor_per_layer():
     assert [(t.name, t.shape) for t in spec.tensors()] == [("latent_cache_0", (576,))]
     assert spec.bytes_per_token() == 576 * 2
     assert "LatentAttentionSpec(latent_cache_0 [576] bfloat16; 1152 B/token)" in spec.describe()
+
+
+def test_v_cache_stored_tokens_contiguous():
+    """`v_keys_contiguous`: V allocated [blocks, Hkv, Dv, block_size] and handed out as the usual [blocks,
+    block_size, Hkv, Dv] view of it (unit stride along a block's tokens), zeroed, same bytes per token; K as ever."""
+    spec = FullAttentionSpec(2, 4, 16, 8, torch.float8_e4m3fn, scales=(1.0, 1.0), v_keys_contiguous=True)
+    k_t, v_t = spec.tensors()
+    assert not k_t.keys_contiguous and v_t.keys_contiguous
+    cache = spec.allocate(3, 16, torch.device("cpu"))
+    k, v = cache["k_cache_2"], cache["v_cache_2"]
+    assert k.shape == v.shape[:3] + (16,) and v.shape == (3, 16, 4, 8) and v.dtype == torch.float8_e4m3fn
+    assert k.is_contiguous() and v.stride() == (16 * 4 * 8, 1, 8 * 16, 16)
+    assert not v.view(torch.uint8).any()
+    assert spec.bytes_per_token() == FullAttentionSpec(2, 4, 16, 8, torch.float8_e4m3fn, (1.0, 1.0)).bytes_per_token()
+    assert "tokens contiguous" in spec.describe()
+    window = SlidingWindowSpec(1, 2, 16, 16, torch.bfloat16, None, True, sliding_window=8)
+    assert window.allocate(2, 4, torch.device("cpu"))["v_cache_1"].stride(1) == 1

@@ -898,3 +898,71 @@ def test_default_num_splits_policy(monkeypatch, n_seqs, heads, capacity, expecte
     monkeypatch.setattr(_split_k, "num_sms", lambda index: 132)
     q = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
     assert _split_k.default_num_splits(q, n_seqs, heads, capacity) == expected
+
+
+def keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored tokens-contiguous ([blocks, H, D, block_size] under the [blocks, block_size, H, D]
+    view), as `CacheTensor(keys_contiguous=True)` allocates a V cache."""
+    nb, bs, h, d = cache.shape
+    out = torch.empty(nb, h, d, bs, dtype=cache.dtype, device=cache.device).movedim(-1, 1)
+    out.view(torch.uint8).copy_(cache.view(torch.uint8)) if cache.dtype == FP8 else out.copy_(cache)
+    return out
+
+
+V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_splits=3)), ("chunked_prefill", {}),
+                ("prefill", {}), ("window_softcap_g4", dict(num_splits=2)), ("split_long", dict(num_splits=4)),
+                ("split_long", dict(num_splits=1))]
+
+
+@requires_triton
+@pytest.mark.parametrize("name,knobs", V_KEYS_CASES)
+def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, name, knobs):
+    """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): the kernel's whole key tiles read it with no
+    per-key mask and its last partial tile after them; the same output bits and the same cache bytes as the usual
+    layout, finite though never-written slots hold NaN (a whole tile never reaches them), and the reference over it
+    agrees too. 16-key tiles: the contexts span whole tiles and partial ones, in one split or several."""
+    from mini_infer.ops import paged_attention as pa
+
+    spec = dict(seqs=SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3) if name == "split_long" else CASES[name]
+    case, ks, vs = fp8_case(make_case(**{**spec, "dtype": torch.bfloat16}))
+    usual, keys = fp8_args(case, ks, vs), list(fp8_args(case, ks, vs))
+    keys[4] = keys_contiguous(keys[4])
+    assert pa.v_keys_contiguous(keys[4]) and not pa.v_keys_contiguous(usual[4])
+    out = paged_attention_triton(*keys, **knobs)
+    assert attn_launches and all(kw["V_WHOLE_TILES"] for _, kw in attn_launches)
+    n_keys_launches = len(attn_launches)
+    assert not out.isnan().any()
+    assert torch.equal(out, paged_attention_triton(*usual, **knobs))
+    assert not any(kw["V_WHOLE_TILES"] for _, kw in attn_launches[n_keys_launches:])
+    assert torch.equal(keys[3].view(torch.uint8), usual[3].view(torch.uint8))
+    assert torch.equal(keys[4].contiguous().view(torch.uint8), usual[4].view(torch.uint8))
+    cpu = [a.cpu() if torch.is_tensor(a) else a for a in fp8_args(case, ks, vs)]
+    cpu_keys = list(cpu)
+    cpu_keys[4] = keys_contiguous(cpu[4])
+    assert torch.equal(paged_attention_reference(*cpu_keys), paged_attention_reference(*cpu))
+
+
+@requires_triton
+def test_fp8_v_keys_contiguous_write_kernel():
+    """The write kernel stores into a tokens-contiguous V cache the bytes it stores into the usual layout."""
+    from mini_infer.ops.paged_attention import write_kv_cache_triton
+
+    case, ks, vs = fp8_case(make_case(**CASES["chunked_prefill"], dtype=torch.bfloat16))
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    kc2, vc2 = case.k_cache.clone(), keys_contiguous(case.v_cache)
+    write_kv_cache_triton(case.k, case.v, kc, vc, case.slot_mapping, ks, vs)
+    write_kv_cache_triton(case.k, case.v, kc2, vc2, case.slot_mapping, ks, vs)
+    assert torch.equal(vc2.contiguous().view(torch.uint8), vc.view(torch.uint8))
+    assert torch.equal(kc2.view(torch.uint8), kc.view(torch.uint8))
+
+
+def test_cache_layouts_the_kernels_refuse():
+    """A K cache must have unit stride along its last dim, a V cache along its last dim or its block's tokens."""
+    from mini_infer.ops.paged_attention import check_cache_layout
+
+    k = torch.zeros(4, 16, 2, 8)
+    check_cache_layout(k, keys_contiguous(k))
+    with pytest.raises(ValueError, match="unit stride"):
+        check_cache_layout(keys_contiguous(k), k)
+    with pytest.raises(ValueError, match="unit stride"):
+        check_cache_layout(k, torch.zeros(4, 16, 8, 2).transpose(2, 3))  # heads innermost: neither

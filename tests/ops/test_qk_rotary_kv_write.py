@@ -187,3 +187,20 @@ def test_cached_registered_op_mutates_nothing():
     q, k, v, k_cache, v_cache, slots, *meta = case.args()
     pa.write_kv_cache_reference(k, v, k_cache, v_cache, slots)
     torch.library.opcheck(torch.ops.mini_infer.paged_attention_cached.default, (q, k_cache, v_cache, *meta))
+
+
+@requires_triton
+@pytest.mark.parametrize("name", ["fp32_fp8", "bf16_norms_fp8"])
+def test_triton_into_a_tokens_contiguous_v_cache(name):
+    """Into a V cache stored tokens-contiguous (paged_attention.FP8_V_KEYS_CONTIGUOUS) the launch leaves the bytes it
+    leaves in the usual layout."""
+    from tests.ops.test_paged_attention import keys_contiguous
+
+    args = _write_inputs(name)
+    keys = list(args)
+    keys[9] = keys_contiguous(args[9])
+    q_usual, k_usual, v_usual = _fused(args, qk_rotary_kv_write_triton)
+    q_keys, k_keys, v_keys = _fused(keys, qk_rotary_kv_write_triton)
+    assert v_keys.stride(1) == 1
+    assert torch.equal(q_keys, q_usual) and torch.equal(_bits(k_keys), _bits(k_usual))
+    assert torch.equal(_bits(v_keys.contiguous()), _bits(v_usual))
