@@ -197,9 +197,16 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # compile time). P @ V reduces over keys: with Dv contiguous the sm_90 build reads an fp8 V tile from shared memory
 # a byte at a time (128 ld.shared.b8 a 128-key step), with the keys contiguous it takes ldmatrix as K does
 # (bench/probe_fp8_decode.py's "vt" variant, built without a GPU). Launches over such a cache load whole key tiles
-# without a per-key mask (V_WHOLE_TILES) and the last partial tile after them. Off by default: not yet timed on a
+# without a per-key mask and the last partial tile after them (V_KEYS_TILES). Off by default: not yet timed on a
 # GPU. MINI_INFER_FP8_V_KEYS_CONTIGUOUS=1 (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=1`) turns it on.
 FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "0") == "1"
+# How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; both
+# unmeasured on a GPU). 1: whole key tiles with no per-key mask, the last partial tile after the loop as usual (a
+# second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256 launch uncapped, 248 registers, 40,960
+# bytes of shared memory, two programs an SM). 2: every tile's V loaded by whole blocks and the keys past the
+# range zeroed by a select (one body: 154 registers, but the select sends the converted tile through shared memory,
+# 73,728 bytes; three programs an SM either way). Neither reads V a byte at a time.
+V_KEYS_TILES = int(os.environ.get("MINI_INFER_V_KEYS_TILES", "1"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -657,16 +664,27 @@ if HAS_TRITON:
         KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, WHOLE: tl.constexpr,
     ):  # fmt: skip
         """The keys start .. start + BLOCK_N - 1 below k_hi folded into the running softmax (m_i, l_i) and the
-        output rows acc: the key tile's scores, then its value tile times p. WHOLE (every key of the tile is below
-        k_hi): the block-table entries and the K / V rows loaded with no per-key mask, so that a tokens-contiguous V
-        cache (FP8_V_KEYS_CONTIGUOUS) is read in 16-byte runs of a block's keys; else masked per key, as zeros."""
-        if WHOLE:
+        output rows acc: the key tile's scores, then its value tile times p. WHOLE (the V_TILES of the launch) says
+        how the V rows are masked, so that a tokens-contiguous V cache (FP8_V_KEYS_CONTIGUOUS) is read in 16-byte
+        runs of a block's keys: 1, every key of the tile is below k_hi (block-table entries, K and V loaded with no
+        per-key mask); 2, V (and the block-table entries) loaded by whole blocks, the keys at or past k_hi then set
+        to zero in the tile (a block's unused slots may hold anything, NaN included, and p = 0 does not cancel a
+        NaN); 0, everything masked per key, as zeros."""
+        if WHOLE == 1:
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < k_hi
             pblk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
             koff = (kpos % BLOCK_SIZE).to(tl.int64)
             k_mask = d_ok[None, :]
             v_mask = dv_ok[None, :]
+        elif WHOLE == 2:
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < k_hi
+            blk_ok = kpos < tl.cdiv(k_hi, BLOCK_SIZE) * BLOCK_SIZE  # the blocks holding keys below k_hi, whole
+            pblk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_ok, other=0).to(tl.int64)
+            koff = (kpos % BLOCK_SIZE).to(tl.int64)
+            k_mask = k_ok[:, None] & d_ok[None, :]
+            v_mask = blk_ok[:, None] & dv_ok[None, :]
         else:
             kpos, k_ok, pblk, koff = _split_k.key_tile(bt_row, start, k_hi, BLOCK_SIZE, BLOCK_N)
             k_mask = k_ok[:, None] & d_ok[None, :]
@@ -675,6 +693,8 @@ if HAS_TRITON:
         p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, start, kpos, k_ok, q_pos, first_q_pos, qk_scale, softcap,
                                           sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, FP8_DOT)
         vt = _cache_tile(vc_ptr, pblk, koff, kvh, dv, v_mask, s_vcb, s_vco, s_vch, s_vcd)
+        if WHOLE == 2:
+            vt = tl.where(k_ok[:, None], vt, tl.zeros_like(vt))
         acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
         return m_i, l_i, acc
 
@@ -690,7 +710,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        ROW_TILES: tl.constexpr = False, V_WHOLE_TILES: tl.constexpr = False,
+        ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -810,23 +830,22 @@ if HAS_TRITON:
                                                            s_vcd), vt0)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
                 k_from = k_lo + BLOCK_N
-            k_whole = k_hi  # V_WHOLE_TILES: the loop takes the whole tiles below it, the last partial one follows
-            if V_WHOLE_TILES:
+            k_whole = k_hi  # V_TILES 1: the loop takes the whole tiles below it, the last partial one follows
+            if V_TILES == 1:
                 k_whole = k_from + (k_hi - k_from) // BLOCK_N * BLOCK_N
             for start in range(k_from, k_whole, BLOCK_N):
                 m_i, l_i, acc = _attend_key_tile(
                     qv, m_i, l_i, acc, bt_row, start, k_hi, kc_ptr, vc_ptr, kvh, d, d_ok, dv, dv_ok, q_pos,
                     first_q_pos, qk_scale, softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd,
-                    BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY,
-                    V_WHOLE_TILES,
+                    BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY, V_TILES,
                 )  # fmt: skip
-            if V_WHOLE_TILES:
+            if V_TILES == 1:
                 if k_whole < k_hi:
                     m_i, l_i, acc = _attend_key_tile(
                         qv, m_i, l_i, acc, bt_row, k_whole, k_hi, kc_ptr, vc_ptr, kvh, d, d_ok, dv, dv_ok, q_pos,
                         first_q_pos, qk_scale, softcap, sliding_window, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
                         s_vcd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT,
-                        ROUND_P_EXACTLY, False,
+                        ROUND_P_EXACTLY, 0,
                     )  # fmt: skip
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
@@ -1144,7 +1163,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles,
-                V_WHOLE_TILES=v_keys, num_warps=num_warps,
+                V_TILES=V_KEYS_TILES if v_keys else 0, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

@@ -915,31 +915,55 @@ V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_sp
 
 
 @requires_triton
+@pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("name,knobs", V_KEYS_CASES)
-def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, name, knobs):
-    """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): the kernel's whole key tiles read it with no
-    per-key mask and its last partial tile after them; the same output bits and the same cache bytes as the usual
-    layout, finite though never-written slots hold NaN (a whole tile never reaches them), and the reference over it
-    agrees too. 16-key tiles: the contexts span whole tiles and partial ones, in one split or several."""
+def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, monkeypatch, name, knobs, tiles):
+    """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS), read either way of V_KEYS_TILES (whole key
+    tiles with no per-key mask then the last partial one; or whole blocks, the keys past the range zeroed): the same
+    output bits and the same cache bytes as the usual layout, and the reference over it agrees too. 16-key tiles:
+    the contexts span whole tiles and partial ones, in one split or several. (Never-written slots hold e4m3 NaN,
+    which the interpreter reads as 480: the next test shows, over a 16-bit cache, that no NaN past the keys
+    reaches the output.)"""
     from mini_infer.ops import paged_attention as pa
 
+    monkeypatch.setattr(pa, "V_KEYS_TILES", tiles)
     spec = dict(seqs=SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3) if name == "split_long" else CASES[name]
     case, ks, vs = fp8_case(make_case(**{**spec, "dtype": torch.bfloat16}))
     usual, keys = fp8_args(case, ks, vs), list(fp8_args(case, ks, vs))
     keys[4] = keys_contiguous(keys[4])
     assert pa.v_keys_contiguous(keys[4]) and not pa.v_keys_contiguous(usual[4])
     out = paged_attention_triton(*keys, **knobs)
-    assert attn_launches and all(kw["V_WHOLE_TILES"] for _, kw in attn_launches)
+    assert attn_launches and all(kw["V_TILES"] == tiles for _, kw in attn_launches)
     n_keys_launches = len(attn_launches)
     assert not out.isnan().any()
     assert torch.equal(out, paged_attention_triton(*usual, **knobs))
-    assert not any(kw["V_WHOLE_TILES"] for _, kw in attn_launches[n_keys_launches:])
+    assert not any(kw["V_TILES"] for _, kw in attn_launches[n_keys_launches:])
     assert torch.equal(keys[3].view(torch.uint8), usual[3].view(torch.uint8))
     assert torch.equal(keys[4].contiguous().view(torch.uint8), usual[4].view(torch.uint8))
     cpu = [a.cpu() if torch.is_tensor(a) else a for a in fp8_args(case, ks, vs)]
     cpu_keys = list(cpu)
     cpu_keys[4] = keys_contiguous(cpu[4])
     assert torch.equal(paged_attention_reference(*cpu_keys), paged_attention_reference(*cpu))
+
+
+@requires_triton
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("name,knobs", [("split_long", dict(num_splits=1)), ("chunked_prefill", {})])
+def test_v_keys_contiguous_never_reads_a_nan_past_the_keys(small_key_tiles, monkeypatch, name, knobs, tiles):
+    """A 16-bit cache stored so (the layout is the fp8 cache's, the kernel takes any dtype): its never-written slots
+    hold NaN, and the blocks' slots past a sequence's last key must not reach the output (p = 0 does not cancel a
+    NaN: V_KEYS_TILES 2 zeroes them). fp8 cannot show it under the interpreter, which converts e4m3's NaN to 480."""
+    from mini_infer.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "V_KEYS_TILES", tiles)
+    spec = dict(seqs=SPLIT_SEQS, hq=4, hkv=2, block_size=4, seed=3) if name == "split_long" else CASES[name]
+    case = make_case(**{**spec, "dtype": torch.bfloat16})
+    usual, keys = case.args(), list(case.args())
+    keys[4] = keys_contiguous(keys[4])
+    assert keys[4].isnan().any()
+    out = paged_attention_triton(*keys, **knobs)
+    assert not out.isnan().any()
+    assert torch.equal(out, paged_attention_triton(*usual, **knobs))
 
 
 @requires_triton
