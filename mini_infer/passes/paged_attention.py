@@ -129,7 +129,7 @@ class PagedAttention(GraphPass):
             window = layer_sliding_window(ctx.config, layer_idx)
             softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
-            v_keys = fp8 and paged_attention_op.FP8_V_KEYS_CONTIGUOUS
+            v_keys = fp8 and bool(paged_attention_op.FP8_V_KEYS_CONTIGUOUS)
             spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, sliding_window=window) \
                 if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys)
             caches = ctx.add_cache(gm, spec)
