@@ -68,7 +68,8 @@ peeled tail doubles its whole-kernel counts); "wider" is every other ld.shared (
 vt has no byte-wise V reads: its V tile reaches the MMA by 8 more ldmatrix.x4 per 128 keys (vregs: 8
 ld.shared.v4.b32 instead), from the same shared memory as base (no fp16 copy; base's vregs builds store one and
 read it with ldmatrix.trans), and its V copies into shared memory are 16-byte cp.async.cg where base's are 8-byte
-cp.async.ca. Same conversions and MMAs as base. Not yet run on a GPU.
+cp.async.ca. Same conversions and MMAs as base. Not yet run on a GPU. The engine has the same layout as an opt-in
+(`paged_attention.FP8_V_KEYS_CONTIGUOUS`, with two ways of masking the last tile, `V_KEYS_TILES`): time both.
 
 Run on an H200 (2026-11-29, bench/RESULTS.md twentieth session, `s20_probe_fp8_decode_h200.txt`): the best variant
 is base n128 w4 s3, 0.85-0.92x the op's time without its write, at most 0.66 of the copy bandwidth; wide, prefetch,
