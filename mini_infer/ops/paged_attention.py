@@ -138,9 +138,10 @@ _CONFIG = {
                    "write_one_split": 0},
     "decode_split_fp8": {"block_n": 64, "num_warps": 8, "num_stages": 2, "preload": 1},
     # one-split decode launches over an fp8 cache whose V is stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): as
-    # "decode_fp8" but uncapped (sm_90, Triton 3.6, qwen3-0.6b heads at batch 256: 248 registers, no spill; capped
-    # at 128 it spills 504 bytes, the loop's last partial tile being a second copy of its body); its dot way and
-    # its write (the write kernel first) are decode_fp8's. Not yet timed on a GPU.
+    # "decode_fp8" but uncapped (sm_90, Triton 3.6, qwen3-0.6b heads at batch 256, V_KEYS_TILES 1: 248 registers,
+    # no spill; capped at 128 it spills 504 bytes, the loop's last partial tile being a second copy of its body;
+    # V_KEYS_TILES 3 capped at 128: 8 bytes); its dot way and its write (the write kernel first) are decode_fp8's.
+    # Not yet timed on a GPU.
     "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16"},
 }
 # The kind of a decode launch cut into key splits (small batches: latency-bound, module docstring), by its cache's kind.
@@ -205,7 +206,11 @@ FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "0") 
 # second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256 launch uncapped, 248 registers, 40,960
 # bytes of shared memory, two programs an SM). 2: every tile's V loaded by whole blocks and the keys past the
 # range zeroed by a select (one body: 154 registers, but the select sends the converted tile through shared memory,
-# 73,728 bytes; three programs an SM either way). Neither reads V a byte at a time.
+# 73,728 bytes; three programs an SM either way). 3: as 2 without the select (150 registers, 40,960 bytes; capped
+# at 128, 8 bytes of stack and four programs an SM, as today's capped default with its 104), which takes the
+# layout's rule that its V cache never holds NaN: blocks start zeroed and its writes (the kernels' and the
+# reference's) store NaN as 0, so the keys read past a sequence's last one hold finite values that p = 0 cancels.
+# None reads V a byte at a time.
 V_KEYS_TILES = int(os.environ.get("MINI_INFER_V_KEYS_TILES", "1"))
 
 
@@ -277,6 +282,8 @@ def write_kv_cache_reference(
         return
     block_size = k_cache.shape[1]
     blk, off = slots // block_size, slots % block_size
+    if v_keys_contiguous(v_cache):  # such a cache never holds NaN (FP8_V_KEYS_CONTIGUOUS): stored as 0
+        v = torch.where(v.isnan(), torch.zeros_like(v), v)
     _raw(k_cache).index_put_((blk, off), _raw(_to_cache(k, k_cache, k_scale)))
     _raw(v_cache).index_put_((blk, off), _raw(_to_cache(v, v_cache, v_scale)))
 
@@ -526,10 +533,13 @@ if HAS_TRITON:
         v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch, s_vcd,
         KV_FP8: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
-        """Packed token tok's v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`."""
+        """Packed token tok's v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`; a
+        tokens-contiguous V cache (s_vcd != 1) gets NaN stored as 0 (it never holds NaN: FP8_V_KEYS_CONTIGUOUS)."""
         dv = tl.arange(0, BLOCK_DV)[None, :]
         m = ok[:, None] & (dv < head_dv)
         x = tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0)
+        if s_vcd != 1:
+            x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))  # in fp32: the interpreter's bf16 == sees no NaN
         _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
 
     @triton.jit
@@ -668,8 +678,9 @@ if HAS_TRITON:
         how the V rows are masked, so that a tokens-contiguous V cache (FP8_V_KEYS_CONTIGUOUS) is read in 16-byte
         runs of a block's keys: 1, every key of the tile is below k_hi (block-table entries, K and V loaded with no
         per-key mask); 2, V (and the block-table entries) loaded by whole blocks, the keys at or past k_hi then set
-        to zero in the tile (a block's unused slots may hold anything, NaN included, and p = 0 does not cancel a
-        NaN); 0, everything masked per key, as zeros."""
+        to zero in the tile (p = 0 does not cancel a NaN); 3, as 2 without the zeroing: a block's unused slots hold
+        zeros (allocation) or an earlier owner's values, never NaN (the layout's writes store NaN as 0); 0,
+        everything masked per key, as zeros."""
         if WHOLE == 1:
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < k_hi
@@ -677,7 +688,7 @@ if HAS_TRITON:
             koff = (kpos % BLOCK_SIZE).to(tl.int64)
             k_mask = d_ok[None, :]
             v_mask = dv_ok[None, :]
-        elif WHOLE == 2:
+        elif WHOLE >= 2:
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < k_hi
             blk_ok = kpos < tl.cdiv(k_hi, BLOCK_SIZE) * BLOCK_SIZE  # the blocks holding keys below k_hi, whole

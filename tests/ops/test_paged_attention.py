@@ -915,11 +915,12 @@ V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_sp
 
 
 @requires_triton
-@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("tiles", [1, 2, 3])
 @pytest.mark.parametrize("name,knobs", V_KEYS_CASES)
 def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, monkeypatch, name, knobs, tiles):
-    """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS), read either way of V_KEYS_TILES (whole key
-    tiles with no per-key mask then the last partial one; or whole blocks, the keys past the range zeroed): the same
+    """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS), read each way of V_KEYS_TILES (whole key
+    tiles with no per-key mask then the last partial one; whole blocks, the keys past the range zeroed, or not): the
+    same
     output bits and the same cache bytes as the usual layout, and the reference over it agrees too. 16-key tiles:
     the contexts span whole tiles and partial ones, in one split or several. (Never-written slots hold e4m3 NaN,
     which the interpreter reads as 480: the next test shows, over a 16-bit cache, that no NaN past the keys
@@ -952,7 +953,8 @@ def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, monkeypatch
 def test_v_keys_contiguous_never_reads_a_nan_past_the_keys(small_key_tiles, monkeypatch, name, knobs, tiles):
     """A 16-bit cache stored so (the layout is the fp8 cache's, the kernel takes any dtype): its never-written slots
     hold NaN, and the blocks' slots past a sequence's last key must not reach the output (p = 0 does not cancel a
-    NaN: V_KEYS_TILES 2 zeroes them). fp8 cannot show it under the interpreter, which converts e4m3's NaN to 480."""
+    NaN: V_KEYS_TILES 2 zeroes them; way 3 relies on the layout never holding NaN, next test). fp8 cannot show it
+    under the interpreter, which converts e4m3's NaN to 480."""
     from mini_infer.ops import paged_attention as pa
 
     monkeypatch.setattr(pa, "V_KEYS_TILES", tiles)
@@ -964,6 +966,35 @@ def test_v_keys_contiguous_never_reads_a_nan_past_the_keys(small_key_tiles, monk
     out = paged_attention_triton(*keys, **knobs)
     assert not out.isnan().any()
     assert torch.equal(out, paged_attention_triton(*usual, **knobs))
+
+
+@requires_triton
+@pytest.mark.parametrize("writer", ["write_kernel", "decode_kernel", "reference"])
+def test_v_keys_contiguous_cache_never_holds_nan(writer):
+    """What V_KEYS_TILES 3 relies on: every write into a tokens-contiguous V cache stores NaN as 0 (the write kernel,
+    the decode kernel's own write, the reference's), where the usual layout keeps the NaN; other values as ever. A
+    16-bit cache: the interpreter reads e4m3's NaN as 480."""
+    from mini_infer.ops.paged_attention import _triton_attention, write_kv_cache_triton
+
+    case = make_case(**CASES["decode_gqa"], dtype=torch.bfloat16, cache_fill=0.0)
+    v = case.v.clone()
+    v[1, 0, 3] = float("nan")
+    usual_v, keys_v = case.v_cache.clone(), keys_contiguous(case.v_cache)
+    for vc in (usual_v, keys_v):
+        kc = case.k_cache.clone()
+        if writer == "write_kernel":
+            write_kv_cache_triton(case.k, v, kc, vc, case.slot_mapping)
+        elif writer == "decode_kernel":
+            _triton_attention(case.q, kc, vc, case.block_tables, case.seq_lens, case.query_start_loc, case.scale, 0,
+                              0.0, None, None, new_kv=(case.k, v, case.slot_mapping), decode_only=True)
+        else:
+            write_kv_cache_reference(case.k.cpu(), v.cpu(), kc.cpu() if kc.is_cuda else kc, vc, case.slot_mapping.cpu())
+    slot = int(case.slot_mapping[1])
+    blk, off = slot // case.k_cache.shape[1], slot % case.k_cache.shape[1]
+    assert usual_v[blk, off, 0, 3].isnan() and keys_v[blk, off, 0, 3] == 0
+    keys_v[blk, off, 0, 3] = float("nan")
+    assert torch.equal(keys_v.contiguous().isnan(), usual_v.isnan())
+    assert torch.equal(keys_v.contiguous().nan_to_num(), usual_v.nan_to_num())
 
 
 @requires_triton

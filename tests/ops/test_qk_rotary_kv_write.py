@@ -204,3 +204,23 @@ def test_triton_into_a_tokens_contiguous_v_cache(name):
     assert v_keys.stride(1) == 1
     assert torch.equal(q_keys, q_usual) and torch.equal(_bits(k_keys), _bits(k_usual))
     assert torch.equal(_bits(v_keys.contiguous()), _bits(v_usual))
+
+
+@requires_triton
+def test_triton_stores_no_nan_in_a_tokens_contiguous_v_cache():
+    """A tokens-contiguous V cache never holds NaN (paged_attention.V_KEYS_TILES 3 relies on it): a NaN of v is stored
+    as 0 there, kept in the usual layout."""
+    from tests.ops.test_paged_attention import keys_contiguous
+
+    args = _write_inputs("bf16_b2_mha_dv")
+    args[2] = args[2].clone()
+    args[2][0, 0, 0, 1] = float("nan")  # v [B, Hk, T, Dv]: token 0 of batch 0, head 0
+    args[9] = torch.zeros_like(args[9])
+    keys = list(args)
+    keys[9] = keys_contiguous(args[9])
+    _, _, v_usual = _fused(args, qk_rotary_kv_write_triton)
+    _, _, v_keys = _fused(keys, qk_rotary_kv_write_triton)
+    slot = int(args[10][0])
+    blk, off = slot // v_usual.shape[1], slot % v_usual.shape[1]
+    assert v_usual[blk, off, 0, 1].isnan() and v_keys[blk, off, 0, 1] == 0
+    assert v_usual.isnan().sum() == 1 and not v_keys.isnan().any()
