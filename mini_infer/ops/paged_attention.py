@@ -538,8 +538,8 @@ if HAS_TRITON:
         dv = tl.arange(0, BLOCK_DV)[None, :]
         m = ok[:, None] & (dv < head_dv)
         x = tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0)
-        if s_vcd != 1:
-            x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))  # in fp32: the interpreter's bf16 == sees no NaN
+        if s_vcd != 1:  # (compared in fp32: the interpreter's bf16 == sees no NaN)
+            x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))
         _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
 
     @triton.jit

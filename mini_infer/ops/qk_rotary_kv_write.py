@@ -92,7 +92,7 @@ if HAS_TRITON:
             m = ok[:, None] & (dv < DV)
             x = tl.load(v_ptr + (b * sv0 + h * sv1 + t * sv2)[:, None] + dv * sv3, mask=m, other=0.0)
             if s_vcd != 1:  # a tokens-contiguous V cache never holds NaN (paged_attention.FP8_V_KEYS_CONTIGUOUS)
-                x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))  # in fp32: the interpreter's bf16 == sees no NaN
+                x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))  # fp32: see paged_attention
             vc = vc_ptr + (blk * s_vcb + off * s_vco + h * s_vch)[:, None] + dv * s_vcd
             tl.store(vc, _to_cache_values(x, vs_ptr, KV_FP8).to(vc_ptr.dtype.element_ty), mask=m)
 
