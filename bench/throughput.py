@@ -168,7 +168,7 @@ def main() -> None:
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
               f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
-              f"({1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms each); KV cache {kv_tokens} tokens "
+              f"({engine_meta[-1]['mixed_step_ms']:.1f} ms each); KV cache {kv_tokens} tokens "
               f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "
               f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
         print(f"{r.name} timed run: {jit.line()}", flush=True)

@@ -529,6 +529,15 @@ if HAS_TRITON:
         tl.store(dst, _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _nan_free_v(x, s_vcd):
+        """V values about to be stored in a cache whose columns are s_vcd apart: for a tokens-contiguous V cache
+        (s_vcd != 1), NaN as 0, since such a cache never holds NaN (V_KEYS_TILES 3 reads past the keys); else x. The
+        compare is in fp32: the interpreter's bf16 == sees no NaN."""
+        if s_vcd != 1:
+            x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))
+        return x
+
+    @triton.jit
     def _store_v_rows(
         v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch, s_vcd,
         KV_FP8: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -537,9 +546,7 @@ if HAS_TRITON:
         tokens-contiguous V cache (s_vcd != 1) gets NaN stored as 0 (it never holds NaN: FP8_V_KEYS_CONTIGUOUS)."""
         dv = tl.arange(0, BLOCK_DV)[None, :]
         m = ok[:, None] & (dv < head_dv)
-        x = tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0)
-        if s_vcd != 1:  # (compared in fp32: the interpreter's bf16 == sees no NaN)
-            x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))
+        x = _nan_free_v(tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0), s_vcd)
         _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
 
     @triton.jit
@@ -688,12 +695,10 @@ if HAS_TRITON:
             koff = (kpos % BLOCK_SIZE).to(tl.int64)
             k_mask = d_ok[None, :]
             v_mask = dv_ok[None, :]
-        elif WHOLE >= 2:
-            kpos = start + tl.arange(0, BLOCK_N)
+        elif WHOLE >= 2:  # the tile over the blocks holding keys below k_hi, whole
+            kpos, blk_ok, pblk, koff = _split_k.key_tile(bt_row, start, tl.cdiv(k_hi, BLOCK_SIZE) * BLOCK_SIZE,
+                                                         BLOCK_SIZE, BLOCK_N)
             k_ok = kpos < k_hi
-            blk_ok = kpos < tl.cdiv(k_hi, BLOCK_SIZE) * BLOCK_SIZE  # the blocks holding keys below k_hi, whole
-            pblk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_ok, other=0).to(tl.int64)
-            koff = (kpos % BLOCK_SIZE).to(tl.int64)
             k_mask = k_ok[:, None] & d_ok[None, :]
             v_mask = blk_ok[:, None] & dv_ok[None, :]
         else:
@@ -911,9 +916,8 @@ def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, who: str = 
 
 
 def _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t: int) -> None:
-    """Raise unless k [t, Hkv, D] and v [t, Hkv, Dv] match the caches, slot_mapping has a slot for each of the t
-    tokens, and the caches' layouts are ones the kernels take (`check_cache_layout`)."""
-    check_cache_layout(k_cache, v_cache)
+    """Raise unless k [t, Hkv, D] and v [t, Hkv, Dv] match the caches and slot_mapping has a slot for each of the t
+    tokens (the caches' layouts: `check_cache_layout`, by the launchers)."""
     want_k, want_v = (t, *k_cache.shape[2:]), (t, *v_cache.shape[2:])
     if tuple(k.shape) != want_k or tuple(v.shape) != want_v or slot_mapping.dim() != 1 or slot_mapping.shape[0] < t:
         raise ValueError(f"paged_attention: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
@@ -933,6 +937,7 @@ def write_kv_cache_triton(
     dv = v.shape[2]
     if t == 0:
         return
+    check_cache_layout(k_cache, v_cache)
     _check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping, t)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _write_kv_kernel[(t,)](

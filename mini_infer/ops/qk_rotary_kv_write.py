@@ -53,7 +53,7 @@ def qk_rotary_kv_write_reference(
 
 if HAS_TRITON:
     from mini_infer.ops._rotary import rotate_rows, rotated_rows
-    from mini_infer.ops.paged_attention import _to_cache_values
+    from mini_infer.ops.paged_attention import _nan_free_v, _to_cache_values
     from mini_infer.ops.quant import _tl_dtype
 
     @triton.jit
@@ -90,9 +90,8 @@ if HAS_TRITON:
             tl.store(kc + second, _to_cache_values(o2.to(K_DTYPE), ks_ptr, KV_FP8).to(kc_dtype), mask=m)
             dv = tl.arange(0, BLOCK_DV)[None, :]
             m = ok[:, None] & (dv < DV)
-            x = tl.load(v_ptr + (b * sv0 + h * sv1 + t * sv2)[:, None] + dv * sv3, mask=m, other=0.0)
-            if s_vcd != 1:  # a tokens-contiguous V cache never holds NaN (paged_attention.FP8_V_KEYS_CONTIGUOUS)
-                x = tl.where(x.to(tl.float32) == x.to(tl.float32), x, tl.zeros_like(x))  # fp32: see paged_attention
+            x = _nan_free_v(tl.load(v_ptr + (b * sv0 + h * sv1 + t * sv2)[:, None] + dv * sv3, mask=m, other=0.0),
+                            s_vcd)
             vc = vc_ptr + (blk * s_vcb + off * s_vco + h * s_vch)[:, None] + dv * s_vcd
             tl.store(vc, _to_cache_values(x, vs_ptr, KV_FP8).to(vc_ptr.dtype.element_ty), mask=m)
 

@@ -902,11 +902,11 @@ def test_default_num_splits_policy(monkeypatch, n_seqs, heads, capacity, expecte
 
 def keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
     """The same values stored tokens-contiguous ([blocks, H, D, block_size] under the [blocks, block_size, H, D]
-    view), as `CacheTensor(keys_contiguous=True)` allocates a V cache."""
-    nb, bs, h, d = cache.shape
-    out = torch.empty(nb, h, d, bs, dtype=cache.dtype, device=cache.device).movedim(-1, 1)
-    out.view(torch.uint8).copy_(cache.view(torch.uint8)) if cache.dtype == FP8 else out.copy_(cache)
-    return out
+    view), in a tensor allocated as `CacheTensor(keys_contiguous=True)` allocates a V cache."""
+    from mini_infer.contract.caches import CacheTensor
+
+    nb, bs = cache.shape[:2]
+    return CacheTensor("v", tuple(cache.shape[2:]), cache.dtype, True).zeros(nb, bs, cache.device).copy_(cache)
 
 
 V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_splits=3)), ("chunked_prefill", {}),
