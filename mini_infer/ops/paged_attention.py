@@ -138,14 +138,19 @@ _CONFIG = {
                    "write_one_split": 0},
     "decode_split_fp8": {"block_n": 64, "num_warps": 8, "num_stages": 2, "preload": 1},
     # one-split decode launches over an fp8 cache whose V is stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): as
-    # "decode_fp8" but uncapped (sm_90, Triton 3.6, qwen3-0.6b heads at batch 256, V_KEYS_TILES 1: 248 registers,
-    # no spill; capped at 128 it spills 504 bytes, the loop's last partial tile being a second copy of its body;
-    # V_KEYS_TILES 3 capped at 128: 8 bytes); its dot way and its write (the write kernel first) are decode_fp8's.
-    # Not yet timed on a GPU.
-    "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16"},
+    # "decode_fp8", a kind of its own so that the cap can differ by V_KEYS_TILES (sm_90, Triton 3.6, qwen3-0.6b
+    # heads at batch 256: way 1 uncapped 248 registers, no spill, capped at 128 it spills 504 bytes, the loop's last
+    # partial tile being a second copy of its body; way 3, the default, capped at 128: 8 bytes of stack).
+    # H200, nano-vllm workload over an fp8 cache (twenty-sixth session, one engine each, decode-step ms): usual
+    # layout 4.7; tokens-contiguous way 1 uncapped 4.8, way 2 4.9, way 3 4.3, way 3 capped at 128 4.1 (the default).
+    "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128},
+    # split launches over such a cache (small batches): decode_split_fp8's shape, a kind of its own for switches.
+    # H200, qwen3-0.6b batch 1, 2,048-token prompt (twenty-sixth session): 64 keys / 8 warps / preload 1,220.4
+    # tok/s, without the preload 1,217.6, 4 warps 1,055.4, 128 keys / 4 warps 470.1 (the usual layout: 1,241.0).
+    "decode_split_fp8_vkeys": {"block_n": 64, "num_warps": 8, "num_stages": 2, "preload": 1},
 }
 # The kind of a decode launch cut into key splits (small batches: latency-bound, module docstring), by its cache's kind.
-_SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8", "decode_fp8_vkeys": "decode_split_fp8"}
+_SPLIT_KINDS = {"decode": "decode_split", "decode_fp8": "decode_split_fp8", "decode_fp8_vkeys": "decode_split_fp8_vkeys"}
 # The fp8 entries: `bench/kernel_paged_attention.py --decode-sweep` on an H200 (2026-11-23, qwen3-0.6b shapes, 16/8
 # heads): decode's winner at batch 64/256 and ctx 512/2048 is the bf16 shape with "fp16" (0.84-0.93x the bf16
 # cache's time; the old "q" way 1.15-1.19x); prefill's (4 x 1,024 and 1 x 1,024 over 4k) "fp16_vregs" then, "fp16"
@@ -197,21 +202,25 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # Hkv, Dv] view: `FullAttentionSpec.v_keys_contiguous`, declared by the paged_attention pass when this is on at
 # compile time). P @ V reduces over keys: with Dv contiguous the sm_90 build reads an fp8 V tile from shared memory
 # a byte at a time (128 ld.shared.b8 a 128-key step), with the keys contiguous it takes ldmatrix as K does
-# (bench/probe_fp8_decode.py's "vt" variant, built without a GPU). Launches over such a cache load whole key tiles
-# without a per-key mask and the last partial tile after them (V_KEYS_TILES). Off by default: not yet timed on a
-# GPU. MINI_INFER_FP8_V_KEYS_CONTIGUOUS=1 (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=1`) turns it on.
-FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "0") == "1"
-# How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; both
-# unmeasured on a GPU). 1: whole key tiles with no per-key mask, the last partial tile after the loop as usual (a
+# (bench/probe_fp8_decode.py's "vt" variant). Launches over such a cache load V without a per-key mask
+# (V_KEYS_TILES). On by default: H200 (twenty-sixth session, bench/RESULTS.md), nano-vllm workload over an fp8 cache
+# 27,735.5 output tok/s against 24,482.2 with the usual layout (decode steps 4.0 against 4.7 ms; the bf16 cache
+# 23,493.3), greedy tokens of 256 sequences x 128 equal to the usual layout's; batch 1 (split launches) 1.7-2.4%
+# slower (qwen3-0.6b, 2,048-token prompt: 1,220.4 against 1,241.0). MINI_INFER_FP8_V_KEYS_CONTIGUOUS=0 (or
+# `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=0`) keeps V dims-contiguous as 16-bit caches store it.
+FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1") == "1"
+# How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; 3 by
+# default, the fastest on an H200: _CONFIG's "decode_fp8_vkeys"). 1: whole key tiles with no per-key mask, the last
+# partial tile after the loop as usual (a
 # second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256 launch uncapped, 248 registers, 40,960
 # bytes of shared memory, two programs an SM). 2: every tile's V loaded by whole blocks and the keys past the
 # range zeroed by a select (one body: 154 registers, but the select sends the converted tile through shared memory,
 # 73,728 bytes; three programs an SM either way). 3: as 2 without the select (150 registers, 40,960 bytes; capped
-# at 128, 8 bytes of stack and four programs an SM, as today's capped default with its 104), which takes the
+# at 128, 8 bytes of stack and four programs an SM, as the usual layout's capped launch with its 104), which takes the
 # layout's rule that its V cache never holds NaN: blocks start zeroed and its writes (the kernels' and the
 # reference's) store NaN as 0, so the keys read past a sequence's last one hold finite values that p = 0 cancels.
 # None reads V a byte at a time.
-V_KEYS_TILES = int(os.environ.get("MINI_INFER_V_KEYS_TILES", "1"))
+V_KEYS_TILES = int(os.environ.get("MINI_INFER_V_KEYS_TILES", "3"))
 
 
 # --------------------------------------------------------------------------------------------------

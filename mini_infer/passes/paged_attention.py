@@ -23,7 +23,7 @@ within the spread of that measure): not worth a calibration step whose result de
 `calculate_kv_scales` takes the first batch). Calibrated scales from a checkpoint go in through `kv_scales`. The cache halves K/V bytes against 16-bit caches; prefix
 caching, chunked prefill, preemption and sliding windows are unchanged (bytes per token is all they see).
 On CUDA the fp8 cache needs compute capability >= 8.9 (the kernels convert e4m3 in hardware): refused below.
-With the op module's FP8_V_KEYS_CONTIGUOUS on (off by default, not yet timed on a GPU; read when the pass runs)
+With the op module's FP8_V_KEYS_CONTIGUOUS on (the default since it was timed on an H200; read when the pass runs)
 the fp8 specs declare V with each block's tokens contiguous (`FullAttentionSpec.v_keys_contiguous`), the layout
 in which the decode kernel's P @ V reads its value tiles as Q @ K^T reads keys (ops/paged_attention.py).
 """
