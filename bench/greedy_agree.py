@@ -24,6 +24,16 @@ from switches import switched  # a kernel switch set for one engine's build
 from mini_infer.benchmark import Workload
 
 
+def agreement(ids: list[list[int]], first: list[list[int]]) -> dict:
+    """How far one engine's greedy tokens (a list a sequence) equal the first engine's: whole sequences, tokens at
+    the same positions, and the mean length of the equal prefix (where a rounding first flipped a token)."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(ids, first, strict=True)]
+    return dict(sequences_equal=sum(a == b for a, b in zip(ids, first)),
+                tokens_equal=sum(x == y for a, b in zip(ids, first) for x, y in zip(a, b)),
+                tokens=sum(map(len, ids)), mean_equal_prefix=sum(prefix) / max(len(prefix), 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -57,16 +67,11 @@ def main() -> None:
         del llm
         if first is None:
             first = ids
-        same_seqs = sum(a == b for a, b in zip(ids, first))
-        same_tokens = sum(x == y for a, b in zip(ids, first) for x, y in zip(a, b))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ids, first)]
-        rows.append(dict(switch=switch or "default", sequences_equal=same_seqs, tokens_equal=same_tokens,
-                         tokens=sum(map(len, ids)), mean_equal_prefix=sum(prefix) / len(prefix),
-                         all_blocks_free=free))
+        rows.append(dict(switch=switch or "default", **agreement(ids, first), all_blocks_free=free))
         r = rows[-1]
-        print(f"{r['switch']}: {same_seqs}/{len(ids)} sequences, {same_tokens}/{r['tokens']} tokens equal to the "
-              f"first engine's (mean equal prefix {r['mean_equal_prefix']:.1f}); KV blocks all free: {free}",
-              flush=True)
+        print(f"{r['switch']}: {r['sequences_equal']}/{len(ids)} sequences, {r['tokens_equal']}/{r['tokens']} tokens "
+              f"equal to the first engine's (mean equal prefix {r['mean_equal_prefix']:.1f}); KV blocks all free: "
+              f"{free}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "greedy_agree.json").write_text(json.dumps(dict(args=vars(args), git=git_info(), rows=rows), indent=2))

@@ -206,9 +206,21 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # (V_KEYS_TILES). On by default: H200 (twenty-sixth session, bench/RESULTS.md), nano-vllm workload over an fp8 cache
 # 27,735.5 output tok/s against 24,482.2 with the usual layout (decode steps 4.0 against 4.7 ms; the bf16 cache
 # 23,493.3), greedy tokens of 256 sequences x 128 equal to the usual layout's; batch 1 (split launches) 1.7-2.4%
-# slower (qwen3-0.6b, 2,048-token prompt: 1,220.4 against 1,241.0). MINI_INFER_FP8_V_KEYS_CONTIGUOUS=0 (or
-# `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=0`) keeps V dims-contiguous as 16-bit caches store it.
-FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1") == "1"
+# slower (qwen3-0.6b, 2,048-token prompt: 1,220.4 against 1,241.0). Which layers' specs take it: 1 (the default)
+# full-attention layers; 2 sliding-window layers too, never timed: their sm_90 build (Triton 3.6, capped at 128,
+# the rotary and the write in it) keeps 392-424 bytes of stack against the usual layout's 168-192, where a full
+# layer's keeps 40 against 176 (tests/ops/compile_paged_attention_sm90.py); 0 none, V dims-contiguous as 16-bit
+# caches store it. MINI_INFER_FP8_V_KEYS_CONTIGUOUS (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=N`), read by
+# the paged_attention pass when it runs.
+def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
+    """An integer switch read from the environment at import, refused (naming it) outside `choices`."""
+    text = os.environ.get(name, default)
+    if not text.strip().isdigit() or int(text) not in choices:
+        raise ValueError(f"{name}={text!r}: expected one of {', '.join(map(str, choices))}")
+    return int(text)
+
+
+FP8_V_KEYS_CONTIGUOUS = _env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2))
 # How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; 3 by
 # default, the fastest on an H200: _CONFIG's "decode_fp8_vkeys"). 1: whole key tiles with no per-key mask, the last
 # partial tile after the loop as usual (a
@@ -220,7 +232,7 @@ FP8_V_KEYS_CONTIGUOUS = os.environ.get("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1") 
 # layout's rule that its V cache never holds NaN: blocks start zeroed and its writes (the kernels' and the
 # reference's) store NaN as 0, so the keys read past a sequence's last one hold finite values that p = 0 cancels.
 # None reads V a byte at a time.
-V_KEYS_TILES = int(os.environ.get("MINI_INFER_V_KEYS_TILES", "3"))
+V_KEYS_TILES = _env_choice("MINI_INFER_V_KEYS_TILES", "3", (1, 2, 3))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,9 +23,10 @@ within the spread of that measure): not worth a calibration step whose result de
 `calculate_kv_scales` takes the first batch). Calibrated scales from a checkpoint go in through `kv_scales`. The cache halves K/V bytes against 16-bit caches; prefix
 caching, chunked prefill, preemption and sliding windows are unchanged (bytes per token is all they see).
 On CUDA the fp8 cache needs compute capability >= 8.9 (the kernels convert e4m3 in hardware): refused below.
-With the op module's FP8_V_KEYS_CONTIGUOUS on (the default since it was timed on an H200; read when the pass runs)
-the fp8 specs declare V with each block's tokens contiguous (`FullAttentionSpec.v_keys_contiguous`), the layout
-in which the decode kernel's P @ V reads its value tiles as Q @ K^T reads keys (ops/paged_attention.py).
+With the op module's FP8_V_KEYS_CONTIGUOUS at 1 (the default since it was timed on an H200; read when the pass
+runs) the fp8 specs of full-attention layers declare V with each block's tokens contiguous
+(`FullAttentionSpec.v_keys_contiguous`), the layout in which the decode kernel's P @ V reads its value tiles as
+Q @ K^T reads keys (ops/paged_attention.py); at 2 the sliding-window layers' specs too, at 0 none.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     return window if getattr(config, "use_sliding_window", True) else None
+
+
+def fp8_v_keys_contiguous(window: int | None) -> bool:
+    """Whether the fp8 cache spec of a layer with this sliding window (None: full attention) stores V
+    tokens-contiguous: the op module's FP8_V_KEYS_CONTIGUOUS, 1 for full-attention layers, 2 for all, 0 for none."""
+    mode = int(paged_attention_op.FP8_V_KEYS_CONTIGUOUS)
+    return mode >= 2 or (mode == 1 and not window)
 
 
 class PagedAttention(GraphPass):
@@ -129,7 +137,7 @@ class PagedAttention(GraphPass):
             window = layer_sliding_window(ctx.config, layer_idx)
             softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
-            v_keys = fp8 and bool(paged_attention_op.FP8_V_KEYS_CONTIGUOUS)
+            v_keys = fp8 and fp8_v_keys_contiguous(window)
             spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, sliding_window=window) \
                 if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys)
             caches = ctx.add_cache(gm, spec)

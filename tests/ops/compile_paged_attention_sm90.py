@@ -14,7 +14,9 @@ an fp8 cache's tiles are loaded a byte at a time, each thread holding the row ad
 Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1: the "decode_split" shape,
 its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`), an
 fp8 cache in one split under a sliding window (qwen2.5-7b's group of 7, batch 64), and nano-vllm's fp8 workload
-(qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones at `_CONFIG["decode_fp8"]`. For each build:
+(qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones over the V layout the paged_attention pass
+declares (by default tokens-contiguous for full-attention layers: `_CONFIG["decode_fp8_vkeys"]` and `V_KEYS_TILES`;
+the usual layout under a window: `_CONFIG["decode_fp8"]`), and nano-vllm's again over the usual V layout. For each build:
 cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stays 0), from the PTX the barriers
 (`bar.sync` / `barrier.sync`) and the loads through the non-coherent path (`ld.global.nc`, which need not see the
 CTA's own stores to the cache), and the launch shape.
@@ -30,39 +32,47 @@ import sys
 
 from tests.ops.compile_sm90 import build_launch, record_launches, report_main, resource_usage
 
-# (name, fp8 cache, query heads, kv heads, sequences (one query row each), splits, sliding window)
-CASES = [("bf16_splits", False, 16, 8, 1, 8, 0), ("fp8_window_g7", True, 28, 4, 64, 1, 4096),
-         ("fp8_g2", True, 16, 8, 256, 1, 0)]
+# (name, fp8 cache, query heads, kv heads, sequences (one query row each), splits, sliding window, V stored
+# tokens-contiguous: None for the layout the pass declares)
+CASES = [("bf16_splits", False, 16, 8, 1, 8, 0, None), ("fp8_window_g7", True, 28, 4, 64, 1, 4096, None),
+         ("fp8_g2", True, 16, 8, 256, 1, 0, None), ("fp8_g2_usual_v", True, 16, 8, 256, 1, 0, False)]
 HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capacity (its row stride: 64 blocks)
 
 
-def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool,
-           preload: bool = True) -> tuple[tuple, dict]:
+def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
+           rotary: bool, preload: bool = True) -> tuple[tuple, dict]:
     """(args, kwargs) of the `_paged_attn_kernel` launch `_triton_attention` makes for a decode step of `seqs`
     sequences (one new token each) over caches holding CONTEXT keys a sequence: the step's k / v written in the kernel
-    (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms). `preload`:
+    (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms); an fp8 V cache
+    stored tokens-contiguous where `v_keys` (None: as the paged_attention pass declares it). `preload`:
     `ATTN_PRELOAD` for the launch. Only shapes, strides and alignment matter: the tensors are left uninitialized."""
     import torch
 
+    from mini_infer.contract.caches import CacheTensor
     from mini_infer.ops import paged_attention as pa
+    from mini_infer.passes.paged_attention import fp8_v_keys_contiguous
 
     d, t = HEAD_DIM, seqs
     qkv = torch.empty(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16)  # q, k, v: views of the merged projection
     q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    k_cache, v_cache = (torch.empty(8, BLOCK_SIZE, hkv, d, dtype=cache_dtype) for _ in range(2))  # few blocks: unread
+    v_keys = fp8 and (fp8_v_keys_contiguous(window) if v_keys is None else v_keys)  # None: as the pass declares
+    # few blocks (unread); V as CacheTensor allocates it
+    k_cache = torch.empty(8, BLOCK_SIZE, hkv, d, dtype=cache_dtype)
+    v_cache = CacheTensor("v", (hkv, d), cache_dtype, bool(v_keys)).zeros(8, BLOCK_SIZE, torch.device("cpu"))
     scales = (torch.ones(1), torch.ones(1)) if fp8 else (None, None)
     block_tables = torch.zeros(t, CONTEXT // BLOCK_SIZE, dtype=torch.int32)
     seq_lens = torch.full((t,), CONTEXT, dtype=torch.int32)
     query_start_loc = torch.arange(t + 1, dtype=torch.int32)
     slots = torch.zeros(t, dtype=torch.int64)
-    kind = "decode_fp8" if fp8 else "decode"
     rot = None
     if rotary:  # cos / sin rows as rotary_paged_attention passes them ([T, D]), the norms' weights [D]
         cos, sin = (torch.empty(t, d, dtype=torch.bfloat16) for _ in range(2))
         rot = pa.Rotary(cos, sin, torch.empty(d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16), 1e-6)
-    # the write in the kernel, as split launches (and one-split ones of kinds whose "write_one_split" is on) build it
-    config = {**pa._CONFIG, kind: {**pa._CONFIG[kind], "write_one_split": 1}} if write else pa._CONFIG
+    # the write in the kernel, as split launches (and one-split ones of kinds whose "write_one_split" is on) build it;
+    # decode_fp8's entry decides it for either V layout
+    wkind = "decode_fp8" if fp8 else "decode"
+    config = {**pa._CONFIG, wkind: {**pa._CONFIG[wkind], "write_one_split": 1}} if write else pa._CONFIG
     with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, _CONFIG=config) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
                              *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
@@ -74,26 +84,27 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, wr
     return args, kwargs
 
 
-def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, write: bool, rotary: bool = False,
-          preload: bool = True):
+def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
+          rotary: bool = False, preload: bool = True):
     """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
-    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
-                 splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"])
+                 splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"],
+                 v_tiles=constexprs["V_TILES"], maxnreg=kwargs.get("maxnreg"))
     return compiled, shape
 
 
-def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int) -> dict:
+def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
     out = {"name": name}
     builds = [("no_write", False, False, True), ("write", True, False, True),
               ("rotary", True, True, True)]
     if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
         builds.append(("rotary_no_preload", True, True, False))
     for key, write, rotary, preload in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, write, rotary, preload)
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),

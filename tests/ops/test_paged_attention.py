@@ -432,21 +432,27 @@ def test_write_kernel_only_for_prefill_shapes(kernel_launches):
 # bf16 split launch with the write, which Triton 3.6 builds with 16 (three registers stored before the write loop and
 # loaded after the key loop: no spill traffic inside it; 3.9: 0). Every build is as a launch specializes it: the
 # same builds without the alignment marks spill up to 6 KB with 3.6 (the script's docstring). The fp8 builds run under
-# _CONFIG["decode_fp8"]'s register cap (128: twice the programs an SM, faster on an H200 though ptxas then keeps
-# 160-232 bytes of stack with Triton 3.9, ~200 with 3.6): up to 256 allowed for any of them.
-STACK_ALLOWED = {("bf16_splits", "write"): 16, "fp8_window_g7": 256, "fp8_g2": 256}
+# a register cap of 128 (_CONFIG's "decode_fp8" and "decode_fp8_vkeys": twice the programs an SM, faster on an
+# H200 though ptxas then keeps stack: the usual V layout 160-232 bytes with Triton 3.9, 104-192 with 3.6; the
+# tokens-contiguous one, fp8_g2's default, 64-72 with 3.9, 8-40 with 3.6): up to 256 allowed for any of them.
+STACK_ALLOWED = {("bf16_splits", "write"): 16, "fp8_window_g7": 256, "fp8_g2": 256, "fp8_g2_usual_v": 256}
 
 
 @requires_triton
 def test_decode_kernel_with_the_write_compiles_sm90():
     """Compiled for sm_90 as decode launches build it (no GPU needed; tests/ops/compile_paged_attention_sm90.py), bf16
-    with splits, fp8 under a window and fp8 at qwen3-0.6b's batch-256 decode: the kernel with the KV write has one
+    with splits, fp8 under a window and fp8 at qwen3-0.6b's batch-256 decode (over the V layout the pass declares:
+    the usual one under a window, tokens-contiguous read by V_KEYS_TILES 3 else; and over the usual one): the
+    kernel with the KV write has one
     barrier more than without it (between its stores and its key loads), the builds that write no load through the
     non-coherent path (it could miss the CTA's own stores), and no build spills (no local memory, no stack beyond
     STACK_ALLOWED). (The interpreter runs programs one after another: it shows neither a missing barrier nor a
     compile error.)"""
     report = run_uninterpreted(["-m", "tests.ops.compile_paged_attention_sm90"])
-    assert {case["name"] for case in report["cases"]} == {"bf16_splits", "fp8_window_g7", "fp8_g2"}, report
+    assert {case["name"] for case in report["cases"]} == {"bf16_splits", "fp8_window_g7", "fp8_g2",
+                                                          "fp8_g2_usual_v"}, report
+    layouts = {case["name"]: case["write"]["shape"]["v_tiles"] for case in report["cases"]}
+    assert layouts == {"bf16_splits": 0, "fp8_window_g7": 0, "fp8_g2": 3, "fp8_g2_usual_v": 0}, layouts
     for case in report["cases"]:
         write, no_write = case["write"], case["no_write"]
         assert write["barriers"] == no_write["barriers"] + 1, case
@@ -1023,3 +1029,15 @@ def test_cache_layouts_the_kernels_refuse():
         check_cache_layout(keys_contiguous(k), k)
     with pytest.raises(ValueError, match="unit stride"):
         check_cache_layout(k, torch.zeros(4, 16, 8, 2).transpose(2, 3))  # heads innermost: neither
+
+
+@pytest.mark.parametrize("text", ["3", "x", "-1", ""])
+def test_layout_switches_refuse_a_value_outside_their_choices(monkeypatch, text):
+    """MINI_INFER_FP8_V_KEYS_CONTIGUOUS (0, 1, 2) read at import: anything else is an error naming the variable."""
+    from mini_infer.ops import paged_attention as pa
+
+    monkeypatch.setenv("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", text)
+    with pytest.raises(ValueError, match="MINI_INFER_FP8_V_KEYS_CONTIGUOUS=.*one of 0, 1, 2"):
+        pa._env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2))
+    monkeypatch.setenv("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "2")
+    assert pa._env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2)) == 2

@@ -220,25 +220,31 @@ def test_generate_with_prefix_cache_and_chunked_prefill(patched, name):
     assert same >= MIN_AGREEMENT * NEW * len(prompts), f"{same} of {NEW * len(prompts)} greedy tokens agree"
 
 
-def test_v_stored_tokens_contiguous_with_the_switch(monkeypatch):
-    """paged_attention.FP8_V_KEYS_CONTIGUOUS on at compile time: the fp8 specs declare V tokens-contiguous (never a
-    16-bit cache's), the engine allocates it so, and greedy generation with prefix caching, chunked prefill and
-    preemption still equals the fp8-rounded oracle's, blocks all returned. (No compiled-engine cache: the switch
-    is not one of its keys.)"""
+@pytest.mark.parametrize("name,mode,v_keys", [
+    ("tiny-qwen3", 1, True),  # the default: full-attention layers tokens-contiguous
+    ("tiny-mistral", 1, False),  # sliding-window layers keep the usual layout unless mode 2
+    ("tiny-mistral", 2, True),
+    ("tiny-qwen3", 0, False),
+])
+def test_v_stored_tokens_contiguous_by_the_switch(monkeypatch, name, mode, v_keys):
+    """paged_attention.FP8_V_KEYS_CONTIGUOUS at compile time: the fp8 specs declare V tokens-contiguous (1, the
+    default: full-attention layers; 2: sliding-window ones too; never a 16-bit cache's), the engine allocates it so,
+    and greedy generation with prefix caching, chunked prefill and preemption still equals the fp8-rounded oracle's,
+    blocks all returned. (No compiled-engine cache: the switch is not one of its keys.)"""
     from mini_infer.ops import paged_attention as paged_attention_op
 
-    monkeypatch.setattr(paged_attention_op, "FP8_V_KEYS_CONTIGUOUS", True)
-    name = "tiny-qwen3"
+    monkeypatch.setattr(paged_attention_op, "FP8_V_KEYS_CONTIGUOUS", mode)
     gm, ctx = copy_gm(_cleaned(name)), fp8_context(name)
     PassManager([PagedAttention()]).run(gm, ctx)
-    assert all(s.v_keys_contiguous for s in ctx.cache_specs)
+    assert ctx.cache_specs and all(s.v_keys_contiguous == v_keys for s in ctx.cache_specs)
     gm16, ctx16 = copy_gm(_cleaned(name)), fp8_context(name, kv_cache_dtype=torch.bfloat16)
     PassManager([PagedAttention()]).run(gm16, ctx16)
     assert not any(s.v_keys_contiguous for s in ctx16.cache_specs)
+    # few blocks, so that some sequence is preempted (a sliding window frees blocks as it slides: fewer still)
     llm = _llm(name, kv_cache_dtype="fp8", enable_prefix_caching=True, enable_chunked_prefill=True,
-               max_num_batched_tokens=8, num_kv_blocks=24)
+               max_num_batched_tokens=8, num_kv_blocks=12 if name == "tiny-mistral" else 24)
     v_caches = [t for n, t in llm.engine.kv_cache.tensors.items() if n.startswith("v_cache_")]
-    assert v_caches and all(t.stride(1) == 1 and t.stride(-1) != 1 for t in v_caches)
+    assert v_caches and all((t.stride(1) == 1 and t.stride(-1) != 1) == v_keys for t in v_caches)
     prompts = _prompts()
     got = _generate(llm, prompts)
     assert got == [oracle_greedy(name, tuple(p)) for p in prompts]
