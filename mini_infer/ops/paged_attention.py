@@ -198,6 +198,16 @@ ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
 # -1.4 / -1.6% over a bf16 one, so "decode" (16-bit caches) keeps T + S tiles at one split (_CONFIG's row_tiles).
 # MINI_INFER_ATTN_ROW_TILES=0 (or `--switch paged_attention.ROW_TILES=0`): T + S tiles everywhere. Read at launch.
 ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
+
+
+def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
+    """An integer switch read from the environment at import, refused (naming it) outside `choices`."""
+    text = os.environ.get(name, default)
+    if not text.strip().isdigit() or int(text) not in choices:
+        raise ValueError(f"{name}={text!r}: expected one of {', '.join(map(str, choices))}")
+    return int(text)
+
+
 # fp8 KV caches with V stored tokens-contiguous ([blocks, Hkv, Dv, block_size] under the usual [blocks, block_size,
 # Hkv, Dv] view: `FullAttentionSpec.v_keys_contiguous`, declared by the paged_attention pass when this is on at
 # compile time). P @ V reduces over keys: with Dv contiguous the sm_90 build reads an fp8 V tile from shared memory
@@ -212,26 +222,17 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # layer's keeps 40 against 176 (tests/ops/compile_paged_attention_sm90.py); 0 none, V dims-contiguous as 16-bit
 # caches store it. MINI_INFER_FP8_V_KEYS_CONTIGUOUS (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=N`), read by
 # the paged_attention pass when it runs.
-def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
-    """An integer switch read from the environment at import, refused (naming it) outside `choices`."""
-    text = os.environ.get(name, default)
-    if not text.strip().isdigit() or int(text) not in choices:
-        raise ValueError(f"{name}={text!r}: expected one of {', '.join(map(str, choices))}")
-    return int(text)
-
-
 FP8_V_KEYS_CONTIGUOUS = _env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2))
 # How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; 3 by
 # default, the fastest on an H200: _CONFIG's "decode_fp8_vkeys"). 1: whole key tiles with no per-key mask, the last
-# partial tile after the loop as usual (a
-# second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256 launch uncapped, 248 registers, 40,960
-# bytes of shared memory, two programs an SM). 2: every tile's V loaded by whole blocks and the keys past the
-# range zeroed by a select (one body: 154 registers, but the select sends the converted tile through shared memory,
-# 73,728 bytes; three programs an SM either way). 3: as 2 without the select (150 registers, 40,960 bytes; capped
-# at 128, 8 bytes of stack and four programs an SM, as the usual layout's capped launch with its 104), which takes the
-# layout's rule that its V cache never holds NaN: blocks start zeroed and its writes (the kernels' and the
-# reference's) store NaN as 0, so the keys read past a sequence's last one hold finite values that p = 0 cancels.
-# None reads V a byte at a time.
+# partial tile after the loop as usual (a second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256
+# launch uncapped, 248 registers, 40,960 bytes of shared memory, two programs an SM). 2: every tile's V loaded by
+# whole blocks and the keys past the range zeroed by a select (one body: 154 registers, but the select sends the
+# converted tile through shared memory, 73,728 bytes; three programs an SM either way). 3: as 2 without the select
+# (150 registers, 40,960 bytes; capped at 128, 8 bytes of stack and four programs an SM, as the usual layout's
+# capped launch with its 104), which takes the layout's rule that its V cache never holds NaN: blocks start zeroed
+# and its writes (the kernels' and the reference's) store NaN as 0, so the keys read past a sequence's last one hold
+# finite values that p = 0 cancels. None reads V a byte at a time.
 V_KEYS_TILES = _env_choice("MINI_INFER_V_KEYS_TILES", "3", (1, 2, 3))
 
 
