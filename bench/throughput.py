@@ -83,6 +83,35 @@ def hf_generate_batch(model, workload: Workload, temperature: float) -> BenchRes
     return BenchResult("hf-generate_batch", len(workload.prompts), produced, seconds)
 
 
+@contextlib.contextmanager
+def step_times(engine, into: list):
+    """Times every `engine.step()` call inside the block: appends (ordinal, kind, ms) to `into`, kind being that of
+    the step the call launched ("mixed", "decode", or None for a call that only completed the step in flight), so
+    that a slow kind of step shows whether one call or all of them took the time."""
+    real = engine.step
+
+    def timed(*args, **kwargs):
+        before = engine.stats["mixed_steps"], engine.stats["decode_steps"]
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        ms = 1e3 * (time.perf_counter() - t0)
+        kind = ("mixed" if engine.stats["mixed_steps"] > before[0] else
+                "decode" if engine.stats["decode_steps"] > before[1] else None)
+        into.append((len(into), kind, ms))
+        return out
+
+    engine.step = timed
+    try:
+        yield into
+    finally:
+        del engine.step  # the instance attribute goes; the class's method is back
+
+
+def slowest(steps: list, kind: str, n: int = 5) -> list:
+    """The `n` slowest (ordinal, ms) of `steps` (step_times' records) of one kind, slowest first."""
+    return sorted(((i, round(ms, 1)) for i, k, ms in steps if k == kind), key=lambda x: -x[1])[:n]
+
+
 def slow_mixed_steps(mixed_ms: list[float], factor: float = 2.0) -> list[int]:
     """Indices of the engines whose prefill / mixed steps took more than `factor` times the median of the other
     engines' (ms a step each): on an H200 the first engine of a fresh machine's first process has run them at ~63 ms
@@ -147,8 +176,10 @@ def main() -> None:
             startup = time.perf_counter() - t0
             wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
                   else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
-            jit = JitWatch()
-            r = run_engine(llm, wl, temperature=temp, around_timed=jit)
+            jit, steps, watch = JitWatch(), [], contextlib.ExitStack()
+            watch.enter_context(jit)
+            watch.enter_context(step_times(llm.engine, steps))
+            r = run_engine(llm, wl, temperature=temp, around_timed=watch)
         if len(variants) > 1:
             r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}]"
         r.startup_seconds = startup
@@ -165,13 +196,16 @@ def main() -> None:
         engine_meta[-1]["host_busy_share"] = (step_s - st["device_wait_seconds"]) / step_s if step_s else None
         engine_meta[-1]["triton_first_uses_timed"] = jit.first_uses  # variants loaded or compiled inside the timing
         engine_meta[-1]["mixed_step_ms"] = 1e3 * st["mixed_seconds"] / max(st["mixed_steps"], 1)
+        # (ordinal among the timed run's step calls, ms) of the slowest calls that launched a mixed step
+        engine_meta[-1]["slowest_mixed_calls"] = slowest(steps, "mixed")
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
               f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
               f"({engine_meta[-1]['mixed_step_ms']:.1f} ms each); KV cache {kv_tokens} tokens "
               f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "
               f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
-        print(f"{r.name} timed run: {jit.line()}", flush=True)
+        print(f"{r.name} timed run: {jit.line()}; slowest mixed-step calls (ordinal, ms): "
+              f"{engine_meta[-1]['slowest_mixed_calls']}", flush=True)
         print(f"{r.name}: {r.output_tok_s:.1f} output tok/s ({r.seconds:.1f}s; startup "
               f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
               flush=True)

@@ -24,3 +24,26 @@ def throughput(monkeypatch):
 ])
 def test_slow_mixed_steps(throughput, mixed_ms, slow):
     assert throughput.slow_mixed_steps(mixed_ms) == slow
+
+
+class _FakeEngine:
+    """Counts steps as the engine's stats do: a call launches a mixed step, a decode step, or only completes."""
+
+    def __init__(self, kinds):
+        self.kinds, self.stats = list(kinds), {"mixed_steps": 0, "decode_steps": 0}
+
+    def step(self, final_only=False):
+        kind = self.kinds.pop(0)
+        if kind:
+            self.stats[f"{kind}_steps"] += 1
+        return [kind]
+
+
+def test_step_times_records_each_call_by_the_kind_it_launched(throughput):
+    engine = _FakeEngine(["mixed", "decode", None, "mixed"])
+    with throughput.step_times(engine, []) as steps:
+        assert [engine.step(final_only=True) for _ in range(4)] == [["mixed"], ["decode"], [None], ["mixed"]]
+    assert [(i, k) for i, k, _ in steps] == [(0, "mixed"), (1, "decode"), (2, None), (3, "mixed")]
+    assert "step" not in vars(engine)  # the class's method is back
+    assert [i for i, _ in throughput.slowest(steps, "mixed")] in ([0, 3], [3, 0])
+    assert throughput.slowest([(0, "mixed", 5.0), (1, "mixed", 60.0), (2, "decode", 99.0)], "mixed", n=1) == [(1, 60.0)]
