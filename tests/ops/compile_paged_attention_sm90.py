@@ -21,6 +21,9 @@ cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stay
 (`bar.sync` / `barrier.sync`) and the loads through the non-coherent path (`ld.global.nc`, which need not see the
 CTA's own stores to the cache), and the launch shape.
 
+With the argument `loop`, each case's key loop instead (`key_loop`: its SASS instructions by class and per byte
+of K and V a step reads).
+
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_paged_attention_sm90`. Exits
 NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test_paged_attention.py. Builds only.
 """
@@ -36,6 +39,8 @@ from tests.ops.compile_sm90 import build_launch, record_launches, report_main, r
 # tokens-contiguous: None for the layout the pass declares)
 CASES = [("bf16_splits", False, 16, 8, 1, 8, 0, None), ("fp8_window_g7", True, 28, 4, 64, 1, 4096, None),
          ("fp8_g2", True, 16, 8, 256, 1, 0, None), ("fp8_g2_usual_v", True, 16, 8, 256, 1, 0, False)]
+# `loop` mode: nano-vllm's launch over a bf16 cache too, the one-split kernel the fp8 ones compare with
+LOOP_CASES = [*CASES, ("bf16_g2", False, 16, 8, 256, 1, 0, None)]
 HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capacity (its row stride: 64 blocks)
 
 
@@ -115,5 +120,22 @@ def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, wind
     return out
 
 
+def key_loop(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
+    """The rotary build's key loop (the longest loop of its SASS: compile_fp8_gemv_sm90's `k_loop`) by instruction
+    class, and its warp instructions per byte of the K and V tiles one step reads (head dim 128): what an SM must
+    issue to keep up with its share of the copy bandwidth. `python -m tests.ops.compile_paged_attention_sm90 loop`."""
+    from mini_infer.ops import paged_attention as pa
+    from tests.ops.compile_fp8_gemv_sm90 import classify, k_loop, sass_of
+
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, True, True)
+    compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
+    body = k_loop(sass_of(compiled.asm["cubin"]))
+    kv_bytes = constexprs["BLOCK_N"] * HEAD_DIM * 2 * (1 if fp8 else 2)
+    return {"name": name, "classes": classify(body), "top": body.most_common(8),
+            "warp_instructions_per_kv_byte": round(sum(body.values()) * kwargs["num_warps"] / kv_bytes, 3)}
+
+
 if __name__ == "__main__":
-    sys.exit(report_main(lambda: [report(*case) for case in CASES]))
+    loop = sys.argv[1:] == ["loop"]
+    sys.exit(report_main(lambda: [key_loop(*case) for case in LOOP_CASES] if loop else
+                         [report(*case) for case in CASES]))
