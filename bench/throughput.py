@@ -41,6 +41,8 @@ from switches import switched  # a kernel switch set for one engine's build
 
 from mini_infer.benchmark import BenchResult, Workload, run_engine
 
+WARMUP_PROMPTS = 32  # prompts of the workload the --warmup-engine run takes
+
 
 def hf_batched_generate(model, workload: Workload, pad_id: int) -> BenchResult:
     """HF `generate` on the whole batch at once (left padding), greedy, every row to its max length."""
@@ -143,6 +145,8 @@ def main() -> None:
                     help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several for one "
                          "engine joined by commas): one more engine per --quantization / --kv-cache-dtype variant, "
                          "built with that switch set (restored after); repeatable")
+    ap.add_argument("--warmup-engine", action="store_true",
+                    help="build and run a throwaway engine (the first variant's, a slice of the workload) first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if args.threads:
@@ -162,7 +166,10 @@ def main() -> None:
     variants = [(None if q == "none" else q, kv, switch) for switch in [None, *args.switch]
                 for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     results, engine_meta, llm = [], [], None
-    for quantization, kv_cache_dtype, switch in variants:
+    # a throwaway engine first (the first variant's, on the workload's first WARMUP_PROMPTS prompts): on an H200 the
+    # first engine of a process has run its prefill / mixed steps ~3x slower than every later one (RESULTS)
+    runs = [(*variants[0], False)] * args.warmup_engine + [(*v, True) for v in variants]
+    for quantization, kv_cache_dtype, switch, timed in runs:
         llm = None  # free the previous engine before building the next
         gc.collect()
         if torch.cuda.is_available():
@@ -179,6 +186,14 @@ def main() -> None:
             jit, steps, watch = JitWatch(), [], contextlib.ExitStack()
             watch.enter_context(jit)
             watch.enter_context(step_times(llm.engine, steps))
+            if not timed:
+                part = Workload(wl.prompts[:WARMUP_PROMPTS], wl.output_lens[:WARMUP_PROMPTS])
+                r = run_engine(llm, part, temperature=temp, around_timed=watch)
+                st = llm.engine.stats
+                print(f"warm-up engine (not timed): {len(part.prompts)} prompts, {r.seconds:.1f}s; "
+                      f"{1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms a prefill / mixed step; "
+                      f"slowest mixed-step calls (ordinal, ms): {slowest(steps, 'mixed')}", flush=True)
+                continue
             r = run_engine(llm, wl, temperature=temp, around_timed=watch)
         if len(variants) > 1:
             r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}]"
