@@ -132,6 +132,7 @@ def key_loop(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, wi
     body = k_loop(sass_of(compiled.asm["cubin"]))
     kv_bytes = constexprs["BLOCK_N"] * HEAD_DIM * 2 * (1 if fp8 else 2)
     return {"name": name, "classes": classify(body), "top": body.most_common(8),
+            "shared_byte_loads": sum(n for op, n in body.items() if op.startswith(("LDS.U8", "LDS.S8"))),
             "warp_instructions_per_kv_byte": round(sum(body.values()) * kwargs["num_warps"] / kv_bytes, 3)}
 
 
