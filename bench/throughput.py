@@ -109,6 +109,11 @@ def step_times(engine, into: list):
         del engine.step  # the instance attribute goes; the class's method is back
 
 
+def step_ms(stats: dict, kind: str) -> float:
+    """The mean wall time (ms) of an engine's steps of one kind ("mixed" or "decode") from its stats."""
+    return 1e3 * stats[f"{kind}_seconds"] / max(stats[f"{kind}_steps"], 1)
+
+
 def slowest(steps: list, kind: str, n: int = 5) -> list:
     """The `n` slowest (ordinal, ms) of `steps` (step_times' records) of one kind, slowest first."""
     return sorted(((i, round(ms, 1)) for i, k, ms in steps if k == kind), key=lambda x: -x[1])[:n]
@@ -191,7 +196,7 @@ def main() -> None:
                 r = run_engine(llm, part, temperature=temp, around_timed=watch)
                 st = llm.engine.stats
                 print(f"warm-up engine (not timed): {len(part.prompts)} prompts, {r.seconds:.1f}s; "
-                      f"{1e3 * st['mixed_seconds'] / max(st['mixed_steps'], 1):.1f} ms a prefill / mixed step; "
+                      f"{step_ms(st, 'mixed'):.1f} ms a prefill / mixed step; "
                       f"slowest mixed-step calls (ordinal, ms): {slowest(steps, 'mixed')}", flush=True)
                 continue
             r = run_engine(llm, wl, temperature=temp, around_timed=watch)
@@ -210,11 +215,11 @@ def main() -> None:
         step_s = st["decode_seconds"] + st["mixed_seconds"]
         engine_meta[-1]["host_busy_share"] = (step_s - st["device_wait_seconds"]) / step_s if step_s else None
         engine_meta[-1]["triton_first_uses_timed"] = jit.first_uses  # variants loaded or compiled inside the timing
-        engine_meta[-1]["mixed_step_ms"] = 1e3 * st["mixed_seconds"] / max(st["mixed_steps"], 1)
+        engine_meta[-1]["mixed_step_ms"] = step_ms(st, "mixed")
         # (ordinal among the timed run's step calls, ms) of the slowest calls that launched a mixed step
         engine_meta[-1]["slowest_mixed_calls"] = slowest(steps, "mixed")
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
-              f"({1e3 * st['decode_seconds'] / max(st['decode_steps'], 1):.1f} ms each), {st['mixed_steps']} "
+              f"({step_ms(st, 'decode'):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
               f"({engine_meta[-1]['mixed_step_ms']:.1f} ms each); KV cache {kv_tokens} tokens "
               f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "

@@ -140,10 +140,11 @@ _CONFIG = {
     # one-split decode launches over an fp8 cache whose V is stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS): as
     # "decode_fp8", a kind of its own so that the cap can differ by V_KEYS_TILES (sm_90, Triton 3.6, qwen3-0.6b
     # heads at batch 256: way 1 uncapped 248 registers, no spill, capped at 128 it spills 504 bytes, the loop's last
-    # partial tile being a second copy of its body; way 3, the default, capped at 128: 8 bytes of stack).
+    # partial tile being a second copy of its body; way 3, the default, capped at 128: 8 bytes of stack); its dot way
+    # (fp8_dot) and whether it writes the step's keys itself (write_one_split) are decode_fp8's.
     # H200, nano-vllm workload over an fp8 cache (twenty-sixth session, one engine each, decode-step ms): usual
     # layout 4.7; tokens-contiguous way 1 uncapped 4.8, way 2 4.9, way 3 4.3, way 3 capped at 128 4.1 (the default).
-    "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "fp8_dot": "fp16", "maxnreg": 128},
+    "decode_fp8_vkeys": {"block_n": 128, "num_warps": 4, "num_stages": 2, "maxnreg": 128},
     # split launches over such a cache (small batches): decode_split_fp8's shape, a kind of its own for switches.
     # H200, qwen3-0.6b batch 1, 2,048-token prompt (twenty-sixth session): 64 keys / 8 warps / preload 1,220.4
     # tok/s, without the preload 1,217.6, 4 warps 1,055.4, 128 keys / 4 warps 470.1 (the usual layout: 1,241.0).

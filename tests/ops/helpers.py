@@ -42,9 +42,11 @@ def record_gemv_launches(monkeypatch: pytest.MonkeyPatch, module) -> list:
     return calls
 
 
-def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str, launches: list | None = None) -> list:
+def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str, launches: list | None = None,
+                           arguments: bool = False) -> list:
     """The names of `module`'s Triton kernels `names` as it launches them from now on (each still runs), appended to
-    `launches` (a new list if None, so that several modules can share one record), in order."""
+    `launches` (a new list if None, so that several modules can share one record), in order; with `arguments`,
+    (grid, keyword arguments) of each launch instead."""
     launches = [] if launches is None else launches
 
     class Recorded:
@@ -52,8 +54,14 @@ def record_kernel_launches(monkeypatch: pytest.MonkeyPatch, module, *names: str,
             self.name, self.kernel = name, kernel
 
         def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.kernel[grid]
+            if not arguments:
+                launches.append(self.name)
+                return self.kernel[grid]
+
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
 
     for name in names:
         monkeypatch.setattr(module, name, Recorded(name, getattr(module, name)))

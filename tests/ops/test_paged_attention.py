@@ -306,18 +306,7 @@ def attn_launches(monkeypatch):
     """(grid, keyword arguments) of each `_paged_attn_kernel` launch, in order (each still runs)."""
     from mini_infer.ops import paged_attention as pa
 
-    launches = []
-    real = pa._paged_attn_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((grid, kwargs))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorded())
-    return launches
+    return record_kernel_launches(monkeypatch, pa, "_paged_attn_kernel", arguments=True)
 
 
 def spare_slot(case: Case) -> int:
@@ -464,6 +453,7 @@ def test_decode_kernel_with_the_write_compiles_sm90():
             assert int(stack[1]) <= allowed, (report["triton"], case["name"], key,
                                                                                  built)
             assert key == "no_write" or built["nc_loads"] == 0, (case["name"], key, built)
+
 
 @requires_triton
 def test_tokens_contiguous_v_key_loop_reads_no_byte_of_shared_memory():
@@ -941,8 +931,7 @@ V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_sp
 def test_fp8_v_keys_contiguous_cache(small_key_tiles, attn_launches, monkeypatch, name, knobs, tiles):
     """An fp8 V cache stored tokens-contiguous (FP8_V_KEYS_CONTIGUOUS), read each way of V_KEYS_TILES (whole key
     tiles with no per-key mask then the last partial one; whole blocks, the keys past the range zeroed, or not): the
-    same
-    output bits and the same cache bytes as the usual layout, and the reference over it agrees too. 16-key tiles:
+    same output bits and the same cache bytes as the usual layout, and the reference over it agrees too. 16-key tiles:
     the contexts span whole tiles and partial ones, in one split or several. (Never-written slots hold e4m3 NaN,
     which the interpreter reads as 480: the next test shows, over a 16-bit cache, that no NaN past the keys
     reaches the output. Way 3 takes the layout's rule that its cache never holds NaN, so its case's never-written
