@@ -39,16 +39,19 @@ def _hook_owner():
 
 class JitWatch:
     """Context manager: the names of the Triton kernels whose variants were first used inside it (`first_uses`, in
-    order, one entry per variant)."""
+    order, one entry per variant), and each variant's description as Triton gives it (`variants`: the signature and
+    constants, which tell why it was new)."""
 
     def __init__(self) -> None:
         self.first_uses: list[str] = []
+        self.variants: list[str] = []
         self._owner = _hook_owner()
         self._previous = None
 
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
         self.first_uses.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0])
+        self.variants.append(str(kwargs.get("repr", kwargs.get("key", "?"))))
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
     def __enter__(self) -> JitWatch:

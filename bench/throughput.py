@@ -16,6 +16,11 @@ Prints a table, writes JSON and a PNG bar chart to --out (default bench/out/).
     python bench/throughput.py --workload nanovllm --peers vllm   # vLLM beside us (needs vllm importable)
     python bench/throughput.py --workload nanovllm --kv-cache-dtype auto,fp8 --peers none   # fp8 KV cache vs not
 
+`--parallel` (a comma list of `1`, `N` and `Nep`: one GPU, tensor parallelism over N, and N with expert parallelism;
+default `1`) adds one engine per entry, each run on the same workload in the same process, the other ranks started
+by the engine and stopped before the next engine (rows `mini-infer[..,tp=N]` / `[..,tp=N ep]`): throughput scaling
+of a model over GPUs, e.g. `--model qwen3-30b-a3b --parallel 1,2,2ep --peers none` on two GPUs.
+
 `--quantization` and `--kv-cache-dtype` take comma lists ("none" = no quantization): each combination is an
 engine of its own, run on the same workload one after the other in the same run (rows `mini-infer[q=..,kv=..]`).
 `--kv-cache-memory-bytes` caps the KV cache (to see what a cache of half the bytes per token buys when memory is
@@ -132,6 +137,24 @@ def slow_mixed_steps(mixed_ms: list[float], factor: float = 2.0) -> list[int]:
     return slow
 
 
+def parallel_variants(text: str) -> list[tuple[int, bool]]:
+    """`--parallel`'s comma list ("1", "2", "2ep", ...) as (tensor_parallel_size, enable_expert_parallel) pairs."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        ep = item.endswith("ep")
+        size = item[:-2] if ep else item
+        if not size.isdigit() or int(size) < 1 or (ep and int(size) < 2):
+            raise argparse.ArgumentTypeError(f"--parallel: {item!r} is not N or Nep (N >= 1; Nep needs N >= 2)")
+        out.append((int(size), ep))
+    return out
+
+
+def parallel_label(tp: int, ep: bool) -> str:
+    """The engine-name suffix of a parallel variant: nothing on one GPU."""
+    return "" if tp == 1 else f",tp={tp}{' ep' if ep else ''}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     on_gpu = torch.cuda.is_available()
@@ -150,6 +173,8 @@ def main() -> None:
                     help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several for one "
                          "engine joined by commas): one more engine per --quantization / --kv-cache-dtype variant, "
                          "built with that switch set (restored after); repeatable")
+    ap.add_argument("--parallel", default="1", type=parallel_variants,
+                    help="comma list of 1, N (tensor parallelism over N GPUs) and Nep (with expert parallelism)")
     ap.add_argument("--warmup-engine", action="store_true",
                     help="build and run a throwaway engine (the first variant's, a slice of the workload) first")
     ap.add_argument("--out", default="bench/out")
@@ -168,23 +193,24 @@ def main() -> None:
     if args.peers != "auto":
         peers = [] if args.peers == "none" else args.peers.split(",")
 
-    variants = [(None if q == "none" else q, kv, switch) for switch in [None, *args.switch]
-                for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
+    variants = [(None if q == "none" else q, kv, switch, par) for switch in [None, *args.switch]
+                for par in args.parallel for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     results, engine_meta, llm = [], [], None
     # a throwaway engine first (the first variant's, on the workload's first WARMUP_PROMPTS prompts): on an H200 the
     # first engine of a process has run its prefill / mixed steps ~3x slower than every later one (RESULTS)
     runs = [(*variants[0], False)] * args.warmup_engine + [(*v, True) for v in variants]
-    for quantization, kv_cache_dtype, switch, timed in runs:
+    for quantization, kv_cache_dtype, switch, (tp, ep), timed in runs:
         llm = None  # free the previous engine before building the next
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
         with switched(switch) if switch else contextlib.nullcontext():  # for the build and the eager launches too
-            llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=2304,
+            llm = LLM(model, max_num_seqs=max(n, 16), max_model_len=inp[1] + outp[1] + 256,  # 2304: nano-vllm's
                       max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                       quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                      kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, tensor_parallel_size=tp,
+                      enable_expert_parallel=ep)
             startup = time.perf_counter() - t0
             wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
                   else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
@@ -197,16 +223,21 @@ def main() -> None:
                 st = llm.engine.stats
                 print(f"warm-up engine (not timed): {len(part.prompts)} prompts, {r.seconds:.1f}s; "
                       f"{step_ms(st, 'mixed'):.1f} ms a prefill / mixed step; "
-                      f"slowest mixed-step calls (ordinal, ms): {slowest(steps, 'mixed')}", flush=True)
+                      f"slowest mixed-step calls (ordinal, ms): {slowest(steps, 'mixed')}; {jit.line()}", flush=True)
+                for v in jit.variants:
+                    print(f"  first used: {v}", flush=True)
+                llm.engine.close()
                 continue
             r = run_engine(llm, wl, temperature=temp, around_timed=watch)
         if len(variants) > 1:
-            r.name = f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}]"
+            r.name = (f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}"
+                      f"{parallel_label(tp, ep)}]")
         r.startup_seconds = startup
         results.append(r)
         st = llm.engine.stats
         kv_tokens = llm.engine.kv_cache.num_blocks * llm.engine.config.block_size
         engine_meta.append(dict(name=r.name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, switch=switch,
+                                tensor_parallel_size=tp, expert_parallel=ep,
                                 kv_cache_tokens=kv_tokens, preemptions=st.get("preemptions", 0),
                                 kv_bytes_per_token=llm.engine.compiled.cache_bytes_per_token(),
                                 weight_bytes=llm.engine.compiled.weight_bytes))
@@ -215,6 +246,7 @@ def main() -> None:
         step_s = st["decode_seconds"] + st["mixed_seconds"]
         engine_meta[-1]["host_busy_share"] = (step_s - st["device_wait_seconds"]) / step_s if step_s else None
         engine_meta[-1]["triton_first_uses_timed"] = jit.first_uses  # variants loaded or compiled inside the timing
+        engine_meta[-1]["triton_first_use_variants"] = jit.variants  # their signatures and constants
         engine_meta[-1]["mixed_step_ms"] = step_ms(st, "mixed")
         # (ordinal among the timed run's step calls, ms) of the slowest calls that launched a mixed step
         engine_meta[-1]["slowest_mixed_calls"] = slowest(steps, "mixed")
@@ -226,9 +258,12 @@ def main() -> None:
               f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
         print(f"{r.name} timed run: {jit.line()}; slowest mixed-step calls (ordinal, ms): "
               f"{engine_meta[-1]['slowest_mixed_calls']}", flush=True)
+        for v in jit.variants:
+            print(f"  first used: {v}", flush=True)
         print(f"{r.name}: {r.output_tok_s:.1f} output tok/s ({r.seconds:.1f}s; startup "
               f"{startup:.1f}s, compile {llm.engine.compile_seconds:.1f}s, graphs {llm.engine.capture_seconds:.1f}s)",
               flush=True)
+        llm.engine.close()  # the other ranks stop (nothing to do at tp=1)
     pad = llm.engine.tokenizer.pad_token_id if llm.engine.tokenizer is not None else None
     async_scheduling = llm.engine.async_scheduling
     del llm  # the GPU is the next engine's

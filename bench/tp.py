@@ -225,7 +225,8 @@ def _chain(x: torch.Tensor, reduce, group: str, count: int):
     return step
 
 
-def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queue) -> None:
+def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queue,
+                    rows_list: tuple = PROBE_ROWS) -> None:
     """One rank of the probe: for each [rows, hidden] bf16 shape, `count` chained all-reduces (each followed by a
     scale, as the residual add follows it) in one CUDA graph, through NCCL and through the one-shot path; the
     scales alone are timed too and taken off. Rank 0 puts {rows: {...}} on `queue`."""
@@ -242,12 +243,12 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
         symmetric_memory_missing,
     )
 
-    os.environ[ONE_SHOT_ENV] = str(max(PROBE_ROWS) * hidden * 2)  # let every probed shape take the one-shot path
+    os.environ[ONE_SHOT_ENV] = str(max(rows_list) * hidden * 2)  # let every probed shape take the one-shot path
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     group = dist.group.WORLD.group_name
     results = {}
-    for rows in PROBE_ROWS:
+    for rows in rows_list:
         gen = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda", generator=gen)
 
@@ -265,8 +266,8 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
     dist.destroy_process_group()
 
 
-def allreduce_probe(tp: int, hidden: int, layers: int) -> dict:
-    """Per-call µs of the 2 x layers all-reduces of a decode step ([rows, hidden] bf16 for rows in PROBE_ROWS),
+def allreduce_probe(tp: int, hidden: int, layers: int, rows: tuple = PROBE_ROWS) -> dict:
+    """Per-call µs of the 2 x layers all-reduces of a decode step ([rows, hidden] bf16 for each of `rows`),
     CUDA-graph captured on `tp` ranks, through NCCL and through the one-shot path (the scale after each is taken
     off); with whether the one-shot path ran and its largest difference from NCCL's sum."""
     import socket
@@ -278,7 +279,8 @@ def allreduce_probe(tp: int, hidden: int, layers: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, port, hidden, 2 * layers, queue)) for r in range(tp)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, port, hidden, 2 * layers, queue, rows))
+             for r in range(tp)]
     for p in procs:
         p.start()
     out = queue.get(timeout=300)
@@ -299,7 +301,8 @@ def report_probe(probe: dict, tp: int, hidden: int, layers: int, step_ms: float 
         nccl, one = r["nccl_us"] - r["scale_us"], r["one_shot_us"] - r["scale_us"]
         print(f"{f'[{rows}, {hidden}]':<14}{nccl:>9.2f}{one:>13.2f}{nccl / one:>10.2f}{str(r['one_shot_taken']):>14}"
               f"{r['max_abs_diff']:>12.3g}")
-    if step_ms is not None:
+        print(f"{'':<14}NCCL: {nccl * 2 * layers / 1e3:.2f} ms of all-reduce a step of {rows} tokens")
+    if step_ms is not None and 1 in probe["results"]:
         r = probe["results"][1]
         for name, key in (("NCCL", "nccl_us"), ("one-shot", "one_shot_us")):
             us = (r[key] - r["scale_us"]) * 2 * layers
@@ -319,6 +322,9 @@ def main() -> int:
                     help="MoE: check the MoE presets with expert parallelism, and time TP=N with it too")
     ap.add_argument("--allreduce-probe", action="store_true",
                     help="time NCCL vs the one-shot all-reduce on the model's shapes only (no engine)")
+    ap.add_argument("--probe-rows", default=",".join(map(str, PROBE_ROWS)),
+                    help="the probe's message rows, comma list (e.g. 1,64,256,2048: a throughput run's decode and "
+                         "prefill steps)")
     ap.add_argument("--one-shot", action="store_true",
                     help=f"also time TP=N with {ONE_SHOT_ENV}={ONE_SHOT_MAX_BYTES} (small all-reduces one-shot)")
     ap.add_argument("--out", default="bench/out")
@@ -329,7 +335,8 @@ def main() -> int:
 
     if args.allreduce_probe:
         text = _text_config(args.model)
-        probe = allreduce_probe(args.tp, text.hidden_size, text.num_hidden_layers)
+        rows = tuple(int(r) for r in args.probe_rows.split(","))
+        probe = allreduce_probe(args.tp, text.hidden_size, text.num_hidden_layers, rows)
         report_probe(probe, args.tp, text.hidden_size, text.num_hidden_layers)
         return 0 if all(r["one_shot_taken"] and r["max_abs_diff"] == 0 for r in probe["results"].values()) else 1
     ep = args.enable_expert_parallel

@@ -47,3 +47,24 @@ def test_step_times_records_each_call_by_the_kind_it_launched(throughput):
     assert "step" not in vars(engine)  # the class's method is back
     assert [i for i, _ in throughput.slowest(steps, "mixed")] in ([0, 3], [3, 0])
     assert throughput.slowest([(0, "mixed", 5.0), (1, "mixed", 60.0), (2, "decode", 99.0)], "mixed", n=1) == [(1, 60.0)]
+
+
+@pytest.mark.parametrize("text, variants", [
+    ("1", [(1, False)]),
+    ("1,2,2ep", [(1, False), (2, False), (2, True)]),
+    (" 4ep , 8", [(4, True), (8, False)]),
+])
+def test_parallel_variants(throughput, text, variants):
+    assert throughput.parallel_variants(text) == variants
+
+
+def test_parallel_label_names_the_engine_row(throughput):
+    assert [throughput.parallel_label(*v) for v in [(1, False), (2, False), (2, True)]] == ["", ",tp=2", ",tp=2 ep"]
+
+
+@pytest.mark.parametrize("text", ["0", "1ep", "two", "2,", "ep", "-2"])
+def test_parallel_variants_refuses_naming_the_entry(throughput, text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--parallel"):
+        throughput.parallel_variants(text)
