@@ -51,7 +51,8 @@ class JitWatch:
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
         self.first_uses.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0])
-        self.variants.append(str(kwargs.get("repr", kwargs.get("key", "?"))))
+        # Triton 3.6's repr can lose the argument types (it zips the parameters with the key's string); the key has them
+        self.variants.append(f"{kwargs.get('repr', '?')} | key {kwargs.get('key', '?')}")
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
     def __enter__(self) -> JitWatch:
@@ -73,3 +74,38 @@ class JitWatch:
         counts = Counter(self.first_uses)
         names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.most_common())
         return f"Triton kernel variants first used: {len(self.first_uses)}" + (f" ({names})" if names else "")
+
+
+def main() -> None:
+    """Which variants an engine first uses after its start-up: a short request (as bench/throughput.py's warm-up),
+    then a slice of the nano-vllm workload; each phase's first-used variants (with Triton's description) and
+    seconds."""
+    import argparse
+    import time
+
+    from mini_infer.benchmark import Workload
+    from mini_infer.llm import LLM
+    from mini_infer.sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    args = ap.parse_args()
+    llm = LLM(args.model, max_num_seqs=256, max_model_len=2304)
+    wl = Workload.nanovllm(args.num_prompts)
+    phases = [("one short request", [wl.prompts[0][:16]], [4]), (f"{args.num_prompts} workload prompts",
+                                                                 wl.prompts, wl.output_lens)]
+    for name, prompts, lens in phases:
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in lens]
+        with JitWatch() as jit:
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+        print(f"{name}: {seconds:.2f}s; {jit.line()}", flush=True)
+        for v in jit.variants:
+            print(f"  {v}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

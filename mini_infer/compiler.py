@@ -68,6 +68,15 @@ class CompiledModel:
         gm = self.graph_module
         return tensor_bytes([*gm.parameters(), *gm.buffers()])
 
+    @property
+    def logits_dtype(self) -> torch.dtype | None:
+        """The dtype of the logits the graph returns (its first output, as capture and the passes recorded it in
+        the node's meta), None where no pass left one."""
+        out = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+        val = first.meta.get("val") if isinstance(first, fx.Node) else None
+        return val.dtype if isinstance(val, torch.Tensor) else None
+
     def cache_bytes_per_token(self) -> int:
         """Cache bytes one token costs over every layer."""
         return sum(s.bytes_per_token() for s in self.cache_specs)

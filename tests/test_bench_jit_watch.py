@@ -28,6 +28,6 @@ def test_records_the_window_and_restores_the_hook(monkeypatch):
                             is_manual_warmup=False, already_compiled=False)  # falsy: Triton goes on compiling
     assert getattr(obj, attr) is before
     assert watch.first_uses == ["_argmax_rows_kernel", "_gather_rows_kernel", "_argmax_rows_kernel"]
-    assert watch.variants == [f"{n}[num_warps=4]()" for n in watch.first_uses]  # Triton's description of each
+    assert watch.variants == [f"{n}[num_warps=4]() | key {n}" for n in watch.first_uses]  # Triton's description
     assert earlier == watch.first_uses  # the earlier hook was chained
     assert watch.line() == "Triton kernel variants first used: 3 (_argmax_rows_kernel x2, _gather_rows_kernel)"

@@ -115,6 +115,7 @@ def test_call_prefill_then_decode(compiled):
     cm, _ = compiled
     ids = random_ids(10, 5)
     inputs = cm.example_inputs(ids[:, :9])  # one sequence from position 0, last row selected
+    assert cm.logits_dtype == cm(**inputs).dtype == torch.float32
     assert torch.equal(inputs["position_ids"], positions(0, 9))
     ref = eager_logits("tiny-llama", ids, positions(0, 10))
     assert_logits_close(cm(**inputs), ref[:, 8:9])
@@ -186,7 +187,9 @@ def test_bf16_pipeline_matches_like_fp32():
     inputs["logits_indices"] = torch.arange(21)
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=positions(30, 21), use_cache=False).logits.float()
-    out = cm(**inputs).float()
+    out = cm(**inputs)
+    assert cm.logits_dtype == out.dtype == torch.bfloat16  # declared as the graph returns them (sampler warm-up)
+    out = out.float()
     assert (out - ref).abs().max().item() <= logits_tolerance(torch.bfloat16, ref.abs().max().item())
 
 

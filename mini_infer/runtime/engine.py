@@ -250,6 +250,8 @@ class LLMEngine:
             kv_cache=self.kv_cache.nbytes, kv_tokens=self.kv_cache.capacity_tokens,
             kv_bytes_per_token=self.compiled.cache_bytes_per_token())
         self.sampler = Sampler()
+        if self.device.type == "cuda" and self.compiled.logits_dtype is not None:
+            self.sampler.warm_up(self.vocab_size, self.compiled.logits_dtype, self.device)  # (rank 0 samples)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids())
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \

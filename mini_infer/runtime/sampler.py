@@ -373,6 +373,15 @@ class Sampler:
         drawn = _exponential_race(probs, {i: batch.generators[r] for i, r in enumerate(rows)})
         return token_ids.index_copy(0, index, drawn)
 
+    def warm_up(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Draw once greedily and once at temperature 1 from a row of zero logits of the model's (`dtype`, width
+        `vocab_size`): the two draws that launch Triton kernels (`greedy_argmax`, the fused Gumbel draw), built
+        here for the logits' dtype and width rather than in the first request (a compile of ~0.6-0.9 s on an H200
+        with a cold kernel cache: bench/RESULTS.md, twenty-seventh session). The other paths run torch ops."""
+        logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+            self(logits, SamplingBatch.build([params], [((), ())], None, vocab_size, device))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")

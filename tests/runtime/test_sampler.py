@@ -587,3 +587,21 @@ def test_fused_draw_seeded_rows_keep_their_own_stream(monkeypatch):
     assert len(calls) == 1
     assert fused[0] == torch_path[0] and fused[2] == torch_path[2]
     assert fused[3] == logits[3].argmax().item()
+
+
+def test_warm_up_launches_both_draw_kernels_at_the_logits_dtype_and_width(monkeypatch):
+    """`Sampler.warm_up` (run by the engine at start-up on CUDA): one greedy argmax launch and one fused Gumbel draw,
+    each over a row of the given dtype and width, so their Triton variants are built before the first request
+    (on CPU under the interpreter, the backends patched to say yes as in the tests above)."""
+    from mini_infer.ops import argmax as argmax_mod
+
+    draws = _fused_draws(monkeypatch)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(argmax_mod, "use_triton", lambda t: True)
+    argmaxes = []
+    real = argmax_mod.argmax_rows_triton
+    monkeypatch.setattr(argmax_mod, "argmax_rows_triton",
+                        lambda x, *a, **k: argmaxes.append((x.shape, x.dtype)) or real(x, *a, **k))
+    Sampler().warm_up(5000, torch.bfloat16, torch.device(_fused_device()))
+    assert argmaxes == [((1, 5000), torch.bfloat16)]  # the greedy draw (the fused one calls the launcher directly)
+    assert _launches(draws) == [(1, [1.0])]
