@@ -126,9 +126,10 @@ def slowest(steps: list, kind: str, n: int = 5) -> list:
 
 def slow_mixed_steps(mixed_ms: list[float], factor: float = 2.0) -> list[int]:
     """Indices of the engines whose prefill / mixed steps took more than `factor` times the median of the other
-    engines' (ms a step each): on an H200 the first engine of a fresh machine's first process has run them at ~63 ms
-    against ~20 ms for every later one (bench/RESULTS.md, twenty-fifth session), which flatters the later engines'
-    whole-workload ratios. Empty with fewer than two engines."""
+    engines' (ms a step each): on an H200 the first engine of a fresh machine's first process ran them at ~63 ms
+    against ~20 ms for every later one (bench/RESULTS.md, twenty-fifth session: the sampler's draw kernel compiled
+    in the first sampled step, which the engine's start-up now does), which flatters the later engines'
+    whole-workload ratios; kept to catch any such first-use cost again. Empty with fewer than two engines."""
     slow = []
     for i, ms in enumerate(mixed_ms):
         others = sorted(m for j, m in enumerate(mixed_ms) if j != i)
@@ -197,7 +198,8 @@ def main() -> None:
                 for par in args.parallel for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     results, engine_meta, llm = [], [], None
     # a throwaway engine first (the first variant's, on the workload's first WARMUP_PROMPTS prompts): on an H200 the
-    # first engine of a process has run its prefill / mixed steps ~3x slower than every later one (RESULTS)
+    # first engine of a process ran its prefill / mixed steps ~3x slower than every later one until the engine's
+    # start-up built the sampler's kernels (RESULTS, twenty-seventh session); for any other first-use cost
     runs = [(*variants[0], False)] * args.warmup_engine + [(*v, True) for v in variants]
     for quantization, kv_cache_dtype, switch, (tp, ep), timed in runs:
         llm = None  # free the previous engine before building the next
