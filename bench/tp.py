@@ -238,8 +238,10 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
         ONE_SHOT_ENV,
         all_reduce_sum_collective,
         all_reduce_sum_impl,
+        all_reduce_sum_two_shot,
         one_shot_buffers,
         release_symmetric_buffers,
+        symmetric_buffer,
         symmetric_memory_missing,
     )
 
@@ -258,6 +260,12 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
                "scale_us": _graph_us(_chain(x, lambda y, g: y, group, count)) / count,
                "nccl_us": _graph_us(_chain(x, all_reduce_sum_collective, group, count)) / count,
                "one_shot_us": _graph_us(_chain(x, all_reduce_sum_impl, group, count)) / count}
+        buf = symmetric_buffer(x, group) if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_") else None
+        if buf is not None:  # torch's two-shot kernel over the same buffer (not a path the op takes)
+            two = all_reduce_sum_two_shot(x, buf, group)
+            row["two_shot_max_abs_diff"] = (two.float() - nccl.float()).abs().max().item()
+            row["two_shot_us"] = _graph_us(_chain(x, lambda y, g, b=buf: all_reduce_sum_two_shot(y, b, g), group,
+                                                  count)) / count
         results[rows] = row
     if rank == 0:
         queue.put({"results": results, "missing": symmetric_memory_missing()})
@@ -296,11 +304,14 @@ def report_probe(probe: dict, tp: int, hidden: int, layers: int, step_ms: float 
         print(f"one-shot all-reduce unavailable: {probe['missing']}")
     print(f"all-reduce per call (TP={tp}, {2 * layers} chained in one CUDA graph, bf16, the scale after each "
           "taken off):")
-    print(f"{'shape':<14}{'NCCL us':>9}{'one-shot us':>13}{'speed-up':>10}{'one-shot ran':>14}{'max |diff|':>12}")
+    print(f"{'shape':<14}{'NCCL us':>9}{'one-shot us':>13}{'speed-up':>10}{'one-shot ran':>14}{'max |diff|':>12}"
+          f"{'two-shot us':>13}{'max |diff|':>12}")
     for rows, r in probe["results"].items():
         nccl, one = r["nccl_us"] - r["scale_us"], r["one_shot_us"] - r["scale_us"]
+        two = f"{r['two_shot_us'] - r['scale_us']:>13.2f}{r['two_shot_max_abs_diff']:>12.3g}" if "two_shot_us" in r \
+            else f"{'-':>13}{'-':>12}"
         print(f"{f'[{rows}, {hidden}]':<14}{nccl:>9.2f}{one:>13.2f}{nccl / one:>10.2f}{str(r['one_shot_taken']):>14}"
-              f"{r['max_abs_diff']:>12.3g}")
+              f"{r['max_abs_diff']:>12.3g}{two}")
         print(f"{'':<14}NCCL: {nccl * 2 * layers / 1e3:.2f} ms of all-reduce a step of {rows} tokens")
     if step_ms is not None and 1 in probe["results"]:
         r = probe["results"][1]

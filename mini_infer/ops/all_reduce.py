@@ -17,6 +17,8 @@ to sum, by device and size (`use_one_shot`, a pure function):
   * otherwise (CPU / gloo, larger messages, fp16, symmetric memory missing or its set-up failed): torch's
     functional all-reduce (`_c10d_functional.all_reduce` + `wait_tensor`), what the graph ran before this op.
 Why the one-shot path is not taken is logged once per reason.
+`all_reduce_sum_two_shot` (torch's two-shot kernel over the same buffer) is timed beside both by `bench/tp.py
+--allreduce-probe` for larger messages; the op does not take it.
 
 `release_symmetric_buffers()` frees the buffers: the runtime calls it before destroying the process group (and
 after freeing the CUDA graphs that captured them), so a later group of the same name allocates its own. Known
@@ -188,6 +190,25 @@ def all_reduce_sum_one_shot(x: torch.Tensor, buf: torch.Tensor, group_name: str)
     return out
 
 
+def all_reduce_sum_two_shot(x: torch.Tensor, buf: torch.Tensor, group_name: str) -> torch.Tensor:
+    """sum over the group's ranks by torch's two-shot kernel (each rank reduces its 1/N of the elements from every
+    peer's buffer, then gathers the others' reduced parts), staging `x` in the symmetric buffer `buf`: the scheme
+    vLLM runs through symmetric memory for larger messages. Timed beside NCCL and the one-shot path by `bench/tp.py
+    --allreduce-probe`; the op does not choose it."""
+    x = x.contiguous()
+    flat = x.view(-1)
+    staged = buf[:flat.numel()]
+    staged.copy_(flat)
+    torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", group_name)
+    return staged.view_as(x).clone()
+
+
+def symmetric_buffer(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
+    """The group's symmetric buffer for x's dtype and device, set up (collectively) at the first call; None where
+    it cannot be (see `all_reduce_sum_impl`)."""
+    return _buffer(group_name, x.dtype, x.device, x.nbytes)
+
+
 def all_reduce_sum_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The op's body: the one-shot path where `use_one_shot` says so and the buffer is there, else the
     collective."""
@@ -218,5 +239,6 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 __all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl",
-           "all_reduce_sum_one_shot", "one_shot_buffers", "one_shot_max_bytes", "release_symmetric_buffers", "symmetric_memory_missing",
+           "all_reduce_sum_one_shot", "all_reduce_sum_two_shot", "one_shot_buffers", "one_shot_max_bytes",
+           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing",
            "use_one_shot"]
