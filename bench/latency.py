@@ -194,7 +194,8 @@ def main() -> None:
                     help="one more engine per quantized one: its pipeline with the lm_head quantized too (lm_head=True)")
     ap.add_argument("--switch", action="append", default=[],
                     help="`module.ATTR=int` of a mini_infer.ops module (e.g. paged_attention.ATTN_PRELOAD=0), or "
-                         "`module.TABLE[key][field]=int` (e.g. paged_attention._CONFIG[decode_split][num_warps]=4); "
+                         "`module.TABLE[key][field]=int` (e.g. paged_attention._CONFIG[decode_split][num_warps]=4), or "
+                         "`env:NAME=value` (an environment variable); "
                          "several for one engine joined by commas: one more engine, the first one's, built with that "
                          "switch set (restored after); repeatable (bench/switches.py)")
     ap.add_argument("--rounds", type=int, default=1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 
 # module.ATTR, or module.ATTR[key][field]... (dict entries; keys are strings, or ints where they read as ints)
@@ -21,6 +22,13 @@ def _restore(table: dict, key, old) -> None:
         table.pop(key, None)
     else:
         table[key] = old
+
+
+def _restore_env(name: str, old: str | None) -> None:
+    if old is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = old
 
 
 def _key(text: str):
@@ -41,11 +49,21 @@ def switched(assignment: str):
     restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
     `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
     e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
-    cleared on the way in and out. Several switches for one engine are joined by commas:
+    cleared on the way in and out. `env:NAME=value` sets an environment variable for the block instead (restored, or
+    removed, after): the one kind of switch that also reaches the other ranks of a tensor-parallel engine, which
+    its start-up spawns with this process's environment (a module attribute set here stays in this process: rank
+    0), e.g. `env:MINI_INFER_TWO_SHOT_ALLREDUCE=33554432`. Several switches for one engine are joined by commas:
     `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
     with contextlib.ExitStack() as stack:
         for one in assignment.split(","):
             name, _, value = one.partition("=")
+            if name.strip().startswith("env:"):
+                var = name.strip()[4:]
+                if not re.fullmatch(r"[A-Za-z_]\w*", var) or not value.strip():
+                    raise SystemExit(f"--switch env:NAME=value needs a variable name and a value; got {one!r}")
+                stack.callback(_restore_env, var, os.environ.get(var))
+                os.environ[var] = value.strip()
+                continue
             m = _TARGET.match(name.strip())
             if not m or not value or not value.strip().lstrip("-").isdigit():
                 raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int, joined by commas; "

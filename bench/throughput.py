@@ -171,9 +171,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (engine default)")
     ap.add_argument("--switch", action="append", default=[],
-                    help="`module.ATTR=int` or `module.TABLE[key][field]=int` (bench/switches.py; several for one "
-                         "engine joined by commas): one more engine per --quantization / --kv-cache-dtype variant, "
-                         "built with that switch set (restored after); repeatable")
+                    help="`module.ATTR=int`, `module.TABLE[key][field]=int` or `env:NAME=value` (the kind that "
+                         "reaches tensor-parallel ranks; bench/switches.py; several for one engine joined by commas): "
+                         "one more engine per --quantization / --kv-cache-dtype / --parallel variant, built with "
+                         "that switch set (restored after); repeatable")
     ap.add_argument("--parallel", default="1", type=parallel_variants,
                     help="comma list of 1, N (tensor parallelism over N GPUs) and Nep (with expert parallelism)")
     ap.add_argument("--warmup-engine", action="store_true",

@@ -98,3 +98,29 @@ def test_profile_decode_keeps_its_switch_for_the_run(monkeypatch):
     monkeypatch.setattr("sys.argv", ["profile_decode.py", "--switch", "paged_attention._CONFIG[decode_fp8][maxnreg]=96"])
     profile_decode.main()
     assert seen == [96] != [before.get("maxnreg")] and paged_attention._CONFIG["decode_fp8"] == before
+
+
+def test_env_switch_sets_and_restores(monkeypatch):
+    """`env:NAME=value` (the switch that reaches a tensor-parallel engine's other ranks): set for the block, then
+    restored, or removed when it was unset; with a module switch in the same assignment; malformed ones refused."""
+    import os
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import paged_attention
+
+    monkeypatch.delenv("MINI_INFER_TWO_SHOT_ALLREDUCE", raising=False)
+    monkeypatch.setenv("MINI_INFER_ONE_SHOT_ALLREDUCE", "4096")
+    before = paged_attention.ATTN_PRELOAD
+    with latency.switched("env:MINI_INFER_TWO_SHOT_ALLREDUCE=33554432,env:MINI_INFER_ONE_SHOT_ALLREDUCE=0,"
+                          "paged_attention.ATTN_PRELOAD=0"):
+        assert os.environ["MINI_INFER_TWO_SHOT_ALLREDUCE"] == "33554432"
+        assert os.environ["MINI_INFER_ONE_SHOT_ALLREDUCE"] == "0"
+        assert paged_attention.ATTN_PRELOAD is False
+    assert "MINI_INFER_TWO_SHOT_ALLREDUCE" not in os.environ
+    assert os.environ["MINI_INFER_ONE_SHOT_ALLREDUCE"] == "4096"
+    assert paged_attention.ATTN_PRELOAD == before
+    for bad in ("env:=1", "env:MINI_INFER_X=", "env:1BAD=2"):
+        with pytest.raises(SystemExit, match="env:NAME=value"), latency.switched(bad):
+            pass

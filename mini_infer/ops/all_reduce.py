@@ -2,7 +2,7 @@
 tensor parallelism (shard_tensor_parallel inserts it after row-parallel linears and MoE blocks).
 
 The op is opaque to FX and to CUDA-graph capture like the other ops (fake impl: `empty_like`); its body picks how
-to sum, by device and size (`use_one_shot`, a pure function):
+to sum, by device and size (`pick_path`, a pure function):
   * CUDA, torch's symmetric memory usable, bf16 or fp32, a multiple of 4 bytes and at most `one_shot_max_bytes()`
     (the environment's MINI_INFER_ONE_SHOT_ALLREDUCE in bytes, e.g. ONE_SHOT_MAX_BYTES = 262144; unset or "0" =
     never: opt-in, kept so after its two-GPU runs, bench/RESULTS.md fifteenth session): a one-shot
@@ -14,19 +14,21 @@ to sum, by device and size (`use_one_shot`, a pure function):
     it); under capture it is never allocated (that call takes NCCL). Later calls only slice it, so captured
     graphs replay with fixed pointers. NVLink multicast (multimem) is never used: the allocation sets
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first.
+  * CUDA, as above, a message above the one-shot limit, in whole 16-byte vectors and at most `two_shot_max_bytes()`
+    (MINI_INFER_TWO_SHOT_ALLREDUCE, e.g. TWO_SHOT_MAX_BYTES = 32 MiB; unset or "0" = never: opt-in): torch's two-shot
+    kernel over the same buffer (`all_reduce_sum_two_shot`: each rank reduces 1/N of the elements, then gathers
+    the rest; faster than NCCL from [256, 2048] bf16 up in `bench/tp.py --allreduce-probe` on two H200s, not yet run
+    inside an engine there). The buffer is sized for the larger of the two limits.
   * otherwise (CPU / gloo, larger messages, fp16, symmetric memory missing or its set-up failed): torch's
     functional all-reduce (`_c10d_functional.all_reduce` + `wait_tensor`), what the graph ran before this op.
-Why the one-shot path is not taken is logged once per reason.
-`all_reduce_sum_two_shot` (torch's two-shot kernel over the same buffer) is timed beside both by `bench/tp.py
---allreduce-probe` for larger messages; the op does not take it.
+Why the symmetric-memory paths are not taken is logged once per reason.
 
 `release_symmetric_buffers()` frees the buffers: the runtime calls it before destroying the process group (and
 after freeing the CUDA graphs that captured them), so a later group of the same name allocates its own. Known
-gap: torch's one-shot kernel waits for its peers without a timeout, so a rank that dies in the middle of a step
-leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is caught as
-before. This
-module never creates, joins or destroys a process group, and imports nothing from mini_infer outside
-`mini_infer.ops`.
+gap: torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the
+middle of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps
+is caught as before. This module never creates, joins or destroys a process group, and imports nothing from
+mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ ONE_SHOT_DEFAULT_BYTES = 0  # off (always NCCL): opt-in after its two-GPU runs (
 ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel implements
 _MIN_ALIGNMENT = 4  # bytes: the kernel's smallest vector
+# Two-shot (torch's kernel over the same buffer: each rank reduces 1/N of the elements, then gathers the rest), for
+# messages above the one-shot limit: faster than NCCL on two H200s from [256, 2048] to [8192, 2048] bf16 in the probe
+# (bench/RESULTS.md, twenty-seventh session); opt-in, not yet run inside an engine on GPUs.
+TWO_SHOT_MAX_BYTES = 32 << 20  # the size to try: an [8192, 2048] bf16 prefill step's message
+TWO_SHOT_DEFAULT_BYTES = 0  # off
+TWO_SHOT_ENV = "MINI_INFER_TWO_SHOT_ALLREDUCE"
+_TWO_SHOT_ALIGNMENT = 16  # bytes: whole 16-byte vectors (each rank's share splits on them)
 
 _buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype, device index) -> symmetric buffer
 _abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
@@ -52,19 +61,30 @@ _failed_groups: set[str] = set()  # groups whose symmetric memory could not be s
 _said: set[str] = set()  # reasons already logged
 
 
-def one_shot_max_bytes() -> int:
-    """The largest message (bytes) the one-shot path takes: MINI_INFER_ONE_SHOT_ALLREDUCE when set ("0": never;
-    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (0: off by default)."""
-    value = os.environ.get(ONE_SHOT_ENV, "").strip()
+def _env_bytes(name: str, default: int) -> int:
+    """A size limit in bytes from the environment variable `name` ("0": never), else `default`."""
+    value = os.environ.get(name, "").strip()
     if not value:
-        return ONE_SHOT_DEFAULT_BYTES
+        return default
     try:
         limit = int(value)
     except ValueError:
-        raise ValueError(f"{ONE_SHOT_ENV}={value!r}: expected a number of bytes (0 = always NCCL)") from None
+        raise ValueError(f"{name}={value!r}: expected a number of bytes (0 = never)") from None
     if limit < 0:
-        raise ValueError(f"{ONE_SHOT_ENV}={value!r}: expected a number of bytes >= 0 (0 = always NCCL)")
+        raise ValueError(f"{name}={value!r}: expected a number of bytes >= 0 (0 = never)")
     return limit
+
+
+def one_shot_max_bytes() -> int:
+    """The largest message (bytes) the one-shot path takes: MINI_INFER_ONE_SHOT_ALLREDUCE when set ("0": never;
+    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (0: off by default)."""
+    return _env_bytes(ONE_SHOT_ENV, ONE_SHOT_DEFAULT_BYTES)
+
+
+def two_shot_max_bytes() -> int:
+    """The largest message (bytes) the two-shot path takes (above the one-shot limit): MINI_INFER_TWO_SHOT_ALLREDUCE
+    when set ("0": never; TWO_SHOT_MAX_BYTES is the size to try), else TWO_SHOT_DEFAULT_BYTES (0: off)."""
+    return _env_bytes(TWO_SHOT_ENV, TWO_SHOT_DEFAULT_BYTES)
 
 
 def use_one_shot(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, max_bytes: int) -> bool:
@@ -72,6 +92,19 @@ def use_one_shot(device_type: str, nbytes: int, dtype: torch.dtype, available: b
     symmetric memory is `available` and the size limit `max_bytes` (0: never)."""
     return (device_type == "cuda" and available and dtype in ONE_SHOT_DTYPES and 0 < nbytes <= max_bytes
             and nbytes % _MIN_ALIGNMENT == 0)
+
+
+def pick_path(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, one_shot_max: int,
+              two_shot_max: int, two_shot_available: bool = True) -> str:
+    """How a message of `nbytes` bytes of `dtype` is summed: "one_shot" (`use_one_shot`), else "two_shot" (CUDA,
+    symmetric memory and torch's two-shot kernel available, bf16 / fp32, whole 16-byte vectors, at most
+    `two_shot_max` bytes: 0 never), else "collective" (NCCL / gloo)."""
+    if use_one_shot(device_type, nbytes, dtype, available, one_shot_max):
+        return "one_shot"
+    if (device_type == "cuda" and available and two_shot_available and dtype in ONE_SHOT_DTYPES
+            and 0 < nbytes <= two_shot_max and nbytes % _TWO_SHOT_ALIGNMENT == 0):
+        return "two_shot"
+    return "collective"
 
 
 @functools.cache
@@ -94,7 +127,7 @@ def symmetric_memory_missing() -> str | None:
 def _say_once(reason: str) -> None:
     if reason not in _said:
         _said.add(reason)
-        logger.warning("all_reduce_sum: NCCL instead of the one-shot all-reduce: %s", reason)
+        logger.warning("all_reduce_sum: NCCL instead of the symmetric-memory all-reduce: %s", reason)
 
 
 def _alignment(nbytes: int) -> int:
@@ -133,8 +166,8 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # one-shot reads peers' memory; never NVLink multicast
-    size = max(one_shot_max_bytes(), nbytes)
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # both paths read peers' memory; never NVLink multicast
+    size = max(one_shot_max_bytes(), two_shot_max_bytes(), nbytes)
     try:
         with torch.cuda.device(key[2]):
             buf = symm_mem.empty(size // dtype.itemsize, dtype=dtype, device=torch.device("cuda", key[2]))
@@ -144,8 +177,8 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
         _say_once(f"symmetric memory for group {group_name} could not be set up ({type(exc).__name__}: {exc})")
         return None
     _buffers[key] = buf
-    logger.info("all_reduce_sum: one-shot all-reduce over symmetric memory for group %s, %s, up to %d bytes",
-                group_name, dtype, size)
+    logger.info("all_reduce_sum: symmetric memory for group %s, %s, %d bytes (one-shot up to %d, two-shot up to %d)",
+                group_name, dtype, size, one_shot_max_bytes(), two_shot_max_bytes())
     return buf
 
 
@@ -193,8 +226,8 @@ def all_reduce_sum_one_shot(x: torch.Tensor, buf: torch.Tensor, group_name: str)
 def all_reduce_sum_two_shot(x: torch.Tensor, buf: torch.Tensor, group_name: str) -> torch.Tensor:
     """sum over the group's ranks by torch's two-shot kernel (each rank reduces its 1/N of the elements from every
     peer's buffer, then gathers the others' reduced parts), staging `x` in the symmetric buffer `buf`: the scheme
-    vLLM runs through symmetric memory for larger messages. Timed beside NCCL and the one-shot path by `bench/tp.py
-    --allreduce-probe`; the op does not choose it."""
+    vLLM runs through symmetric memory for larger messages. At two ranks every rank gets the same bits (a sum of
+    two)."""
     x = x.contiguous()
     flat = x.view(-1)
     staged = buf[:flat.numel()]
@@ -210,16 +243,18 @@ def symmetric_buffer(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
 
 
 def all_reduce_sum_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The op's body: the one-shot path where `use_one_shot` says so and the buffer is there, else the
+    """The op's body: the one-shot or two-shot path where `pick_path` says so and the buffer is there, else the
     collective."""
     if x.device.type == "cuda":
         missing = symmetric_memory_missing()
         if missing is not None:
             _say_once(missing)
-        if use_one_shot("cuda", x.nbytes, x.dtype, missing is None, one_shot_max_bytes()):
+        path = pick_path("cuda", x.nbytes, x.dtype, missing is None, one_shot_max_bytes(), two_shot_max_bytes(),
+                         hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"))
+        if path != "collective":
             buf = _buffer(group_name, x.dtype, x.device, x.nbytes)
             if buf is not None:
-                return all_reduce_sum_one_shot(x, buf, group_name)
+                return (all_reduce_sum_one_shot if path == "one_shot" else all_reduce_sum_two_shot)(x, buf, group_name)
     return all_reduce_sum_collective(x, group_name)
 
 
@@ -239,6 +274,7 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 __all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl",
-           "all_reduce_sum_one_shot", "all_reduce_sum_two_shot", "one_shot_buffers", "one_shot_max_bytes",
-           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing",
+           "all_reduce_sum_one_shot", "all_reduce_sum_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
+           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing", "TWO_SHOT_ENV",
+           "TWO_SHOT_MAX_BYTES", "two_shot_max_bytes",
            "use_one_shot"]

@@ -1,9 +1,9 @@
-"""mini_infer::all_reduce_sum: the size policy (a pure function of device, bytes, dtype, availability and the
-limit), the limit's environment override, the fake impl, and on two gloo ranks the op's value: bit-equal to
+"""mini_infer::all_reduce_sum: the size policy (pure functions of device, bytes, dtype, availability and the
+limits), the limits' environment overrides, the fake impl, and on two gloo ranks the op's value: bit-equal to
 torch.distributed's all_reduce for the shapes a decode and a prefill step reduce, through the dispatcher and
-through the function compiled graphs call (ops.kernel_impls), with MINI_INFER_ONE_SHOT_ALLREDUCE=0 too, never
-touching its input. The one-shot path itself needs CUDA and peer memory: bench/tp.py --allreduce-probe checks
-and times it on GPUs.
+through the function compiled graphs call (ops.kernel_impls), with the size limits set to 0 and to the sizes to try
+too, never touching its input. The one-shot and two-shot paths themselves need CUDA and peer memory: bench/tp.py
+--allreduce-probe checks and times them on GPUs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ from mini_infer.ops import kernel_impls
 from mini_infer.ops.all_reduce import (
     ONE_SHOT_ENV,
     ONE_SHOT_MAX_BYTES,
+    TWO_SHOT_ENV,
+    TWO_SHOT_MAX_BYTES,
     one_shot_max_bytes,
+    pick_path,
     release_symmetric_buffers,
+    two_shot_max_bytes,
     use_one_shot,
 )
 from tests.distributed.helpers import run_ranks
@@ -39,6 +43,38 @@ BF16 = torch.bfloat16
 ])
 def test_use_one_shot(device, nbytes, dtype, available, limit, expected):
     assert use_one_shot(device, nbytes, dtype, available, limit) is expected
+
+
+ONE, TWO = ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
+
+
+@pytest.mark.parametrize(("device", "nbytes", "dtype", "available", "one", "two", "two_available", "expected"), [
+    ("cuda", 4096, BF16, True, ONE, TWO, True, "one_shot"),  # under the one-shot limit: one-shot first
+    ("cuda", 256 * 2048 * 2, BF16, True, ONE, TWO, True, "two_shot"),  # a [256, 2048] decode batch
+    ("cuda", TWO, BF16, True, ONE, TWO, True, "two_shot"),  # the two-shot limit itself
+    ("cuda", TWO + 16, BF16, True, ONE, TWO, True, "collective"),  # past it
+    ("cuda", 4096, BF16, True, 0, TWO, True, "two_shot"),  # one-shot off: two-shot takes the small ones too
+    ("cuda", ONE + 8, BF16, True, ONE, TWO, True, "collective"),  # not whole 16-byte vectors
+    ("cuda", 1 << 20, torch.float32, True, ONE, TWO, True, "two_shot"),
+    ("cuda", 1 << 20, torch.float16, True, ONE, TWO, True, "collective"),  # bf16 and fp32 only
+    ("cuda", 1 << 20, BF16, False, ONE, TWO, True, "collective"),  # no symmetric memory
+    ("cuda", 1 << 20, BF16, True, ONE, TWO, False, "collective"),  # torch without the two-shot kernel
+    ("cuda", 1 << 20, BF16, True, ONE, 0, True, "collective"),  # MINI_INFER_TWO_SHOT_ALLREDUCE unset / "0"
+    ("cpu", 1 << 20, BF16, True, ONE, TWO, True, "collective"),  # gloo
+])
+def test_pick_path(device, nbytes, dtype, available, one, two, two_available, expected):
+    assert pick_path(device, nbytes, dtype, available, one, two, two_available) == expected
+
+
+def test_two_shot_limit_from_the_environment(monkeypatch):
+    monkeypatch.delenv(TWO_SHOT_ENV, raising=False)
+    assert two_shot_max_bytes() == 0  # opt-in: not yet run inside an engine on GPUs
+    monkeypatch.setenv(TWO_SHOT_ENV, str(TWO_SHOT_MAX_BYTES))
+    assert two_shot_max_bytes() == TWO_SHOT_MAX_BYTES == 32 << 20
+    for bad in ("lots", "-16"):
+        monkeypatch.setenv(TWO_SHOT_ENV, bad)
+        with pytest.raises(ValueError, match=TWO_SHOT_ENV):
+            two_shot_max_bytes()
 
 
 def test_limit_from_the_environment(monkeypatch):
@@ -75,8 +111,8 @@ def _sums(rank: int, world_size: int, env: str | None) -> list[str]:
 
     import torch.distributed as dist
 
-    if env is not None:
-        os.environ[ONE_SHOT_ENV] = env
+    if env is not None:  # both limits: on CPU ranks (gloo) every size still takes the collective
+        os.environ[ONE_SHOT_ENV] = os.environ[TWO_SHOT_ENV] = env
     group = dist.group.WORLD.group_name
     bound = kernel_impls("reference")[torch.ops.mini_infer.all_reduce_sum.default]
     gen = torch.Generator().manual_seed(rank)
@@ -97,6 +133,6 @@ def _sums(rank: int, world_size: int, env: str | None) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("env", [None, "0"])
+@pytest.mark.parametrize("env", [None, "0", str(TWO_SHOT_MAX_BYTES)])
 def test_two_ranks_equal_dist_all_reduce(env):
     assert run_ranks(_sums, 2, env) == [[], []]
