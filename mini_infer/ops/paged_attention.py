@@ -554,9 +554,10 @@ if HAS_TRITON:
     def _store_cache_rows(
         c_ptr, scale_ptr, x, slot, h, cols, m, block_size, s_cb, s_co, s_ch, s_cd, KV_FP8: tl.constexpr,
     ):  # fmt: skip
-        """x (rows of kv heads h, a vector, at columns `cols` [1, C]; only where m) into flat slot `slot` (int64; any
-        value where not m) of a cache whose columns are s_cd apart (1 but for a tokens-contiguous V cache), as
-        `_to_cache_values` converts it; returns the converted rows (the cache's dtype)."""
+        """x (rows of kv heads h, a vector, at columns `cols` [1, C]; only where m) into flat slot `slot` (int64, one
+        for all rows or a column [R, 1] of one a row, as qk_rotary_kv_write's rows have; any value where not m) of a
+        cache whose columns are s_cd apart (1 but for a tokens-contiguous V cache), as `_to_cache_values` converts
+        it; returns the converted rows (the cache's dtype)."""
         slot = tl.maximum(slot, 0)
         dst = c_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_co + h[:, None] * s_ch + cols * s_cd
         stored = _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty)

@@ -53,7 +53,7 @@ def qk_rotary_kv_write_reference(
 
 if HAS_TRITON:
     from mini_infer.ops._rotary import rotate_rows, rotated_rows
-    from mini_infer.ops.paged_attention import _nan_free_v, _to_cache_values
+    from mini_infer.ops.paged_attention import _nan_free_v, _store_cache_rows
     from mini_infer.ops.quant import _tl_dtype
 
     @triton.jit
@@ -79,21 +79,19 @@ if HAS_TRITON:
             in_k = ((b * HK + h) * T + t) < n_k_rows
             slot = tl.load(slot_ptr + b * T + t, mask=in_k, other=-1).to(tl.int64)
             ok = in_k & (slot >= 0)  # negative slot: a padding token, nothing written
-            slot = tl.maximum(slot, 0)
-            blk = slot // block_size
-            off = slot % block_size
-            # the rotated row rounded to qk_rotary's k_out dtype, then converted as the cache write converts it
-            kc = kc_ptr + (blk * s_kcb + off * s_kco + h * s_kch)[:, None]
+            # the rotated row rounded to qk_rotary's k_out dtype, then converted as the cache write converts it (each
+            # row its own slot: a column of slots beside the rows' heads)
             m = mask & ok[:, None]
-            kc_dtype = kc_ptr.dtype.element_ty
-            tl.store(kc + first, _to_cache_values(o1.to(K_DTYPE), ks_ptr, KV_FP8).to(kc_dtype), mask=m)
-            tl.store(kc + second, _to_cache_values(o2.to(K_DTYPE), ks_ptr, KV_FP8).to(kc_dtype), mask=m)
+            _store_cache_rows(kc_ptr, ks_ptr, o1.to(K_DTYPE), slot[:, None], h, first, m, block_size, s_kcb, s_kco,
+                              s_kch, 1, KV_FP8)
+            _store_cache_rows(kc_ptr, ks_ptr, o2.to(K_DTYPE), slot[:, None], h, second, m, block_size, s_kcb, s_kco,
+                              s_kch, 1, KV_FP8)
             dv = tl.arange(0, BLOCK_DV)[None, :]
             m = ok[:, None] & (dv < DV)
             x = _nan_free_v(tl.load(v_ptr + (b * sv0 + h * sv1 + t * sv2)[:, None] + dv * sv3, mask=m, other=0.0),
                             s_vcd)
-            vc = vc_ptr + (blk * s_vcb + off * s_vco + h * s_vch)[:, None] + dv * s_vcd
-            tl.store(vc, _to_cache_values(x, vs_ptr, KV_FP8).to(vc_ptr.dtype.element_ty), mask=m)
+            _store_cache_rows(vc_ptr, vs_ptr, x, slot[:, None], h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd,
+                              KV_FP8)
 
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
