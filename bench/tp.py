@@ -239,6 +239,7 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
         all_reduce_sum_collective,
         all_reduce_sum_impl,
         all_reduce_sum_two_shot,
+        has_two_shot,
         one_shot_buffers,
         release_symmetric_buffers,
         symmetric_buffer,
@@ -260,7 +261,7 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
                "scale_us": _graph_us(_chain(x, lambda y, g: y, group, count)) / count,
                "nccl_us": _graph_us(_chain(x, all_reduce_sum_collective, group, count)) / count,
                "one_shot_us": _graph_us(_chain(x, all_reduce_sum_impl, group, count)) / count}
-        buf = symmetric_buffer(x, group) if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_") else None
+        buf = symmetric_buffer(x, group) if has_two_shot() else None
         if buf is not None:  # torch's two-shot kernel over the same buffer (not a path the op takes)
             two = all_reduce_sum_two_shot(x, buf, group)
             row["two_shot_max_abs_diff"] = (two.float() - nccl.float()).abs().max().item()

@@ -87,11 +87,18 @@ def two_shot_max_bytes() -> int:
     return _env_bytes(TWO_SHOT_ENV, TWO_SHOT_DEFAULT_BYTES)
 
 
+def _fits_symmetric(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, max_bytes: int,
+                    alignment: int) -> bool:
+    """Whether torch's symmetric-memory kernels take a message: CUDA, `available`, bf16 / fp32, at most `max_bytes`
+    (0: never) and a whole number of `alignment`-byte vectors."""
+    return (device_type == "cuda" and available and dtype in ONE_SHOT_DTYPES and 0 < nbytes <= max_bytes
+            and nbytes % alignment == 0)
+
+
 def use_one_shot(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, max_bytes: int) -> bool:
     """Whether a message of `nbytes` bytes of `dtype` on `device_type` takes the one-shot path, given whether
     symmetric memory is `available` and the size limit `max_bytes` (0: never)."""
-    return (device_type == "cuda" and available and dtype in ONE_SHOT_DTYPES and 0 < nbytes <= max_bytes
-            and nbytes % _MIN_ALIGNMENT == 0)
+    return _fits_symmetric(device_type, nbytes, dtype, available, max_bytes, _MIN_ALIGNMENT)
 
 
 def pick_path(device_type: str, nbytes: int, dtype: torch.dtype, available: bool, one_shot_max: int,
@@ -101,8 +108,8 @@ def pick_path(device_type: str, nbytes: int, dtype: torch.dtype, available: bool
     `two_shot_max` bytes: 0 never), else "collective" (NCCL / gloo)."""
     if use_one_shot(device_type, nbytes, dtype, available, one_shot_max):
         return "one_shot"
-    if (device_type == "cuda" and available and two_shot_available and dtype in ONE_SHOT_DTYPES
-            and 0 < nbytes <= two_shot_max and nbytes % _TWO_SHOT_ALIGNMENT == 0):
+    if _fits_symmetric(device_type, nbytes, dtype, available and two_shot_available, two_shot_max,
+                       _TWO_SHOT_ALIGNMENT):
         return "two_shot"
     return "collective"
 
@@ -122,6 +129,13 @@ def symmetric_memory_missing() -> str | None:
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
         return f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out"
     return None
+
+
+@functools.cache
+def has_two_shot() -> bool:
+    """Whether this torch has the two-shot kernel (`torch.ops.symm_mem.two_shot_all_reduce_`; asked once per
+    process, as `symmetric_memory_missing` asks for the one-shot one)."""
+    return symmetric_memory_missing() is None and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
 
 
 def _say_once(reason: str) -> None:
@@ -250,7 +264,7 @@ def all_reduce_sum_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
         if missing is not None:
             _say_once(missing)
         path = pick_path("cuda", x.nbytes, x.dtype, missing is None, one_shot_max_bytes(), two_shot_max_bytes(),
-                         hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"))
+                         has_two_shot())
         if path != "collective":
             buf = _buffer(group_name, x.dtype, x.device, x.nbytes)
             if buf is not None:
@@ -273,8 +287,8 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-__all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl",
-           "all_reduce_sum_one_shot", "all_reduce_sum_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
-           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing", "TWO_SHOT_ENV",
-           "TWO_SHOT_MAX_BYTES", "two_shot_max_bytes",
+__all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "TWO_SHOT_ENV", "TWO_SHOT_MAX_BYTES",
+           "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl", "all_reduce_sum_one_shot",
+           "all_reduce_sum_two_shot", "has_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
+           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing", "two_shot_max_bytes",
            "use_one_shot"]
