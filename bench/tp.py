@@ -4,7 +4,9 @@ and the all-reduce time of one decode step measured on its own.
 1. Correctness (float32, TF32 off, CUDA graphs on): every dense tiny preset and the MoE ones tensor parallelism
    supports (tiny-mixtral, tiny-qwen3-moe, tiny-qwen2-moe: experts split inside, fused_moe on each rank's share),
    greedy tokens of TP=N must equal TP=1's (prompts of 5 / 17 / 64 / 130 tokens, 16 new each). Any mismatch is a
-   bug, and exits 1 at the end. `--check-only` stops there.
+   bug, and exits 1 at the end. `--check-only` stops there; `--presets a,b` checks only those (one process per
+   preset keeps every engine on the symmetric-memory all-reduce when it is switched on: it serves one process
+   group per process).
 2. Speed: `--model` (default the `qwen2.5-7b` preset: bf16, random weights), prompt 128, 256 new tokens, batch 1,
    TP=1 on GPU 0, then TP=N on GPUs 0..N-1 (the N-1 other ranks are started by the engine). Prints decode tok/s,
    ms/token, the speed-up and the weight-bandwidth floor of each (the weight bytes a token reads per rank, MoE: the
@@ -84,9 +86,9 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def check_presets(tp: int, expert_parallel: bool = False) -> list[str]:
+def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] = ()) -> list[str]:
     """Greedy TP=tp == TP=1 in float32 on every dense tiny preset and MOE_PRESETS (MOE_PRESETS alone, with
-    expert parallelism, when `expert_parallel`); returns the failures."""
+    expert parallelism, when `expert_parallel`), or on those of them named in `only`; returns the failures."""
     from mini_infer.llm import LLM
     from mini_infer.models.presets import TINY_DENSE_PRESETS
 
@@ -95,7 +97,11 @@ def check_presets(tp: int, expert_parallel: bool = False) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 17, 64, 130)]
     failures = []
-    for name in MOE_PRESETS if expert_parallel else (*TINY_DENSE_PRESETS, *MOE_PRESETS):
+    names = MOE_PRESETS if expert_parallel else (*TINY_DENSE_PRESETS, *MOE_PRESETS)
+    unknown = set(only) - set(names)
+    if unknown:
+        raise SystemExit(f"--presets: {', '.join(sorted(unknown))} not among the checked presets ({', '.join(names)})")
+    for name in (n for n in names if not only or n in only):
         opts = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
                     max_num_seqs=8)
         try:
@@ -330,6 +336,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--skip-check", action="store_true", help="skip the float32 tiny-preset check")
     ap.add_argument("--check-only", action="store_true", help="run the float32 tiny-preset check only")
+    ap.add_argument("--presets", default="",
+                    help="comma list: check only these tiny presets (e.g. one per process: the symmetric-memory "
+                         "all-reduce serves one process group per process, mini_infer/ops/all_reduce.py)")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="MoE: check the MoE presets with expert parallelism, and time TP=N with it too")
     ap.add_argument("--allreduce-probe", action="store_true",
@@ -352,7 +361,8 @@ def main() -> int:
         report_probe(probe, args.tp, text.hidden_size, text.num_hidden_layers)
         return 0 if all(r["one_shot_taken"] and r["max_abs_diff"] == 0 for r in probe["results"].values()) else 1
     ep = args.enable_expert_parallel
-    failures = [] if args.skip_check else check_presets(args.tp, ep)
+    only = tuple(p for p in args.presets.split(",") if p)
+    failures = [] if args.skip_check else check_presets(args.tp, ep, only)
     if args.check_only:
         _report_check(failures, args.tp, ep)
         return 1 if failures else 0

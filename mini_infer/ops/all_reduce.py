@@ -24,10 +24,14 @@ to sum, by device and size (`pick_path`, a pure function):
 Why the symmetric-memory paths are not taken is logged once per reason.
 
 `release_symmetric_buffers()` frees the buffers: the runtime calls it before destroying the process group (and
-after freeing the CUDA graphs that captured them), so a later group of the same name allocates its own. Known
-gap: torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the
-middle of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps
-is caught as before. This module never creates, joins or destroys a process group, and imports nothing from
+after freeing the CUDA graphs that captured them). Symmetric memory serves one process group per process: on two
+H200s, with the two-shot path on, the second tensor-parallel engine in one process (a new group, which torch
+names "0" again) never finished (bench/tp.py's check, twenty-eighth session; a fresh symmetric-memory name per
+group, registered with torch, was tried: a three-group test of it did not finish in 150 s; cause not found). So
+once a group's buffers are released, later groups in the process take NCCL, said once. Known gaps: that one, and
+torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the middle
+of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is
+caught as before. This module never creates, joins or destroys a process group, and imports nothing from
 mini_infer outside `mini_infer.ops`.
 """
 
@@ -58,6 +62,7 @@ _TWO_SHOT_ALIGNMENT = 16  # bytes: whole 16-byte vectors (each rank's share spli
 _buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype, device index) -> symmetric buffer
 _abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
 _failed_groups: set[str] = set()  # groups whose symmetric memory could not be set up: NCCL from then on
+_ended_groups: set[str] = set()  # groups whose symmetric memory was released: later groups take NCCL (_buffer)
 _said: set[str] = set()  # reasons already logged
 
 
@@ -167,12 +172,20 @@ def _rendezvous(buf: torch.Tensor, group_name: str) -> None:
 
 def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: int) -> torch.Tensor | None:
     """This rank's symmetric buffer for (group, dtype, device), allocated and rendezvoused with the peers at the
-    first call (collective); None when it cannot be (under CUDA-graph capture, or the set-up failed)."""
+    first call (collective); None when it cannot be (under CUDA-graph capture, the set-up failed, or an earlier
+    group of this process had symmetric memory: torch keeps per-name state that the next group, of the same
+    name, would meet)."""
     key = (group_name, dtype, device.index if device.index is not None else torch.cuda.current_device())
     buf = _buffers.get(key)
     if buf is not None:
         return buf if buf.nbytes >= nbytes else None
     if group_name in _failed_groups:
+        return None
+    if _ended_groups:
+        _say_once(f"this process already used symmetric memory for a process group that has ended "
+                  f"({', '.join(sorted(_ended_groups))}); a second tensor-parallel engine's group set up again never "
+                  "finished on two H200s (twenty-eighth session), so later groups take NCCL: start a new process for "
+                  "another engine with the symmetric-memory paths")
         return None
     if torch.cuda.is_current_stream_capturing():
         _say_once(f"the symmetric buffer of group {group_name} ({dtype}) would be allocated under CUDA-graph "
@@ -203,8 +216,8 @@ def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
 
 
 def release_symmetric_buffers(wait: bool = True) -> None:
-    """Forget every symmetric buffer (after the graphs that captured them; before their process group goes), so a
-    later group of the same name sets up its own. `wait`: finish this device's work, then free them; otherwise
+    """Forget every symmetric buffer (after the graphs that captured them; before their process group goes) and
+    remember their groups as ended: a later group in this process takes NCCL (`_buffer` says why). `wait`: finish this device's work, then free them; otherwise
     (a peer may be gone, and a one-shot kernel waiting for it never returns) keep them allocated until the
     process exits, unused, rather than free memory such a kernel may still touch."""
     if wait:
@@ -212,6 +225,7 @@ def release_symmetric_buffers(wait: bool = True) -> None:
             torch.cuda.synchronize()
     else:
         _abandoned.extend(_buffers.values())
+    _ended_groups.update(group for group, _, _ in _buffers)
     _buffers.clear()
     _failed_groups.clear()
 

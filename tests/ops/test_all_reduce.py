@@ -136,3 +136,19 @@ def _sums(rank: int, world_size: int, env: str | None) -> list[str]:
 @pytest.mark.parametrize("env", [None, "0", str(TWO_SHOT_MAX_BYTES)])
 def test_two_ranks_equal_dist_all_reduce(env):
     assert run_ranks(_sums, 2, env) == [[], []]
+
+
+def test_a_later_group_takes_the_collective_after_one_ended(monkeypatch, caplog):
+    """Symmetric memory serves one process group per process (a second tensor-parallel engine's group set it up
+    again and never finished on two H200s): once a group's buffers are released, a later group is refused, and
+    says why."""
+    from mini_infer.ops import all_reduce
+
+    monkeypatch.setattr(all_reduce, "_ended_groups", set())
+    monkeypatch.setattr(all_reduce, "_said", set())
+    all_reduce._buffers[("0", BF16, 0)] = torch.empty(8, dtype=BF16)  # what the first engine's group had
+    release_symmetric_buffers()
+    assert all_reduce.one_shot_buffers() == {}
+    with caplog.at_level("WARNING", logger="mini_infer"):
+        assert all_reduce._buffer("0", BF16, torch.device("cuda", 0), 4096) is None  # (no CUDA call before it)
+    assert "already used symmetric memory for a process group that has ended (0)" in caplog.text
