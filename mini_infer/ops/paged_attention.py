@@ -75,9 +75,7 @@ with 128 keys and 4 warps the preloaded tiles spill). H200, qwen3-0.6b batch 1, 
 1,473.4 / 1,475.4 tok/s with it, 1,422.7 / 1,426.4 with the shape alone, 1,349.8 / 1,362.4 with the "decode" shape
 as before (bench/RESULTS.md, sixteenth session); over an fp8 cache (2,048-token prompt, twenty-fifth session)
 1,242.6 with it, 1,192.5 with the shape alone, 1,177.8 with 128 keys and 4 warps.
-`MINI_INFER_ATTN_PRELOAD=0` keeps the shape and loads after the wait. Opt-in (`ATTN_NEW_KV_REGS`,
-`MINI_INFER_ATTN_NEW_KV_REGS=1`; not yet timed on a GPU): such a launch takes the step's keys and values it writes
-into that preloaded tile as stored, instead of reading them back from the cache after the barrier.
+`MINI_INFER_ATTN_PRELOAD=0` keeps the shape and loads after the wait.
 
 `mini_infer::paged_attention_cached` (no k, v, slot_mapping; mutates nothing) is the same attention, route included,
 over caches that already hold the step's keys: written by `qk_rotary_kv_write` (ops/qk_rotary_kv_write.py, the
@@ -193,12 +191,6 @@ DECODE_WRITE_IN_KERNEL = os.environ.get("MINI_INFER_DECODE_KV_WRITE", "fused") !
 # key tile's cached keys and values before the wait (module docstring, "Before the wait"); MINI_INFER_ATTN_PRELOAD=0
 # loads them after it, as every other launch does. Read at launch.
 ATTN_PRELOAD = os.environ.get("MINI_INFER_ATTN_PRELOAD", "1") != "0"
-# Those launches, when they write the step's keys (decode-shaped), may take the rows they write into the preloaded
-# first key tile as stored instead of reading them back from the cache after the CTA barrier: one dependent cache
-# read less on the batch-1 critical path (the new token's key and value sit in its split's first tile whenever
-# its split is one tile long). Same values, bit for bit (interpreter tests); off until timed on a GPU
-# (MINI_INFER_ATTN_NEW_KV_REGS=1, or `--switch paged_attention.ATTN_NEW_KV_REGS=1`). Read at launch.
-ATTN_NEW_KV_REGS = os.environ.get("MINI_INFER_ATTN_NEW_KV_REGS", "0") != "0"
 # Launches of one query row a tile (decode-shaped): T programs a kv head (and split), tile t being row t
 # (`_split_k.find_tile_sequence`'s ROW_TILES), instead of T + S, of which a decode step's S are past their sequence's
 # one row and exit at once (half the programs of a decode step). H200 (twenty-fourth session, bench/RESULTS.md):
@@ -557,12 +549,10 @@ if HAS_TRITON:
         """x (rows of kv heads h, a vector, at columns `cols` [1, C]; only where m) into flat slot `slot` (int64, one
         for all rows or a column [R, 1] of one a row, as qk_rotary_kv_write's rows have; any value where not m) of a
         cache whose columns are s_cd apart (1 but for a tokens-contiguous V cache), as `_to_cache_values` converts
-        it; returns the converted rows (the cache's dtype)."""
+        it."""
         slot = tl.maximum(slot, 0)
         dst = c_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_co + h[:, None] * s_ch + cols * s_cd
-        stored = _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty)
-        tl.store(dst, stored, mask=m)
-        return stored
+        tl.store(dst, _to_cache_values(x, scale_ptr, KV_FP8).to(c_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _nan_free_v(x, s_vcd):
@@ -579,12 +569,11 @@ if HAS_TRITON:
         KV_FP8: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         """Packed token tok's v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`; a
-        tokens-contiguous V cache (s_vcd != 1) gets NaN stored as 0 (it never holds NaN: FP8_V_KEYS_CONTIGUOUS).
-        Returns the rows as stored [H, BLOCK_DV]."""
+        tokens-contiguous V cache (s_vcd != 1) gets NaN stored as 0 (it never holds NaN: FP8_V_KEYS_CONTIGUOUS)."""
         dv = tl.arange(0, BLOCK_DV)[None, :]
         m = ok[:, None] & (dv < head_dv)
         x = _nan_free_v(tl.load(v_ptr + tok * s_vt + h[:, None] * s_vh + dv, mask=m, other=0.0), s_vcd)
-        return _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
+        _store_cache_rows(vc_ptr, vs_ptr, x, slot, h, dv, m, block_size, s_vcb, s_vco, s_vch, s_vcd, KV_FP8)
 
     @triton.jit
     def _store_kv_rows(
@@ -593,15 +582,13 @@ if HAS_TRITON:
         KV_FP8: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
         """Packed token tok's k and v rows of kv heads h (a vector; only where ok) into flat cache slot `slot`
-        (int64; any value where not ok), as `_to_cache_values` converts them: the KV write of both kernels. Returns
-        the rows as stored ([H, BLOCK_D], [H, BLOCK_DV]; zeros past the head dims)."""
+        (int64; any value where not ok), as `_to_cache_values` converts them: the KV write of both kernels."""
         d = tl.arange(0, BLOCK_D)[None, :]
         m = ok[:, None] & (d < head_d)
         x = tl.load(k_ptr + tok * s_kt + h[:, None] * s_kh + d, mask=m, other=0.0)
-        k_rows = _store_cache_rows(kc_ptr, ks_ptr, x, slot, h, d, m, block_size, s_kcb, s_kco, s_kch, 1, KV_FP8)
-        v_rows = _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco,
-                               s_vch, s_vcd, KV_FP8, BLOCK_DV)
-        return k_rows, v_rows
+        _store_cache_rows(kc_ptr, ks_ptr, x, slot, h, d, m, block_size, s_kcb, s_kco, s_kch, 1, KV_FP8)
+        _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco, s_vch,
+                      s_vcd, KV_FP8, BLOCK_DV)
 
     @triton.jit
     def _store_new_kv_rows(
@@ -612,27 +599,23 @@ if HAS_TRITON:
     ):  # fmt: skip
         """The attention kernel's write of a new token: `_store_kv_rows`, with ROTARY the k rows first put through
         qk_rotary's math (`_rotary.rotated_pairs`: k's RMSNorm when HAS_K_NORM, then the rotary by cos / sin row tok)
-        and rounded to k's dtype, as qk_rotary's output is. Returns the k and v rows as stored ([H, BLOCK_D],
-        [H, BLOCK_DV]: NEW_KV_REGS takes them into the first key tile instead of reading them back)."""
+        and rounded to k's dtype, as qk_rotary's output is."""
         if ROTARY:
             zero = h * 0
             first, second, mask, o1, o2 = rotated_pairs(
                 k_ptr, (tok * s_kt + h * s_kh)[:, None], 1, cos_ptr, (tok * s_ct + zero)[:, None], s_cd, sin_ptr,
                 (tok * s_st + zero)[:, None], s_sd, kw_ptr, ok, head_d // 2, eps, BLOCK_D // 2, False, HAS_K_NORM)
             k_dtype = k_ptr.dtype.element_ty
-            k1 = _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco,
-                                   s_kch, 1, KV_FP8)
-            k2 = _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco,
-                                   s_kch, 1, KV_FP8)
-            v_rows = _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb,
-                                   s_vco, s_vch, s_vcd, KV_FP8, BLOCK_DV)
-            # the halves side by side (BLOCK_D == head_d here), as the q rows are joined
-            k_rows = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (k1.shape[0], BLOCK_D))
+            _store_cache_rows(kc_ptr, ks_ptr, o1.to(k_dtype), slot, h, first, mask, block_size, s_kcb, s_kco, s_kch,
+                              1, KV_FP8)
+            _store_cache_rows(kc_ptr, ks_ptr, o2.to(k_dtype), slot, h, second, mask, block_size, s_kcb, s_kco, s_kch,
+                              1, KV_FP8)
+            _store_v_rows(v_ptr, vc_ptr, vs_ptr, tok, slot, h, ok, block_size, head_dv, s_vt, s_vh, s_vcb, s_vco,
+                          s_vch, s_vcd, KV_FP8, BLOCK_DV)
         else:
-            k_rows, v_rows = _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size,
-                                            head_d, head_dv, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco,
-                                            s_vch, s_vcd, KV_FP8, BLOCK_D, BLOCK_DV)
-        return k_rows, v_rows
+            _store_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, tok, slot, h, ok, block_size, head_d, head_dv,
+                           s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, KV_FP8, BLOCK_D,
+                           BLOCK_DV)
 
     @triton.jit
     def _write_kv_kernel(
@@ -769,7 +752,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0, NEW_KV_REGS: tl.constexpr = False,
+        ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -846,21 +829,14 @@ if HAS_TRITON:
                 # program; several programs may write one token (its later rows, the other query heads' programs
                 # under GQA: same bytes, same addresses), and each reads only what it wrote or what was cached
                 # before the launch. bar.sync then makes every thread's stores visible to the CTA's key loads.
-                # NEW_KV_REGS (PRELOAD launches): the rows written that fall in the first key tile go into the
-                # preloaded tile as stored, so that tile needs no read back after the barrier (later tiles still do)
                 wh = kvh + tl.arange(0, 1)
                 for wpos in range(tl.maximum(k_lo, new0), k_hi):
                     wtok = (q_beg + wpos - new0).to(tl.int64)
                     wslot = tl.load(slot_ptr + wtok).to(tl.int64) + wh * 0
-                    k_new, v_new = _store_new_kv_rows(
-                        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok, wslot, wh,
-                        wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd,
-                        s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, ROTARY, KV_FP8, HAS_K_NORM, BLOCK_D, BLOCK_DV,
-                    )  # fmt: skip
-                    if NEW_KV_REGS:
-                        here = (k_ok0 & (kpos0 == wpos))[:, None] & (wslot >= 0)[None, :]
-                        kt0 = tl.where(here, k_new, kt0)
-                        vt0 = tl.where(here, v_new, vt0)
+                    _store_new_kv_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, kw_ptr, wtok,
+                                       wslot, wh, wslot >= 0, BLOCK_SIZE, head_d, head_dv, eps, s_kt, s_kh, s_vt, s_vh,
+                                       s_ct, s_cd, s_st, s_sd, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, ROTARY,
+                                       KV_FP8, HAS_K_NORM, BLOCK_D, BLOCK_DV)
                 tl.debug_barrier()
             if DOT_FP32:
                 qv = qv.to(tl.float32)
@@ -885,22 +861,15 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
             k_from = k_lo
             if PRELOAD:  # the first tile: its older keys as loaded before the wait, the step's keys (written above) now
-                if NEW_KV_REGS:  # (taken into the tile by the write above)
-                    kt = kt0
-                else:
-                    new_ok = k_ok0 & (kpos0 >= new0)
-                    kt = tl.where(new_ok[:, None], _cache_tile(kc_ptr, pblk0, koff0, kvh, d,
-                                                               new_ok[:, None] & d_ok[None, :], s_kcb, s_kco, s_kch, 1),
-                                  kt0)
+                new_ok = k_ok0 & (kpos0 >= new0)
+                kt = tl.where(new_ok[:, None], _cache_tile(kc_ptr, pblk0, koff0, kvh, d, new_ok[:, None] & d_ok[None, :],
+                                                           s_kcb, s_kco, s_kch, 1), kt0)
                 p, alpha, m_i, l_i = _tile_scores(qv, kt, m_i, l_i, k_lo, kpos0, k_ok0, q_pos, first_q_pos, qk_scale,
                                                   softcap, sliding_window, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32,
                                                   FP8_DOT)
-                if NEW_KV_REGS:
-                    vt = vt0
-                else:
-                    vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
-                                                               new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch,
-                                                               s_vcd), vt0)
+                vt = tl.where(new_ok[:, None], _cache_tile(vc_ptr, pblk0, koff0, kvh, dv,
+                                                           new_ok[:, None] & dv_ok[None, :], s_vcb, s_vco, s_vch,
+                                                           s_vcd), vt0)
                 acc = acc * alpha[:, None] + _tile_values(p, vt, qv, vc_ptr, DOT_FP32, KV_FP8, FP8_DOT, ROUND_P_EXACTLY)
                 k_from = k_lo + BLOCK_N
             k_whole = k_hi  # V_TILES 1: the loop takes the whole tiles below it, the last partial one follows
@@ -1236,8 +1205,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles,
-                V_TILES=V_KEYS_TILES if v_keys else 0, NEW_KV_REGS=preload and write_kv and ATTN_NEW_KV_REGS,
-                num_warps=num_warps,
+                V_TILES=V_KEYS_TILES if v_keys else 0, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

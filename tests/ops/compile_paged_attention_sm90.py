@@ -12,8 +12,7 @@ an fp8 cache's tiles are loaded a byte at a time, each thread holding the row ad
 3.6 spills 1.3-6 KB there; with them it loads 16-byte vectors and keeps everything in registers.
 
 Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1: the "decode_split" shape,
-its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`,
-and with the rows it writes taken into that tile, `MINI_INFER_ATTN_NEW_KV_REGS=1`), an
+its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`), an
 fp8 cache in one split under a sliding window (qwen2.5-7b's group of 7, batch 64), and nano-vllm's fp8 workload
 (qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones over the V layout the paged_attention pass
 declares (by default tokens-contiguous for full-attention layers: `_CONFIG["decode_fp8_vkeys"]` and `V_KEYS_TILES`;
@@ -46,12 +45,12 @@ HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capa
 
 
 def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-           rotary: bool, preload: bool = True, new_kv_regs: bool = False) -> tuple[tuple, dict]:
+           rotary: bool, preload: bool = True) -> tuple[tuple, dict]:
     """(args, kwargs) of the `_paged_attn_kernel` launch `_triton_attention` makes for a decode step of `seqs`
     sequences (one new token each) over caches holding CONTEXT keys a sequence: the step's k / v written in the kernel
     (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms); an fp8 V cache
     stored tokens-contiguous where `v_keys` (None: as the paged_attention pass declares it). `preload`:
-    `ATTN_PRELOAD` for the launch; `new_kv_regs`: `ATTN_NEW_KV_REGS`. Only shapes, strides and alignment matter: the tensors are left uninitialized."""
+    `ATTN_PRELOAD` for the launch. Only shapes, strides and alignment matter: the tensors are left uninitialized."""
     import torch
 
     from mini_infer.contract.caches import CacheTensor
@@ -79,8 +78,7 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
     # decode_fp8's entry decides it for either V layout
     wkind = "decode_fp8" if fp8 else "decode"
     config = {**pa._CONFIG, wkind: {**pa._CONFIG[wkind], "write_one_split": 1}} if write else pa._CONFIG
-    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, ATTN_NEW_KV_REGS=new_kv_regs,
-                         _CONFIG=config) as calls:
+    with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, _CONFIG=config) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
                              *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
                              rotary=rot)
@@ -92,27 +90,26 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
 
 
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-          rotary: bool = False, preload: bool = True, new_kv_regs: bool = False):
+          rotary: bool = False, preload: bool = True):
     """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
-    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, new_kv_regs)
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
                  splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"],
-                 v_tiles=constexprs["V_TILES"], maxnreg=kwargs.get("maxnreg"), new_kv_regs=constexprs["NEW_KV_REGS"])
+                 v_tiles=constexprs["V_TILES"], maxnreg=kwargs.get("maxnreg"))
     return compiled, shape
 
 
 def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
     out = {"name": name}
-    builds = [("no_write", False, False, True, False), ("write", True, False, True, False),
-              ("rotary", True, True, True, False)]
-    if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait"),
-        # and those taking the rows they write into the preloaded tile (ATTN_NEW_KV_REGS)
-        builds += [("rotary_no_preload", True, True, False, False), ("rotary_new_kv_regs", True, True, True, True)]
-    for key, write, rotary, preload, regs in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, regs)
+    builds = [("no_write", False, False, True), ("write", True, False, True),
+              ("rotary", True, True, True)]
+    if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
+        builds.append(("rotary_no_preload", True, True, False))
+    for key, write, rotary, preload in builds:
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),

@@ -525,31 +525,6 @@ def test_fp8_split_launches_may_preload(small_key_tiles, attn_launches, monkeypa
 
 
 @requires_triton
-@pytest.mark.parametrize("name", [n for n, (_, knobs) in FUSED_WRITE.items() if knobs["num_splits"] > 1])
-@pytest.mark.parametrize("dtype,fp8,v_keys", [(torch.float32, False, False), (torch.bfloat16, False, False),
-                                              (torch.bfloat16, True, False), (torch.bfloat16, True, True)])
-def test_new_kv_from_registers_same_bits(small_key_tiles, attn_launches, monkeypatch, name, dtype, fp8, v_keys):
-    """ATTN_NEW_KV_REGS (the rows a split launch writes taken into its preloaded first key tile as stored, not read
-    back): the output and the cache bytes of the launch that reads them back, bit for bit, over 16-bit and fp8
-    caches (the tokens-contiguous V layout too): new tokens in a split's first tile and in a later one, qlen-2 and -3
-    runs, a window, padding with a slot, both merges."""
-    from mini_infer.ops import paged_attention as pa
-
-    runs = []
-    for regs in (False, True):
-        monkeypatch.setattr(pa, "ATTN_NEW_KV_REGS", regs)
-        case, scales, knobs = fused_write_case(name, dtype, fp8)
-        args = list((*case.args(), *scales))
-        if v_keys:
-            args[4] = keys_contiguous(args[4])
-        runs.append((paged_attention_triton(*args, **knobs), args[3], args[4]))
-    assert [kw["NEW_KV_REGS"] for _, kw in attn_launches] == [False, True]
-    assert all(kw["PRELOAD"] for _, kw in attn_launches)
-    (out, k_cache, v_cache), (out2, k_cache2, v_cache2) = runs
-    assert same_bytes(out2, out) and same_bytes(k_cache2, k_cache) and same_bytes(v_cache2, v_cache)
-
-
-@requires_triton
 def test_register_cap_only_on_one_split_launches(small_key_tiles, attn_launches, monkeypatch):
     """An fp8 cache's decode kind with a register cap and 3 stages: its one-split launches (large batches) take both,
     its split launches (small batches: "decode_split_fp8") neither the cap nor more than 2 stages. Prefill-shaped

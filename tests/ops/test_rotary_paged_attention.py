@@ -124,28 +124,6 @@ def test_decode_launch_is_the_unfused_pair_bitwise(launches, monkeypatch, name, 
 
 
 @requires_triton
-@pytest.mark.usefixtures("small_key_tiles")
-@pytest.mark.parametrize("name,dtype,fp8,norms", [c for c in DECODE if c[0] != "qlen2_one_split_g4"])
-def test_new_kv_from_registers_same_bits(monkeypatch, name, dtype, fp8, norms):
-    """paged_attention.ATTN_NEW_KV_REGS with the rotary in the launch: the rotated k rows (their two halves joined as
-    the q rows are) and the v rows taken into the first key tile as stored give the output and cache bytes of the
-    launch that reads them back, bit for bit (split launches: the ones that preload)."""
-    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP", 64)  # the kernel's math at every group size
-    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP_SPLIT", 64)
-    launched = record_kernel_launches(monkeypatch, pa, "_paged_attn_kernel", arguments=True)
-    runs = []
-    for regs in (False, True):
-        monkeypatch.setattr(pa, "ATTN_NEW_KV_REGS", regs)
-        case, scales, knobs = fused_write_case(name, dtype, fp8)
-        rot = rotary_args(case, norms)
-        args = case.args()
-        runs.append((rotary_paged_attention_triton(*rot, *args[3:], *scales, **knobs), args[3], args[4]))
-    assert [(kw["ROTARY"], kw["NEW_KV_REGS"]) for _, kw in launched] == [(True, False), (True, True)]
-    (out, k_cache, v_cache), (out2, k_cache2, v_cache2) = runs
-    assert same_bytes(out2, out) and same_bytes(k_cache2, k_cache) and same_bytes(v_cache2, v_cache)
-
-
-@requires_triton
 def test_prefill_launch_runs_the_unfused_kernels(launches):
     case = make_case(**CASES["chunked_prefill"], d=32, dtype=torch.bfloat16)
     rot = rotary_args(case, norms=True)
