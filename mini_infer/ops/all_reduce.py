@@ -27,8 +27,10 @@ Why the symmetric-memory paths are not taken is logged once per reason.
 after freeing the CUDA graphs that captured them). Symmetric memory serves one process group per process: on two
 H200s, with the two-shot path on, the second tensor-parallel engine in one process (a new group, which torch
 names "0" again) never finished (bench/tp.py's check, twenty-eighth session; a fresh symmetric-memory name per
-group, registered with torch, was tried: a three-group test of it did not finish in 150 s; cause not found). So
-once a group's buffers are released, later groups in the process take NCCL, said once. Known gaps: that one, and
+group, registered with torch, did not help either). The likely cause, in torch's source: its CUDA symmetric
+memory numbers the store exchanges of a rendezvous with one counter per process (the keys are prefix/seq/rank), so
+a newly started peer's first exchange (0) never meets the one rank 0 is at (N, after the earlier groups). So once
+a group's buffers are released, later groups in the process take NCCL, said once. Known gaps: that one, and
 torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the middle
 of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is
 caught as before. This module never creates, joins or destroys a process group, and imports nothing from
