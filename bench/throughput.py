@@ -253,12 +253,22 @@ def main() -> None:
         engine_meta[-1]["mixed_step_ms"] = step_ms(st, "mixed")
         # (ordinal among the timed run's step calls, ms) of the slowest calls that launched a mixed step
         engine_meta[-1]["slowest_mixed_calls"] = slowest(steps, "mixed")
+        allreduce = ""
+        if tp > 1:  # which all-reduce rank 0 ran: a symmetric buffer set up, or the collective (ops/all_reduce.py:
+            # only the first engine of a process that sets one up gets it)
+            from mini_infer.ops.all_reduce import one_shot_buffers
+
+            symmetric = sum(one_shot_buffers().values())
+            engine_meta[-1]["symmetric_allreduce_bytes"] = symmetric
+            way = f"symmetric memory ({symmetric} B)" if symmetric else "the collective (NCCL / gloo)"
+            allreduce = f"; all-reduce: {way}"
         print(f"{r.name} step time: {st['decode_steps']} decode-only steps {st['decode_seconds']:.1f}s "
               f"({step_ms(st, 'decode'):.1f} ms each), {st['mixed_steps']} "
               f"prefill/mixed steps {st['mixed_seconds']:.1f}s "
               f"({engine_meta[-1]['mixed_step_ms']:.1f} ms each); KV cache {kv_tokens} tokens "
               f"({engine_meta[-1]['kv_bytes_per_token']} B/token), {engine_meta[-1]['preemptions']} preemptions; "
-              f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time", flush=True)
+              f"host busy {100 * (engine_meta[-1]['host_busy_share'] or 0):.0f}% of the step time{allreduce}",
+              flush=True)
         print(f"{r.name} timed run: {jit.line()}; slowest mixed-step calls (ordinal, ms): "
               f"{engine_meta[-1]['slowest_mixed_calls']}", flush=True)
         for v in jit.variants:
