@@ -30,7 +30,9 @@ names "0" again) never finished (bench/tp.py's check, twenty-eighth session; a f
 group, registered with torch, did not help either). The likely cause, in torch's source: its CUDA symmetric
 memory numbers the store exchanges of a rendezvous with one counter per process (the keys are prefix/seq/rank), so
 a newly started peer's first exchange (0) never meets the one rank 0 is at (N, after the earlier groups). So once
-a group's buffers are released, later groups in the process take NCCL, said once. Known gaps: that one, and
+a group's buffers are released, later groups of rank 0's process take NCCL, said once; rank 0 hands that decision
+to the other ranks by a broadcast over the group (`symmetric_memory_agreed`), so that every rank takes the same
+path. Known gaps: that one, and
 torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the middle
 of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is
 caught as before. This module never creates, joins or destroys a process group, and imports nothing from
@@ -65,6 +67,7 @@ _buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype
 _abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
 _failed_groups: set[str] = set()  # groups whose symmetric memory could not be set up: NCCL from then on
 _ended_groups: set[str] = set()  # groups whose symmetric memory was released: later groups take NCCL (_buffer)
+_agreed: dict[str, bool] = {}  # group -> whether it may set up symmetric memory (symmetric_memory_agreed)
 _said: set[str] = set()  # reasons already logged
 
 
@@ -172,26 +175,41 @@ def _rendezvous(buf: torch.Tensor, group_name: str) -> None:
         symm_mem.rendezvous(buf, group_name)
 
 
+def symmetric_memory_agreed(group_name: str) -> bool:
+    """Whether the group may set up symmetric memory: rank 0's answer (no earlier group of its process had any,
+    `release_symmetric_buffers`), broadcast over the group itself, so that every rank takes the same path (a newly
+    started rank knows no earlier group). Collective at the first call of a group (eager: `_buffer` never asks
+    under capture); remembered until the group's buffers are released."""
+    agreed = _agreed.get(group_name)
+    if agreed is None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        group = c10d._resolve_process_group(group_name)
+        answer = [not _ended_groups]  # rank 0's is the one every rank keeps
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group)
+        agreed = _agreed[group_name] = bool(answer[0])
+    return agreed
+
+
 def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: int) -> torch.Tensor | None:
     """This rank's symmetric buffer for (group, dtype, device), allocated and rendezvoused with the peers at the
     first call (collective); None when it cannot be (under CUDA-graph capture, the set-up failed, or an earlier
-    group of this process had symmetric memory: torch keeps per-name state that the next group, of the same
-    name, would meet)."""
+    group of rank 0's process had symmetric memory: `symmetric_memory_agreed`, module docstring)."""
     key = (group_name, dtype, device.index if device.index is not None else torch.cuda.current_device())
     buf = _buffers.get(key)
     if buf is not None:
         return buf if buf.nbytes >= nbytes else None
     if group_name in _failed_groups:
         return None
-    if _ended_groups:
-        _say_once(f"this process already used symmetric memory for a process group that has ended "
-                  f"({', '.join(sorted(_ended_groups))}); a second tensor-parallel engine's group set up again never "
-                  "finished on two H200s (twenty-eighth session), so later groups take NCCL: start a new process for "
-                  "another engine with the symmetric-memory paths")
-        return None
     if torch.cuda.is_current_stream_capturing():
         _say_once(f"the symmetric buffer of group {group_name} ({dtype}) would be allocated under CUDA-graph "
                   "capture (no eager call ran first)")
+        return None
+    if not symmetric_memory_agreed(group_name):
+        _say_once(f"rank 0's process already used symmetric memory for a process group that has ended; a later "
+                  f"group's set-up never finished on two H200s (twenty-eighth session), so group {group_name} takes "
+                  "NCCL: start a new process for another engine with the symmetric-memory paths")
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -219,9 +237,10 @@ def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
 
 def release_symmetric_buffers(wait: bool = True) -> None:
     """Forget every symmetric buffer (after the graphs that captured them; before their process group goes) and
-    remember their groups as ended: a later group in this process takes NCCL (`_buffer` says why). `wait`: finish this device's work, then free them; otherwise
-    (a peer may be gone, and a one-shot kernel waiting for it never returns) keep them allocated until the
-    process exits, unused, rather than free memory such a kernel may still touch."""
+    remember their groups as ended: a later group in this process takes NCCL (`symmetric_memory_agreed`). `wait`:
+    finish this device's work, then free them; otherwise (a peer may be gone, and a one-shot kernel waiting for it
+    never returns) keep them allocated until the process exits, unused, rather than free memory such a kernel may
+    still touch."""
     if wait:
         if _buffers and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -230,6 +249,7 @@ def release_symmetric_buffers(wait: bool = True) -> None:
     _ended_groups.update(group for group, _, _ in _buffers)
     _buffers.clear()
     _failed_groups.clear()
+    _agreed.clear()
 
 
 def all_reduce_sum_collective(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -306,5 +326,5 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 __all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "TWO_SHOT_ENV", "TWO_SHOT_MAX_BYTES",
            "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl", "all_reduce_sum_one_shot",
            "all_reduce_sum_two_shot", "has_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
-           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_missing", "two_shot_max_bytes",
-           "use_one_shot"]
+           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_agreed", "symmetric_memory_missing",
+           "two_shot_max_bytes", "use_one_shot"]

@@ -138,17 +138,30 @@ def test_two_ranks_equal_dist_all_reduce(env):
     assert run_ranks(_sums, 2, env) == [[], []]
 
 
-def test_a_later_group_takes_the_collective_after_one_ended(monkeypatch, caplog):
-    """Symmetric memory serves one process group per process (a second tensor-parallel engine's group set it up
-    again and never finished on two H200s): once a group's buffers are released, a later group is refused, and
-    says why."""
+
+def _agreement(rank: int, world_size: int) -> list:
+    """On each rank: whether the group may set up symmetric memory, before and after rank 0 alone has an ended
+    group (as a process that ran an earlier engine has; its peers are newly started and have none), and whether
+    the buffer set-up is then refused with its reason said."""
+    import torch.distributed as dist
+
     from mini_infer.ops import all_reduce
 
-    monkeypatch.setattr(all_reduce, "_ended_groups", set())
-    monkeypatch.setattr(all_reduce, "_said", set())
-    all_reduce._buffers[("0", BF16, 0)] = torch.empty(8, dtype=BF16)  # what the first engine's group had
-    release_symmetric_buffers()
-    assert all_reduce.one_shot_buffers() == {}
-    with caplog.at_level("WARNING", logger="mini_infer"):
-        assert all_reduce._buffer("0", BF16, torch.device("cuda", 0), 4096) is None  # (no CUDA call before it)
-    assert "already used symmetric memory for a process group that has ended (0)" in caplog.text
+    group = dist.group.WORLD.group_name
+    first = all_reduce.symmetric_memory_agreed(group)
+    release_symmetric_buffers()  # forgets the answer with the group's buffers
+    if rank == 0:
+        all_reduce._ended_groups.add("an earlier group")
+    later = all_reduce.symmetric_memory_agreed(group)
+    torch.cuda.is_current_stream_capturing = lambda: False  # an eager call (this CPU build has no CUDA to ask)
+    refused = all_reduce._buffer(group, BF16, torch.device("cuda", 0), 4096) is None  # (no other CUDA call first)
+    said = any("already used symmetric memory" in reason for reason in all_reduce._said)
+    return [first, later, refused, said]
+
+
+def test_symmetric_memory_agreed_by_every_rank_from_rank_0():
+    """Symmetric memory serves one process group per process (a second tensor-parallel engine's group set it up
+    again and never finished on two H200s): once rank 0 has released an earlier group's buffers, a later group is
+    refused on every rank, its newly started peers included (the answer comes over the group's store), and the
+    reason is said."""
+    assert run_ranks(_agreement, 2) == [[True, False, True, True], [True, False, True, True]]
