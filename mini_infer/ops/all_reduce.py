@@ -66,7 +66,7 @@ _TWO_SHOT_ALIGNMENT = 16  # bytes: whole 16-byte vectors (each rank's share spli
 _buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype, device index) -> symmetric buffer
 _abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
 _failed_groups: set[str] = set()  # groups whose symmetric memory could not be set up: NCCL from then on
-_ended_groups: set[str] = set()  # groups whose symmetric memory was released: later groups take NCCL (_buffer)
+_released_before = False  # a group of this process had symmetric buffers, since released: later groups take NCCL
 _agreed: dict[str, bool] = {}  # group -> whether it may set up symmetric memory (symmetric_memory_agreed)
 _said: set[str] = set()  # reasons already logged
 
@@ -186,7 +186,7 @@ def symmetric_memory_agreed(group_name: str) -> bool:
         import torch.distributed.distributed_c10d as c10d
 
         group = c10d._resolve_process_group(group_name)
-        answer = [not _ended_groups]  # rank 0's is the one every rank keeps
+        answer = [not _released_before]  # rank 0's is the one every rank keeps
         dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group)
         agreed = _agreed[group_name] = bool(answer[0])
     return agreed
@@ -230,23 +230,23 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
 
 
 def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
-    """The symmetric buffers set up so far, (group, dtype, device index) -> bytes: empty until a one-shot
-    all-reduce ran (and after `release_symmetric_buffers`)."""
+    """The symmetric buffers set up so far, (group, dtype, device index) -> bytes: empty until a one-shot or
+    two-shot all-reduce ran (and after `release_symmetric_buffers`)."""
     return {key: buf.nbytes for key, buf in _buffers.items()}
 
 
 def release_symmetric_buffers(wait: bool = True) -> None:
     """Forget every symmetric buffer (after the graphs that captured them; before their process group goes) and
-    remember their groups as ended: a later group in this process takes NCCL (`symmetric_memory_agreed`). `wait`:
-    finish this device's work, then free them; otherwise (a peer may be gone, and a one-shot kernel waiting for it
-    never returns) keep them allocated until the process exits, unused, rather than free memory such a kernel may
-    still touch."""
+    remember that this process had some: a later group takes NCCL (`symmetric_memory_agreed`). `wait`: finish this
+    device's work, then free them; otherwise (a peer may be gone, and a one-shot kernel waiting for it never returns)
+    keep them allocated until the process exits, unused, rather than free memory such a kernel may still touch."""
+    global _released_before
     if wait:
         if _buffers and torch.cuda.is_available():
             torch.cuda.synchronize()
     else:
         _abandoned.extend(_buffers.values())
-    _ended_groups.update(group for group, _, _ in _buffers)
+    _released_before = _released_before or bool(_buffers)
     _buffers.clear()
     _failed_groups.clear()
     _agreed.clear()

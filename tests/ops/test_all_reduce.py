@@ -151,7 +151,7 @@ def _agreement(rank: int, world_size: int) -> list:
     first = all_reduce.symmetric_memory_agreed(group)
     release_symmetric_buffers()  # forgets the answer with the group's buffers
     if rank == 0:
-        all_reduce._ended_groups.add("an earlier group")
+        all_reduce._released_before = True  # an earlier group's buffers, released
     later = all_reduce.symmetric_memory_agreed(group)
     torch.cuda.is_current_stream_capturing = lambda: False  # an eager call (this CPU build has no CUDA to ask)
     refused = all_reduce._buffer(group, BF16, torch.device("cuda", 0), 4096) is None  # (no other CUDA call first)
