@@ -13,9 +13,12 @@ and the all-reduce time of one decode step measured on its own.
    top-k experts only, bench/active_bytes.py; + KV; over the copy bandwidth). The greedy
    tokens of the two runs are compared: bf16 sums in another order (the all-reduce) can flip a near-tie of random
    weights, so a divergence is reported with its position rather than failing the run.
-   The TP=N engines use `mini_infer.all_reduce_sum` as compiled (NCCL by default; the one-shot path over symmetric
-   memory is opt-in: mini_infer/ops/all_reduce.py); the table's label says which path ran. `--one-shot` adds a
-   TP=N run with MINI_INFER_ONE_SHOT_ALLREDUCE=262144 (small messages one-shot).
+   The TP=N engines use `mini_infer.all_reduce_sum` as compiled (by default the one-shot / two-shot paths over
+   symmetric memory for messages up to 32 MiB, NCCL above; mini_infer/ops/all_reduce.py); the table's label says
+   which ran ("symmetric" or "nccl": only the first engine of a process that sets symmetric memory up gets it).
+   `--compare-nccl` adds a TP=N run with both paths off (MINI_INFER_ONE_SHOT_ALLREDUCE=0,
+   MINI_INFER_TWO_SHOT_ALLREDUCE=0) before the default one, so that the default one is still the process's first
+   to set symmetric memory up.
 3. All-reduce cost: N ranks capture, in one CUDA graph, the 2 x layers all-reduces that one decode step runs, of
    [rows, hidden] bf16 for rows 1, 8 and 64, once through NCCL (`_c10d_functional.all_reduce` + `wait_tensor`)
    and once through the op's one-shot path, and time the replays: µs per call (the scale after each, timed
@@ -32,7 +35,7 @@ run (one all-reduce per MoE block either way: docs/distributed.md, "when to choo
     python bench/tp.py --tp 2 --model llama-3.1-8b --skip-check
     python bench/tp.py --check-only                              # the float32 greedy check alone
     python bench/tp.py --model qwen3-30b-a3b --allreduce-probe   # NCCL vs one-shot all-reduce, shapes only
-    python bench/tp.py --model qwen3-30b-a3b --skip-check --one-shot   # TP=1, TP=2 NCCL, TP=2 one-shot
+    python bench/tp.py --model qwen3-30b-a3b --skip-check --compare-nccl   # TP=1, TP=2 NCCL, TP=2 symmetric
     python bench/tp.py --model qwen1.5-moe-a2.7b --skip-check    # MoE decode speed (one all-reduce per MoE block)
     python bench/tp.py --model qwen3-30b-a3b --enable-expert-parallel   # MoE: TP=1, TP=2, TP=2 + EP; EP check
 """
@@ -53,8 +56,9 @@ from active_bytes import token_bytes  # noqa: E402  (the weight bytes a token re
 from latency import copy_bandwidth  # noqa: E402
 
 MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
-ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"  # mini_infer.ops.all_reduce's limit in bytes, "0" = always NCCL
-ONE_SHOT_MAX_BYTES = 256 << 10  # the size to try (mini_infer.ops.all_reduce.ONE_SHOT_MAX_BYTES; bench imports it lazily)
+ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"  # mini_infer.ops.all_reduce's limits in bytes, "0" = never
+TWO_SHOT_ENV = "MINI_INFER_TWO_SHOT_ALLREDUCE"
+NCCL_ONLY = {ONE_SHOT_ENV: "0", TWO_SHOT_ENV: "0"}  # both symmetric-memory paths off
 
 
 def _text_config(model: str):
@@ -139,24 +143,25 @@ def _report_check(failures: list[str], tp: int, expert_parallel: bool = False) -
 
 
 def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False,
-               one_shot_env: str | None = None) -> dict:
-    """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine; `one_shot_env`: the value of
-    MINI_INFER_ONE_SHOT_ALLREDUCE for this engine (its ranks inherit it), None = the default."""
+               env: dict[str, str] | None = None) -> dict:
+    """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine; `env`: environment variables set
+    for this engine only (its ranks inherit them), None = the process's."""
     import os
 
-    saved = os.environ.pop(ONE_SHOT_ENV, None)
-    if one_shot_env is not None:
-        os.environ[ONE_SHOT_ENV] = one_shot_env
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
     try:
-        return _decode_run(model, tp, prompt, new, expert_parallel, one_shot_env)
+        return _decode_run(model, tp, prompt, new, expert_parallel, env)
     finally:
-        os.environ.pop(ONE_SHOT_ENV, None)
-        if saved is not None:
-            os.environ[ONE_SHOT_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool,
-                one_shot_env: str | None) -> dict:
+                env: dict[str, str] | None) -> dict:
     from mini_infer.llm import LLM
     from mini_infer.ops.all_reduce import one_shot_buffers
     from mini_infer.sampling_params import SamplingParams
@@ -180,10 +185,10 @@ def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_paralle
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     hidden = eng.model_config.get_text_config().hidden_size
     layers = eng.model_config.get_text_config().num_hidden_layers
-    allreduce = "-" if tp == 1 else ("one-shot" if one_shot_buffers() else "nccl")
+    allreduce = "-" if tp == 1 else ("symmetric" if one_shot_buffers() else "nccl")
     label = f"{tp}{' EP' if expert_parallel else ''}{'' if tp == 1 else ' ' + allreduce}"
     result = dict(tp=tp, label=label, expert_parallel=expert_parallel, allreduce=allreduce,
-                  one_shot_env=one_shot_env, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
+                  env=env, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
                   active_weight_bytes_per_rank=weights, kv_bytes_per_token_per_rank=kv_per_token,
                   tokens=list(out.outputs[0].token_ids), hidden=hidden, layers=layers,
                   graphs=len(eng.runner.cuda_graphs.graphs) if eng.runner.cuda_graphs else 0)
@@ -346,8 +351,8 @@ def main() -> int:
     ap.add_argument("--probe-rows", default=",".join(map(str, PROBE_ROWS)),
                     help="the probe's message rows, comma list (e.g. 1,64,256,2048: a throughput run's decode and "
                          "prefill steps)")
-    ap.add_argument("--one-shot", action="store_true",
-                    help=f"also time TP=N with {ONE_SHOT_ENV}={ONE_SHOT_MAX_BYTES} (small all-reduces one-shot)")
+    ap.add_argument("--compare-nccl", action="store_true",
+                    help="also time TP=N with the symmetric-memory all-reduce paths off (NCCL), before the default")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
@@ -370,10 +375,10 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
     runs = []
-    variants = [(1, False, None), (args.tp, False, None), *([(args.tp, True, None)] if ep else []),
-                *([(args.tp, False, str(ONE_SHOT_MAX_BYTES))] if args.one_shot else [])]
+    variants = [(1, False, None), *([(args.tp, False, NCCL_ONLY)] if args.compare_nccl else []),
+                (args.tp, False, None), *([(args.tp, True, None)] if ep else [])]
     for tp, with_ep, env in variants:
-        runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep, one_shot_env=env))
+        runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep, env=env))
         _free()
     probe = allreduce_probe(args.tp, runs[0]["hidden"], runs[0]["layers"])
     a = runs[0]["tokens"]

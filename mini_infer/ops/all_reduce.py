@@ -4,8 +4,8 @@ tensor parallelism (shard_tensor_parallel inserts it after row-parallel linears 
 The op is opaque to FX and to CUDA-graph capture like the other ops (fake impl: `empty_like`); its body picks how
 to sum, by device and size (`pick_path`, a pure function):
   * CUDA, torch's symmetric memory usable, bf16 or fp32, a multiple of 4 bytes and at most `one_shot_max_bytes()`
-    (the environment's MINI_INFER_ONE_SHOT_ALLREDUCE in bytes, e.g. ONE_SHOT_MAX_BYTES = 262144; unset or "0" =
-    never: opt-in, kept so after its two-GPU runs, bench/RESULTS.md fifteenth session): a one-shot
+    (the environment's MINI_INFER_ONE_SHOT_ALLREDUCE in bytes; unset: ONE_SHOT_MAX_BYTES = 262144, on by default
+    since the twenty-ninth session's two-GPU checks; "0" = never): a one-shot
     all-reduce over peer memory (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: one kernel copies `x` into
     this rank's symmetric buffer, waits for the peers' copies, reads every peer's buffer over NVLink and sums in
     rank order, so every rank gets the same bits). The buffer is allocated once per (group, dtype, device) with
@@ -15,10 +15,13 @@ to sum, by device and size (`pick_path`, a pure function):
     graphs replay with fixed pointers. NVLink multicast (multimem) is never used: the allocation sets
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first.
   * CUDA, as above, a message above the one-shot limit, in whole 16-byte vectors and at most `two_shot_max_bytes()`
-    (MINI_INFER_TWO_SHOT_ALLREDUCE, e.g. TWO_SHOT_MAX_BYTES = 32 MiB; unset or "0" = never: opt-in): torch's two-shot
-    kernel over the same buffer (`all_reduce_sum_two_shot`: each rank reduces 1/N of the elements, then gathers
-    the rest; faster than NCCL from [256, 2048] bf16 up in `bench/tp.py --allreduce-probe` on two H200s, not yet run
-    inside an engine there). The buffer is sized for the larger of the two limits.
+    (MINI_INFER_TWO_SHOT_ALLREDUCE; unset: TWO_SHOT_MAX_BYTES = 32 MiB, on by default; "0" = never): torch's
+    two-shot kernel over the same buffer (`all_reduce_sum_two_shot`: each rank reduces 1/N of the elements, then
+    gathers the rest; faster than NCCL from [256, 2048] bf16 up in `bench/tp.py --allreduce-probe` on two H200s, and
+    1.043x NCCL's output tok/s inside a TP=2 + EP engine on the nano-vllm workload, twenty-eighth session). The
+    buffer is sized for the larger of the two limits. Both paths agreed with NCCL bit for bit on two H200s, and
+    every tiny preset's TP=2 greedy output (EP too) equalled TP=1's with both on (bench/RESULTS.md, twenty-ninth
+    session).
   * otherwise (CPU / gloo, larger messages, fp16, symmetric memory missing or its set-up failed): torch's
     functional all-reduce (`_c10d_functional.all_reduce` + `wait_tensor`), what the graph ran before this op.
 Why the symmetric-memory paths are not taken is logged once per reason.
@@ -51,15 +54,15 @@ import torch
 logger = logging.getLogger("mini_infer")
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # the size to try: the largest message then taken (a [64, 2048] bf16 activation)
-ONE_SHOT_DEFAULT_BYTES = 0  # off (always NCCL): opt-in after its two-GPU runs (bench/RESULTS.md, fifteenth session)
+ONE_SHOT_DEFAULT_BYTES = ONE_SHOT_MAX_BYTES  # on (bench/RESULTS.md, fifteenth and twenty-ninth sessions)
 ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel implements
 _MIN_ALIGNMENT = 4  # bytes: the kernel's smallest vector
 # Two-shot (torch's kernel over the same buffer: each rank reduces 1/N of the elements, then gathers the rest), for
 # messages above the one-shot limit: faster than NCCL on two H200s from [256, 2048] to [8192, 2048] bf16 in the probe
-# (bench/RESULTS.md, twenty-seventh session); opt-in, not yet run inside an engine on GPUs.
+# (bench/RESULTS.md, twenty-seventh session) and inside a TP=2 + EP engine (twenty-eighth); on by default.
 TWO_SHOT_MAX_BYTES = 32 << 20  # the size to try: an [8192, 2048] bf16 prefill step's message
-TWO_SHOT_DEFAULT_BYTES = 0  # off
+TWO_SHOT_DEFAULT_BYTES = TWO_SHOT_MAX_BYTES  # on
 TWO_SHOT_ENV = "MINI_INFER_TWO_SHOT_ALLREDUCE"
 _TWO_SHOT_ALIGNMENT = 16  # bytes: whole 16-byte vectors (each rank's share splits on them)
 
@@ -87,13 +90,13 @@ def _env_bytes(name: str, default: int) -> int:
 
 def one_shot_max_bytes() -> int:
     """The largest message (bytes) the one-shot path takes: MINI_INFER_ONE_SHOT_ALLREDUCE when set ("0": never;
-    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (0: off by default)."""
+    ONE_SHOT_MAX_BYTES is the size to try), else ONE_SHOT_DEFAULT_BYTES (= ONE_SHOT_MAX_BYTES: on by default)."""
     return _env_bytes(ONE_SHOT_ENV, ONE_SHOT_DEFAULT_BYTES)
 
 
 def two_shot_max_bytes() -> int:
     """The largest message (bytes) the two-shot path takes (above the one-shot limit): MINI_INFER_TWO_SHOT_ALLREDUCE
-    when set ("0": never; TWO_SHOT_MAX_BYTES is the size to try), else TWO_SHOT_DEFAULT_BYTES (0: off)."""
+    when set ("0": never), else TWO_SHOT_DEFAULT_BYTES (= TWO_SHOT_MAX_BYTES: on by default)."""
     return _env_bytes(TWO_SHOT_ENV, TWO_SHOT_DEFAULT_BYTES)
 
 

@@ -6,7 +6,7 @@
   * otherwise the calling process becomes rank 0 and starts ranks 1 … N-1 itself (torch.multiprocessing, spawn),
     with the rendezvous store bound to 127.0.0.1.
 Data collectives (the graph's all-reduces and all-gathers, the step inputs) use NCCL on CUDA and gloo on a CPU
-(the graph's small CUDA all-reduces: one-shot over symmetric memory, mini_infer/ops/all_reduce.py);
+(the graph's CUDA all-reduces up to 32 MiB: one-shot or two-shot over symmetric memory, mini_infer/ops/all_reduce.py);
 a gloo group carries the small per-step headers and start-up agreements. Every rank builds the same engine
 (load, compile for its rank, measure, allocate the same number of KV blocks, capture the same CUDA graphs), so
 the collectives inside those steps pair up. Then rank 0 runs the scheduler, the sampler and the clients, and

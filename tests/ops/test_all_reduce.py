@@ -68,9 +68,12 @@ def test_pick_path(device, nbytes, dtype, available, one, two, two_available, ex
 
 def test_two_shot_limit_from_the_environment(monkeypatch):
     monkeypatch.delenv(TWO_SHOT_ENV, raising=False)
-    assert two_shot_max_bytes() == 0  # opt-in: not yet run inside an engine on GPUs
-    monkeypatch.setenv(TWO_SHOT_ENV, str(TWO_SHOT_MAX_BYTES))
-    assert two_shot_max_bytes() == TWO_SHOT_MAX_BYTES == 32 << 20
+    assert two_shot_max_bytes() == TWO_SHOT_MAX_BYTES == 32 << 20  # on by default (checked on two H200s)
+    monkeypatch.setenv(TWO_SHOT_ENV, "0")
+    assert two_shot_max_bytes() == 0
+    assert pick_path("cuda", 1 << 20, BF16, True, ONE_SHOT_MAX_BYTES, two_shot_max_bytes(), True) == "collective"
+    monkeypatch.setenv(TWO_SHOT_ENV, str(1 << 20))
+    assert two_shot_max_bytes() == 1 << 20
     for bad in ("lots", "-16"):
         monkeypatch.setenv(TWO_SHOT_ENV, bad)
         with pytest.raises(ValueError, match=TWO_SHOT_ENV):
@@ -79,9 +82,8 @@ def test_two_shot_limit_from_the_environment(monkeypatch):
 
 def test_limit_from_the_environment(monkeypatch):
     monkeypatch.delenv(ONE_SHOT_ENV, raising=False)
-    assert one_shot_max_bytes() == 0  # opt-in until measured on two GPUs
-    monkeypatch.setenv(ONE_SHOT_ENV, str(ONE_SHOT_MAX_BYTES))
-    assert one_shot_max_bytes() == ONE_SHOT_MAX_BYTES == 256 << 10
+    assert one_shot_max_bytes() == ONE_SHOT_MAX_BYTES == 256 << 10  # on by default (checked on two H200s)
+    assert use_one_shot("cuda", 4096, BF16, True, one_shot_max_bytes())
     monkeypatch.setenv(ONE_SHOT_ENV, "0")
     assert one_shot_max_bytes() == 0
     assert not use_one_shot("cuda", 4096, BF16, True, one_shot_max_bytes())  # "0": always NCCL

@@ -2,7 +2,7 @@
 process, as the runtime makes them: rank 0 stays, and each group gets a newly started rank 1 and a new store (an
 engine closed, the next one built). The first group's one-shot and two-shot sums must equal NCCL's bit for bit;
 later groups must take NCCL and finish (a second symmetric set-up in one process never finished in the
-twenty-eighth session: mini_infer/ops/all_reduce.py). Skipped without two GPUs; not yet run on them (CI runs on
+twenty-eighth session: mini_infer/ops/all_reduce.py). Skipped without two GPUs; passed on two H200s in the twenty-ninth session (CI runs on
 CPU, where tests/ops/test_all_reduce.py checks the refusal).
 """
 
