@@ -7,11 +7,14 @@ background thread, so a load balancer or a test can poll `GET /health`: 503 whil
 again if the engine dies. SIGINT / SIGTERM at any moment end the process with status 0: while loading at once
 (the load cannot be interrupted, so the process exits without waiting for it), once serving after a drain of up
 to `--shutdown-timeout` seconds (graceful.py). If loading fails, the error is one line and the status 2.
+Once loaded, before it answers its first request, everything start-up left alive is frozen out of Python's
+cyclic collector (`freeze_startup_heap`), as vLLM's engine does: the engine lives as long as the process.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import socket
@@ -64,13 +67,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object still alive (the model's compiled graph, its modules, the tokenizer:
+    ~600,000 objects tracked for qwen3-0.6b) out of Python's cyclic collector for good (`gc.freeze`), and return
+    how many. Later collections then scan only what serving allocates: a full one over the start-up heap took
+    286 ms on the 2-core development CPU (qwen3-0.6b preset, 515,806 objects), a pause for every stream at once,
+    since the engine thread holds the GIL to step. For a process whose engine lives as long as it does (the
+    server): objects frozen here are not collected until `serve` unfreezes them on its way out."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def load_engine(state: ServerState, engine_kwargs: dict):
-    """Build the engine (blocking: load + compile) and hand it to the app."""
+    """Build the engine (blocking: load + compile), freeze the start-up heap, and hand the engine to the app."""
     from mini_infer.runtime.async_engine import AsyncLLMEngine
     from mini_infer.runtime.engine import EngineConfig
 
     engine = AsyncLLMEngine.from_config(EngineConfig(**engine_kwargs),
                                         max_waiting_requests=state.settings.max_waiting_requests)
+    frozen = freeze_startup_heap()  # before the first request (a full collection over this heap takes a while)
+    logger.info("start-up heap frozen for the cyclic collector: %d objects", frozen)
     state.set_engine(engine)
     if state.sampling_defaults:
         print(f"mini-infer: sampling defaults from the model's generation_config: {state.sampling_defaults} "
@@ -144,4 +161,5 @@ def serve(args, engine_kwargs: dict) -> int:
     status = 2 if state.load_error is not None else 0
     if state.engine is not None and not state.engine.shutdown(timeout=5):  # a step still runs: do not wait
         _exit_now(status)
+    gc.unfreeze()  # the interpreter's exit collects as usual (nanobind reports frozen Triton objects as leaked)
     return status
