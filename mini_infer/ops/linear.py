@@ -70,7 +70,9 @@ WIDE_N = 32768  # "wide": at least this many rows (vocabularies)
 #   linear_add 1,335.0 / 1,335.6; + linear_add_rms_norm 1,336.4 / 1,337.2; + rms_norm_linear (qkv) 1,284.6 /
 #   1,283.9; + rms_norm_linear_silu (gate_up) 1,254.5 / 1,254.9; + gemv_program (lm_head) 1,309.5 / 1,308.7; every
 #   kernel 1,162.7 / 1,175.4. The GEMVs after a full-GPU GEMV lose (their preloaded rows hold registers and compete
-#   for bandwidth with the kernel they overlap), so only the two after idle-SM kernels preload.
+#   for bandwidth with the kernel they overlap), so only the two after idle-SM kernels preload. Again in the
+#   twenty-ninth session, with the next kernel launched before each wait (PDL_TRIGGER_FIRST): q/k/v and gate_up
+#   preloading, qwen3-0.6b 1,418.7 / 1,425.0 vs 1,501.7 / 1,513.2 tok/s.
 # - 2026-11-24, rows up to 4,096 (o_proj preloaded at K 4,096): qwen3-30b-a3b 341.1 vs 344.4, llama-3.1-8b 226.8 /
 #   226.8 vs 227.8 / 227.9: kept at 3,072.
 # - 2026-11-25, after the decode attention before o_proj took its "decode_split" shape and its own preload
