@@ -33,9 +33,10 @@ names "0" again) never finished (bench/tp.py's check, twenty-eighth session; a f
 group, registered with torch, did not help either). The likely cause, in torch's source: its CUDA symmetric
 memory numbers the store exchanges of a rendezvous with one counter per process (the keys are prefix/seq/rank), so
 a newly started peer's first exchange (0) never meets the one rank 0 is at (N, after the earlier groups). So once
-a group's buffers are released, later groups of rank 0's process take NCCL, said once; rank 0 hands that decision
-to the other ranks by a broadcast over the group (`symmetric_memory_agreed`), so that every rank takes the same
-path. Known gaps: that one, and
+a group's buffers are released, later groups of rank 0's process take NCCL, said once. Groups whose ranks span
+several hosts (CUDA IPC maps peers on one host only) or whose devices lack peer access take NCCL too. Every rank
+gathers every rank's host, device and earlier groups over the group and decides alike (`symmetric_memory_agreed`,
+`sharing_refused`), so that every rank takes the same path. Known gaps: the one-group rule, and
 torch's one-shot and two-shot kernels wait for their peers without a timeout, so a rank that dies in the middle
 of a step leaves the others' GPUs waiting (an NCCL abort does not end that kernel); a death between steps is
 caught as before. This module never creates, joins or destroys a process group, and imports nothing from
@@ -70,7 +71,7 @@ _buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}  # (group, dtype
 _abandoned: list[torch.Tensor] = []  # buffers of a failed group: never freed (release_symmetric_buffers)
 _failed_groups: set[str] = set()  # groups whose symmetric memory could not be set up: NCCL from then on
 _released_before = False  # a group of this process had symmetric buffers, since released: later groups take NCCL
-_agreed: dict[str, bool] = {}  # group -> whether it may set up symmetric memory (symmetric_memory_agreed)
+_agreed: dict[str, str | None] = {}  # group -> why it may not set up symmetric memory, None: it may (agreed)
 _said: set[str] = set()  # reasons already logged
 
 
@@ -178,21 +179,45 @@ def _rendezvous(buf: torch.Tensor, group_name: str) -> None:
         symm_mem.rendezvous(buf, group_name)
 
 
-def symmetric_memory_agreed(group_name: str) -> bool:
-    """Whether the group may set up symmetric memory: rank 0's answer (no earlier group of its process had any,
-    `release_symmetric_buffers`), broadcast over the group itself, so that every rank takes the same path (a newly
-    started rank knows no earlier group). Collective at the first call of a group (eager: `_buffer` never asks
-    under capture); remembered until the group's buffers are released."""
-    agreed = _agreed.get(group_name)
-    if agreed is None:
+def sharing_refused(ranks: list[tuple[str, int | None, bool]], peer_access=None) -> str | None:
+    """Why a group whose ranks are `ranks` (in group order: each one's host name, CUDA device index or None, and
+    whether its process already released an earlier group's symmetric buffers) may not set up symmetric memory, or
+    None when it may. Refused: when rank 0's process had an earlier group (the one-group rule, module docstring);
+    when the ranks are on several hosts (torch's CUDA symmetric memory maps peers' memory through CUDA IPC: one
+    host); when two of the ranks' devices cannot access each other's memory (`peer_access(a, b)`, default
+    torch.cuda.can_device_access_peer). A pure function of what every rank gathered, so every rank decides alike."""
+    if ranks[0][2]:
+        return ("rank 0's process already used symmetric memory for a process group that has ended (a later "
+                "group's set-up never finished on two H200s, twenty-eighth session): start a new process for "
+                "another engine with the symmetric-memory paths")
+    hosts = sorted({host for host, _, _ in ranks})
+    if len(hosts) > 1:
+        return f"the ranks are on {len(hosts)} hosts ({', '.join(hosts)}): symmetric memory maps peers on one host"
+    devices = sorted({d for _, d, _ in ranks if d is not None})
+    peer_access = peer_access or torch.cuda.can_device_access_peer
+    for a in devices:
+        for b in devices:
+            if a != b and not peer_access(a, b):
+                return f"CUDA device {a} cannot access device {b}'s memory (no peer access)"
+    return None
+
+
+def symmetric_memory_agreed(group_name: str, device_index: int | None = None) -> bool:
+    """Whether the group may set up symmetric memory (`sharing_refused` says None): every rank's host, device and
+    earlier groups gathered over the group itself, so that every rank takes the same path (a newly started rank
+    knows no earlier group: rank 0's history decides). Collective at the first call of a group (eager: `_buffer`
+    never asks under capture); remembered, with the reason of a refusal, until the group's buffers are released."""
+    if group_name not in _agreed:
+        import socket
+
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         group = c10d._resolve_process_group(group_name)
-        answer = [not _released_before]  # rank 0's is the one every rank keeps
-        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group)
-        agreed = _agreed[group_name] = bool(answer[0])
-    return agreed
+        ranks: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, (socket.gethostname(), device_index, _released_before), group=group)
+        _agreed[group_name] = sharing_refused([tuple(r) for r in ranks])
+    return _agreed[group_name] is None
 
 
 def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: int) -> torch.Tensor | None:
@@ -209,10 +234,8 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
         _say_once(f"the symmetric buffer of group {group_name} ({dtype}) would be allocated under CUDA-graph "
                   "capture (no eager call ran first)")
         return None
-    if not symmetric_memory_agreed(group_name):
-        _say_once(f"rank 0's process already used symmetric memory for a process group that has ended; a later "
-                  f"group's set-up never finished on two H200s (twenty-eighth session), so group {group_name} takes "
-                  "NCCL: start a new process for another engine with the symmetric-memory paths")
+    if not symmetric_memory_agreed(group_name, key[2]):
+        _say_once(f"group {group_name} takes NCCL: {_agreed[group_name]}")
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -329,5 +352,5 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 __all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "TWO_SHOT_ENV", "TWO_SHOT_MAX_BYTES",
            "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl", "all_reduce_sum_one_shot",
            "all_reduce_sum_two_shot", "has_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
-           "release_symmetric_buffers", "symmetric_buffer", "symmetric_memory_agreed", "symmetric_memory_missing",
+           "release_symmetric_buffers", "sharing_refused", "symmetric_buffer", "symmetric_memory_agreed", "symmetric_memory_missing",
            "two_shot_max_bytes", "use_one_shot"]

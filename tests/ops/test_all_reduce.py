@@ -21,6 +21,7 @@ from mini_infer.ops.all_reduce import (
     one_shot_max_bytes,
     pick_path,
     release_symmetric_buffers,
+    sharing_refused,
     two_shot_max_bytes,
     use_one_shot,
 )
@@ -139,6 +140,19 @@ def _sums(rank: int, world_size: int, env: str | None) -> list[str]:
 def test_two_ranks_equal_dist_all_reduce(env):
     assert run_ranks(_sums, 2, env) == [[], []]
 
+
+
+@pytest.mark.parametrize(("ranks", "peers", "refused"), [
+    ([("a", 0, False), ("a", 1, False)], True, None),  # one host, peer access: agreed
+    ([("a", None, False), ("a", None, False)], False, None),  # no CUDA devices named (gloo): nothing to ask
+    ([("a", 0, False), ("a", 1, True)], True, None),  # a rank other than 0 with history: rank 0's decides
+    ([("a", 0, True), ("a", 1, False)], True, "already used symmetric memory"),  # rank 0's process had a group
+    ([("a", 0, False), ("b", 0, False)], True, "on 2 hosts (a, b)"),  # CUDA IPC maps peers on one host only
+    ([("a", 0, False), ("a", 1, False)], False, "device 0 cannot access device 1"),  # no peer access
+])
+def test_sharing_refused(ranks, peers, refused):
+    reason = sharing_refused(ranks, peer_access=lambda a, b: peers)
+    assert reason is None if refused is None else refused in reason
 
 
 def _agreement(rank: int, world_size: int) -> list:
