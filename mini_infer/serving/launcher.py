@@ -69,10 +69,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def freeze_startup_heap() -> int:
     """Collect once, then move every object still alive (the model's compiled graph, its modules, the tokenizer:
-    ~600,000 objects tracked for qwen3-0.6b) out of Python's cyclic collector for good (`gc.freeze`), and return
-    how many. Later collections then scan only what serving allocates: a full one over the start-up heap took
-    286 ms on the 2-core development CPU (qwen3-0.6b preset, 515,806 objects), a pause for every stream at once,
-    since the engine thread holds the GIL to step. For a process whose engine lives as long as it does (the
+    ~600,000 objects tracked for qwen3-0.6b) out of Python's cyclic collector (`gc.freeze`), and return how many.
+    Later collections then scan only what serving allocates: a full one over the start-up heap took 286 ms on the
+    2-core development CPU (qwen3-0.6b preset, 515,806 objects), a pause for every stream at once (the collector
+    holds the GIL: the engine thread cannot step). For a process whose engine lives as long as it does (the
     server): objects frozen here are not collected until `serve` unfreezes them on its way out."""
     gc.collect()
     gc.freeze()
