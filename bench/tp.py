@@ -95,6 +95,7 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
     expert parallelism, when `expert_parallel`), or on those of them named in `only`; returns the failures."""
     from mini_infer.llm import LLM
     from mini_infer.models.presets import TINY_DENSE_PRESETS
+    from mini_infer.ops.all_reduce import one_shot_buffers
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -117,6 +118,7 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
             llm = LLM(name, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **opts)
             many = _greedy(llm, prompts, 16)
             graphs = len(llm.engine.runner.cuda_graphs.graphs) if llm.engine.runner.cuda_graphs else 0
+            allreduce = "symmetric memory" if one_shot_buffers() else "the collective"  # rank 0's, before release
             _release(llm)
             del llm
             _free()
@@ -126,7 +128,7 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
             continue
         ok = one == many
         print(f"[check] {name}: TP={tp}{' EP' if expert_parallel else ''} greedy {'==' if ok else '!='} TP=1 "
-              f"({graphs} CUDA graphs on rank 0)", flush=True)
+              f"({graphs} CUDA graphs on rank 0, all-reduce: {allreduce})", flush=True)
         if not ok:
             failures.append(f"{name}: TP={tp} {many} != TP=1 {one}")
     torch.backends.cuda.matmul.allow_tf32 = True
