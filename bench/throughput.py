@@ -256,9 +256,9 @@ def main() -> None:
         allreduce = ""
         if tp > 1:  # which all-reduce rank 0 ran: a symmetric buffer set up, or the collective (ops/all_reduce.py:
             # only the first engine of a process that sets one up gets it)
-            from mini_infer.ops.all_reduce import one_shot_buffers
+            from mini_infer.ops.all_reduce import symmetric_buffers
 
-            symmetric = sum(one_shot_buffers().values())
+            symmetric = sum(symmetric_buffers().values())
             engine_meta[-1]["symmetric_allreduce_bytes"] = symmetric
             way = f"symmetric memory ({symmetric} B)" if symmetric else "the collective (NCCL / gloo)"
             allreduce = f"; all-reduce: {way}"

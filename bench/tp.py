@@ -95,7 +95,7 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
     expert parallelism, when `expert_parallel`), or on those of them named in `only`; returns the failures."""
     from mini_infer.llm import LLM
     from mini_infer.models.presets import TINY_DENSE_PRESETS
-    from mini_infer.ops.all_reduce import one_shot_buffers
+    from mini_infer.ops.all_reduce import symmetric_buffers
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -118,7 +118,7 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
             llm = LLM(name, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **opts)
             many = _greedy(llm, prompts, 16)
             graphs = len(llm.engine.runner.cuda_graphs.graphs) if llm.engine.runner.cuda_graphs else 0
-            allreduce = "symmetric memory" if one_shot_buffers() else "the collective"  # rank 0's, before release
+            allreduce = "symmetric memory" if symmetric_buffers() else "the collective"  # rank 0's, before release
             _release(llm)
             del llm
             _free()
@@ -165,7 +165,7 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel
 def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool,
                 env: dict[str, str] | None) -> dict:
     from mini_infer.llm import LLM
-    from mini_infer.ops.all_reduce import one_shot_buffers
+    from mini_infer.ops.all_reduce import symmetric_buffers
     from mini_infer.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_paralle
     kv_per_token = sum(s.bytes_per_token() for s in eng.compiled.cache_specs)
     hidden = eng.model_config.get_text_config().hidden_size
     layers = eng.model_config.get_text_config().num_hidden_layers
-    allreduce = "-" if tp == 1 else ("symmetric" if one_shot_buffers() else "nccl")
+    allreduce = "-" if tp == 1 else ("symmetric" if symmetric_buffers() else "nccl")
     label = f"{tp}{' EP' if expert_parallel else ''}{'' if tp == 1 else ' ' + allreduce}"
     result = dict(tp=tp, label=label, expert_parallel=expert_parallel, allreduce=allreduce,
                   env=env, tok_s=(new - 1) / (total - first), ttft_s=first, startup_s=startup,
@@ -253,9 +253,9 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
         all_reduce_sum_impl,
         all_reduce_sum_two_shot,
         has_two_shot,
-        one_shot_buffers,
         release_symmetric_buffers,
         symmetric_buffer,
+        symmetric_buffers,
         symmetric_memory_missing,
     )
 
@@ -269,7 +269,7 @@ def _allreduce_rank(rank: int, tp: int, port: int, hidden: int, count: int, queu
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda", generator=gen)
 
         one, nccl = all_reduce_sum_impl(x, group), all_reduce_sum_collective(x, group)  # sets up the buffer
-        one_shot = bool(one_shot_buffers())
+        one_shot = bool(symmetric_buffers())
         row = {"one_shot_taken": one_shot, "max_abs_diff": (one.float() - nccl.float()).abs().max().item(),
                "scale_us": _graph_us(_chain(x, lambda y, g: y, group, count)) / count,
                "nccl_us": _graph_us(_chain(x, all_reduce_sum_collective, group, count)) / count,

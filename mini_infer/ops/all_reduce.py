@@ -255,7 +255,7 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
     return buf
 
 
-def one_shot_buffers() -> dict[tuple[str, torch.dtype, int], int]:
+def symmetric_buffers() -> dict[tuple[str, torch.dtype, int], int]:
     """The symmetric buffers set up so far, (group, dtype, device index) -> bytes: empty until a one-shot or
     two-shot all-reduce ran (and after `release_symmetric_buffers`)."""
     return {key: buf.nbytes for key, buf in _buffers.items()}
@@ -351,6 +351,6 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 __all__ = ["ONE_SHOT_DEFAULT_BYTES", "ONE_SHOT_ENV", "ONE_SHOT_MAX_BYTES", "TWO_SHOT_ENV", "TWO_SHOT_MAX_BYTES",
            "all_reduce_sum", "all_reduce_sum_collective", "all_reduce_sum_impl", "all_reduce_sum_one_shot",
-           "all_reduce_sum_two_shot", "has_two_shot", "one_shot_buffers", "one_shot_max_bytes", "pick_path",
-           "release_symmetric_buffers", "sharing_refused", "symmetric_buffer", "symmetric_memory_agreed",
+           "all_reduce_sum_two_shot", "has_two_shot", "one_shot_max_bytes", "pick_path", "release_symmetric_buffers",
+           "sharing_refused", "symmetric_buffer", "symmetric_buffers", "symmetric_memory_agreed",
            "symmetric_memory_missing", "two_shot_max_bytes", "use_one_shot"]

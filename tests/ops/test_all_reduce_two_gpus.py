@@ -25,7 +25,7 @@ def _sums(rank: int) -> dict[str, float]:
     """In a fresh group: each path's largest difference from NCCL's sum (the buffer set up by the first call)."""
     import torch.distributed as dist
 
-    from mini_infer.ops.all_reduce import all_reduce_sum_collective, all_reduce_sum_impl, one_shot_buffers
+    from mini_infer.ops.all_reduce import all_reduce_sum_collective, all_reduce_sum_impl, symmetric_buffers
 
     group = dist.group.WORLD.group_name
     gen = torch.Generator(device="cuda").manual_seed(rank)
@@ -34,7 +34,7 @@ def _sums(rank: int) -> dict[str, float]:
         x = torch.randn(rows, 2048, dtype=torch.bfloat16, device="cuda", generator=gen)
         ours, nccl = all_reduce_sum_impl(x, group), all_reduce_sum_collective(x, group)
         diffs[path] = (ours.float() - nccl.float()).abs().max().item()
-    diffs["buffers"] = len(one_shot_buffers())
+    diffs["buffers"] = len(symmetric_buffers())
     torch.cuda.synchronize()
     return diffs
 
