@@ -17,7 +17,6 @@ output checked against fp32 torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -109,11 +108,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--out", default=None, help="directory for probe_gemv_persistent.json")
     args = ap.parse_args()
     if args.check:
         return check()
-    from kernel_norm import time_calls
+    from kernel_norm import time_calls, write_gpu_report
 
     from mini_infer.ops.linear import linear
 
@@ -143,8 +142,7 @@ def main() -> int:
             print(f"  persistent {bn}/{cps}/{pre} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     report("engine GEMV again", engine, [o.view(-1) for o in engine()[:8]])
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "rows": rows}, f, indent=1)
+        write_gpu_report(args.out, "probe_gemv_persistent.json", {"model": args.model, "rows": rows})
     return 0
 
 
