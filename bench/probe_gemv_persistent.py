@@ -12,6 +12,7 @@ output checked against fp32 torch.
 
     python bench/probe_gemv_persistent.py [--model qwen3-0.6b]       # GPU
     TRITON_INTERPRET=1 python bench/probe_gemv_persistent.py --check  # CPU: the kernel's sums on small shapes
+    python bench/probe_gemv_persistent.py --build                      # CPU: sm_90 registers / stack per setting
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ def _persistent_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.co
                  mask=rows < N)
 
 
-def persistent_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, ctas_per_sm: int, preload: bool,
-                    num_warps: int = 4) -> torch.Tensor:
+def warps_for(block_n: int, kp: int) -> int:
+    """4-16 warps, so that a thread holds at most 64 of a tile's BLOCK_N x KP weights (no spills: `--build`)."""
+    return min(16, max(4, block_n * kp // (32 * 64)))
+
+
+def persistent_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, ctas_per_sm: int, preload: bool) -> torch.Tensor:
     """One row x [K] times w [N, K]^T with the probe's kernel (K <= MAX_K)."""
     n, k = w.shape
     if k > MAX_K:
@@ -69,8 +74,33 @@ def persistent_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, ctas_per_sm:
     sms = num_sms(x.device.index or 0) if x.is_cuda else 4
     grid = min(triton.cdiv(n, block_n), sms * ctas_per_sm)
     _persistent_gemv_kernel[(grid,)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, KP=next_pow2(k), PRELOAD=preload,
-                                     num_warps=num_warps, **pdl_args(x))
+                                     num_warps=warps_for(block_n, next_pow2(k)), **pdl_args(x))
     return y
+
+
+def build(model: str) -> int:
+    """Each setting's sm_90 build at the model's K values (no GPU): registers, stack (spills), programs an SM."""
+    from tests.ops.compile_sm90 import build_launch, build_stats, compile_blocker, record_launches
+
+    blocker = compile_blocker()
+    if blocker:
+        print(f"no sm_90 build here: {blocker}")
+        return 1
+    module = sys.modules[__name__]
+    spills = 0
+    for k in sorted({k for _, k in step_shapes(model)}):
+        for bn in (2, 4, 8):
+            for pre in (False, True):
+                x, w = torch.empty(k, dtype=torch.bfloat16), torch.empty(1024, k, dtype=torch.bfloat16)
+                with record_launches(module, "_persistent_gemv_kernel") as calls:
+                    persistent_gemv(x, w, bn, 2, pre)
+                (args, kwargs), = calls["_persistent_gemv_kernel"]
+                compiled, _ = build_launch(_persistent_gemv_kernel, args, kwargs)
+                st = build_stats(compiled, kwargs["num_warps"])
+                spills += st["stack"] > 0
+                print(f"K {k:5d} rows {bn} preload {pre!s:5s} warps {kwargs['num_warps']:2d}: {st['regs']} registers, "
+                      f"stack {st['stack']} B, {st['programs_per_sm']} programs an SM")
+    return 1 if spills else 0
 
 
 def step_shapes(model: str) -> list[tuple[int, int]]:
@@ -107,11 +137,14 @@ def check() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--build", action="store_true", help="sm_90 builds only (CPU)")
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--out", default=None, help="directory for probe_gemv_persistent.json")
     args = ap.parse_args()
     if args.check:
         return check()
+    if args.build:
+        return build(args.model)
     from kernel_norm import time_calls, write_gpu_report
 
     from mini_infer.ops.linear import linear
