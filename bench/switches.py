@@ -31,6 +31,17 @@ def _restore_env(name: str, old: str | None) -> None:
         os.environ[name] = old
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Within the block the environment variables `values` are set; after it each is restored, or removed where it
+    was unset (what an `env:NAME=value` switch does; bench/tp.py's per-engine variables too)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.callback(_restore_env, name, os.environ.get(name))
+            os.environ[name] = value
+        yield
+
+
 def _key(text: str):
     return int(text) if text.lstrip("-").isdigit() else text
 
@@ -61,8 +72,7 @@ def switched(assignment: str):
                 var = name.strip()[4:]
                 if not re.fullmatch(r"[A-Za-z_]\w*", var) or not value.strip():
                     raise SystemExit(f"--switch env:NAME=value needs a variable name and a value; got {one!r}")
-                stack.callback(_restore_env, var, os.environ.get(var))
-                os.environ[var] = value.strip()
+                stack.enter_context(environment({var: value.strip()}))
                 continue
             m = _TARGET.match(name.strip())
             if not m or not value or not value.strip().lstrip("-").isdigit():

@@ -148,18 +148,10 @@ def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel
                env: dict[str, str] | None = None) -> dict:
     """Batch-1 decode tok/s, tokens and weight bytes per rank of one engine; `env`: environment variables set
     for this engine only (its ranks inherit them), None = the process's."""
-    import os
+    from switches import environment
 
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
+    with environment(env or {}):
         return _decode_run(model, tp, prompt, new, expert_parallel, env)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool,

@@ -328,7 +328,7 @@ def all_reduce_sum_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
         path = pick_path("cuda", x.nbytes, x.dtype, missing is None, one_shot_max_bytes(), two_shot_max_bytes(),
                          has_two_shot())
         if path != "collective":
-            buf = _buffer(group_name, x.dtype, x.device, x.nbytes)
+            buf = symmetric_buffer(x, group_name)
             if buf is not None:
                 return (all_reduce_sum_one_shot if path == "one_shot" else all_reduce_sum_two_shot)(x, buf, group_name)
     return all_reduce_sum_collective(x, group_name)
