@@ -222,8 +222,8 @@ def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
 # rotary and the write in it) keeps 392-424 bytes of stack against the usual layout's 168-192, where a full layer's
 # keeps 40 against 176 (tests/ops/compile_paged_attention_sm90.py), and on an H200 mistral-7b's nano-vllm workload
 # ran 5,842.5 output tok/s with it against 9,830.8 (decode steps 18.6 vs 9.6 ms; twenty-seventh session); 0 none,
-# V dims-contiguous as 16-bit caches store it. MINI_INFER_FP8_V_KEYS_CONTIGUOUS (or `--switch paged_attention.FP8_V_KEYS_CONTIGUOUS=N`), read by
-# the paged_attention pass when it runs.
+# V dims-contiguous as 16-bit caches store it. MINI_INFER_FP8_V_KEYS_CONTIGUOUS (or `--switch
+# paged_attention.FP8_V_KEYS_CONTIGUOUS=N`), read by the paged_attention pass when it runs.
 FP8_V_KEYS_CONTIGUOUS = _env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2))
 # How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; 3 by
 # default, the fastest on an H200: _CONFIG's "decode_fp8_vkeys"). 1: whole key tiles with no per-key mask, the last
