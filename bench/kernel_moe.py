@@ -233,15 +233,18 @@ def time_eager(calls: list[Callable], rounds: int) -> float:
     return statistics.median(times)
 
 
-def sweep_configs(case: Case):
+def sweep_configs(case: Case, narrow: bool = False):
     """Alternative tiles for --sweep around the regime `moe_tile_config` picks for this shape: the gate/up tile
     varied with the down tile kept, then the down tile varied with the gate/up tile kept (their times add up),
-    for each BLOCK_M of the regime."""
+    for each BLOCK_M of the regime. `narrow` (--sweep-narrow), decode shapes: BLOCK_M 16 with 16 or 32 output
+    columns a program, 2 or 4 warps, K steps of 64-256, instead."""
     from mini_infer.ops.fused_moe import GemmTile, MoeTileConfig, moe_tile_config
 
     base = moe_tile_config(case.tokens, case.experts, case.top_k, case.hidden, case.inter)
     yield base
-    if base.kind == "decode":
+    if base.kind == "decode" and narrow:
+        shapes = [(16, w, bn, bk, st, 1) for w in (2, 4) for bn in (16, 32) for bk in (64, 128, 256) for st in (3, 4)]
+    elif base.kind == "decode":
         shapes = [(bm, w, bn, bk, st, 1) for bm in (16, 32) for w in (4, 8) for bn in (32, 64, 128)
                   for bk in (128, 256, 512) for st in (3, 4) if (bm, bk) != (32, 512)]
     else:
@@ -300,7 +303,7 @@ def bench(args, dtype, checks: dict) -> dict:
                 row["impls"]["ref"] = _metrics(ms_r, case, copy["gbps"])
             if args.sweep:
                 row["sweep"] = []
-                for alt in sweep_configs(case):
+                for alt in sweep_configs(case, args.sweep_narrow):
                     try:
                         ms_a, _ = time_calls(case.triton_calls(alt), args.target_ms, args.rounds)
                     except Exception as e:  # a tile that does not compile or fit
@@ -363,6 +366,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "mismatch")
     ap.add_argument("--no-ref", action="store_true", help="do not time the reference")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs per shape")
+    ap.add_argument("--sweep-narrow", action="store_true", help="with --sweep: decode shapes' narrow tiles (16-32 "
+                    "output columns a program, 2-4 warps) instead of the usual set")
     ap.add_argument("--decode", action="store_true", help="the decode path beside the grouped GEMMs at few tokens "
                     f"(default models {','.join(DECODE_MODELS)}, tokens {DECODE_TOKENS})")
     ap.add_argument("--sets", type=int, default=8, help="routings cycled per timing at decode sizes (cold L2)")

@@ -135,13 +135,16 @@ def check_presets(tp: int, expert_parallel: bool = False, only: tuple[str, ...] 
     return failures
 
 
-def _report_check(failures: list[str], tp: int, expert_parallel: bool = False) -> None:
+def _report_check(failures: list[str], tp: int, expert_parallel: bool = False, only: tuple[str, ...] = ()) -> None:
+    """The check's verdict, naming what it covered: the presets of `only`, else every preset of its kind."""
+    covered = ", ".join(only) if only else ("every MoE tiny preset" if expert_parallel
+                                            else "every dense and MoE tiny preset")
     if failures:
         print("float32 check FAILED:\n  " + "\n  ".join(failures))
     elif expert_parallel:
-        print(f"float32 check: TP={tp} with expert parallelism greedy == TP=1 on every MoE tiny preset")
+        print(f"float32 check: TP={tp} with expert parallelism greedy == TP=1 on {covered}")
     else:
-        print(f"float32 check: TP={tp} greedy == TP=1 on every dense and MoE tiny preset")
+        print(f"float32 check: TP={tp} greedy == TP=1 on {covered}")
 
 
 def decode_run(model: str, tp: int, prompt: list[int], new: int, expert_parallel: bool = False,
@@ -363,7 +366,7 @@ def main() -> int:
     only = tuple(p for p in args.presets.split(",") if p)
     failures = [] if args.skip_check else check_presets(args.tp, ep, only)
     if args.check_only:
-        _report_check(failures, args.tp, ep)
+        _report_check(failures, args.tp, ep, only)
         return 1 if failures else 0
     bw = copy_bandwidth()
     gen = torch.Generator().manual_seed(0)
@@ -395,7 +398,7 @@ def main() -> int:
         verdict = "identical" if same is None else f"first differ at token {same} of {len(a)} (bf16 sum order)"
         print(f"greedy tokens TP=1 vs TP={r['label']}: {verdict}")
     if not args.skip_check:
-        _report_check(failures, args.tp, ep)
+        _report_check(failures, args.tp, ep, only)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     from kernel_norm import git_info  # HEAD and the files that differ from it
