@@ -42,7 +42,21 @@ except Exception:  # ImportError, or a broken install that fails on import
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "await_producers", "pdl_args", "triton", "tl", "use_triton", "next_pow2", "num_sms"]
+__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "pdl_args", "triton", "tl", "use_triton", "next_pow2",
+           "num_sms"]
+
+# The L2 eviction policy of the weight loads of the one-row GEMV kernels (linear.py's `gemv_load`: every float, int8
+# and fp8 GEMV, lm_head's and the MoE decode path's included) and of the MoE GEMMs' decode-shaped launches
+# (fused_moe.py): "" (the default
+# policy), "evict_first" (PTX `createpolicy ... L2::evict_first` with an `L2::cache_hint` on each load: lines streamed
+# once a step give way first, so what the step re-reads (activations, norm weights, rotary rows, block tables, the
+# KV cache of short contexts) may stay in the 60 MB L2 of an H200 across the ~1.2 GB a qwen3-0.6b step streams) or
+# "evict_last". An experiment for batch-1 decode (issue #14), not yet measured on a GPU: read once, at import
+# (MINI_INFER_WEIGHT_EVICTION), because Triton refuses a changed global in a compiled kernel; an A/B runs one
+# process per value.
+WEIGHT_EVICTION = os.environ.get("MINI_INFER_WEIGHT_EVICTION", "")
+if WEIGHT_EVICTION not in ("", "evict_first", "evict_last"):
+    raise ValueError(f"MINI_INFER_WEIGHT_EVICTION must be empty, evict_first or evict_last, got {WEIGHT_EVICTION!r}")
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -87,6 +101,7 @@ def pdl_args(t: torch.Tensor, trigger_first: bool = True) -> dict:
 
 
 if HAS_TRITON:
+    WEIGHT_EVICT = tl.constexpr(WEIGHT_EVICTION)  # WEIGHT_EVICTION, for @triton.jit code
 
     @triton.jit
     def await_producers(USE_GDC: tl.constexpr):

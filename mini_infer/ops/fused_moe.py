@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
+    WEIGHT_EVICTION,
     await_producers,
     next_pow2,
     pdl_args,
@@ -366,12 +367,13 @@ if HAS_TRITON:
         return a
 
     @triton.jit
-    def _b_tile(b_ptrs, col_ok, k_ok, EVEN_K: tl.constexpr):
-        """One K step's B tile [BLOCK_K, BLOCK_N] (its columns `col_ok`, its K rows `k_ok` unless EVEN_K)."""
+    def _b_tile(b_ptrs, col_ok, k_ok, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+        """One K step's B tile [BLOCK_K, BLOCK_N] (its columns `col_ok`, its K rows `k_ok` unless EVEN_K), loaded
+        with L2 eviction policy EVICT."""
         if EVEN_K:
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0, eviction_policy=EVICT)
         else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy=EVICT)
         return b
 
     @triton.jit
@@ -422,6 +424,7 @@ if HAS_TRITON:
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
+        B_EVICT: tl.constexpr = "",
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -434,7 +437,9 @@ if HAS_TRITON:
         block's rows, pairs, expert, routing weights and last K step's B tile(s) are loaded before the PDL wait,
         masked off in a block that will exit; the exits come after the wait, then the last step's A tile is loaded,
         the K loop runs the other steps and the last step, peeled, takes the preloaded tile: the steps in the same
-        order as without it (the same bits), and nothing between the wait and the loop's first loads."""
+        order as without it (the same bits), and nothing between the wait and the loop's first loads.
+        B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
+        decode-shaped launches)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -460,9 +465,9 @@ if HAS_TRITON:
             last_ok = ks < k_in - k_end
             # col_ok & live as one compare: the interpreter's `&` of a vector and a scalar gives ints, not a mask
             col_live = cols < tl.where(live, n_out, 0)
-            b_last = _b_tile(b_ptrs + k_end * stride_bk, col_live, last_ok, EVEN_K)
+            b_last = _b_tile(b_ptrs + k_end * stride_bk, col_live, last_ok, EVEN_K, B_EVICT)
             if GATED:
-                b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K)
+                b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K, B_EVICT)
         await_producers(USE_GDC)
         if not PRELOAD:
             padded_end = tl.load(num_padded_ptr)
@@ -482,9 +487,9 @@ if HAS_TRITON:
         for k0 in range(0, k_end, BLOCK_K):
             k_ok = ks < k_in - k0
             a = _a_tile(a_ptrs, row_ok, k_ok, EVEN_K, DOT_FP32)
-            acc = _dot_step(a, _b_tile(b_ptrs, col_ok, k_ok, EVEN_K), acc, DOT_FP32)
+            acc = _dot_step(a, _b_tile(b_ptrs, col_ok, k_ok, EVEN_K, B_EVICT), acc, DOT_FP32)
             if GATED:
-                acc_up = _dot_step(a, _b_tile(b_ptrs + up_offset, col_ok, k_ok, EVEN_K), acc_up, DOT_FP32)
+                acc_up = _dot_step(a, _b_tile(b_ptrs + up_offset, col_ok, k_ok, EVEN_K, B_EVICT), acc_up, DOT_FP32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         if PRELOAD:  # the last K step, peeled: its B tile(s) loaded before the wait
@@ -607,14 +612,14 @@ class _RawIds:
 
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
-                  tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False) -> None:
+                  tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "") -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
-    stream writes none of its arguments but `a` (module docstring, "Before the wait")."""
+    stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         try:
@@ -626,7 +631,8 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(a, trigger_first=False),
+                PRELOAD=preload, B_EVICT=evict, num_warps=t.num_warps, num_stages=t.num_stages,
+                **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -723,8 +729,9 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         raw_ids = None
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids)
+                  cfg.gate_up, raw_ids, evict=evict)
     # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
@@ -732,7 +739,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
-                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE)
+                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict)
     if k > 1:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)

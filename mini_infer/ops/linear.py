@@ -95,6 +95,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 if HAS_TRITON:
+    from mini_infer.ops._triton_support import WEIGHT_EVICT
 
     @triton.jit
     def gemv_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -107,8 +108,10 @@ if HAS_TRITON:
 
     @triton.jit
     def gemv_load(w_rows, row_ok, cols, col_ok):
-        """The weight rows' columns `cols` [BLOCK_N, BLOCK_K], zero where a row or column does not exist."""
-        return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        """The weight rows' columns `cols` [BLOCK_N, BLOCK_K], zero where a row or column does not exist; L2 eviction
+        policy _triton_support.WEIGHT_EVICTION."""
+        return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                       eviction_policy=WEIGHT_EVICT)
 
     @triton.jit
     def gemv_step(acc, w_rows, row_ok, cols, col_ok, x):
