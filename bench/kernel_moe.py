@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/kernel_moe.py [--check] [--models qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,8,64,256,2048,8192]
     PYTHONPATH=. python bench/kernel_moe.py --check --tiny     # no GPU needed: tiny shapes, Triton under TRITON_INTERPRET=1
     PYTHONPATH=. python bench/kernel_moe.py --sweep            # also time alternative tile configs per shape (slow)
+    PYTHONPATH=. python bench/kernel_moe.py --sweep --sweep-narrow --tokens 1   # decode shapes: 16-32 columns a tile
     PYTHONPATH=. python bench/kernel_moe.py --decode --check   # the decode path beside the grouped GEMMs (< 3 min)
 
 For `qwen3-30b-a3b` (H 2048, I 768, E 128, k 8) and `mixtral-8x7b` (H 4096, I 14336, E 8, k 2) experts in bf16,
