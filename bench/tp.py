@@ -56,9 +56,6 @@ from active_bytes import token_bytes  # noqa: E402  (the weight bytes a token re
 from latency import copy_bandwidth  # noqa: E402
 
 MOE_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe")  # the tiny MoE presets TP supports
-ONE_SHOT_ENV = "MINI_INFER_ONE_SHOT_ALLREDUCE"  # mini_infer.ops.all_reduce's limits in bytes, "0" = never
-TWO_SHOT_ENV = "MINI_INFER_TWO_SHOT_ALLREDUCE"
-NCCL_ONLY = {ONE_SHOT_ENV: "0", TWO_SHOT_ENV: "0"}  # both symmetric-memory paths off
 
 
 def _text_config(model: str):
@@ -371,8 +368,11 @@ def main() -> int:
     bw = copy_bandwidth()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist()
+    from mini_infer.ops.all_reduce import ONE_SHOT_ENV, TWO_SHOT_ENV
+
+    nccl_only = {ONE_SHOT_ENV: "0", TWO_SHOT_ENV: "0"}  # both symmetric-memory paths off
     runs = []
-    variants = [(1, False, None), *([(args.tp, False, NCCL_ONLY)] if args.compare_nccl else []),
+    variants = [(1, False, None), *([(args.tp, False, nccl_only)] if args.compare_nccl else []),
                 (args.tp, False, None), *([(args.tp, True, None)] if ep else [])]
     for tp, with_ep, env in variants:
         runs.append(decode_run(args.model, tp, prompt, args.new_tokens, with_ep, env=env))

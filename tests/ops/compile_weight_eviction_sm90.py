@@ -26,27 +26,31 @@ def _counts(ptx: str) -> dict:
             "policies": sorted(set(re.findall(r"createpolicy\.fractional\.(L2::\w+)", ptx)))}
 
 
+def _case(module, kernel: str, call) -> dict:
+    """`module`'s kernel `kernel` built for sm_90 as `call()` (its op's launcher on CPU tensors) launches it, with the
+    policy it was built under and its counts."""
+    from mini_infer.ops._triton_support import WEIGHT_EVICTION
+
+    with record_launches(module, kernel) as calls:
+        call()
+    (args, kwargs), = calls[kernel]
+    built, _ = build_launch(getattr(module, kernel), args, kwargs)
+    return {"kernel": f"{module.__name__.rsplit('.', 1)[-1]}.{kernel}", "eviction": WEIGHT_EVICTION,
+            **_counts(built.asm["ptx"])}
+
+
 def cases() -> list[dict]:
     import torch
 
     from mini_infer.ops import int8_linear, linear
-    from mini_infer.ops._triton_support import WEIGHT_EVICTION
 
-    out = []
-    with record_launches(linear, "_gemv_kernel") as calls:
-        linear.gemv_triton(torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(256, 1024, dtype=torch.bfloat16),
-                           None)
-    (args, kwargs), = calls["_gemv_kernel"]
-    built, _ = build_launch(linear._gemv_kernel, args, kwargs)
-    out.append({"kernel": "linear._gemv_kernel", "eviction": WEIGHT_EVICTION, **_counts(built.asm["ptx"])})
-    with record_launches(int8_linear, "_scaled_gemv_kernel") as calls:
-        int8_linear.scaled_gemv_triton(torch.empty(1, 1024, dtype=torch.int8), torch.empty(1, 1),
-                                       torch.empty(256, 1024, dtype=torch.int8), torch.empty(256), None,
-                                       torch.bfloat16)
-    (args, kwargs), = calls["_scaled_gemv_kernel"]
-    built, _ = build_launch(int8_linear._scaled_gemv_kernel, args, kwargs)
-    out.append({"kernel": "int8_linear._scaled_gemv_kernel", "eviction": WEIGHT_EVICTION, **_counts(built.asm["ptx"])})
-    return out
+    return [
+        _case(linear, "_gemv_kernel", lambda: linear.gemv_triton(
+            torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(256, 1024, dtype=torch.bfloat16), None)),
+        _case(int8_linear, "_scaled_gemv_kernel", lambda: int8_linear.scaled_gemv_triton(
+            torch.empty(1, 1024, dtype=torch.int8), torch.empty(1, 1), torch.empty(256, 1024, dtype=torch.int8),
+            torch.empty(256), None, torch.bfloat16)),
+    ]
 
 
 if __name__ == "__main__":

@@ -141,7 +141,6 @@ def test_two_ranks_equal_dist_all_reduce(env):
     assert run_ranks(_sums, 2, env) == [[], []]
 
 
-
 @pytest.mark.parametrize(("ranks", "peers", "refused"), [
     ([("a", 0, False), ("a", 1, False)], True, None),  # one host, peer access: agreed
     ([("a", None, False), ("a", None, False)], False, None),  # no CUDA devices named (gloo): nothing to ask
@@ -178,6 +177,6 @@ def _agreement(rank: int, world_size: int) -> list:
 def test_symmetric_memory_agreed_by_every_rank_from_rank_0():
     """Symmetric memory serves one process group per process (a second tensor-parallel engine's group set it up
     again and never finished on two H200s): once rank 0 has released an earlier group's buffers, a later group is
-    refused on every rank, its newly started peers included (the answer comes over the group's store), and the
-    reason is said."""
+    refused on every rank, its newly started peers included (every rank gathers every rank's history over the group
+    and decides alike), and the reason is said."""
     assert run_ranks(_agreement, 2) == [[True, False, True, True], [True, False, True, True]]
