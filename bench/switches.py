@@ -56,8 +56,8 @@ def _clear_launch_cache(module) -> None:
 @contextlib.contextmanager
 def switched(assignment: str):
     """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
-    switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type, for the block, then
-    restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
+    switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type (a string attribute
+    takes the value as written: `int8_linear.INT8_GEMV=dot`), for the block, then restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
     `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
     e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
     cleared on the way in and out. `env:NAME=value` sets an environment variable for the block instead (restored, or
@@ -75,13 +75,20 @@ def switched(assignment: str):
                 stack.enter_context(environment({var: value.strip()}))
                 continue
             m = _TARGET.match(name.strip())
-            if not m or not value or not value.strip().lstrip("-").isdigit():
+            if not m or not value.strip():
                 raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int, joined by commas; "
                                  f"got {assignment!r}")
             mod_name, attr = m["mod"], m["attr"]
             # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
             module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
             keys = [_key(k) for k in re.findall(r"\[([^\[\]]+)\]", m["keys"])]
+            if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.INT8_GEMV=dot`
+                stack.callback(setattr, module, attr, getattr(module, attr))
+                setattr(module, attr, value.strip())
+                continue
+            if not value.strip().lstrip("-").isdigit():
+                raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "
+                                 f"attribute), joined by commas; got {assignment!r}")
             if not keys:
                 old = getattr(module, attr)
                 setattr(module, attr, type(old)(int(value)))

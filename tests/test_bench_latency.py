@@ -44,6 +44,21 @@ def test_dotted_switch_reaches_a_runtime_module(monkeypatch):
     assert cuda_graphs.OWN_LOGITS_MAX_ROWS == before
 
 
+def test_string_switch_takes_a_mode_by_name(monkeypatch):
+    """A string attribute (a mode by name) takes the value as written; an int attribute still refuses a name."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import int8_linear
+
+    before = int8_linear.INT8_GEMV
+    with latency.switched("int8_linear.INT8_GEMV=dot,int8_linear.GEMV_DOT_SPLIT_PER_SM=2"):
+        assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == ("dot", 2)
+    assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == (before, 0)
+    with pytest.raises(SystemExit), latency.switched("int8_linear.GEMV_DOT_SPLIT_PER_SM=two"):
+        pass
+
+
 def test_rounds_alternate_every_variant(monkeypatch):
     """--rounds N: the first engine again from the second round on, then each variant (--without, --with, each
     --switch) in every round; no variant, no extra engine."""

@@ -36,7 +36,17 @@ from collections.abc import Callable
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton, use_triton
+from mini_infer.ops._split_k import split_counters
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    await_producers,
+    next_pow2,
+    num_sms,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
 from mini_infer.ops.linear import launch_gemv, unit_stride_row
 from mini_infer.ops.quant import quantize_per_token_reference, quantize_per_token_triton
 
@@ -46,6 +56,12 @@ __all__ = [
     "FP8_GEMV",
     "FP8_GEMV_MODES",
     "fp8_gemv_dot",
+    "gemv_dot",
+    "gemv_split_k",
+    "GEMV_DOT_SPLIT_PER_SM",
+    "INT8_GEMV",
+    "INT8_GEMV_MODES",
+    "SCALED_GEMV_CONFIG_INT8_DOT",
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
@@ -116,9 +132,28 @@ FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
+# How the int8 GEMV multiplies (MINI_INFER_INT8_GEMV, read at import; the launchers look this attribute up at each
+# call and take it per call too): "dp4a" (the default), int32 words of four bytes on CUDA cores (`_dot4`); "dot",
+# int8 x int8 -> int32 on tensor cores (`_padded_row_dot`, as fp8's "dot": the weights stream through the
+# cp.async pipeline of `num_stages`, which a GEMV's plain loads do not get), the same exact int32, so the same bits.
+# Not yet measured on a GPU against dp4a (bench/kernel_quant.py --sweep-gemv int8-dot).
+INT8_GEMV_MODES = ("dp4a", "dot")
+INT8_GEMV = os.environ.get("MINI_INFER_INT8_GEMV", "dp4a")
+if INT8_GEMV not in INT8_GEMV_MODES:
+    raise ValueError(f"MINI_INFER_INT8_GEMV must be one of {INT8_GEMV_MODES}, got {INT8_GEMV!r}")
+# Split-K for the tensor-core GEMVs (either operand dtype): a tensor-core GEMV has BLOCK_N = 64 rows a program, so a
+# short output (qwen2.5-7b's o_proj and down_proj: N = 3584, 56 programs) leaves most SMs without a program, each
+# streaming a long row alone. With GEMV_DOT_SPLIT_PER_SM > 0, launches of fewer row blocks than that many programs
+# per SM cut K into splits (a power of two, each at least GEMV_DOT_MIN_SPLIT_STEPS BLOCK_K steps) over grid axis 1;
+# the row block's last split sums the partials in split order (`_merged_splits`: deterministic; int8's int32 sums
+# exact, so the bits do not depend on the split). A config's fifth element, when given, is the split count
+# (sweeps). 0 (no split) until measured: `bench/kernel_quant.py --sweep-gemv` times splits 1-8.
+GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "0"))
+GEMV_DOT_MIN_SPLIT_STEPS = 4
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
+SCALED_GEMV_CONFIG_INT8_DOT = (64, 256, 4, 4)  # fp8's tile (the same bytes a step); not yet swept for int8
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -266,6 +301,7 @@ def w8a8_linear_reference(
 # --------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from mini_infer.ops._split_k import arrives_last
     from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
@@ -307,27 +343,34 @@ if HAS_TRITON:
             return acc
 
     @triton.jit
-    def _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x [K] . w[row] for the BLOCK_N weight rows, fp32, on tensor cores (fp8 operands: `FP8_GEMV` "dot"): the
-        weight tile goes to `tl.dot` as it was loaded (no conversion; fp32 accumulation) and the one row x is
-        padded with rows masked to zero (never read from memory). Which operand is which, by BLOCK_N: below
-        DOT_ROWS, x is row 0 of a DOT_ROWS-row A tile and the weights are B (x . w.T: any BLOCK_N, the GEMV's
-        split of N; the zero rows cost the tensor cores and shared memory DOT_ROWS / BLOCK_N times the weight
-        bytes); from DOT_ROWS on, the weights are A and x column 0 of a DOT_COLS-column B (w . x.T: little
-        padding, but BLOCK_N rows a program). Either way the weights stream BLOCK_K columns a step, as
-        `gemv_step` streams them."""
+    def _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ACC_DTYPE: tl.constexpr):  # fmt: skip
+        """x [K] . w[row] over columns k_lo..k_hi for the BLOCK_N weight rows, on tensor cores (`FP8_GEMV` /
+        `INT8_GEMV` "dot"): the weight tile goes to `tl.dot` as it was loaded (no conversion; ACC_DTYPE
+        accumulation: fp32 for fp8, exact int32 for int8) and the one row x is padded with rows masked to zero
+        (never read from memory). Which operand is which, by BLOCK_N: below DOT_ROWS, x is row 0 of a DOT_ROWS-row A
+        tile and the weights are B (x . w.T: any BLOCK_N, the GEMV's split of N; the zero rows cost the tensor cores
+        and shared memory DOT_ROWS / BLOCK_N times the weight bytes); from DOT_ROWS on, the weights are A and x
+        column 0 of a DOT_COLS-column B (w . x.T: little padding, but BLOCK_N rows a program). Either way the
+        weights stream BLOCK_K columns a step, as `gemv_step` streams them. k_lo is a multiple of BLOCK_K and k_hi
+        either one or K (a split's range: `_split_range`), so only K masks columns."""
         if BLOCK_N < _DOT_ROWS:
             pad = tl.arange(0, _DOT_ROWS)[:, None] == 0
-            acc = tl.zeros([_DOT_ROWS, BLOCK_N], tl.float32)
+            acc = tl.zeros([_DOT_ROWS, BLOCK_N], ACC_DTYPE)
         else:
             pad = tl.arange(0, _DOT_COLS)[:, None] == 0
-            acc = tl.zeros([BLOCK_N, _DOT_COLS], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+            acc = tl.zeros([BLOCK_N, _DOT_COLS], ACC_DTYPE)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             x = tl.load(x_ptr + cols[None, :], mask=pad & col_ok[None, :], other=0.0)
             w = gemv_load(w_rows, row_ok, cols, col_ok)
-            if BLOCK_N < _DOT_ROWS:
+            if ACC_DTYPE == tl.int32:  # int8 x int8 -> int32 (IGMMA / IMMA): exact, like dp4a
+                if BLOCK_N < _DOT_ROWS:
+                    acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)
+            elif BLOCK_N < _DOT_ROWS:
                 acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
@@ -335,22 +378,50 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0) if BLOCK_N < _DOT_ROWS else tl.sum(acc, axis=1)
 
     @triton.jit
+    def _split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(split, k_lo, k_hi): this program's split of K (grid axis 1) in whole BLOCK_K steps, the last one cut by
+        K (empty when K has fewer steps than splits)."""
+        split = tl.program_id(1)
+        per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = split * per_split
+        return split, k_lo, tl.minimum(k_lo + per_split, K)
+
+    @triton.jit
+    def _merged_splits(dots, split, rows, row_ok, N, ws_ptr, cnt_ptr, SPLIT_K: tl.constexpr):
+        """Split-K's merge in the launch: this split's partial dots go to ws[split, rows], then a count at cnt_ptr
+        (this row block's counter, zero between launches); (the SPLIT_K partials summed in split order,
+        whatever the arrival order: deterministic; True) for the split that arrives last, which has reset the
+        counter, else (its own partial, False)."""
+        tl.store(ws_ptr + split * N + rows, dots, mask=row_ok)
+        last = arrives_last(cnt_ptr, SPLIT_K)
+        total = dots
+        if last:
+            total = tl.load(ws_ptr + rows, mask=row_ok, other=0)
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws_ptr + s * N + rows, mask=row_ok, other=0)
+        return total, last
+
+    @triton.jit
     def scaled_gemv_program(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     ):  # fmt: skip
-        """The scaled GEMV kernel (launched as `_scaled_gemv_kernel`; kernels that do more after it call it as
+        """The scaled GEMV's body (launched alone as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`)."""
+        and BLOCK_K count words), multiplied by `_dot4`. DOT: the products on tensor cores instead
+        (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose partials meet in
+        `_merged_splits` (workspace ws_ptr [SPLIT_K, N] of ACC_DTYPE, this row block's counter at
+        cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
+        outputs: always without splits, only the row block's last split with them."""
         await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
-            dots = _padded_row_dot(x_ptr, w_rows, row_ok, K, BLOCK_N, BLOCK_K)
+            split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
+            dots = _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N, BLOCK_K, ACC_DTYPE)
         else:
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -362,11 +433,25 @@ if HAS_TRITON:
                 else:
                     acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
             dots = tl.sum(acc, axis=1)
-        y = _dequantize(dots, tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
-                        b_ptr + rows, row_ok, HAS_BIAS)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        stores = True
+        if SPLIT_K > 1:
+            dots, stores = _merged_splits(dots, split, rows, row_ok, N, ws_ptr, cnt_ptr + 1 + tl.program_id(0),
+                                          SPLIT_K)
+        if stores:
+            y = _dequantize(dots, tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
+                            b_ptr + rows, row_ok, HAS_BIAS)
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        return stores
 
-    _scaled_gemv_kernel = scaled_gemv_program
+    @triton.jit
+    def _scaled_gemv_kernel(
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    ):  # fmt: skip
+        """`scaled_gemv_program` as a kernel of its own (a kernel returns nothing: the program's flag is dropped)."""
+        scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
+                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -518,34 +603,64 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
 def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
     """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores: fp8
     operands and the fp8 GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot", or
-    "auto" with k < FP8_GEMV_LONG_K; int8 never."""
+    "auto" with k < FP8_GEMV_LONG_K; int8 never (see `gemv_dot`)."""
     mode = FP8_GEMV if fp8_gemv is None else fp8_gemv
     if mode not in FP8_GEMV_MODES:
         raise ValueError(f"fp8_gemv must be one of {FP8_GEMV_MODES}, got {mode!r}")
     return dtype != torch.int8 and (mode == "dot" or (mode == "auto" and k < FP8_GEMV_LONG_K))
 
 
-def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> tuple[int, int, int, int]:
-    """The one-row GEMV's default tile for quantized activations of `dtype`, rows of K elements and the fp8 GEMV
-    mode `fp8_gemv` (`fp8_gemv_dot`)."""
+def gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None, int8_gemv: str | None = None) -> bool:
+    """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores:
+    int8 by the int8 GEMV mode `int8_gemv` (None: the module's INT8_GEMV, looked up at the call) "dot"; fp8 as
+    `fp8_gemv_dot` says."""
+    if dtype != torch.int8:
+        return fp8_gemv_dot(dtype, k, fp8_gemv)
+    mode = INT8_GEMV if int8_gemv is None else int8_gemv
+    if mode not in INT8_GEMV_MODES:
+        raise ValueError(f"int8_gemv must be one of {INT8_GEMV_MODES}, got {mode!r}")
+    return mode == "dot"
+
+
+def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None,
+                       int8_gemv: str | None = None) -> tuple[int, int, int, int]:
+    """The one-row GEMV's default tile for quantized activations of `dtype`, rows of K elements and the GEMV modes
+    `fp8_gemv` / `int8_gemv` (`gemv_dot`)."""
     if dtype == torch.int8:
-        return SCALED_GEMV_CONFIG
+        return SCALED_GEMV_CONFIG_INT8_DOT if gemv_dot(dtype, k, int8_gemv=int8_gemv) else SCALED_GEMV_CONFIG
     if fp8_gemv_dot(dtype, k, fp8_gemv):
         return SCALED_GEMV_CONFIG_FP8_DOT
     return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
 
 
+def gemv_split_k(n: int, k: int, config: tuple[int, ...], device: torch.device) -> int:
+    """The split count of a tensor-core GEMV over an [n, k] weight at tile `config`: its fifth element if it has one,
+    else by GEMV_DOT_SPLIT_PER_SM (module docstring note above it) on a CUDA device, else 1."""
+    if len(config) > 4:
+        return int(config[4])
+    if not GEMV_DOT_SPLIT_PER_SM or device.type != "cuda":
+        return 1
+    block_n, block_k = config[0], config[1]
+    blocks = triton.cdiv(n, block_n)
+    target = GEMV_DOT_SPLIT_PER_SM * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if blocks >= target:
+        return 1
+    by_steps = max(1, k // (block_k * GEMV_DOT_MIN_SPLIT_STEPS))
+    return max(1, min(next_pow2(triton.cdiv(target, blocks)), 1 << (by_steps.bit_length() - 1)))
+
+
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
-    *, pack_int8: bool = True, fp8_gemv: str | None = None,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, ...] | None = None,
+    *, pack_int8: bool = True, fp8_gemv: str | None = None, int8_gemv: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
-    `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order, on CUDA cores or
-    tensor cores as `fp8_gemv` says (None: FP8_GEMV). `config` (BLOCK_N, BLOCK_K in elements, num_warps,
-    num_stages) overrides `scaled_gemv_config`'s tile (benchmark sweeps)."""
+    `_packs_int8` allows and `pack_int8`, else byte by byte, or on tensor cores as `int8_gemv` says (None:
+    INT8_GEMV); fp8: fp32 sums in another order, on CUDA cores or tensor cores as `fp8_gemv` says (None: FP8_GEMV).
+    `config` (BLOCK_N, BLOCK_K in elements, num_warps, num_stages[, split count for tensor cores]) overrides
+    `scaled_gemv_config`'s tile and `gemv_split_k`'s split (benchmark sweeps)."""
     if not HAS_TRITON:
         raise RuntimeError("scaled_gemv_triton needs triton")
     n, k = w_q.shape
@@ -554,36 +669,44 @@ def scaled_gemv_triton(
                          f"x_scale {tuple(x_scale.shape)}")
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8,
-                       fp8_gemv=fp8_gemv)
+                       fp8_gemv=fp8_gemv, int8_gemv=int8_gemv)
     return y
 
 
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
+    bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, ...] | None = None,
+    pack_int8: bool = True, fp8_gemv: str | None = None, int8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
-    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing and
-    the fp8 products' units as `scaled_gemv_triton` describes."""
+    [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing, the
+    products' units and the split as `scaled_gemv_triton` describes. The counters it hands the body (`split_counters`)
+    keep element 0 for the kernel's own use (linear_add_rms_norm.py's last-arriving program), zero between launches."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
-    dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
+    dot = gemv_dot(x_q.dtype, k, fp8_gemv, int8_gemv)
     if config is None:
-        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
-    bn, bk, warps, stages = config
+        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv, int8_gemv)
+    bn, bk, warps, stages = config[:4]
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
-        raise ValueError(f"the fp8 dot GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power of "
-                         f"two, got {config}")
-    packed = pack_int8 and _packs_int8(xr, w)
+        raise ValueError(f"the tensor-core GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power "
+                         f"of two, got {config}")
+    split_k = gemv_split_k(n, k, config, x_q.device) if dot else 1
+    if split_k < 1 or (split_k > 1 and not dot):
+        raise ValueError(f"a GEMV splits K only on tensor cores, into at least one split; got {config}")
+    blocks = triton.cdiv(n, bn)
+    cnt = split_counters(x_q.device, 1 + (blocks if split_k > 1 else 0))
+    acc_dtype = torch.int32 if x_q.dtype == torch.int8 else torch.float32
+    partials = torch.empty((split_k, n), dtype=acc_dtype, device=x_q.device) if split_k > 1 else cnt
+    packed = not dot and pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
-    launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), *args,
-                config=(bn, bk, warps, stages), HAS_BIAS=bias is not None,
+    launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), partials, cnt,
+                *args, config=(bn, bk, warps, stages), splits=split_k, HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k, **constexprs)
 
 
 def scaled_linear_triton(

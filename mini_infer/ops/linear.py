@@ -260,14 +260,15 @@ def prefix_preload_width(k: int, config: tuple[int, int, int, int]) -> int:
 
 
 def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int, int] | None = None,
-                preload: bool = False, prefix: bool = False, **constexprs) -> None:
+                preload: bool = False, prefix: bool = False, splits: int = 1, **constexprs) -> None:
     """Launch a kernel built on the GEMV tiling (`gemv_rows` / `gemv_step` / `gemv_store`) over `weight`'s
     rows: one program per BLOCK_N rows, the tile of `config` (None: `gemv_config` of the weight's K), as a
     programmatic dependent launch (`pdl_args`: every such kernel takes USE_GDC and calls `await_producers` before it
     reads anything an earlier kernel writes). `preload`: the kernel takes PRELOAD_K, which this sets to
     `preload_width` of the weight's K and the tile (its weight rows loaded before the wait where that is not 0).
     `prefix` (with preload; the kernel then takes PRELOAD_PREFIX too): rows too long for that may load a prefix
-    (`prefix_preload_width`)."""
+    (`prefix_preload_width`). `splits` > 1: a second grid axis of that many programs per row block (int8_linear.py's
+    split-K tensor-core GEMV)."""
     tile = config or gemv_config(weight.shape[1], weight.shape[0])
     bn, bk, warps, stages = tile
     if preload:
@@ -275,7 +276,8 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
         width = prefix_preload_width(weight.shape[1], tile) if prefix and not constexprs["PRELOAD_K"] else 0
         if width:
             constexprs.update(PRELOAD_K=width, PRELOAD_PREFIX=True)
-    kernel[(triton.cdiv(weight.shape[0], bn),)](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
+    grid = (triton.cdiv(weight.shape[0], bn),) if splits == 1 else (triton.cdiv(weight.shape[0], bn), splits)
+    kernel[grid](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
                                                 num_warps=warps, num_stages=stages)
 
 

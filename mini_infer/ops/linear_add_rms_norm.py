@@ -129,18 +129,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _scaled_gemv_add_rms_norm_quant_kernel(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn,
-        r_ptr, nw_ptr, q_ptr, q_scale_ptr, s_ptr, cnt_ptr, eps,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
+        r_ptr, nw_ptr, q_ptr, q_scale_ptr, s_ptr, eps,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        SPLIT_K: tl.constexpr = 1,
     ):  # fmt: skip
-        scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS, ACC_DTYPE,
-                            PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC)
-        if arrives_last(cnt_ptr, tl.num_programs(0)):
-            # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
-            out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M, NORM_BLOCK_N)
-            store_quantized_norm(out, rows, cols, mask, 1, q_ptr, q_scale_ptr, N, NORM_DTYPE, IS_FP8, QMAX)
+        # a split-K launch stores a row block's outputs from its last split only: those programs are counted here
+        stored = scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr,
+                                     cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
+        if stored:
+            if arrives_last(cnt_ptr, tl.num_programs(0)):
+                # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
+                out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M,
+                                                        NORM_BLOCK_N)
+                store_quantized_norm(out, rows, cols, mask, 1, q_ptr, q_scale_ptr, N, NORM_DTYPE, IS_FP8, QMAX)
 
 
 def _fusable(y_shape: tuple, residual: torch.Tensor, norm_weight: torch.Tensor, y_dtype: torch.dtype) -> bool:
@@ -198,7 +202,7 @@ def scaled_linear_add_rms_norm_quant_triton(
     block_m, block_n, _ = norm_tile(n)
     launch_scaled_gemv(
         _scaled_gemv_add_rms_norm_quant_kernel, x_q, x_scale, w_q, w_scale, bias, y,
-        unit_stride_row(residual), norm_weight.contiguous(), q, q_scale, s, split_counters(x_q.device, 1), float(eps),
+        unit_stride_row(residual), norm_weight.contiguous(), q, q_scale, s, float(eps),
         NORM_DTYPE=_tl_dtype(torch.promote_types(norm_weight.dtype, out_dtype)), IS_FP8=dtype == FP8,
         QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
     )  # fmt: skip

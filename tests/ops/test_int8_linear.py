@@ -131,6 +131,78 @@ def test_gemv_same_bits_as_the_tile(n, k, bias):
 
 
 @requires_triton
+@pytest.mark.parametrize(("n", "k"), [(33, 200), (130, 1500)])
+@pytest.mark.parametrize("split", [1, 2, 3, 8])
+def test_tensor_core_gemv_same_bits_as_dp4a(n, k, split):
+    """INT8_GEMV "dot" (int8 x int8 -> int32 on tensor cores, `_padded_row_dot`) gives the dp4a GEMV's bits, whole
+    or with K cut into splits (more splits than K has steps included: the empty ones add zero), at 64-row tiles
+    (weights as A) and 32-row ones (x as A); every counter it used is zero again after the call, twice over."""
+    from mini_infer.ops._split_k import split_counters
+
+    w_q, w_scale, b = make_weights(n, k, seed=n + split, bias_dtype=torch.bfloat16)
+    _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=k)
+    w_q[0], x_q[0, : k // 2] = -128, -128  # the extremes stay exact
+    want = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32)
+    for block_n in (64, 32):
+        for _ in range(2):
+            got = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2, split),
+                                        int8_gemv="dot")
+            assert torch.equal(got, want), (block_n, split)
+            assert not split_counters(got.device, 1).any()
+
+
+@requires_triton
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_program_says_which_programs_stored(split):
+    """`scaled_gemv_program`'s flag, which kernels built on it (linear_add_rms_norm.py's) use to count only the
+    programs that stored outputs: every program without splits, exactly one split of each row block with them."""
+    import triton
+    import triton.language as tl
+
+    from mini_infer.ops._split_k import split_counters
+
+    @triton.jit
+    def flagging_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
+                        flags_ptr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr,
+                        ASM: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1):  # fmt: skip
+        stored = il.scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr,
+                                        cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC,
+                                        SPLIT_K)
+        tl.store(flags_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1), stored.to(tl.int32))
+
+    n, k = 130, 1500
+    w_q, w_scale, _ = make_weights(n, k, seed=3)
+    _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=4)
+    blocks = -(-n // 64)
+    flags = torch.full((blocks * split,), -1, dtype=torch.int32, device=DEVICE)
+    y = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    il.launch_scaled_gemv(flagging_kernel, x_q, x_scale, w_q, w_scale, None, y, flags, config=(64, 64, 4, 2, split),
+                          int8_gemv="dot")
+    assert flags.view(blocks, split).sum(1).tolist() == [1] * blocks
+    assert torch.equal(y, il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.float32)[0])
+    assert not split_counters(y.device, 1 + blocks).any()
+
+
+@requires_triton
+def test_gemv_split_rule(monkeypatch):
+    """`gemv_split_k`: a config's fifth element wins; else no split off CUDA, with GEMV_DOT_SPLIT_PER_SM at 0, or for
+    launches of enough row blocks; otherwise a power of two reaching that many programs per SM, capped so that
+    each split keeps GEMV_DOT_MIN_SPLIT_STEPS steps of BLOCK_K."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(il, "num_sms", lambda index: 132)
+    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4, 3), torch.device("cpu")) == 3
+    monkeypatch.setattr(il, "GEMV_DOT_SPLIT_PER_SM", 0)
+    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), cuda) == 1
+    monkeypatch.setattr(il, "GEMV_DOT_SPLIT_PER_SM", 2)
+    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), torch.device("cpu")) == 1
+    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), cuda) == 8  # 56 blocks: 264 / 56 -> 8
+    assert il.gemv_split_k(3584, 3584, (64, 256, 4, 4), cuda) == 2  # 3584 / (4 x 256): 3 steps -> 2
+    assert il.gemv_split_k(37888, 3584, (64, 256, 4, 4), cuda) == 1  # 592 blocks
+    assert il.gemv_split_k(3584, 512, (64, 256, 4, 4), cuda) == 1  # too short to split
+
+
+@requires_triton
 def test_gemv_taken_for_one_row_only(monkeypatch):
     """int8_linear runs the GEMV for one row ([1, 1, K] packed or [K]) and the tile for more rows."""
     calls = []
