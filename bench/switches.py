@@ -57,7 +57,8 @@ def _clear_launch_cache(module) -> None:
 def switched(assignment: str):
     """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
     switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type (a string attribute
-    takes the value as written: `int8_linear.INT8_GEMV=dot`), for the block, then restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
+    takes the value as written: `int8_linear.INT8_GEMV=dot`; a tuple of ints takes them joined by '/':
+    `int8_linear.SCALED_GEMV_CONFIG_FP8_DOT=64/256/4/4`), for the block, then restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
     `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
     e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
     cleared on the way in and out. `env:NAME=value` sets an environment variable for the block instead (restored, or
@@ -85,6 +86,12 @@ def switched(assignment: str):
             if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.INT8_GEMV=dot`
                 stack.callback(setattr, module, attr, getattr(module, attr))
                 setattr(module, attr, value.strip())
+                continue
+            if not keys and isinstance(getattr(module, attr), tuple):  # a tile: `int8_linear.SCALED_GEMV_CONFIG=4/512/4/1`
+                if not re.fullmatch(r"-?\d+(/-?\d+)*", value.strip()):
+                    raise SystemExit(f"--switch of a tuple attribute takes ints joined by '/'; got {one!r}")
+                stack.callback(setattr, module, attr, getattr(module, attr))
+                setattr(module, attr, tuple(int(v) for v in value.strip().split("/")))
                 continue
             if not value.strip().lstrip("-").isdigit():
                 raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "

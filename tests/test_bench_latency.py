@@ -52,10 +52,17 @@ def test_string_switch_takes_a_mode_by_name(monkeypatch):
     from mini_infer.ops import int8_linear
 
     before = int8_linear.INT8_GEMV
-    with latency.switched("int8_linear.INT8_GEMV=dot,int8_linear.GEMV_DOT_SPLIT_PER_SM=2"):
-        assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == ("dot", 2)
-    assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == (before, 0)
+    split = int8_linear.GEMV_DOT_SPLIT_PER_SM
+    with latency.switched("int8_linear.INT8_GEMV=dot,int8_linear.GEMV_DOT_SPLIT_PER_SM=5"):
+        assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == ("dot", 5)
+    assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == (before, split)
     with pytest.raises(SystemExit), latency.switched("int8_linear.GEMV_DOT_SPLIT_PER_SM=two"):
+        pass
+    tile = int8_linear.SCALED_GEMV_CONFIG_FP8_DOT
+    with latency.switched("int8_linear.SCALED_GEMV_CONFIG_FP8_DOT=64/256/4/4/2"):  # a tuple: ints joined by '/'
+        assert int8_linear.SCALED_GEMV_CONFIG_FP8_DOT == (64, 256, 4, 4, 2)
+    assert int8_linear.SCALED_GEMV_CONFIG_FP8_DOT == tile
+    with pytest.raises(SystemExit), latency.switched("int8_linear.SCALED_GEMV_CONFIG_FP8_DOT=64/x"):
         pass
 
 

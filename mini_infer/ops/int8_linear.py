@@ -40,7 +40,6 @@ from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     await_producers,
-    next_pow2,
     num_sms,
     pdl_args,
     tl,
@@ -112,7 +111,7 @@ _CONFIGS = (
 SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
-FP8_GEMV_LONG_K = 8192
+FP8_GEMV_LONG_K = 1 << 30  # "auto" takes the tensor cores below this K: at every K since split-K (was 8192)
 # How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
 # "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
 # so the GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step
@@ -127,7 +126,8 @@ FP8_GEMV_LONG_K = 8192
 # "dot" for rows shorter than FP8_GEMV_LONG_K, "cuda-cores" (its long-K tile) for longer ones. Measured on an H200
 # (`bench/kernel_quant.py --sweep-gemv fp8-dot`, qwen2.5-7b at M = 1, cold L2, us per call, "cuda-cores" / "dot" at
 # its best tile): qkv 7.6 / 7.1, o_proj 7.3 / 6.6, gate_up 40.7 / 34.2 (96% of copy bandwidth), but down_proj
-# (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0.
+# (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0, hence FP8_GEMV_LONG_K was 8192;
+# with K cut into splits (GEMV_DOT_SPLIT_PER_SM) the dot takes down_proj in 20.2 us, so "auto" now means "dot".
 FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
@@ -142,17 +142,22 @@ INT8_GEMV = os.environ.get("MINI_INFER_INT8_GEMV", "dp4a")
 if INT8_GEMV not in INT8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_INT8_GEMV must be one of {INT8_GEMV_MODES}, got {INT8_GEMV!r}")
 # Split-K for the tensor-core GEMVs (either operand dtype): a tensor-core GEMV has BLOCK_N = 64 rows a program, so a
-# short output (qwen2.5-7b's o_proj and down_proj: N = 3584, 56 programs) leaves most SMs without a program, each
-# streaming a long row alone. With GEMV_DOT_SPLIT_PER_SM > 0, launches of fewer row blocks than that many programs
-# per SM cut K into splits (a power of two, each at least GEMV_DOT_MIN_SPLIT_STEPS BLOCK_K steps) over grid axis 1;
-# the row block's last split sums the partials in split order (`_merged_splits`: deterministic; int8's int32 sums
-# exact, so the bits do not depend on the split). A config's fifth element, when given, is the split count
-# (sweeps). 0 (no split) until measured: `bench/kernel_quant.py --sweep-gemv` times splits 1-8.
-GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "0"))
+# short output (qwen2.5-7b's q/k/v, o_proj and down_proj: N = 4608 / 3584, 72 / 56 programs) leaves most SMs
+# without a program, each streaming a long row alone. Launches of fewer row blocks than GEMV_DOT_SPLIT_PER_SM
+# programs per SM cut K into splits over grid axis 1: the largest power of two that keeps the programs within that
+# target and each split at least GEMV_DOT_MIN_SPLIT_STEPS BLOCK_K steps long (0: never split). The row block's last
+# split sums the partials in split order (`_merged_splits`: deterministic; int8's int32 sums exact, so the bits do
+# not depend on the split). A config's fifth element, when given, is the split count (sweeps). H200, qwen2.5-7b at
+# M = 1, weights cold, us per call (`bench/kernel_quant.py --sweep-gemv fp8-dot --split-sweep`, thirty-first
+# session): the (64, 128, 4, 4) tile, unsplit / 2 / 4 / 8 splits: q/k/v 9.8 / 7.9 / 7.4 / 7.4, o_proj 9.4 / 7.1 /
+# 6.3 / 7.0, down_proj 43.5 / 27.2 / 20.2 / 21.9 (the CUDA-core fp8 GEMV 23.0), gate_up unsplit 34.2 (592 blocks);
+# the former (64, 256, 4, 4) unsplit 7.5 / 6.9 / 27.0 / 36.0. int8 on tensor cores gave the same times and lost
+# to dp4a (6.1 / 5.9 / 18.7 / 34.3): int8 stays on dp4a.
+GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
 GEMV_DOT_MIN_SPLIT_STEPS = 4
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
-SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
+SCALED_GEMV_CONFIG_FP8_DOT = (64, 128, 4, 4)  # with splits (GEMV_DOT_SPLIT_PER_SM); unsplit, (64, 256, 4, 4) was
 SCALED_GEMV_CONFIG_INT8_DOT = (64, 256, 4, 4)  # fp8's tile (the same bytes a step); not yet swept for int8
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
@@ -635,7 +640,7 @@ def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None,
 
 def gemv_split_k(n: int, k: int, config: tuple[int, ...], device: torch.device) -> int:
     """The split count of a tensor-core GEMV over an [n, k] weight at tile `config`: its fifth element if it has one,
-    else by GEMV_DOT_SPLIT_PER_SM (module docstring note above it) on a CUDA device, else 1."""
+    else by GEMV_DOT_SPLIT_PER_SM (the note above it) on a CUDA device, else 1."""
     if len(config) > 4:
         return int(config[4])
     if not GEMV_DOT_SPLIT_PER_SM or device.type != "cuda":
@@ -643,10 +648,8 @@ def gemv_split_k(n: int, k: int, config: tuple[int, ...], device: torch.device) 
     block_n, block_k = config[0], config[1]
     blocks = triton.cdiv(n, block_n)
     target = GEMV_DOT_SPLIT_PER_SM * num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if blocks >= target:
-        return 1
     by_steps = max(1, k // (block_k * GEMV_DOT_MIN_SPLIT_STEPS))
-    return max(1, min(next_pow2(triton.cdiv(target, blocks)), 1 << (by_steps.bit_length() - 1)))
+    return 1 << (min(max(1, target // blocks), by_steps).bit_length() - 1)  # the power of two at or below both
 
 
 def scaled_gemv_triton(

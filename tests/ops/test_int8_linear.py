@@ -187,19 +187,21 @@ def test_gemv_program_says_which_programs_stored(split):
 @requires_triton
 def test_gemv_split_rule(monkeypatch):
     """`gemv_split_k`: a config's fifth element wins; else no split off CUDA, with GEMV_DOT_SPLIT_PER_SM at 0, or for
-    launches of enough row blocks; otherwise a power of two reaching that many programs per SM, capped so that
-    each split keeps GEMV_DOT_MIN_SPLIT_STEPS steps of BLOCK_K."""
+    launches of enough row blocks; otherwise a power of two keeping within that many programs per SM, capped so that
+    each split keeps GEMV_DOT_MIN_SPLIT_STEPS steps of BLOCK_K: the largest power of two within both."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(il, "num_sms", lambda index: 132)
     assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4, 3), torch.device("cpu")) == 3
     monkeypatch.setattr(il, "GEMV_DOT_SPLIT_PER_SM", 0)
     assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), cuda) == 1
-    monkeypatch.setattr(il, "GEMV_DOT_SPLIT_PER_SM", 2)
-    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), torch.device("cpu")) == 1
-    assert il.gemv_split_k(3584, 18944, (64, 256, 4, 4), cuda) == 8  # 56 blocks: 264 / 56 -> 8
+    monkeypatch.setattr(il, "GEMV_DOT_SPLIT_PER_SM", 3)
+    monkeypatch.setattr(il, "GEMV_DOT_MIN_SPLIT_STEPS", 4)
+    assert il.gemv_split_k(3584, 18944, (64, 128, 4, 4), torch.device("cpu")) == 1
+    assert il.gemv_split_k(3584, 18944, (64, 128, 4, 4), cuda) == 4  # 56 blocks: 396 / 56 = 7 -> 4
+    assert il.gemv_split_k(4608, 3584, (64, 128, 4, 4), cuda) == 4  # 72 blocks: 5 -> 4
     assert il.gemv_split_k(3584, 3584, (64, 256, 4, 4), cuda) == 2  # 3584 / (4 x 256): 3 steps -> 2
-    assert il.gemv_split_k(37888, 3584, (64, 256, 4, 4), cuda) == 1  # 592 blocks
-    assert il.gemv_split_k(3584, 512, (64, 256, 4, 4), cuda) == 1  # too short to split
+    assert il.gemv_split_k(37888, 3584, (64, 128, 4, 4), cuda) == 1  # 592 blocks
+    assert il.gemv_split_k(3584, 512, (64, 128, 4, 4), cuda) == 1  # one split's worth of steps
 
 
 @requires_triton
