@@ -17,8 +17,6 @@ For qwen2.5-7b's weight GEMMs (qkv 3584->4608, o 3584->3584, gate_up 3584->37888
                W8A8 GEMV, scaled_gemv_triton, int32 words and dp4a)
   int8-tile    scaled_mm_triton's skinny tile (M = 1 only: what int8_linear ran at M = 1 before the GEMV)
   int8-byte    scaled_gemv_triton reading the int8 weights byte by byte (pack_int8=False; M = 1 only)
-  int8-dot     scaled_gemv_triton with int8 products on tensor cores (int8_gemv="dot", M = 1 only: int8_linear's
-               M = 1 path with MINI_INFER_INT8_GEMV=dot)
   int8+q       w8a8_linear_triton (quantize_per_token + int8_linear)
   fp8-gemv     scaled_gemv_triton with fp8 operands, products on CUDA cores (fp8_gemv="cuda-cores", M = 1 only:
                fp8_linear's M = 1 path by default)
@@ -33,8 +31,8 @@ M <= 64 the weight bandwidth (weight bytes / time) as % of the copy bandwidth me
 (`copy_bandwidth` of bench/kernel_norm.py), best of bf16 / int8 / fp8, and at M = 1 every impl's TB/s and % of
 copy on a line of its own; at M >= 256 TFLOP/s; and the sum over one decode step's GEMMs at M = 1 (28 layers +
 lm_head). --sweep-gemv times scaled_gemv_triton's tiles at M = 1: GEMV_SWEEP for int8 and fp8 (CUDA cores),
-DOT_GEMV_SWEEP for fp8-dot and int8-dot (or only the kinds named: --sweep-gemv fp8-dot), with --split-sweep
-DOT_SPLIT_SWEEP for those two instead (64-row tiles, K cut into 1-8 splits). Then paged decode
+DOT_GEMV_SWEEP for fp8-dot (or only the kinds named: --sweep-gemv fp8-dot), with --split-sweep DOT_SPLIT_SWEEP
+instead (64-row tiles, K cut into 1-8 splits). Then paged decode
 attention, 4k context, batch 64 and 256, bf16 vs fp8 cache.
 
 --check first compares every timed path with the plain-torch references at the benchmark shapes (int8: same
@@ -69,9 +67,9 @@ SHAPES = [("qkv", 4608, 3584, 28), ("o_proj", 3584, 3584, 28), ("gate_up", 37888
 MS = (1, 8, 64, 256, 8192)
 TINY_SHAPES = [("qkv", 96, 64, 1), ("down_proj", 40, 200, 1)]  # 200: a K tail, 40: an N tail
 TINY_MS = (1, 8, 20)
-IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8-dot", "int8+q", "fp8-gemv", "fp8-dot", "fp8-tri",
-         "fp8-smm", "fp8+q")
-ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "int8-dot", "fp8-gemv", "fp8-dot")  # timed at M = 1 only
+IMPLS = ("bf16", "gemv", "int8", "int8-tile", "int8-byte", "int8+q", "fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm",
+         "fp8+q")
+ONE_ROW_IMPLS = ("gemv", "int8-tile", "int8-byte", "fp8-gemv", "fp8-dot")  # timed at M = 1 only
 # scaled_gemv_triton's tiles for --sweep-gemv: (BLOCK_N, BLOCK_K in elements, num_warps, num_stages)
 GEMV_SWEEP = [(bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
               if bn * bk <= 16384]
@@ -82,7 +80,7 @@ DOT_GEMV_SWEEP = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (128, 25
 # --split-sweep: the tensor-core GEMVs' tiles of 64 rows with K cut into 1-8 splits (the config's fifth element)
 DOT_SPLIT_SWEEP = [(64, bk, 4, st, sp) for bk, st in ((128, 4), (256, 3), (256, 4), (512, 2), (512, 3))
                    for sp in (1, 2, 4, 8)]
-GEMV_SWEEP_KINDS = ("int8", "fp8", "fp8-dot", "int8-dot")
+GEMV_SWEEP_KINDS = ("int8", "fp8", "fp8-dot")
 # paged decode attention: qwen2.5-7b's heads, 4k context
 ATTN = dict(hq=28, hkv=4, d=128, block=16, ctx=4096, batches=(64, 256))
 TINY_ATTN = dict(hq=4, hkv=2, d=16, block=4, ctx=40, batches=(3,))
@@ -149,9 +147,6 @@ def impl_calls(ops: Ops, name: str, x: torch.Tensor, weights: dict, l2: int, dev
         if name == "int8-byte":
             return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, s8, None, x.dtype, pack_int8=False)
                     for w in weight_copies(w8, l2, device)]
-        if name == "int8-dot":
-            return [lambda w=w: int8.scaled_gemv_triton(xq, xs, w, s8, None, x.dtype, int8_gemv="dot")
-                    for w in weight_copies(w8, l2, device)]
         return [lambda w=w: int8.w8a8_linear_triton(x, w, s8, None) for w in weight_copies(w8, l2, device)]
     if device == "cuda" and not fp8.fp8_supported(device):
         return None
@@ -212,10 +207,7 @@ def check_linears(ops: Ops, shapes, ms, device) -> list[dict]:
                 tile = ops.int8.scaled_mm_triton(xq, xs, w8, s8, None, torch.bfloat16, ops.int8.scaled_mm_config(1))
                 res["int8_gemv_bits_equal_tile"] = all(
                     torch.equal(ops.int8.scaled_gemv_triton(xq, xs, w8, s8, None, torch.bfloat16, pack_int8=p), tile)
-                    for p in (True, False)) and all(  # tensor cores, whole K and split (exact int32 either way)
-                    torch.equal(ops.int8.scaled_gemv_triton(xq, xs, w8, s8, None, torch.bfloat16, cfg,
-                                                            int8_gemv="dot"), tile)
-                    for cfg in (ops.int8.SCALED_GEMV_CONFIG_INT8_DOT, (*ops.int8.SCALED_GEMV_CONFIG_INT8_DOT[:4], 3)))
+                    for p in (True, False))
             fq, fs = ops.quant.quantize_per_token_reference(x, FP8)
             tq, ts = ops.quant.quantize_per_token_triton(x, FP8)
             res["quant_fp8_exact"] = bool(torch.equal(fq.view(torch.uint8), tq.view(torch.uint8))
@@ -357,7 +349,7 @@ def bench_linears(ops: Ops, shapes, ms, device, copy_gbps: float, l2: int, args)
                     row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {e}"[:300]
                 del calls
             us = row["us"]
-            best = {"bf16": min(us.get("bf16", math.inf), us.get("gemv", math.inf)), "int8": min(us.get("int8", math.inf), us.get("int8-dot", math.inf)),
+            best = {"bf16": min(us.get("bf16", math.inf), us.get("gemv", math.inf)), "int8": us.get("int8", math.inf),
                     "fp8": min(us.get(i, math.inf) for i in ("fp8-gemv", "fp8-dot", "fp8-tri", "fp8-smm"))}
             line = f"{name:<10}{m:>6} |" + "".join(f"{us[i]:>10.1f}" if i in us else f"{'-':>10}" for i in IMPLS) + " |"
             if device == "cuda" and m <= 64:
@@ -443,19 +435,17 @@ def sweep_gemv(ops: Ops, shapes, device, copy_gbps: float, l2: int, args) -> lis
         weights = make_weights(ops, n, k, device)
         x = torch.randn(1, k, device=device).to(torch.bfloat16)
         for qname in args.sweep_gemv.split(","):
-            is_int8 = qname.startswith("int8")
-            w, s = weights["int8" if is_int8 else "fp8"]
-            if not is_int8 and device == "cuda" and not ops.fp8.fp8_supported(device):
+            w, s = weights["int8" if qname == "int8" else "fp8"]
+            if qname != "int8" and device == "cuda" and not ops.fp8.fp8_supported(device):
                 continue
             copies = weight_copies(w, l2, device)
-            xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if is_int8 else FP8)
-            mode = "dot" if qname.endswith("-dot") else "cuda-cores"
-            int8_mode = "dot" if qname == "int8-dot" else "dp4a"
+            xq, xs = ops.quant.quantize_per_token_triton(x, torch.int8 if qname == "int8" else FP8)
+            mode = "dot" if qname == "fp8-dot" else "cuda-cores"
             grid = (DOT_SPLIT_SWEEP if args.split_sweep else DOT_GEMV_SWEEP) if mode == "dot" else GEMV_SWEEP
-            res = time_configs(functools.partial(ops.int8.scaled_gemv_triton, fp8_gemv=mode, int8_gemv=int8_mode),
+            res = time_configs(functools.partial(ops.int8.scaled_gemv_triton, fp8_gemv=mode),
                                grid if device == "cuda" else grid[:2], (xq, xs, s), copies, device, args,
                                f"sweep-gemv {name} {qname}")
-            cfg = ops.int8.scaled_gemv_config(xq.dtype, k, mode, int8_mode)
+            cfg = ops.int8.scaled_gemv_config(xq.dtype, k, mode)
             default = next((t for t, c in res if c == cfg), math.nan)
             tbps = n * k / (res[0][0] * 1e-6) / 1e12
             print(f"sweep-gemv {name:<10}{qname:<5} best {res[0][1]} {res[0][0]:.1f} us ({tbps:.2f} TB/s, "
@@ -493,8 +483,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also sweep scaled_gemv_triton's tiles (M = 1): all kinds, or a comma list of "
                          f"{', '.join(GEMV_SWEEP_KINDS)}")
     ap.add_argument("--split-sweep", action="store_true",
-                    help="the tensor-core kinds of --sweep-gemv (fp8-dot, int8-dot) over DOT_SPLIT_SWEEP: tiles of 64 "
-                         "rows, K in 1-8 splits")
+                    help="--sweep-gemv's fp8-dot over DOT_SPLIT_SWEEP: tiles of 64 rows, K in 1-8 splits")
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: exercises every path")
     ap.add_argument("--ms", default=None, help="comma list of M (default 1,8,64,256,8192)")
     ap.add_argument("--shapes", default=None, help="comma list of gemm names (default all)")

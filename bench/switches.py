@@ -57,7 +57,7 @@ def _clear_launch_cache(module) -> None:
 def switched(assignment: str):
     """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
     switch such as `runtime.cuda_graphs.OWN_LOGITS_MAX_ROWS=0`), cast to the attribute's type (a string attribute
-    takes the value as written: `int8_linear.INT8_GEMV=dot`; a tuple of ints takes them joined by '/':
+    takes the value as written: `int8_linear.FP8_GEMV=cuda-cores`; a tuple of ints takes them joined by '/':
     `int8_linear.SCALED_GEMV_CONFIG_FP8_DOT=64/256/4/4`), for the block, then restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
     `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
     e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
@@ -83,7 +83,7 @@ def switched(assignment: str):
             # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
             module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
             keys = [_key(k) for k in re.findall(r"\[([^\[\]]+)\]", m["keys"])]
-            if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.INT8_GEMV=dot`
+            if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.FP8_GEMV=cuda-cores`
                 stack.callback(setattr, module, attr, getattr(module, attr))
                 setattr(module, attr, value.strip())
                 continue

@@ -51,11 +51,11 @@ def test_string_switch_takes_a_mode_by_name(monkeypatch):
 
     from mini_infer.ops import int8_linear
 
-    before = int8_linear.INT8_GEMV
+    before = int8_linear.FP8_GEMV
     split = int8_linear.GEMV_DOT_SPLIT_PER_SM
-    with latency.switched("int8_linear.INT8_GEMV=dot,int8_linear.GEMV_DOT_SPLIT_PER_SM=5"):
-        assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == ("dot", 5)
-    assert (int8_linear.INT8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == (before, split)
+    with latency.switched("int8_linear.FP8_GEMV=cuda-cores,int8_linear.GEMV_DOT_SPLIT_PER_SM=5"):
+        assert (int8_linear.FP8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == ("cuda-cores", 5)
+    assert (int8_linear.FP8_GEMV, int8_linear.GEMV_DOT_SPLIT_PER_SM) == (before, split)
     with pytest.raises(SystemExit), latency.switched("int8_linear.GEMV_DOT_SPLIT_PER_SM=two"):
         pass
     tile = int8_linear.SCALED_GEMV_CONFIG_FP8_DOT

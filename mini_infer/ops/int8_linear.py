@@ -55,12 +55,8 @@ __all__ = [
     "FP8_GEMV",
     "FP8_GEMV_MODES",
     "fp8_gemv_dot",
-    "gemv_dot",
     "gemv_split_k",
     "GEMV_DOT_SPLIT_PER_SM",
-    "INT8_GEMV",
-    "INT8_GEMV_MODES",
-    "SCALED_GEMV_CONFIG_INT8_DOT",
     "INT8_MAX_K",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
@@ -127,38 +123,29 @@ FP8_GEMV_LONG_K = 1 << 30  # "auto" takes the tensor cores below this K: at ever
 # (`bench/kernel_quant.py --sweep-gemv fp8-dot`, qwen2.5-7b at M = 1, cold L2, us per call, "cuda-cores" / "dot" at
 # its best tile): qkv 7.6 / 7.1, o_proj 7.3 / 6.6, gate_up 40.7 / 34.2 (96% of copy bandwidth), but down_proj
 # (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0, hence FP8_GEMV_LONG_K was 8192;
-# with K cut into splits (GEMV_DOT_SPLIT_PER_SM) the dot takes down_proj in 20.2 us, so "auto" now means "dot".
+# with K cut into splits (GEMV_DOT_SPLIT_PER_SM) the dot takes down_proj in 19.9 us, so "auto" now means "dot".
 FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
     raise ValueError(f"MINI_INFER_FP8_GEMV must be one of {FP8_GEMV_MODES}, got {FP8_GEMV!r}")
-# How the int8 GEMV multiplies (MINI_INFER_INT8_GEMV, read at import; the launchers look this attribute up at each
-# call and take it per call too): "dp4a" (the default), int32 words of four bytes on CUDA cores (`_dot4`); "dot",
-# int8 x int8 -> int32 on tensor cores (`_padded_row_dot`, as fp8's "dot": the weights stream through the
-# cp.async pipeline of `num_stages`, which a GEMV's plain loads do not get), the same exact int32, so the same bits.
-# Not yet measured on a GPU against dp4a (bench/kernel_quant.py --sweep-gemv int8-dot).
-INT8_GEMV_MODES = ("dp4a", "dot")
-INT8_GEMV = os.environ.get("MINI_INFER_INT8_GEMV", "dp4a")
-if INT8_GEMV not in INT8_GEMV_MODES:
-    raise ValueError(f"MINI_INFER_INT8_GEMV must be one of {INT8_GEMV_MODES}, got {INT8_GEMV!r}")
-# Split-K for the tensor-core GEMVs (either operand dtype): a tensor-core GEMV has BLOCK_N = 64 rows a program, so a
-# short output (qwen2.5-7b's q/k/v, o_proj and down_proj: N = 4608 / 3584, 72 / 56 programs) leaves most SMs
-# without a program, each streaming a long row alone. Launches of fewer row blocks than GEMV_DOT_SPLIT_PER_SM
-# programs per SM cut K into splits over grid axis 1: the largest power of two that keeps the programs within that
-# target and each split at least GEMV_DOT_MIN_SPLIT_STEPS BLOCK_K steps long (0: never split). The row block's last
-# split sums the partials in split order (`_merged_splits`: deterministic; int8's int32 sums exact, so the bits do
-# not depend on the split). A config's fifth element, when given, is the split count (sweeps). H200, qwen2.5-7b at
-# M = 1, weights cold, us per call (`bench/kernel_quant.py --sweep-gemv fp8-dot --split-sweep`, thirty-first
-# session): the (64, 128, 4, 4) tile, unsplit / 2 / 4 / 8 splits: q/k/v 9.8 / 7.9 / 7.4 / 7.4, o_proj 9.4 / 7.1 /
-# 6.3 / 7.0, down_proj 43.5 / 27.2 / 20.2 / 21.9 (the CUDA-core fp8 GEMV 23.0), gate_up unsplit 34.2 (592 blocks);
-# the former (64, 256, 4, 4) unsplit 7.5 / 6.9 / 27.0 / 36.0. int8 on tensor cores gave the same times and lost
-# to dp4a (6.1 / 5.9 / 18.7 / 34.3): int8 stays on dp4a.
+# Split-K for the tensor-core (fp8 "dot") GEMV: it has BLOCK_N = 64 rows a program, so a short output (qwen2.5-7b's
+# q/k/v, o_proj and down_proj: N = 4608 / 3584, 72 / 56 programs) leaves most SMs without a program, each streaming a
+# long row alone. Launches of fewer row blocks than GEMV_DOT_SPLIT_PER_SM programs per SM cut K into splits over grid
+# axis 1: the largest power of two that keeps the programs within that target and each split at least
+# GEMV_DOT_MIN_SPLIT_STEPS BLOCK_K steps long (0: never split). The row block's last split sums the fp32 partials in
+# split order (`_merged_splits`: deterministic, whatever the arrival order). A config's fifth element, when given,
+# is the split count (sweeps). H200, qwen2.5-7b at M = 1, weights cold, us per call (`bench/kernel_quant.py
+# --sweep-gemv fp8-dot --split-sweep`, thirty-first session), (64, 256, 4, 4) unsplit / 2 / 4 splits: q/k/v 7.5 /
+# 8.0 / 7.7, o_proj 6.9 / 6.5 / 6.2, down_proj 27.0 / 20.8 / 19.9 (the CUDA-core GEMV 23.0); gate_up (592 blocks)
+# 36.0 unsplit. In the engine (batch-1 decode, same process): 352.9 tok/s against 343.5 for the former defaults
+# (no split, down_proj on CUDA cores); the (64, 128, 4, 4) tile, split, down_proj on CUDA cores 350.3.
+# Also measured and dropped (docs/architecture.md): int8 on tensor cores (int8 x int8 -> int32 wgmma, split or not)
+# took fp8's times, slower than dp4a's 6.1 / 5.9 / 18.7 / 34.3 us; w8a8 336.5-370.4 against 397.0 tok/s.
 GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
 GEMV_DOT_MIN_SPLIT_STEPS = 4
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
-SCALED_GEMV_CONFIG_FP8_DOT = (64, 128, 4, 4)  # with splits (GEMV_DOT_SPLIT_PER_SM); unsplit, (64, 256, 4, 4) was
-SCALED_GEMV_CONFIG_INT8_DOT = (64, 256, 4, 4)  # fp8's tile (the same bytes a step); not yet swept for int8
+SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -348,12 +335,10 @@ if HAS_TRITON:
             return acc
 
     @triton.jit
-    def _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        ACC_DTYPE: tl.constexpr):  # fmt: skip
-        """x [K] . w[row] over columns k_lo..k_hi for the BLOCK_N weight rows, on tensor cores (`FP8_GEMV` /
-        `INT8_GEMV` "dot"): the weight tile goes to `tl.dot` as it was loaded (no conversion; ACC_DTYPE
-        accumulation: fp32 for fp8, exact int32 for int8) and the one row x is padded with rows masked to zero
-        (never read from memory). Which operand is which, by BLOCK_N: below DOT_ROWS, x is row 0 of a DOT_ROWS-row A
+    def _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [K] . w[row] over columns k_lo..k_hi for the BLOCK_N weight rows, fp32, on tensor cores (fp8 operands:
+        `FP8_GEMV` "dot"): the weight tile goes to `tl.dot` as it was loaded (no conversion; fp32 accumulation) and
+        the one row x is padded with rows masked to zero (never read from memory). Which operand is which, by BLOCK_N: below DOT_ROWS, x is row 0 of a DOT_ROWS-row A
         tile and the weights are B (x . w.T: any BLOCK_N, the GEMV's split of N; the zero rows cost the tensor cores
         and shared memory DOT_ROWS / BLOCK_N times the weight bytes); from DOT_ROWS on, the weights are A and x
         column 0 of a DOT_COLS-column B (w . x.T: little padding, but BLOCK_N rows a program). Either way the
@@ -361,21 +346,16 @@ if HAS_TRITON:
         either one or K (a split's range: `_split_range`), so only K masks columns."""
         if BLOCK_N < _DOT_ROWS:
             pad = tl.arange(0, _DOT_ROWS)[:, None] == 0
-            acc = tl.zeros([_DOT_ROWS, BLOCK_N], ACC_DTYPE)
+            acc = tl.zeros([_DOT_ROWS, BLOCK_N], tl.float32)
         else:
             pad = tl.arange(0, _DOT_COLS)[:, None] == 0
-            acc = tl.zeros([BLOCK_N, _DOT_COLS], ACC_DTYPE)
+            acc = tl.zeros([BLOCK_N, _DOT_COLS], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             x = tl.load(x_ptr + cols[None, :], mask=pad & col_ok[None, :], other=0.0)
             w = gemv_load(w_rows, row_ok, cols, col_ok)
-            if ACC_DTYPE == tl.int32:  # int8 x int8 -> int32 (IGMMA / IMMA): exact, like dp4a
-                if BLOCK_N < _DOT_ROWS:
-                    acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
-                else:
-                    acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)
-            elif BLOCK_N < _DOT_ROWS:
+            if BLOCK_N < _DOT_ROWS:
                 acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
@@ -417,7 +397,7 @@ if HAS_TRITON:
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`. DOT: the products on tensor cores instead
+        and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
         (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose partials meet in
         `_merged_splits` (workspace ws_ptr [SPLIT_K, N] of ACC_DTYPE, this row block's counter at
         cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
@@ -426,7 +406,7 @@ if HAS_TRITON:
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
             split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
-            dots = _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N, BLOCK_K, ACC_DTYPE)
+            dots = _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N, BLOCK_K)
         else:
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -608,31 +588,18 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
 def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
     """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores: fp8
     operands and the fp8 GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot", or
-    "auto" with k < FP8_GEMV_LONG_K; int8 never (see `gemv_dot`)."""
+    "auto" with k < FP8_GEMV_LONG_K; int8 never."""
     mode = FP8_GEMV if fp8_gemv is None else fp8_gemv
     if mode not in FP8_GEMV_MODES:
         raise ValueError(f"fp8_gemv must be one of {FP8_GEMV_MODES}, got {mode!r}")
     return dtype != torch.int8 and (mode == "dot" or (mode == "auto" and k < FP8_GEMV_LONG_K))
 
 
-def gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None, int8_gemv: str | None = None) -> bool:
-    """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores:
-    int8 by the int8 GEMV mode `int8_gemv` (None: the module's INT8_GEMV, looked up at the call) "dot"; fp8 as
-    `fp8_gemv_dot` says."""
-    if dtype != torch.int8:
-        return fp8_gemv_dot(dtype, k, fp8_gemv)
-    mode = INT8_GEMV if int8_gemv is None else int8_gemv
-    if mode not in INT8_GEMV_MODES:
-        raise ValueError(f"int8_gemv must be one of {INT8_GEMV_MODES}, got {mode!r}")
-    return mode == "dot"
-
-
-def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None,
-                       int8_gemv: str | None = None) -> tuple[int, int, int, int]:
-    """The one-row GEMV's default tile for quantized activations of `dtype`, rows of K elements and the GEMV modes
-    `fp8_gemv` / `int8_gemv` (`gemv_dot`)."""
+def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> tuple[int, int, int, int]:
+    """The one-row GEMV's default tile for quantized activations of `dtype`, rows of K elements and the fp8 GEMV
+    mode `fp8_gemv` (`fp8_gemv_dot`)."""
     if dtype == torch.int8:
-        return SCALED_GEMV_CONFIG_INT8_DOT if gemv_dot(dtype, k, int8_gemv=int8_gemv) else SCALED_GEMV_CONFIG
+        return SCALED_GEMV_CONFIG
     if fp8_gemv_dot(dtype, k, fp8_gemv):
         return SCALED_GEMV_CONFIG_FP8_DOT
     return SCALED_GEMV_CONFIG_FP8_LONG_K if k >= FP8_GEMV_LONG_K else SCALED_GEMV_CONFIG_FP8
@@ -655,13 +622,13 @@ def gemv_split_k(n: int, k: int, config: tuple[int, ...], device: torch.device) 
 def scaled_gemv_triton(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, ...] | None = None,
-    *, pack_int8: bool = True, fp8_gemv: str | None = None, int8_gemv: str | None = None,
+    *, pack_int8: bool = True, fp8_gemv: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`scaled_mm_triton`'s product for one row (x_q holds exactly K elements, any leading dims of size 1) on
     linear.py's GEMV tiling: BLOCK_N weight rows per program, streamed BLOCK_K columns at a time. int8: the same
     int32 and epilogue as the tile, so the same bits, read as int32 words of four bytes (dp4a on a GPU) where
-    `_packs_int8` allows and `pack_int8`, else byte by byte, or on tensor cores as `int8_gemv` says (None:
-    INT8_GEMV); fp8: fp32 sums in another order, on CUDA cores or tensor cores as `fp8_gemv` says (None: FP8_GEMV).
+    `_packs_int8` allows and `pack_int8`, else byte by byte; fp8: fp32 sums in another order, on CUDA cores or
+    tensor cores as `fp8_gemv` says (None: FP8_GEMV).
     `config` (BLOCK_N, BLOCK_K in elements, num_warps, num_stages[, split count for tensor cores]) overrides
     `scaled_gemv_config`'s tile and `gemv_split_k`'s split (benchmark sweeps)."""
     if not HAS_TRITON:
@@ -672,14 +639,14 @@ def scaled_gemv_triton(
                          f"x_scale {tuple(x_scale.shape)}")
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8,
-                       fp8_gemv=fp8_gemv, int8_gemv=int8_gemv)
+                       fp8_gemv=fp8_gemv)
     return y
 
 
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, ...] | None = None,
-    pack_int8: bool = True, fp8_gemv: str | None = None, int8_gemv: str | None = None, **constexprs,
+    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
     [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing, the
@@ -689,9 +656,9 @@ def launch_scaled_gemv(
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
-    dot = gemv_dot(x_q.dtype, k, fp8_gemv, int8_gemv)
+    dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
     if config is None:
-        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv, int8_gemv)
+        config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
     bn, bk, warps, stages = config[:4]
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the tensor-core GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power "
@@ -701,8 +668,7 @@ def launch_scaled_gemv(
         raise ValueError(f"a GEMV splits K only on tensor cores, into at least one split; got {config}")
     blocks = triton.cdiv(n, bn)
     cnt = split_counters(x_q.device, 1 + (blocks if split_k > 1 else 0))
-    acc_dtype = torch.int32 if x_q.dtype == torch.int8 else torch.float32
-    partials = torch.empty((split_k, n), dtype=acc_dtype, device=x_q.device) if split_k > 1 else cnt
+    partials = torch.empty((split_k, n), dtype=torch.float32, device=x_q.device) if split_k > 1 else cnt
     packed = not dot and pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)

@@ -3,8 +3,8 @@ shapes builds it, no GPU needed, and count what its K loop executes per weight b
 
 Cases: fp8 "dot" (tensor cores, `_padded_row_dot`) and fp8 "cuda-cores" (fp8 -> fp32 conversions and FMAs) at
 their default tiles for short and long rows, the int8 GEMV (int32 words, dp4a) beside them, "dot" inside
-linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel, and the int8 "dot" GEMV (int8 x int8 -> int32
-on tensor cores), then it and fp8's "dot" cut into 4 splits of K (mode suffix "-split<S>", at down_proj's shape). For each: whether
+linear_add_rms_norm.py's fused GEMV + add + norm + quantize kernel, and fp8's "dot" cut into 4 splits of K (mode
+suffix "-split<S>", at down_proj's shape). For each: whether
 the PTX has an e4m3 tensor-core instruction (mma.sync / wgmma with .e4m3 operands) and the conversion
 instructions (`cvt.*e4m3*`), cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stays 0)
 and, from the SASS, the K loop (the longest backward branch's body) by instruction class, as warp instructions per
@@ -19,8 +19,8 @@ N, K and the row stride, in int32 words for int8, multiples of 16), with what a 
 (the PDL wait, and int8's dp4a inline asm).
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fp8_gemv_sm90
-[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8, int8-dot or fp8-dot-fused, the dot modes
-optionally with "-split<S>"; no arguments: the default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
+[mode BLOCK_N BLOCK_K num_warps num_stages ...]` (mode fp8-dot, fp8-cuda-cores, int8 or fp8-dot-fused, the dot modes optionally
+with "-split<S>"; no arguments: the default cases). Exits NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by
 tests/ops/test_fp8_linear.py; the numbers go into the report of an experiment, not into the kernels.
 """
 
@@ -92,8 +92,7 @@ def launch(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: in
     operand = torch.int8 if mode.startswith("int8") else torch.float8_e4m3fn
     x_q, x_scale = torch.empty(1, k, dtype=operand), torch.empty(1, 1)
     w_q, w_scale = torch.empty(n, k, dtype=operand), torch.empty(n)
-    fp8_gemv = {"int8": None, "int8-dot": None, "fp8-cuda-cores": "cuda-cores"}.get(mode, "dot")
-    int8_gemv = "dot" if mode == "int8-dot" else "dp4a"
+    fp8_gemv = {"int8": None, "fp8-cuda-cores": "cuda-cores"}.get(mode, "dot")
     config = (block_n, block_k, num_warps, num_stages) + ((split,) if split > 1 else ())
     if mode == "fp8-dot-fused":
         module, kernel = lar, "_scaled_gemv_add_rms_norm_quant_kernel"
@@ -105,8 +104,7 @@ def launch(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: in
     else:
         module, kernel = il, "_scaled_gemv_kernel"
         with record_launches(il, kernel) as calls:
-            il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, config, fp8_gemv=fp8_gemv,
-                                  int8_gemv=int8_gemv)
+            il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.bfloat16, config, fp8_gemv=fp8_gemv)
     (args, kwargs), = calls[kernel]
     # a CUDA launch: int8's packed words through the dp4a inline asm (`launch_scaled_gemv`; the PDL wait: build_launch)
     kwargs = dict(kwargs, ASM=kwargs["PACKED"])
@@ -120,7 +118,7 @@ def build(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: int
     expected_k = block_k // 4 if mode == "int8" else block_k  # int8: the K step in int32 words
     assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["num_stages"], kwargs["DOT"],
             kwargs["PACKED"], kwargs["SPLIT_K"]) == (block_n, expected_k, num_warps, num_stages,
-                                                     mode.startswith("fp8-dot") or mode == "int8-dot",
+                                                     mode.startswith("fp8-dot"),
                                                      mode == "int8", split), (mode, kwargs)
     return build_launch(kernel, args, kwargs)[0]
 
@@ -140,7 +138,6 @@ def report(mode: str, block_n: int, block_k: int, num_warps: int, num_stages: in
     return {"mode": mode, "tile": [block_n, block_k, num_warps, num_stages],
             "ptx_e4m3_tensor_core": sorted({m for m in re.findall(r"\b((?:wg)?mma\.[\w.]*e4m3[\w.]*)", ptx)}),
             "ptx_cvt_e4m3": len(re.findall(r"\bcvt\.[\w.]*e4m3", ptx)),
-            "ptx_s8_tensor_core": sorted({m for m in re.findall(r"\b((?:wg)?mma\.[\w.]*\.s8[\w.]*)", ptx)}),
             "usage": resource_usage(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
             "k_loop": classes, "k_loop_ops": dict(body.most_common()),
             "per_weight_byte": {c: round(n * num_warps / weight_bytes, 4) for c, n in classes.items()}}
@@ -151,8 +148,7 @@ def default_cases() -> list[tuple]:
 
     return [("fp8-dot", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8),
             ("fp8-cuda-cores", *il.SCALED_GEMV_CONFIG_FP8_LONG_K), ("int8", *il.SCALED_GEMV_CONFIG),
-            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("int8-dot", *il.SCALED_GEMV_CONFIG_INT8_DOT),
-            ("int8-dot-split4", *il.SCALED_GEMV_CONFIG_INT8_DOT), ("fp8-dot-split4", *il.SCALED_GEMV_CONFIG_FP8_DOT)]
+            ("fp8-dot-fused", *il.SCALED_GEMV_CONFIG_FP8_DOT), ("fp8-dot-split4", *il.SCALED_GEMV_CONFIG_FP8_DOT)]
 
 
 def main(argv: list[str]) -> int:

@@ -189,23 +189,19 @@ def test_dot_gemv_compiles_to_e4m3_tensor_cores_sm90():
     """Compiled for sm_90 (no GPU needed; tests/ops/compile_fp8_gemv_sm90.py): the "dot" GEMV's PTX (alone, in
     linear_add_rms_norm's fused kernel and cut into splits of K) has an e4m3 tensor-core instruction, alone no e4m3
     conversion, no register spills, and its K loop runs tensor-core instructions and fewer instructions per weight
-    byte than the CUDA-core fp8 GEMV, which converts; int8's "dot" (whole K and split) an s8 x s8 -> s32 one."""
+    byte than the CUDA-core fp8 GEMV, which converts."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fp8_gemv_sm90"])
-    dot, cuda_cores, long_k, _, fused, int8_dot, int8_split, fp8_split = report["cases"]
+    dot, cuda_cores, long_k, _, fused, fp8_split = report["cases"]
     assert dot["mode"] == "fp8-dot" and cuda_cores["mode"] == long_k["mode"] == "fp8-cuda-cores"
     for case in (dot, fused, fp8_split):  # the GEMV, its body inside linear_add_rms_norm's kernel, split K
         assert any(".e4m3.e4m3" in i for i in case["ptx_e4m3_tensor_core"]), case["ptx_e4m3_tensor_core"]
-    for case in (int8_dot, int8_split):  # int8 x int8 -> int32 on tensor cores, no conversion
-        assert case["mode"].startswith("int8-dot"), case["mode"]
-        assert any(".s32.s8.s8" in i for i in case["ptx_s8_tensor_core"]), case["ptx_s8_tensor_core"]
-        assert case["k_loop"]["tensor"] > 0 and case["k_loop"]["convert"] == 0
     assert dot["ptx_cvt_e4m3"] == 0 and dot["k_loop"]["convert"] == 0 and dot["k_loop"]["tensor"] > 0
     assert not cuda_cores["ptx_e4m3_tensor_core"] and cuda_cores["k_loop"]["convert"] > 0
     for case in report["cases"]:
         # no spills: ptxas puts them on the stack (STACK:), LOCAL stays 0 when it spills
         assert "LOCAL:0 " in case["usage"] and "STACK:0 " in case["usage"], case
     assert dot["per_weight_byte"]["total"] < min(cuda_cores["per_weight_byte"]["total"],
-                                                 long_k["per_weight_byte"]["total"]) * 0.75
+                                                 long_k["per_weight_byte"]["total"]) / 2
 
 
 @requires_triton

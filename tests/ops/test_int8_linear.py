@@ -132,30 +132,41 @@ def test_gemv_same_bits_as_the_tile(n, k, bias):
 
 @requires_triton
 @pytest.mark.parametrize(("n", "k"), [(33, 200), (130, 1500)])
-@pytest.mark.parametrize("split", [1, 2, 3, 8])
-def test_tensor_core_gemv_same_bits_as_dp4a(n, k, split):
-    """INT8_GEMV "dot" (int8 x int8 -> int32 on tensor cores, `_padded_row_dot`) gives the dp4a GEMV's bits, whole
-    or with K cut into splits (more splits than K has steps included: the empty ones add zero), at 64-row tiles
-    (weights as A) and 32-row ones (x as A); every counter it used is zero again after the call, twice over."""
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_tensor_core_gemv(n, k, split):
+    """The fp8 tensor-core GEMV (FP8_GEMV "dot") with K cut into splits (more splits than K has steps included: the
+    empty ones add zero) gives the unsplit GEMV's products up to the fp32 sums' order, at 64-row tiles (weights as A)
+    and 32-row ones (x as A), the same bits on a second call; every counter it used is zero again after it."""
     from mini_infer.ops._split_k import split_counters
 
-    w_q, w_scale, b = make_weights(n, k, seed=n + split, bias_dtype=torch.bfloat16)
-    _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=k)
-    w_q[0], x_q[0, : k // 2] = -128, -128  # the extremes stay exact
-    want = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32)
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(n + split)
+    w_q = (torch.randn(n, k, generator=g) * 40).to(fp8).to(DEVICE)
+    x_q = (torch.randn(1, k, generator=g) * 40).to(fp8).to(DEVICE)
+    w_scale, x_scale = (torch.rand(n, generator=g) * 0.01 + 1e-4).to(DEVICE), torch.full((1, 1), 0.02, device=DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    exact = il.scaled_linear_reference("t", fp8, x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), b.cpu(),
+                                       torch.float32)
     for block_n in (64, 32):
-        for _ in range(2):
-            got = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2, split),
-                                        int8_gemv="dot")
-            assert torch.equal(got, want), (block_n, split)
-            assert not split_counters(got.device, 1).any()
+        whole = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2),
+                                      fp8_gemv="dot")
+        first = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2, split),
+                                      fp8_gemv="dot")
+        again = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2, split),
+                                      fp8_gemv="dot")
+        assert torch.equal(first, again)
+        scale = float(exact.abs().max())
+        for got in (whole, first):
+            torch.testing.assert_close(got.cpu(), exact, rtol=0, atol=1e-5 * scale)
+        assert not split_counters(first.device, 1).any()
 
 
 @requires_triton
 @pytest.mark.parametrize("split", [1, 3])
 def test_gemv_program_says_which_programs_stored(split):
     """`scaled_gemv_program`'s flag, which kernels built on it (linear_add_rms_norm.py's) use to count only the
-    programs that stored outputs: every program without splits, exactly one split of each row block with them."""
+    programs that stored outputs: every program without splits, exactly one split of each row block with them (fp8
+    operands on tensor cores, the GEMV that splits)."""
     import triton
     import triton.language as tl
 
@@ -174,13 +185,15 @@ def test_gemv_program_says_which_programs_stored(split):
     n, k = 130, 1500
     w_q, w_scale, _ = make_weights(n, k, seed=3)
     _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=4)
+    w_q, x_q = w_q.to(torch.float8_e4m3fn), x_q.to(torch.float8_e4m3fn)
     blocks = -(-n // 64)
     flags = torch.full((blocks * split,), -1, dtype=torch.int32, device=DEVICE)
     y = torch.empty(n, dtype=torch.float32, device=DEVICE)
     il.launch_scaled_gemv(flagging_kernel, x_q, x_scale, w_q, w_scale, None, y, flags, config=(64, 64, 4, 2, split),
-                          int8_gemv="dot")
+                          fp8_gemv="dot")
     assert flags.view(blocks, split).sum(1).tolist() == [1] * blocks
-    assert torch.equal(y, il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.float32)[0])
+    assert torch.equal(y, il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, None, torch.float32,
+                                                (64, 64, 4, 2, split), fp8_gemv="dot")[0])
     assert not split_counters(y.device, 1 + blocks).any()
 
 
