@@ -142,7 +142,7 @@ if FP8_GEMV not in FP8_GEMV_MODES:
 # Also measured and dropped (docs/architecture.md): int8 on tensor cores (int8 x int8 -> int32 wgmma, split or not)
 # took fp8's times, slower than dp4a's 6.1 / 5.9 / 18.7 / 34.3 us; w8a8 336.5-370.4 against 397.0 tok/s.
 GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
-GEMV_DOT_MIN_SPLIT_STEPS = 4
+GEMV_DOT_MIN_SPLIT_STEPS = 2
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%

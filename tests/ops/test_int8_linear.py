@@ -155,9 +155,10 @@ def test_split_tensor_core_gemv(n, k, split):
         again = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32, (block_n, 64, 4, 2, split),
                                       fp8_gemv="dot")
         assert torch.equal(first, again)
-        scale = float(exact.abs().max())
+        # Hopper's wgmma adds fp8 products in fewer bits than fp32 within a BLOCK_K step (int8_linear.FP8_DOT)
+        atol = (1e-5 if INTERPRETED else 2e-3) * float(exact.abs().max())
         for got in (whole, first):
-            torch.testing.assert_close(got.cpu(), exact, rtol=0, atol=1e-5 * scale)
+            torch.testing.assert_close(got.cpu(), exact, rtol=0, atol=atol)
         assert not split_counters(first.device, 1).any()
 
 
