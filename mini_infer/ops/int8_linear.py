@@ -61,6 +61,7 @@ __all__ = [
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
     "SCALED_GEMV_CONFIG_FP8_DOT",
+    "SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT",
     "SCALED_GEMV_CONFIG_FP8_LONG_K",
     "scaled_gemv_config",
     "SMALL_M",
@@ -146,6 +147,11 @@ GEMV_DOT_MIN_SPLIT_STEPS = 2
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
+# The tile of the default fp8 tensor-core launches that do not split K (`gemv_split_k` 1: enough row blocks, such as
+# qwen2.5-7b's gate_up): the same tile until measured otherwise. Isolated (H200, thirty-first session), gate_up took
+# 34.2 us at (64, 128, 4, 4) against 36.0 at (64, 256, 4, 4); to time in the engine: `bench/latency.py --model
+# qwen2.5-7b --quantization fp8 --peers none --rounds 2 --switch int8_linear.SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT=64/128/4/4`
+SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT = SCALED_GEMV_CONFIG_FP8_DOT
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -657,13 +663,16 @@ def launch_scaled_gemv(
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
     dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
-    if config is None:
+    default = config is None
+    if default:
         config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
+    split_k = gemv_split_k(n, k, config, x_q.device) if dot else 1
+    if default and dot and split_k == 1:  # a launch of enough row blocks (gate_up): the unsplit launches' own tile
+        config = SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT
     bn, bk, warps, stages = config[:4]
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the tensor-core GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power "
                          f"of two, got {config}")
-    split_k = gemv_split_k(n, k, config, x_q.device) if dot else 1
     if split_k < 1 or (split_k > 1 and not dot):
         raise ValueError(f"a GEMV splits K only on tensor cores, into at least one split; got {config}")
     blocks = triton.cdiv(n, bn)
