@@ -39,6 +39,7 @@ import torch
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
+    WEIGHT_EVICTION,
     await_producers,
     num_sms,
     pdl_args,
@@ -58,6 +59,7 @@ __all__ = [
     "gemv_split_k",
     "GEMV_DOT_SPLIT_PER_SM",
     "INT8_MAX_K",
+    "INT8_WEIGHT_EVICTION",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
     "SCALED_GEMV_CONFIG_FP8_DOT",
@@ -144,6 +146,16 @@ if FP8_GEMV not in FP8_GEMV_MODES:
 # took fp8's times, slower than dp4a's 6.1 / 5.9 / 18.7 / 34.3 us; w8a8 336.5-370.4 against 397.0 tok/s.
 GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
 GEMV_DOT_MIN_SPLIT_STEPS = 2
+# The L2 eviction policy of the packed int8 GEMV's weight loads: _triton_support.WEIGHT_EVICTION (every one-row
+# GEMV's) unless MINI_INFER_INT8_WEIGHT_EVICTION names another (read at import; launches look this attribute up, so a
+# benchmark switch can set it per engine: `--switch int8_linear.INT8_WEIGHT_EVICTION=evict_first`). With
+# evict_first on every GEMV, qwen2.5-7b w8a8 batch 1 ran 406.0 / 405.9 tok/s against 396.3 / 396.3 (H200, processes
+# alternated, thirty-first session), while fp8 (375.3 / 375.3) and qwen3-0.6b bf16 did not move: this scopes the
+# hint to the int8 GEMVs, to be timed so before it becomes a default.
+INT8_WEIGHT_EVICTION = os.environ.get("MINI_INFER_INT8_WEIGHT_EVICTION", WEIGHT_EVICTION)
+if INT8_WEIGHT_EVICTION not in ("", "evict_first", "evict_last"):
+    raise ValueError(f"MINI_INFER_INT8_WEIGHT_EVICTION must be empty, evict_first or evict_last, got "
+                     f"{INT8_WEIGHT_EVICTION!r}")
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
@@ -397,13 +409,14 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+        W_EVICT: tl.constexpr = "",
     ):  # fmt: skip
         """The scaled GEMV's body (launched alone as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one quantized row x [K] and BLOCK_N weight rows per
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on tensor cores instead
+        and BLOCK_K count words), multiplied by `_dot4`, the weights loaded with L2 eviction policy W_EVICT. DOT (fp8): the products on tensor cores instead
         (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose partials meet in
         `_merged_splits` (workspace ws_ptr [SPLIT_K, N] of ACC_DTYPE, this row block's counter at
         cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
@@ -419,7 +432,8 @@ if HAS_TRITON:
                 col_ok = cols < K
                 x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
                 if PACKED:
-                    w = gemv_load(w_rows, row_ok, cols, col_ok)
+                    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0,
+                                eviction_policy=W_EVICT)
                     acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
                 else:
                     acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
@@ -439,10 +453,11 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+        W_EVICT: tl.constexpr = "",
     ):  # fmt: skip
         """`scaled_gemv_program` as a kernel of its own (a kernel returns nothing: the program's flag is dropped)."""
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
-                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
+                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K, W_EVICT)
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -684,7 +699,8 @@ def launch_scaled_gemv(
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), partials, cnt,
                 *args, config=(bn, bk, warps, stages), splits=split_k, HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k, **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k,
+                W_EVICT=INT8_WEIGHT_EVICTION if packed else "", **constexprs)
 
 
 def scaled_linear_triton(

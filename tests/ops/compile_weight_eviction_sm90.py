@@ -5,7 +5,8 @@ input row's loads none; without it no load carries one. Prints one JSON line: pe
 under and its counts.
 
 Cases: linear.py's bf16 GEMV (`_gemv_kernel`, one row of 1,024 elements times a [256, 1,024] weight) and
-int8_linear.py's W8A8 GEMV (`_scaled_gemv_kernel`, the packed int8 row). Run in a process of its own without
+int8_linear.py's W8A8 GEMV (`_scaled_gemv_kernel`, the packed int8 row; its policy int8_linear.INT8_WEIGHT_EVICTION,
+the global one unless MINI_INFER_INT8_WEIGHT_EVICTION sets it apart). Run in a process of its own without
 TRITON_INTERPRET: `python -m tests.ops.compile_weight_eviction_sm90`. Exits NO_CUDA_BACKEND when Triton has no CUDA
 backend or ptxas. Used by tests/ops/test_weight_eviction.py. Builds only.
 """
@@ -26,16 +27,14 @@ def _counts(ptx: str) -> dict:
             "policies": sorted(set(re.findall(r"createpolicy\.fractional\.(L2::\w+)", ptx)))}
 
 
-def _case(module, kernel: str, call) -> dict:
+def _case(module, kernel: str, call, eviction: str) -> dict:
     """`module`'s kernel `kernel` built for sm_90 as `call()` (its op's launcher on CPU tensors) launches it, with the
-    policy it was built under and its counts."""
-    from mini_infer.ops._triton_support import WEIGHT_EVICTION
-
+    policy it was built under (`eviction`) and its counts."""
     with record_launches(module, kernel) as calls:
         call()
     (args, kwargs), = calls[kernel]
     built, _ = build_launch(getattr(module, kernel), args, kwargs)
-    return {"kernel": f"{module.__name__.rsplit('.', 1)[-1]}.{kernel}", "eviction": WEIGHT_EVICTION,
+    return {"kernel": f"{module.__name__.rsplit('.', 1)[-1]}.{kernel}", "eviction": eviction,
             **_counts(built.asm["ptx"])}
 
 
@@ -43,13 +42,15 @@ def cases() -> list[dict]:
     import torch
 
     from mini_infer.ops import int8_linear, linear
+    from mini_infer.ops._triton_support import WEIGHT_EVICTION
 
     return [
         _case(linear, "_gemv_kernel", lambda: linear.gemv_triton(
-            torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(256, 1024, dtype=torch.bfloat16), None)),
+            torch.empty(1, 1024, dtype=torch.bfloat16), torch.empty(256, 1024, dtype=torch.bfloat16), None),
+              WEIGHT_EVICTION),
         _case(int8_linear, "_scaled_gemv_kernel", lambda: int8_linear.scaled_gemv_triton(
             torch.empty(1, 1024, dtype=torch.int8), torch.empty(1, 1), torch.empty(256, 1024, dtype=torch.int8),
-            torch.empty(256), None, torch.bfloat16)),
+            torch.empty(256), None, torch.bfloat16), int8_linear.INT8_WEIGHT_EVICTION),
     ]
 
 

@@ -21,32 +21,38 @@ from tests.ops.helpers import (
 )
 
 
-@pytest.mark.parametrize("policy", ["", "evict_first"])
-def test_gemv_weight_loads_carry_the_policy(monkeypatch, policy):
-    """tests/ops/compile_weight_eviction_sm90.py, built in a process with the variable set (or unset): with
+@pytest.mark.parametrize(("policy", "int8_policy"), [("", None), ("evict_first", None), ("", "evict_first")])
+def test_gemv_weight_loads_carry_the_policy(monkeypatch, policy, int8_policy):
+    """tests/ops/compile_weight_eviction_sm90.py, built in a process with the variables set (or unset): with
     evict_first every kernel creates an L2::evict_first policy and hints exactly its weight loads (two vector loads of
-    the weight rows; the input row, scales and bias plain); without it no load is hinted."""
+    the weight rows; the input row, scales and bias plain); without it no load is hinted; with only
+    MINI_INFER_INT8_WEIGHT_EVICTION the int8 GEMV alone is hinted."""
+    monkeypatch.delenv("MINI_INFER_INT8_WEIGHT_EVICTION", raising=False)
     if policy:
         monkeypatch.setenv("MINI_INFER_WEIGHT_EVICTION", policy)
     else:
         monkeypatch.delenv("MINI_INFER_WEIGHT_EVICTION", raising=False)
+    if int8_policy:
+        monkeypatch.setenv("MINI_INFER_INT8_WEIGHT_EVICTION", int8_policy)
     report = run_uninterpreted(["-m", "tests.ops.compile_weight_eviction_sm90"])
     assert [case["kernel"] for case in report["cases"]] == ["linear._gemv_kernel", "int8_linear._scaled_gemv_kernel"]
-    for case in report["cases"]:
-        assert case["eviction"] == policy
+    for case, want in zip(report["cases"], (policy, int8_policy or policy)):
+        assert case["eviction"] == want
         assert case["plain_loads"] >= 1, case  # the input row at least
-        if policy:
+        if want:
             assert case["policies"] == ["L2::evict_first"] and case["hinted_loads"] == 2, case
         else:
             assert case["policies"] == [] and case["hinted_loads"] == 0, case
 
 
-def test_unknown_policy_is_refused():
-    env = dict(os.environ, MINI_INFER_WEIGHT_EVICTION="evict_sometimes")
-    run = subprocess.run([sys.executable, "-c", "import mini_infer.ops._triton_support"], cwd=ROOT, env=env,
+@pytest.mark.parametrize(("variable", "module"), [("MINI_INFER_WEIGHT_EVICTION", "_triton_support"),
+                                                  ("MINI_INFER_INT8_WEIGHT_EVICTION", "int8_linear")])
+def test_unknown_policy_is_refused(variable, module):
+    env = dict(os.environ, **{variable: "evict_sometimes"})
+    run = subprocess.run([sys.executable, "-c", f"import mini_infer.ops.{module}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "MINI_INFER_WEIGHT_EVICTION" in run.stderr and "evict_sometimes" in run.stderr
+    assert variable in run.stderr and "evict_sometimes" in run.stderr
 
 
 @requires_triton
