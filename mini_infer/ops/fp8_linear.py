@@ -10,9 +10,10 @@ Where it runs:
     which dequantizes (fp8 -> fp32 is exact), multiplies in fp32 and applies the scales and bias in the
     kernels' epilogue order.
   * CUDA, compute capability >= 8.9 (Ada, Hopper and later): by shape only (CUDA-graph safe) —
-    M = 1 -> int8_linear.py's GEMV (`scaled_gemv_triton`: the batch-1 decode path that streams the weights;
-    rows shorter than int8_linear.FP8_GEMV_LONG_K on tensor cores, wgmma e4m3 with the row padded to a tile, longer
-    ones as fp8 -> fp32 products on CUDA cores, exact, summed in fp32: int8_linear.FP8_GEMV, MINI_INFER_FP8_GEMV); M <= FP8_TRITON_MAX_M rows -> its Triton
+    M = 1 -> int8_linear.py's GEMV (`scaled_gemv_triton`: the batch-1 decode path that streams the weights; on
+    tensor cores, wgmma e4m3 with the row padded to a tile and K split over programs where the output has few row
+    blocks (int8_linear.GEMV_DOT_SPLIT_PER_SM), or, with int8_linear.FP8_GEMV / MINI_INFER_FP8_GEMV "cuda-cores",
+    as fp8 -> fp32 products on CUDA cores, exact, summed in fp32); M <= FP8_TRITON_MAX_M rows -> its Triton
     tile (`scaled_mm_triton`, skinny tile); larger M -> `torch._scaled_mm` (cuBLAS/CUTLASS rowwise-scaled
     FP8 GEMM) when it takes the call (bf16/fp16 output, K and N multiples of 16), else the Triton GEMM tile
     (whose fp8 accumulation precision on Hopper is int8_linear.FP8_DOT's choice). bench/kernel_quant.py times

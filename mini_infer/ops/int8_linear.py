@@ -12,9 +12,9 @@ Why: a batch-1 decode step reads every weight once; int8 weights halve those byt
 kernel that streams the int8 weights at full bandwidth when M (tokens) is tiny, where `torch._int_mm` is slow
 (and on CUDA refuses M <= 16). So the Triton path picks its kernel by M only (shapes, never values: CUDA-graph
 safe): M = 1 -> a GEMV on linear.py's tiling (`scaled_gemv_triton`: 4 weight rows per program, so every SM
-streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 converted on CUDA cores,
-or multiplied on tensor cores, the row padded to a
-tensor-core tile, for rows shorter than FP8_GEMV_LONG_K: FP8_GEMV), M <= SMALL_M (16) -> a
+streams weights; int8 read as int32 words of four and multiplied with dp4a on a GPU; fp8 multiplied on tensor
+cores, the row padded to a tensor-core tile and K split over programs where the output has few row blocks
+(FP8_GEMV, GEMV_DOT_SPLIT_PER_SM), or converted on CUDA cores), M <= SMALL_M (16) -> a
 skinny tile (16 rows, few weight rows per program, long K steps), larger M -> GEMM tiles. The int32
 accumulation is exact in every kernel and the epilogue's arithmetic is one piece of code (`_dequantize`), so
 every M bucket gives the same bits for a row (greedy decoding does not change with the batch bucket); the reference (`torch._int_mm` where it takes the shape, else an exact float64
@@ -356,12 +356,13 @@ if HAS_TRITON:
     def _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """x [K] . w[row] over columns k_lo..k_hi for the BLOCK_N weight rows, fp32, on tensor cores (fp8 operands:
         `FP8_GEMV` "dot"): the weight tile goes to `tl.dot` as it was loaded (no conversion; fp32 accumulation) and
-        the one row x is padded with rows masked to zero (never read from memory). Which operand is which, by BLOCK_N: below DOT_ROWS, x is row 0 of a DOT_ROWS-row A
-        tile and the weights are B (x . w.T: any BLOCK_N, the GEMV's split of N; the zero rows cost the tensor cores
-        and shared memory DOT_ROWS / BLOCK_N times the weight bytes); from DOT_ROWS on, the weights are A and x
-        column 0 of a DOT_COLS-column B (w . x.T: little padding, but BLOCK_N rows a program). Either way the
-        weights stream BLOCK_K columns a step, as `gemv_step` streams them. k_lo is a multiple of BLOCK_K and k_hi
-        either one or K (a split's range: `_split_range`), so only K masks columns."""
+        the one row x is padded with rows masked to zero (never read from memory). Which operand is which, by
+        BLOCK_N: below DOT_ROWS, x is row 0 of a DOT_ROWS-row A tile and the weights are B (x . w.T: any BLOCK_N,
+        the GEMV's split of N; the zero rows cost the tensor cores and shared memory DOT_ROWS / BLOCK_N times the
+        weight bytes); from DOT_ROWS on, the weights are A and x column 0 of a DOT_COLS-column B (w . x.T: little
+        padding, but BLOCK_N rows a program). Either way the weights stream BLOCK_K columns a step, as `gemv_step`
+        streams them. k_lo is a multiple of BLOCK_K and k_hi either one or K (a split's range: `_split_range`), so
+        only K masks columns."""
         if BLOCK_N < _DOT_ROWS:
             pad = tl.arange(0, _DOT_ROWS)[:, None] == 0
             acc = tl.zeros([_DOT_ROWS, BLOCK_N], tl.float32)
@@ -416,11 +417,11 @@ if HAS_TRITON:
         program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8 operands): every product and sum exact, the
         same int32 as the GEMM tile's; fp32 (fp8 operands): the products are exact, only the order of the fp32
         sums differs from the tile's. PACKED (int8): x and w are int32 views, four bytes a word (K, stride_wn
-        and BLOCK_K count words), multiplied by `_dot4`, the weights loaded with L2 eviction policy W_EVICT. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose partials meet in
-        `_merged_splits` (workspace ws_ptr [SPLIT_K, N] of ACC_DTYPE, this row block's counter at
-        cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
-        outputs: always without splits, only the row block's last split with them."""
+        and BLOCK_K count words), multiplied by `_dot4`, the weights loaded with L2 eviction policy W_EVICT. DOT
+        (fp8): the products on tensor cores instead (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis
+        1 (`_split_range`) whose partials meet in `_merged_splits` (fp32 workspace ws_ptr [SPLIT_K, N], this row
+        block's counter at cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this
+        program stored its outputs: always without splits, only the row block's last split with them."""
         await_producers(USE_GDC)
         rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:

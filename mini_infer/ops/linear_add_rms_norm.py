@@ -12,7 +12,8 @@ o_proj / down_proj output feeds only the residual add + norm. Functional: never 
 Why: at batch-1 decode the norm is a one-program kernel whose cost is almost all launch. On CUDA, for one row that
 the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one launch does both: every program
 runs the GEMV's body (`gemv_program`, with linear.py's weight preload before the PDL wait for rows of at most
-PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, no preload) and
+PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, no preload, whose fp8 tensor-core launches may cut K
+into splits: then a row block's last split stores and counts, the others neither) and
 stores its slice of the linear's output row, then counts itself in a counter (`_split_k.split_counters` and
 `arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the
 program that arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole
