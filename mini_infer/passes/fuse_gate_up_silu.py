@@ -35,14 +35,12 @@ elsewhere, where the ops run their unfused references and save nothing.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
-from mini_infer.passes.pattern import aten, is_op, only_user
+from mini_infer.passes.pattern import gate_up_halves, is_op, only_user
 
 ops = torch.ops.mini_infer
 
@@ -58,19 +56,7 @@ def _halves_split(act: fx.Node) -> fx.Node | None:
     its input's last dim into exactly two equal halves; else None."""
     if act.kwargs or len(act.args) != 2:
         return None
-    gate, up = act.args
-    if not (is_op(gate, operator.getitem) and is_op(up, operator.getitem) and only_user(gate, act)
-            and only_user(up, act) and gate.args[0] is up.args[0] and (gate.args[1], up.args[1]) == (0, 1)):
-        return None
-    split = gate.args[0]
-    if not is_op(split, aten.split_with_sizes.default) or split.kwargs or len(split.args) != 3 \
-            or len(split.users) != 2:
-        return None
-    source, sizes, dim = split.args
-    val = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if val is None or len(sizes) != 2 or sizes[0] != sizes[1] or dim not in (-1, val.dim() - 1):
-        return None
-    return split
+    return gate_up_halves(act)
 
 
 def _producer(split: fx.Node) -> fx.Node | None:

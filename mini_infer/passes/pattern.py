@@ -72,6 +72,27 @@ def only_user(node: fx.Node, user: fx.Node) -> bool:
     return len(node.users) == 1 and user in node.users
 
 
+def gate_up_halves(act: fx.Node) -> fx.Node | None:
+    """The `split_with_sizes` whose [0] and [1], read by nothing but `act`, are `act`'s first two arguments (gate,
+    up), when it splits its input's last dim into exactly two equal halves; else None (a gated activation of one
+    merged gate_up output: fuse_gate_up_silu, fuse_gate_up_silu_quant)."""
+    if len(act.args) < 2:
+        return None
+    gate, up = act.args[:2]
+    if not (is_op(gate, operator.getitem) and is_op(up, operator.getitem) and only_user(gate, act)
+            and only_user(up, act) and gate.args[0] is up.args[0] and (gate.args[1], up.args[1]) == (0, 1)):
+        return None
+    split = gate.args[0]
+    if not is_op(split, aten.split_with_sizes.default) or split.kwargs or len(split.args) != 3 \
+            or len(split.users) != 2:
+        return None
+    source, sizes, dim = split.args
+    v = val(source)
+    if v is None or len(sizes) != 2 or sizes[0] != sizes[1] or dim not in (-1, v.dim() - 1):
+        return None
+    return split
+
+
 def kwarg_or_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if name in node.kwargs:
         return node.kwargs[name]
