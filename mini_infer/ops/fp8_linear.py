@@ -35,6 +35,8 @@ from mini_infer.ops.int8_linear import (
     check_scaled_linear,
     define_quantized_linear_op,
     define_scaled_linear_op,
+    int8_linear_reference,
+    int8_linear_triton,
     scaled_linear_reference,
     scaled_linear_triton,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "fp8_w8a8_linear",
     "fp8_w8a8_linear_reference",
     "fp8_w8a8_linear_triton",
+    "scaled_linear_of",
     "scaled_mm_fp8",
 ]
 
@@ -162,3 +165,12 @@ def fp8_w8a8_linear_triton(
 
 fp8_linear = define_scaled_linear_op("fp8_linear", FP8, fp8_linear_triton, fp8_linear_reference)
 fp8_w8a8_linear = define_quantized_linear_op("fp8_w8a8_linear", fp8_w8a8_linear_triton, fp8_w8a8_linear_reference)
+
+
+def scaled_linear_of(impl: str, operand: torch.dtype):
+    """The W8A8 linear for `operand` operands, `impl` "reference" or "triton": int8_linear's for int8, fp8_linear's
+    for float8_e4m3fn (the fused ops that run one of them by x_q's dtype: linear_add_rms_norm.py,
+    scaled_linear_silu_quant.py)."""
+    if operand == torch.int8:
+        return int8_linear_reference if impl == "reference" else int8_linear_triton
+    return fp8_linear_reference if impl == "reference" else fp8_linear_triton

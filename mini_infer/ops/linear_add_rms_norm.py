@@ -34,12 +34,10 @@ import torch
 
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
-from mini_infer.ops.fp8_linear import fp8_linear_reference, fp8_linear_triton, fp8_supported
+from mini_infer.ops.fp8_linear import fp8_supported, scaled_linear_of
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.int8_linear import (
     check_scaled_linear,
-    int8_linear_reference,
-    int8_linear_triton,
     launch_scaled_gemv,
     takes_scaled_gemv,
 )
@@ -79,13 +77,6 @@ def _check_scaled(x_q, x_scale, w_q, w_scale, bias, dtype) -> None:
     check_quant_dtype(dtype)
 
 
-def _scaled_linear(impl: str, x_q: torch.Tensor):
-    """int8_linear's or fp8_linear's `impl` ("reference" / "triton") for x_q's operand dtype."""
-    if x_q.dtype == torch.int8:
-        return int8_linear_reference if impl == "reference" else int8_linear_triton
-    return fp8_linear_reference if impl == "reference" else fp8_linear_triton
-
-
 def linear_add_rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
     norm_weight: torch.Tensor, eps: float,
@@ -99,7 +90,7 @@ def scaled_linear_add_rms_norm_quant_reference(
     out_dtype: torch.dtype, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`fused_add_rms_norm_quant(scaled linear(x_q, ...), residual, norm_weight, eps, dtype)` in plain torch."""
-    y = _scaled_linear("reference", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    y = scaled_linear_of("reference", x_q.dtype)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     return fused_add_rms_norm_quant_reference(y, residual, norm_weight, eps, dtype)
 
 
@@ -195,7 +186,7 @@ def scaled_linear_add_rms_norm_quant_triton(
                                                                                  out_dtype)
              and (x_q.dtype != FP8 or fp8_supported(x_q.device)))  # else fp8_linear's error names the capability
     if not fuses:
-        y = _scaled_linear("triton", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+        y = scaled_linear_of("triton", x_q.dtype)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
         return fused_add_rms_norm_quant_triton(y, residual, norm_weight, eps, dtype)
     y = torch.empty(n, dtype=out_dtype, device=x_q.device)
     s = torch.empty(y_shape, dtype=out_dtype, device=x_q.device)

@@ -42,11 +42,9 @@ from mini_infer.ops._triton_support import (
     triton,
     use_triton,
 )
-from mini_infer.ops.fp8_linear import fp8_linear_reference, fp8_linear_triton, fp8_supported
+from mini_infer.ops.fp8_linear import fp8_supported, scaled_linear_of
 from mini_infer.ops.int8_linear import (
     check_scaled_linear,
-    int8_linear_reference,
-    int8_linear_triton,
     launch_scaled_gemv,
     takes_scaled_gemv,
 )
@@ -89,12 +87,6 @@ def _check(x_q, x_scale, w_q, w_scale, bias, dtype) -> None:
     check_quant_dtype(dtype)
 
 
-def _linear(impl: str, x_q: torch.Tensor):
-    if x_q.dtype == torch.int8:
-        return int8_linear_reference if impl == "reference" else int8_linear_triton
-    return fp8_linear_reference if impl == "reference" else fp8_linear_triton
-
-
 def _halves(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up = y.split(y.shape[-1] // 2, -1)
     return gate, up
@@ -106,7 +98,7 @@ def scaled_linear_silu_quant_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`silu_and_mul_quant` of the halves of the W8A8 linear's output, in plain torch."""
     _check(x_q, x_scale, w_q, w_scale, bias, dtype)
-    y = _linear("reference", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    y = scaled_linear_of("reference", x_q.dtype)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     return silu_and_mul_quant_reference(*_halves(y), dtype)
 
 
@@ -178,7 +170,7 @@ def scaled_linear_silu_quant_triton(
     else the W8A8 linear then `silu_and_mul_quant` (their kernels)."""
     _check(x_q, x_scale, w_q, w_scale, bias, dtype)
     if not _fuses(x_q, w_q):
-        y = _linear("triton", x_q)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+        y = scaled_linear_of("triton", x_q.dtype)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
         return silu_and_mul_quant_triton(*_halves(y), dtype)
     half = w_q.shape[0] // 2
     lead = x_q.shape[:-1]
