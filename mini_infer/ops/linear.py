@@ -277,8 +277,7 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
         if width:
             constexprs.update(PRELOAD_K=width, PRELOAD_PREFIX=True)
     grid = (triton.cdiv(weight.shape[0], bn),) if splits == 1 else (triton.cdiv(weight.shape[0], bn), splits)
-    kernel[grid](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk,
-                                                num_warps=warps, num_stages=stages)
+    kernel[grid](*args, **constexprs, **pdl_args(weight), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
