@@ -52,6 +52,7 @@ __all__ = [
     "fp8_w8a8_linear",
     "fp8_w8a8_linear_reference",
     "fp8_w8a8_linear_triton",
+    "check_scaled_linear_of",
     "scaled_linear_of",
     "scaled_mm_fp8",
 ]
@@ -174,3 +175,12 @@ def scaled_linear_of(impl: str, operand: torch.dtype):
     if operand == torch.int8:
         return int8_linear_reference if impl == "reference" else int8_linear_triton
     return fp8_linear_reference if impl == "reference" else fp8_linear_triton
+
+
+def check_scaled_linear_of(name: str, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                           w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError naming the op (`name`) and the field unless x_q is int8 or float8_e4m3fn and the operands are that
+    W8A8 linear's (`check_scaled_linear`): the check of the fused ops that run `scaled_linear_of` x_q's dtype."""
+    if x_q.dtype not in (torch.int8, FP8):
+        raise ValueError(f"{name}: x_q must be int8 or float8_e4m3fn, got {x_q.dtype}")
+    check_scaled_linear(name, x_q.dtype, x_q, x_scale, w_q, w_scale, bias)

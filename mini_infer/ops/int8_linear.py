@@ -54,6 +54,7 @@ __all__ = [
     "DOT_ROWS",
     "FP8_DOT",
     "FP8_GEMV",
+    "FP8_GEMV_DOT_MAX_K",
     "FP8_GEMV_MODES",
     "fp8_gemv_dot",
     "gemv_split_k",
@@ -110,7 +111,10 @@ _CONFIGS = (
 SCALED_GEMV_CONFIG = (4, 1024, 4, 1)
 SCALED_GEMV_CONFIG_FP8 = (4, 512, 4, 1)
 SCALED_GEMV_CONFIG_FP8_LONG_K = (4, 4096, 8, 1)
-FP8_GEMV_LONG_K = 1 << 30  # "auto" takes the tensor cores below this K: at every K since split-K (was 8192)
+FP8_GEMV_LONG_K = 8192
+# "auto" multiplies rows shorter than this on tensor cores (FP8_GEMV below): every row since split-K (it was
+# FP8_GEMV_LONG_K, the CUDA-core GEMV's own threshold for its long-row tile, which stays).
+FP8_GEMV_DOT_MAX_K = 1 << 30
 # How the fp8 GEMV multiplies (MINI_INFER_FP8_GEMV, read at import; the launchers take it per call too):
 # "cuda-cores": fp8 -> fp16 -> fp32 conversions and fp32 FMAs (no 4-way fp8 dot instruction exists on CUDA cores,
 # so the GEMV is bound by the conversions, not by the weight bytes: 3.00 ms of fp8 GEMVs per qwen2.5-7b decode step
@@ -122,11 +126,12 @@ FP8_GEMV_LONG_K = 1 << 30  # "auto" takes the tensor cores below this K: at ever
 # (max_num_imprecise_acc = BLOCK_K: see FP8_DOT). Its own tile SCALED_GEMV_CONFIG_FP8_DOT (BLOCK_N, BLOCK_K,
 # warps, cp.async stages; a guess from the sm_90 compile, tests/ops/compile_fp8_gemv_sm90.py: 0.03 instructions
 # a weight byte in the K loop, like int8's dp4a GEMV, against 0.11-0.17 for "cuda-cores"); "auto" (the default):
-# "dot" for rows shorter than FP8_GEMV_LONG_K, "cuda-cores" (its long-K tile) for longer ones. Measured on an H200
+# "dot" for rows shorter than FP8_GEMV_DOT_MAX_K, "cuda-cores" for longer ones. Measured on an H200
 # (`bench/kernel_quant.py --sweep-gemv fp8-dot`, qwen2.5-7b at M = 1, cold L2, us per call, "cuda-cores" / "dot" at
 # its best tile): qkv 7.6 / 7.1, o_proj 7.3 / 6.6, gate_up 40.7 / 34.2 (96% of copy bandwidth), but down_proj
-# (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0, hence FP8_GEMV_LONG_K was 8192;
-# with K cut into splits (GEMV_DOT_SPLIT_PER_SM) the dot takes down_proj in 19.9 us, so "auto" now means "dot".
+# (K 18,944: only N / 64 = 56 programs, each streaming a long row) 23.1 / 27.0, hence "auto" stopped at
+# FP8_GEMV_LONG_K; with K cut into splits (GEMV_DOT_SPLIT_PER_SM) the dot takes down_proj in 19.9 us, so "auto" now
+# runs every row on tensor cores (FP8_GEMV_DOT_MAX_K).
 FP8_GEMV_MODES = ("auto", "cuda-cores", "dot")
 FP8_GEMV = os.environ.get("MINI_INFER_FP8_GEMV", "auto")
 if FP8_GEMV not in FP8_GEMV_MODES:
@@ -631,11 +636,11 @@ def _packs_int8(x: torch.Tensor, w: torch.Tensor) -> bool:
 def fp8_gemv_dot(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> bool:
     """Whether the one-row GEMV of `dtype` operands and rows of `k` elements runs its products on tensor cores: fp8
     operands and the fp8 GEMV mode `fp8_gemv` (None: the module's FP8_GEMV, looked up at the call) "dot", or
-    "auto" with k < FP8_GEMV_LONG_K; int8 never."""
+    "auto" with k < FP8_GEMV_DOT_MAX_K; int8 never."""
     mode = FP8_GEMV if fp8_gemv is None else fp8_gemv
     if mode not in FP8_GEMV_MODES:
         raise ValueError(f"fp8_gemv must be one of {FP8_GEMV_MODES}, got {mode!r}")
-    return dtype != torch.int8 and (mode == "dot" or (mode == "auto" and k < FP8_GEMV_LONG_K))
+    return dtype != torch.int8 and (mode == "dot" or (mode == "auto" and k < FP8_GEMV_DOT_MAX_K))
 
 
 def scaled_gemv_config(dtype: torch.dtype, k: int, fp8_gemv: str | None = None) -> tuple[int, int, int, int]:
@@ -710,12 +715,12 @@ def launch_scaled_gemv(
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the tensor-core GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power "
                          f"of two, got {config}")
-    if split_k < 1 or (split_k > 1 and not dot):
-        raise ValueError(f"a GEMV splits K only on tensor cores, into at least one split; got {config}")
+    if split_k < 1:
+        raise ValueError(f"a tensor-core GEMV splits K into at least one split; got {config}")
     blocks = triton.cdiv(n, bn)
     cnt = split_counters(x_q.device, 1 + (blocks if split_k > 1 else 0))
     partials = torch.empty((split_k, n), dtype=torch.float32, device=x_q.device) if split_k > 1 else cnt
-    packed = not dot and pack_int8 and _packs_int8(xr, w)
+    packed = pack_int8 and _packs_int8(xr, w)
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), partials, cnt,

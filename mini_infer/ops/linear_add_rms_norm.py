@@ -34,10 +34,9 @@ import torch
 
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import HAS_TRITON, tl, triton, use_triton
-from mini_infer.ops.fp8_linear import fp8_supported, scaled_linear_of
+from mini_infer.ops.fp8_linear import check_scaled_linear_of, fp8_supported, scaled_linear_of
 from mini_infer.ops.fused_add_rms_norm import fused_add_rms_norm_reference, fused_add_rms_norm_triton
 from mini_infer.ops.int8_linear import (
-    check_scaled_linear,
     launch_scaled_gemv,
     takes_scaled_gemv,
 )
@@ -71,9 +70,7 @@ FP8 = torch.float8_e4m3fn
 
 def _check_scaled(x_q, x_scale, w_q, w_scale, bias, dtype) -> None:
     """ValueError unless the operands are an int8 or fp8 W8A8 linear's and `dtype` a quantized activation dtype."""
-    if x_q.dtype not in (torch.int8, FP8):
-        raise ValueError(f"scaled_linear_add_rms_norm_quant: x_q must be int8 or float8_e4m3fn, got {x_q.dtype}")
-    check_scaled_linear("scaled_linear_add_rms_norm_quant", x_q.dtype, x_q, x_scale, w_q, w_scale, bias)
+    check_scaled_linear_of("scaled_linear_add_rms_norm_quant", x_q, x_scale, w_q, w_scale, bias)
     check_quant_dtype(dtype)
 
 

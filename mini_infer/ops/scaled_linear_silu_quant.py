@@ -42,9 +42,8 @@ from mini_infer.ops._triton_support import (
     triton,
     use_triton,
 )
-from mini_infer.ops.fp8_linear import fp8_supported, scaled_linear_of
+from mini_infer.ops.fp8_linear import check_scaled_linear_of, fp8_supported, scaled_linear_of
 from mini_infer.ops.int8_linear import (
-    check_scaled_linear,
     launch_scaled_gemv,
     takes_scaled_gemv,
 )
@@ -78,9 +77,7 @@ def _amax_slots(device: torch.device) -> torch.Tensor:
 def _check(x_q, x_scale, w_q, w_scale, bias, dtype) -> None:
     """ValueError naming the field unless the operands are a W8A8 gate_up linear's (an even row count) and `dtype` a
     quantized activation dtype."""
-    if x_q.dtype not in (torch.int8, FP8):
-        raise ValueError(f"scaled_linear_silu_quant: x_q must be int8 or float8_e4m3fn, got {x_q.dtype}")
-    check_scaled_linear("scaled_linear_silu_quant", x_q.dtype, x_q, x_scale, w_q, w_scale, bias)
+    check_scaled_linear_of("scaled_linear_silu_quant", x_q, x_scale, w_q, w_scale, bias)
     if w_q.shape[0] % 2:
         raise ValueError(f"scaled_linear_silu_quant: w_q must have an even row count (gate rows, then as many up "
                          f"rows), got {w_q.shape[0]}")

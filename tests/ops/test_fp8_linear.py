@@ -139,8 +139,9 @@ def test_dot_gemv_matches_reference(n, k, bias):
 @requires_triton
 def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
     """fp8_linear's one-row GEMV runs its products on tensor cores (the kernel's DOT), on the dot tile, when FP8_GEMV
-    is "dot", or "auto" (the MINI_INFER_FP8_GEMV default) and the row is shorter than FP8_GEMV_LONG_K; on CUDA
-    cores for "cuda-cores" and for "auto" with long rows; int8 never; unknown modes are refused by name."""
+    is "dot", or "auto" (the MINI_INFER_FP8_GEMV default) and the row is shorter than FP8_GEMV_DOT_MAX_K; on CUDA
+    cores for "cuda-cores" and for "auto" past it, with the long-K tile for rows of FP8_GEMV_LONG_K and more; int8
+    never; unknown modes are refused by name."""
     if DEVICE == "cuda" and not HAS_FP8_GPU:
         pytest.skip("this GPU has no FP8")
     from mini_infer.ops import int8_linear as il
@@ -156,7 +157,8 @@ def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
     for mode in ("cuda-cores", "dot", "auto"):
         monkeypatch.setattr(il, "FP8_GEMV", mode)
         assert_fp32_acc_close(fl.fp8_linear_triton(*args, torch.float32), want)
-    monkeypatch.setattr(il, "FP8_GEMV_LONG_K", 64)  # "auto" with rows of 64 now long: CUDA cores, the long-K tile
+    monkeypatch.setattr(il, "FP8_GEMV_DOT_MAX_K", 64)  # "auto" with rows of 64 now past tensor cores: CUDA cores,
+    monkeypatch.setattr(il, "FP8_GEMV_LONG_K", 64)  # and long for them: the long-K tile
     assert_fp32_acc_close(fl.fp8_linear_triton(*args, torch.float32), want)
     x8 = torch.ones(1, 64, dtype=torch.int8, device=DEVICE)
     il.int8_linear_triton(x8, args[1], x8.expand(24, 64).contiguous(), args[3], None, torch.float32)
@@ -164,6 +166,9 @@ def test_fp8_gemv_mode_picks_the_kernel_path(monkeypatch):
     int8_tile = il.SCALED_GEMV_CONFIG[:1] + (il.SCALED_GEMV_CONFIG[1] // 4,) + il.SCALED_GEMV_CONFIG[2:]
     assert launches == [(False, il.SCALED_GEMV_CONFIG_FP8), (True, dot_tile), (True, dot_tile),
                         (False, il.SCALED_GEMV_CONFIG_FP8_LONG_K), (False, int8_tile)]
+    monkeypatch.undo()  # the defaults: CUDA cores keep their long-K tile for long rows ("auto" no longer takes them)
+    assert il.scaled_gemv_config(FP8, 18944, "cuda-cores") == il.SCALED_GEMV_CONFIG_FP8_LONG_K
+    assert il.scaled_gemv_config(FP8, 18944, "auto") == il.SCALED_GEMV_CONFIG_FP8_DOT
     with pytest.raises(ValueError, match="fp8_gemv"):
         il.scaled_gemv_triton(*args, torch.float32, fp8_gemv="tensor")
     with pytest.raises(ValueError, match="BLOCK_K"):
