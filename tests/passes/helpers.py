@@ -160,6 +160,22 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
     assert err <= tol, f"max |logits - eager| = {err:.3e} > {tol:.3e}"
 
 
+def assert_unfused_bits(fused: tuple, unfused: tuple, kernel: str) -> None:
+    """A fusion pass's graph (`fused`: run_passes's (gm, ctx, stats)) gives the logits of the same pipeline without
+    it (`unfused`) bit for bit: with the references over a 9-token prefill, and bound to the Triton kernels
+    (interpreter) for a one-row step, whose graph runs `kernel` (the fused op's Triton implementation)."""
+    gm, ctx = fused[0], fused[1]
+    rows = torch.arange(9)
+    ids, pos = random_ids(9, 4), positions(3, 9)
+    assert torch.equal(graph_logits(gm, ctx, ids, pos, logits_indices=rows),
+                       graph_logits(unfused[0], unfused[1], ids, pos, logits_indices=rows))
+    (bound, names), (bound_ref, _) = bound_copy(gm, "triton"), bound_copy(unfused[0], "triton")
+    assert kernel in names
+    ids, pos, one = random_ids(1, 5), positions(12, 1), torch.arange(1)
+    assert torch.equal(graph_logits(bound, ctx, ids, pos, logits_indices=one),
+                       graph_logits(bound_ref, unfused[1], ids, pos, logits_indices=one))
+
+
 def check_against_eager(name: str, gm: fx.GraphModule, ctx: PassContext, num: int, start: int, seed: int = 0,
                         rel: float = 1e-4, **overrides: torch.Tensor) -> None:
     """Graph logits at a new token count and new positions equal eager HF's (all rows, or the selected), within

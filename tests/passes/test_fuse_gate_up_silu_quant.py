@@ -17,13 +17,10 @@ from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
 from tests.passes.helpers import (
     CPU,
     NUM_LAYERS,
-    bound_copy,
-    graph_logits,
+    assert_unfused_bits,
     loaded,
     mi,
     op_counts,
-    positions,
-    random_ids,
     run_passes,
 )
 from tests.passes.test_fuse_silu_gemv import CUDA_TAIL
@@ -46,21 +43,14 @@ def _pipeline(name: str, mode: str, with_pass: bool):
 @pytest.mark.parametrize("name", sorted(TINY_DENSE_PRESETS))
 @pytest.mark.parametrize("mode", ["w8a8", "fp8"])
 def test_every_gate_up_fuses_with_the_unfused_bits(name, mode):
-    unfused, (gm, ctx, stats) = _pipeline(name, mode, False), _pipeline(name, mode, True)
+    unfused, fused = _pipeline(name, mode, False), _pipeline(name, mode, True)
+    gm, stats = fused[0], fused[2]
     assert stats[-1].name == "fuse_gate_up_silu_quant"
     assert stats[-1].num_matches == L and stats[-1].note == f"{L} {PRODUCER[mode]}"
     counts = op_counts(gm)
     assert counts[mi.scaled_linear_silu_quant.default] == L and counts[mi.silu_and_mul_quant.default] == 0
     assert op_counts(unfused[0])[mi.silu_and_mul_quant.default] == L
-    rows = torch.arange(9)
-    ids, pos = random_ids(9, 4), positions(3, 9)
-    assert torch.equal(graph_logits(gm, ctx, ids, pos, logits_indices=rows),
-                       graph_logits(unfused[0], unfused[1], ids, pos, logits_indices=rows))
-    (bound, names), (bound_ref, _) = bound_copy(gm, "triton"), bound_copy(unfused[0], "triton")
-    assert "scaled_linear_silu_quant_triton" in names
-    ids, pos, one = random_ids(1, 5), positions(12, 1), torch.arange(1)
-    assert torch.equal(graph_logits(bound, ctx, ids, pos, logits_indices=one),
-                       graph_logits(bound_ref, unfused[1], ids, pos, logits_indices=one))
+    assert_unfused_bits(fused, unfused, "scaled_linear_silu_quant_triton")
 
 
 def test_nothing_to_fuse_without_quantization_and_opt_in():

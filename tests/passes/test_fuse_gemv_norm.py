@@ -21,6 +21,7 @@ from tests.passes.helpers import (
     NUM_LAYERS,
     ToyRMSNorm,
     assert_logits_close,
+    assert_unfused_bits,
     bound_copy,
     check_against_eager,
     eager_logits,
@@ -111,15 +112,7 @@ def test_w8a8_pipeline(name):
     assert counts[mi.scaled_linear_add_rms_norm_quant.default] == 2 * L - 1
     assert counts[mi.fused_add_rms_norm_quant.default] == 0 and counts[mi.int8_linear.default] == 2 * L + 1
     assert counts[mi.fused_add_rms_norm.default] == 1
-    rows = torch.arange(9)
-    ids, pos = random_ids(9, 4), positions(3, 9)
-    assert torch.equal(graph_logits(gm, ctx, ids, pos, logits_indices=rows),
-                       graph_logits(unfused[0], unfused[1], ids, pos, logits_indices=rows))
-    (bound, names), (bound_ref, _) = bound_copy(gm, "triton"), bound_copy(unfused[0], "triton")
-    assert "scaled_linear_add_rms_norm_quant_triton" in names
-    ids, pos, one = random_ids(1, 5), positions(12, 1), torch.arange(1)
-    assert torch.equal(graph_logits(bound, ctx, ids, pos, logits_indices=one),
-                       graph_logits(bound_ref, unfused[1], ids, pos, logits_indices=one))
+    assert_unfused_bits(fused, unfused, "scaled_linear_add_rms_norm_quant_triton")
 
 
 def test_default_on_cuda_only():
