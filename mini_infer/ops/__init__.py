@@ -74,9 +74,6 @@ nothing from mini_infer outside this package.
 | scaled_linear_add_rms_norm_quant(x_q, x_scale, w_q,   | (x_q, scale, s)     | fused_add_rms_norm_quant(int8_linear or fp8_linear by |
 |   w_scale, bias, out_dtype, residual, norm_weight,    |                     | x_q's dtype (...), residual, norm_weight, eps, dtype);|
 |   eps, dtype)                                         |                     | the norm + quantization in the GEMV's launch          |
-| scaled_linear_silu_quant(x_q, x_scale, w_q, w_scale,  | (h_q, scale)        | silu_and_mul_quant(g, u, dtype) of the halves of      |
-|   bias, out_dtype, dtype)                             |                     | int8_linear / fp8_linear(...) (merged gate_up); the   |
-|                                                       |                     | activation and its amax in the GEMV's epilogue        |
 | gather_rows(tables, indices)                          | Tensor[]            | [embedding(t, i) for t, i in zip(tables, indices)]:   |
 |                                                       |                     | up to 4 table lookups (each its own dtype, width and  |
 |                                                       |                     | index) in one launch                                  |
@@ -124,7 +121,6 @@ from mini_infer.ops import rms_norm as _rms_norm_mod
 from mini_infer.ops import rms_norm_linear as _rms_norm_linear_mod
 from mini_infer.ops import rms_norm_linear_silu as _rms_norm_linear_silu_mod
 from mini_infer.ops import rotary_paged_attention as _rotary_paged_attention_mod
-from mini_infer.ops import scaled_linear_silu_quant as _scaled_linear_silu_quant_mod
 from mini_infer.ops import silu_and_mul as _silu_and_mul_mod
 from mini_infer.ops import silu_mul_linear as _silu_mul_linear_mod
 from mini_infer.ops._triton_support import HAS_TRITON
@@ -150,7 +146,6 @@ _MODULE_OF = {
     "silu_mul_linear": _silu_mul_linear_mod,
     "linear_add_rms_norm": _linear_add_rms_norm_mod,
     "scaled_linear_add_rms_norm_quant": _linear_add_rms_norm_mod,
-    "scaled_linear_silu_quant": _scaled_linear_silu_quant_mod,
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,

@@ -10,7 +10,7 @@ the earlier one ends), and `await_producers` is where each program waits for the
 batch-1 decode step, a chain of a few hundred short dependent kernels, that hides ~0.6 us of launch and ramp per
 kernel boundary (H200, 112 chained GEMVs of qwen3-0.6b shapes in one CUDA graph: 457 -> 387 us).
 `MINI_INFER_PDL=0` turns it off (read at each launch: set it before graphs are captured). And WEIGHT_EVICTION, the
-L2 eviction policy of the batch-1 kernels' weight loads (an experiment, off; its comment below).
+L2 eviction policy of the batch-1 kernels' weight loads (evict_first; its comment below).
 
 PDL_TRIGGER_FIRST (on; `MINI_INFER_PDL_TRIGGER_FIRST=0`, or `--switch _triton_support.PDL_TRIGGER_FIRST=0` in the
 benchmarks, turns it off): kernels whose launch allows it let the next kernel launch before their own wait instead
@@ -48,16 +48,19 @@ __all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "pdl_args", "trit
 
 # The L2 eviction policy of the weight loads of the one-row GEMV kernels (linear.py's `gemv_load`: every float, int8
 # and fp8 GEMV, lm_head's and the MoE decode path's included) and of the MoE GEMMs' decode-shaped launches
-# (fused_moe.py): "" (the default policy), "evict_first" (PTX `createpolicy ... L2::evict_first` with an
-# `L2::cache_hint` on each load: lines streamed once a step give way first, so what the step re-reads (activations,
-# norm weights, rotary rows, block tables, the KV cache of short contexts) may stay in the 60 MB L2 of an H200 across
-# the ~1.2 GB a qwen3-0.6b step streams) or "evict_last". An experiment for batch-1 decode (issue #14), off: one pair
-# of runs on an H200 (qwen3-0.6b, bench/RESULTS.md, thirtieth session) showed no gain yet. Read once, at import
-# (MINI_INFER_WEIGHT_EVICTION), because Triton refuses a changed global in a compiled kernel; an A/B runs one process
-# per value.
-WEIGHT_EVICTION = os.environ.get("MINI_INFER_WEIGHT_EVICTION", "")
-if WEIGHT_EVICTION not in ("", "evict_first", "evict_last"):
-    raise ValueError(f"MINI_INFER_WEIGHT_EVICTION must be empty, evict_first or evict_last, got {WEIGHT_EVICTION!r}")
+# (fused_moe.py): "evict_first" (the default: PTX `createpolicy ... L2::evict_first` with an `L2::cache_hint` on each
+# load, so lines streamed once a step give way first and what the step re-reads (activations, norm weights, rotary
+# rows, block tables, the KV cache of short contexts) may stay in the 60 MB L2 of an H200 across the gigabytes a
+# batch-1 step streams), "evict_last", or "" (no hint; MINI_INFER_WEIGHT_EVICTION=none). H200, batch 1, processes
+# alternated (bench/RESULTS.md, thirty-first and thirty-second sessions): qwen2.5-7b w8a8 +2.4% (406.0 / 405.9 against
+# 396.3 / 396.3 tok/s), bf16 +1.4% (271.2 / 271.3 against 267.5 / 267.6), llama-3.1-8b +0.9%; fp8, qwen3-0.6b and
+# qwen3-30b-a3b unchanged. Read once, at import, because Triton refuses a changed global in a compiled kernel; an A/B
+# runs one process per value.
+_EVICTION_POLICIES = {"evict_first": "evict_first", "evict_last": "evict_last", "none": "", "": ""}
+WEIGHT_EVICTION = os.environ.get("MINI_INFER_WEIGHT_EVICTION", "evict_first")
+if WEIGHT_EVICTION not in _EVICTION_POLICIES:
+    raise ValueError(f"MINI_INFER_WEIGHT_EVICTION must be evict_first, evict_last or none, got {WEIGHT_EVICTION!r}")
+WEIGHT_EVICTION = _EVICTION_POLICIES[WEIGHT_EVICTION]
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -170,8 +170,7 @@ fp8_w8a8_linear = define_quantized_linear_op("fp8_w8a8_linear", fp8_w8a8_linear_
 
 def scaled_linear_of(impl: str, operand: torch.dtype):
     """The W8A8 linear for `operand` operands, `impl` "reference" or "triton": int8_linear's for int8, fp8_linear's
-    for float8_e4m3fn (the fused ops that run one of them by x_q's dtype: linear_add_rms_norm.py,
-    scaled_linear_silu_quant.py)."""
+    for float8_e4m3fn (the fused ops that run one of them by x_q's dtype: linear_add_rms_norm.py)."""
     if operand == torch.int8:
         return int8_linear_reference if impl == "reference" else int8_linear_triton
     return fp8_linear_reference if impl == "reference" else fp8_linear_triton

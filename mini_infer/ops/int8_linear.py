@@ -60,11 +60,9 @@ __all__ = [
     "gemv_split_k",
     "GEMV_DOT_SPLIT_PER_SM",
     "INT8_MAX_K",
-    "INT8_WEIGHT_EVICTION",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
     "SCALED_GEMV_CONFIG_FP8_DOT",
-    "SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT",
     "SCALED_GEMV_CONFIG_FP8_LONG_K",
     "scaled_gemv_config",
     "SMALL_M",
@@ -151,24 +149,9 @@ if FP8_GEMV not in FP8_GEMV_MODES:
 # took fp8's times, slower than dp4a's 6.1 / 5.9 / 18.7 / 34.3 us; w8a8 336.5-370.4 against 397.0 tok/s.
 GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
 GEMV_DOT_MIN_SPLIT_STEPS = 2
-# The L2 eviction policy of the packed int8 GEMV's weight loads: _triton_support.WEIGHT_EVICTION (every one-row
-# GEMV's) unless MINI_INFER_INT8_WEIGHT_EVICTION names another (read at import; launches look this attribute up, so a
-# benchmark switch can set it per engine: `--switch int8_linear.INT8_WEIGHT_EVICTION=evict_first`). With
-# evict_first on every GEMV, qwen2.5-7b w8a8 batch 1 ran 406.0 / 405.9 tok/s against 396.3 / 396.3 (H200, processes
-# alternated, thirty-first session), while fp8 (375.3 / 375.3) and qwen3-0.6b bf16 did not move: this scopes the
-# hint to the int8 GEMVs, to be timed so before it becomes a default.
-INT8_WEIGHT_EVICTION = os.environ.get("MINI_INFER_INT8_WEIGHT_EVICTION", WEIGHT_EVICTION)
-if INT8_WEIGHT_EVICTION not in ("", "evict_first", "evict_last"):
-    raise ValueError(f"MINI_INFER_INT8_WEIGHT_EVICTION must be empty, evict_first or evict_last, got "
-                     f"{INT8_WEIGHT_EVICTION!r}")
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
 SCALED_GEMV_CONFIG_FP8_DOT = (64, 256, 4, 4)  # the sweep's best at qkv, o_proj, down_proj; gate_up within 2%
-# The tile of the default fp8 tensor-core launches that do not split K (`gemv_split_k` 1: enough row blocks, such as
-# qwen2.5-7b's gate_up): the same tile until measured otherwise. Isolated (H200, thirty-first session), gate_up took
-# 34.2 us at (64, 128, 4, 4) against 36.0 at (64, 256, 4, 4); to time in the engine: `bench/latency.py --model
-# qwen2.5-7b --quantization fp8 --peers none --rounds 2 --switch int8_linear.SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT=64/128/4/4`
-SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT = SCALED_GEMV_CONFIG_FP8_DOT
 # fp8 operands in the skinny tile (fp8_linear's M <= FP8_TRITON_MAX_M path): narrower tiles won the sweep
 _FP8_SMALL_M_CONFIG = (16, 32, 256, 1, 4, 5, 1)
 
@@ -419,7 +402,8 @@ if HAS_TRITON:
         """(y, stores): the scaled GEMV's fp32 outputs ((x . w[r]) * x_scale * w_scale[r] + bias[r]) for the weight
         rows `rows` of this program (BLOCK_N of them, any N rows apart: `row_ok` says which exist; the caller
         awaits its producers first), and whether this program is the one to store them: `scaled_gemv_program`'s
-        arithmetic for any row layout (ops/scaled_linear_silu_quant.py takes gate and up rows in pairs)."""
+        arithmetic for any row layout (the thirty-first session's gate_up + SiLU + amax kernel took gate and up rows in
+        pairs; dropped, docs/architecture.md)."""
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
         if DOT:
             split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
@@ -705,12 +689,9 @@ def launch_scaled_gemv(
     xr = unit_stride_row(x_q)
     ws = w_scale.contiguous()
     dot = fp8_gemv_dot(x_q.dtype, k, fp8_gemv)
-    default = config is None
-    if default:
+    if config is None:
         config = scaled_gemv_config(x_q.dtype, k, fp8_gemv)
     split_k = gemv_split_k(n, k, config, x_q.device) if dot else 1
-    if default and dot and split_k == 1:  # a launch of enough row blocks (gate_up): the unsplit launches' own tile
-        config = SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT
     bn, bk, warps, stages = config[:4]
     if dot and (bk < 32 or bk & (bk - 1) or bn & (bn - 1)):
         raise ValueError(f"the tensor-core GEMV needs BLOCK_K a power of two >= 32 (one mma's K) and BLOCK_N a power "
@@ -727,7 +708,7 @@ def launch_scaled_gemv(
                 *args, config=(bn, bk, warps, stages), splits=split_k, HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
                 ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k,
-                W_EVICT=INT8_WEIGHT_EVICTION if packed else "", **constexprs)
+                W_EVICT=WEIGHT_EVICTION if packed else "", **constexprs)
 
 
 def scaled_linear_triton(

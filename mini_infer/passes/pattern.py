@@ -75,7 +75,7 @@ def only_user(node: fx.Node, user: fx.Node) -> bool:
 def gate_up_halves(act: fx.Node) -> fx.Node | None:
     """The `split_with_sizes` whose [0] and [1], read by nothing but `act`, are `act`'s first two arguments (gate,
     up), when it splits its input's last dim into exactly two equal halves; else None (a gated activation of one
-    merged gate_up output: fuse_gate_up_silu, fuse_gate_up_silu_quant)."""
+    merged gate_up output: fuse_gate_up_silu)."""
     if len(act.args) < 2:
         return None
     gate, up = act.args[:2]

@@ -41,7 +41,7 @@ def usage(built) -> dict:
     before = built.asm["ptx"].split("griddepcontrol.wait")[0]
     return {"resources": resource_usage(built.asm["cubin"]),
             "loads_before_wait": len(re.findall(r"\bld\.global\b", before)),
-            "vector_loads_before_wait": len(re.findall(r"\bld\.global(?:\.\w+)*\.v[24]\b", before)),
+            "vector_loads_before_wait": len(re.findall(r"\bld\.global(?:\.[\w:]+)*\.v[24]\b", before)),
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before))}
 
 

@@ -1,12 +1,11 @@
 """Compile the one-row GEMV kernels for sm_90 as their launches build them, no GPU needed, and count their global
-loads with and without an L2 cache hint: under MINI_INFER_WEIGHT_EVICTION=evict_first (read at import,
+loads with and without an L2 cache hint: under MINI_INFER_WEIGHT_EVICTION=evict_first (the default; read at import,
 _triton_support.WEIGHT_EVICTION) the weight loads carry `L2::cache_hint` with an `L2::evict_first` policy and the
-input row's loads none; without it no load carries one. Prints one JSON line: per kernel, the policy it was built
+input row's loads none; with `none` no load carries one. Prints one JSON line: per kernel, the policy it was built
 under and its counts.
 
 Cases: linear.py's bf16 GEMV (`_gemv_kernel`, one row of 1,024 elements times a [256, 1,024] weight) and
-int8_linear.py's W8A8 GEMV (`_scaled_gemv_kernel`, the packed int8 row; its policy int8_linear.INT8_WEIGHT_EVICTION,
-the global one unless MINI_INFER_INT8_WEIGHT_EVICTION sets it apart). Run in a process of its own without
+int8_linear.py's W8A8 GEMV (`_scaled_gemv_kernel`, the packed int8 row). Run in a process of its own without
 TRITON_INTERPRET: `python -m tests.ops.compile_weight_eviction_sm90`. Exits NO_CUDA_BACKEND when Triton has no CUDA
 backend or ptxas. Used by tests/ops/test_weight_eviction.py. Builds only.
 """
@@ -50,7 +49,7 @@ def cases() -> list[dict]:
               WEIGHT_EVICTION),
         _case(int8_linear, "_scaled_gemv_kernel", lambda: int8_linear.scaled_gemv_triton(
             torch.empty(1, 1024, dtype=torch.int8), torch.empty(1, 1), torch.empty(256, 1024, dtype=torch.int8),
-            torch.empty(256), None, torch.bfloat16), int8_linear.INT8_WEIGHT_EVICTION),
+            torch.empty(256), None, torch.bfloat16), WEIGHT_EVICTION),
     ]
 
 

@@ -219,27 +219,6 @@ def test_gemv_split_rule(monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("split", [1, 2])
-def test_unsplit_fp8_launches_take_their_own_tile(monkeypatch, split):
-    """A default fp8 tensor-core launch that `gemv_split_k` leaves whole takes SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT; one
-    that splits keeps SCALED_GEMV_CONFIG_FP8_DOT (the tile its split was chosen for); an explicit config is kept."""
-    monkeypatch.setattr(il, "SCALED_GEMV_CONFIG_FP8_DOT", (64, 64, 4, 2))
-    monkeypatch.setattr(il, "SCALED_GEMV_CONFIG_FP8_DOT_UNSPLIT", (32, 128, 4, 3))
-    monkeypatch.setattr(il, "gemv_split_k", lambda n, k, config, device: config[4] if len(config) > 4 else split)
-    tiles = []
-    real = il.launch_gemv
-    monkeypatch.setattr(il, "launch_gemv", lambda *a, **kw: tiles.append((*kw["config"], kw["splits"])) or real(*a, **kw))
-    fp8 = torch.float8_e4m3fn
-    w_q = torch.randn(96, 512).to(fp8).to(DEVICE)
-    x_q = torch.randn(1, 512).to(fp8).to(DEVICE)
-    scale = torch.ones(1, 1, device=DEVICE)
-    il.scaled_gemv_triton(x_q, scale, w_q, torch.ones(96, device=DEVICE), None, torch.float32, fp8_gemv="dot")
-    il.scaled_gemv_triton(x_q, scale, w_q, torch.ones(96, device=DEVICE), None, torch.float32, (64, 64, 4, 2, 1),
-                          fp8_gemv="dot")
-    assert tiles == [(32, 128, 4, 3, 1) if split == 1 else (64, 64, 4, 2, 2), (64, 64, 4, 2, 1)]
-
-
-@requires_triton
 def test_gemv_taken_for_one_row_only(monkeypatch):
     """int8_linear runs the GEMV for one row ([1, 1, K] packed or [K]) and the tile for more rows."""
     calls = []

@@ -1,6 +1,7 @@
-"""_triton_support.WEIGHT_EVICTION (MINI_INFER_WEIGHT_EVICTION, read at import): the L2 eviction policy of the
-batch-1 kernels' weight loads. Built for sm_90, the GEMVs' weight loads carry it and their input row's loads do not;
-the MoE GEMMs take it for decode-shaped launches only; an unknown value stops the import, naming the variable."""
+"""_triton_support.WEIGHT_EVICTION (MINI_INFER_WEIGHT_EVICTION, read at import; evict_first unless set): the L2
+eviction policy of the batch-1 kernels' weight loads. Built for sm_90, the GEMVs' weight loads carry it and their
+input row's loads do not; `none` leaves every load plain; the MoE GEMMs take it for decode-shaped launches only; an
+unknown value stops the import, naming the variable."""
 
 import os
 import subprocess
@@ -21,22 +22,19 @@ from tests.ops.helpers import (
 )
 
 
-@pytest.mark.parametrize(("policy", "int8_policy"), [("", None), ("evict_first", None), ("", "evict_first")])
-def test_gemv_weight_loads_carry_the_policy(monkeypatch, policy, int8_policy):
-    """tests/ops/compile_weight_eviction_sm90.py, built in a process with the variables set (or unset): with
-    evict_first every kernel creates an L2::evict_first policy and hints exactly its weight loads (two vector loads of
-    the weight rows; the input row, scales and bias plain); without it no load is hinted; with only
-    MINI_INFER_INT8_WEIGHT_EVICTION the int8 GEMV alone is hinted."""
-    monkeypatch.delenv("MINI_INFER_INT8_WEIGHT_EVICTION", raising=False)
-    if policy:
-        monkeypatch.setenv("MINI_INFER_WEIGHT_EVICTION", policy)
-    else:
+@pytest.mark.parametrize(("variable", "want"), [(None, "evict_first"), ("evict_first", "evict_first"), ("none", ""),
+                                                ("", "")])
+def test_gemv_weight_loads_carry_the_policy(monkeypatch, variable, want):
+    """tests/ops/compile_weight_eviction_sm90.py, built in a process with the variable set (or unset: the default):
+    with evict_first every kernel creates an L2::evict_first policy and hints exactly its weight loads (two vector
+    loads of the weight rows; the input row, scales and bias plain); with `none` (or empty) no load is hinted."""
+    if variable is None:
         monkeypatch.delenv("MINI_INFER_WEIGHT_EVICTION", raising=False)
-    if int8_policy:
-        monkeypatch.setenv("MINI_INFER_INT8_WEIGHT_EVICTION", int8_policy)
+    else:
+        monkeypatch.setenv("MINI_INFER_WEIGHT_EVICTION", variable)
     report = run_uninterpreted(["-m", "tests.ops.compile_weight_eviction_sm90"])
     assert [case["kernel"] for case in report["cases"]] == ["linear._gemv_kernel", "int8_linear._scaled_gemv_kernel"]
-    for case, want in zip(report["cases"], (policy, int8_policy or policy)):
+    for case in report["cases"]:
         assert case["eviction"] == want
         assert case["plain_loads"] >= 1, case  # the input row at least
         if want:
@@ -45,14 +43,12 @@ def test_gemv_weight_loads_carry_the_policy(monkeypatch, policy, int8_policy):
             assert case["policies"] == [] and case["hinted_loads"] == 0, case
 
 
-@pytest.mark.parametrize(("variable", "module"), [("MINI_INFER_WEIGHT_EVICTION", "_triton_support"),
-                                                  ("MINI_INFER_INT8_WEIGHT_EVICTION", "int8_linear")])
-def test_unknown_policy_is_refused(variable, module):
-    env = dict(os.environ, **{variable: "evict_sometimes"})
-    run = subprocess.run([sys.executable, "-c", f"import mini_infer.ops.{module}"], cwd=ROOT, env=env,
+def test_unknown_policy_is_refused():
+    env = dict(os.environ, MINI_INFER_WEIGHT_EVICTION="evict_sometimes")
+    run = subprocess.run([sys.executable, "-c", "import mini_infer.ops._triton_support"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert variable in run.stderr and "evict_sometimes" in run.stderr
+    assert "MINI_INFER_WEIGHT_EVICTION" in run.stderr and "evict_sometimes" in run.stderr
 
 
 @requires_triton
