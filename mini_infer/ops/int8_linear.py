@@ -402,8 +402,7 @@ if HAS_TRITON:
         """(y, stores): the scaled GEMV's fp32 outputs ((x . w[r]) * x_scale * w_scale[r] + bias[r]) for the weight
         rows `rows` of this program (BLOCK_N of them, any N rows apart: `row_ok` says which exist; the caller
         awaits its producers first), and whether this program is the one to store them: `scaled_gemv_program`'s
-        arithmetic for any row layout (the thirty-first session's gate_up + SiLU + amax kernel took gate and up rows in
-        pairs; dropped, docs/architecture.md)."""
+        arithmetic, for rows given by the caller (scaled_gemv_program's are contiguous)."""
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
         if DOT:
             split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
