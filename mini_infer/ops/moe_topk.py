@@ -69,13 +69,6 @@ SCORINGS = ("softmax", "sigmoid")
 KERNEL_MAX_EXPERTS = 1024  # one row of scores per program, in registers
 KERNEL_MAX_TOP_K = 32  # the selection loop is unrolled top_k times
 _RENORM_EPS = {"softmax": 0.0, "sigmoid": 1e-20}  # DeepSeek-V3 adds 1e-20 to the denominator; Mixtral/Qwen don't
-# How the kernel picks the top_k experts: 0, top_k rounds of three reductions (the largest score, the lowest index
-# among its equals, that expert's weight); 1, one reduction a round over int64 keys that order by (score, -index)
-# (all distinct: the largest is the pick, index included), then the top_k weights recomputed from the picked logits
-# by the same operations (the same bits). A one-warp program's reductions are shuffle chains, so this takes a third
-# of the chain (tests/ops/compile_moe_topk_sm90.py counts the shuffles). The same ids and weights either way. Read
-# at each launch (a benchmark switch: `--switch moe_topk.TOPK_PACKED_KEYS=1`). Not yet timed on a GPU, so off.
-TOPK_PACKED_KEYS = 0
 
 
 def _f32(v: float) -> float:
@@ -228,7 +221,6 @@ if HAS_TRITON:
         logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, n_group, group_size, topk_group, scale, eps,
         TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        PACKED_KEYS: tl.constexpr = False,
     ):  # fmt: skip
         await_producers(USE_GDC)
         # Scores as a [group, expert-in-group] tile; expert index = g * group_size + s.
@@ -244,10 +236,8 @@ if HAS_TRITON:
             weight_all = _portable_sigmoid(x)
             choice = weight_all + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         else:
-            x_max = tl.max(x)
-            ex = tl.where(valid, tl.exp(x - x_max), 0.0)
-            ex_sum = tl.sum(ex)
-            weight_all = ex / ex_sum
+            ex = tl.where(valid, tl.exp(x - tl.max(x)), 0.0)
+            weight_all = ex / tl.sum(ex)
             choice = x
         choice = tl.where(valid, choice, neg_inf)
         if GROUPED:
@@ -267,38 +257,17 @@ if HAS_TRITON:
                 kept = kept | (g1 == pick)
                 open_group = open_group & (g1 != pick)
             choice = tl.where(kept[:, None], choice, neg_inf)
+        open_expert = valid
         slot = tl.arange(0, BLOCK_K)
-        if PACKED_KEYS:
-            # (score, -index) as one int64: the score's bits in an order-preserving int32 image (+ 0.0 makes -0.0
-            # +0.0, as the == of the rounds treats them), the index's complement below them
-            bits = (choice + 0.0).to(tl.int32, bitcast=True)
-            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-            lowest: tl.constexpr = -(1 << 63)
-            keys = tl.where(valid, ordered * 4294967296 + (4294967295 - expert.to(tl.int64)), lowest)
-            slot_id = tl.zeros([BLOCK_K], tl.int32)
-            for j in tl.static_range(TOP_K):
-                best = tl.max(keys)
-                low = best - (best >> 32) * 4294967296  # the low 32 bits, in [0, 2^32)
-                slot_id = tl.where(slot == j, (4294967295 - low).to(tl.int32), slot_id)
-                keys = tl.where(keys == best, lowest, keys)
-            picked = slot < TOP_K
-            x_pick = tl.load(logits_ptr + row * stride_t + slot_id, mask=picked, other=0.0).to(tl.float32)
-            if SIGMOID:
-                w_pick = _portable_sigmoid(x_pick)
-            else:
-                w_pick = tl.exp(x_pick - x_max) / ex_sum
-            slot_w = tl.where(picked, w_pick, 0.0)
-        else:
-            open_expert = valid
-            slot_w = tl.zeros([BLOCK_K], tl.float32)
-            slot_id = tl.zeros([BLOCK_K], tl.int32)
-            for j in tl.static_range(TOP_K):
-                best = tl.max(tl.where(open_expert, choice, neg_inf))
-                pick = tl.min(tl.where(open_expert & (choice == best), expert, big))
-                w = tl.sum(tl.where(expert == pick, weight_all, 0.0))
-                open_expert = open_expert & (expert != pick)
-                slot_w = tl.where(slot == j, w, slot_w)
-                slot_id = tl.where(slot == j, pick, slot_id)
+        slot_w = tl.zeros([BLOCK_K], tl.float32)
+        slot_id = tl.zeros([BLOCK_K], tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(tl.where(open_expert, choice, neg_inf))
+            pick = tl.min(tl.where(open_expert & (choice == best), expert, big))
+            w = tl.sum(tl.where(expert == pick, weight_all, 0.0))
+            open_expert = open_expert & (expert != pick)
+            slot_w = tl.where(slot == j, w, slot_w)
+            slot_id = tl.where(slot == j, pick, slot_id)
         if RENORMALIZE:
             slot_w = slot_w / (tl.sum(slot_w) + eps)
         slot_w = slot_w * scale
@@ -340,7 +309,6 @@ def moe_topk_triton(router_logits: torch.Tensor, top_k: int, scoring: str, renor
         float(routed_scaling_factor), _RENORM_EPS[scoring],
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", GROUPED=n_group > 1, RENORMALIZE=renormalize,
         BLOCK_G=next_pow2(n_group), BLOCK_S=next_pow2(group_size), BLOCK_K=next_pow2(top_k),
-        PACKED_KEYS=bool(TOPK_PACKED_KEYS),
         num_warps=topk_num_warps(e), **pdl_args(logits, trigger_first=False),
         enable_fp_fusion=False,  # no FMA: portable_sigmoid must round exactly as the reference does
     )  # fmt: skip

@@ -6,9 +6,8 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
-from mini_infer.ops import moe_topk as moe_topk_mod
 from mini_infer.ops.moe_topk import moe_topk_reference, moe_topk_triton, portable_sigmoid
-from tests.ops.helpers import DEVICE, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, requires_triton
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernel == reference, on logits full of exact ties and 1-ulp near-ties
@@ -60,32 +59,22 @@ def routing_cases(draw):
     return logits, bias, case
 
 
-# both ways the kernel selects the experts of an ungrouped router (moe_topk.TOPK_PACKED_KEYS)
-SELECTIONS = pytest.mark.parametrize("packed", [0, 1], ids=["rounds", "packed_keys"])
-
-
 @requires_triton
-@SELECTIONS
 @settings(derandomize=True, deadline=None, max_examples=40)
-@given(args=routing_cases())
-def test_kernel_matches_reference_on_ties(packed, args):
+@given(routing_cases())
+def test_kernel_matches_reference_on_ties(args):
     logits, bias, case = args
     w_ref, ids_ref = moe_topk_reference(logits, correction_bias=bias, **case)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe_topk_mod, "TOPK_PACKED_KEYS", packed)
-        w, ids = moe_topk_triton(logits.to(DEVICE), correction_bias=None if bias is None else bias.to(DEVICE),
-                                 **case)
+    w, ids = moe_topk_triton(logits.to(DEVICE), correction_bias=None if bias is None else bias.to(DEVICE), **case)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == (logits.shape[0], case["top_k"])
     assert torch.equal(ids.cpu(), ids_ref), (logits, ids, ids_ref)
     torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-@SELECTIONS
-def test_ties_go_to_the_lower_index(impl, packed, monkeypatch):
+def test_ties_go_to_the_lower_index(impl):
     if impl == "triton" and not mini_infer.ops.HAS_TRITON:
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(moe_topk_mod, "TOPK_PACKED_KEYS", packed)
     fn = moe_topk_reference if impl == "reference" else moe_topk_triton
     # all equal; -0.0 equals 0.0
     flat = torch.tensor([[0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0]], device=DEVICE)
@@ -307,15 +296,3 @@ def test_weights_rounded_by_the_kernel_as_the_reference_casts(weights_dtype):
     else:  # truncated: the same bf16 value or the next one toward zero (all weights here are positive)
         below = torch.nextafter(w_ref, torch.zeros_like(w_ref))
         assert bool(((w == w_ref) | (w == below)).all())
-
-
-def test_packed_keys_build_shorter_shuffle_chains():
-    """tests/ops/compile_moe_topk_sm90.py: built for sm_90 as launched, the packed-key selection (TOPK_PACKED_KEYS)
-    spills nothing and issues fewer shuffles than the rounds at 128 and 256 experts (one int64 reduction a round
-    instead of three), and the same at mixtral's 8."""
-    report = run_uninterpreted(["-m", "tests.ops.compile_moe_topk_sm90"])
-    builds = {(case["name"], case["packed"]): case for case in report["cases"]}
-    for case in builds.values():
-        assert "STACK:0 " in case["resources"], case
-    for name in ("qwen3_30b_a3b", "sigmoid_256"):
-        assert builds[(name, 1)]["shuffles"] < builds[(name, 0)]["shuffles"] / 2, (builds[(name, 0)], builds[(name, 1)])
