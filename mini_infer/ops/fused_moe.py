@@ -46,7 +46,9 @@ Two implementations:
          epilogue: intermediate [T*k, I];
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
-      4. the sum over the k slots (skipping slots with no expert).
+      4. the sum over the k slots (skipping slots with no expert); with MOE_MERGE_SLOTS (opt-in) in pair-per-block
+         mode, inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile sums
+         that tile (`_merge_slot_tiles`, the same bits).
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). For very few (token, slot) pairs
     (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
@@ -90,6 +92,7 @@ import torch
 import torch.nn.functional as F
 
 from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
+from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     WEIGHT_EVICTION,
@@ -103,6 +106,7 @@ from mini_infer.ops._triton_support import (
 
 if HAS_TRITON:
     from mini_infer.ops._moe_gemv import map_expert
+    from mini_infer.ops._split_k import arrives_last
 
 __all__ = [
     "ACTIVATIONS",
@@ -420,11 +424,11 @@ if HAS_TRITON:
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        B_EVICT: tl.constexpr = "",
+        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -439,7 +443,9 @@ if HAS_TRITON:
         the K loop runs the other steps and the last step, peeled, takes the preloaded tile: the steps in the same
         order as without it (the same bits), and nothing between the wait and the loop's first loads.
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
-        decode-shaped launches)."""
+        decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
+        (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -477,6 +483,9 @@ if HAS_TRITON:
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
         if not live:
+            if MERGE_SLOTS > 0:  # a slot with no (local) expert still counts for its token's sum
+                _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
+                                  stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
             return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
         a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
@@ -504,6 +513,28 @@ if HAS_TRITON:
             acc = acc * row_weight[:, None]
         c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if MERGE_SLOTS > 0:
+            _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
+                              stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
+
+    @triton.jit
+    def _merge_slot_tiles(c_ptr, out_ptr, ids_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok, stride_cm,
+                          stride_om, num_experts, map_ptr, num_global, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_MAP: tl.constexpr):  # fmt: skip
+        """The slot sum in the down GEMM's launch, pair-per-block mode (block pid_m is pair t * TOP_K + j): the
+        block counts at its token's counter for column tile pid_n (after its store, or at its exit), and the last of
+        the token's TOP_K blocks to arrive, which has reset the counter, sums the token's slot rows of C over these
+        columns in slot order, in fp32, skipping slots with no (local) expert: `_moe_sum_kernel`'s arithmetic, so
+        the same bits, whatever the arrival order."""
+        token = pid_m // TOP_K
+        if arrives_last(cnt_ptr + token * num_pid_n + pid_n, TOP_K):
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(TOP_K):
+                pair = token.to(tl.int64) * TOP_K + j
+                expert = map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
+                row = tl.load(c_ptr + pair * stride_cm + cols, mask=col_ok, other=0.0).to(tl.float32)
+                acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
+            tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
     @triton.jit
     def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
@@ -612,26 +643,35 @@ class _RawIds:
 
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
-                  tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "") -> None:
+                  tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
+                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
-    stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT."""
+    stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
+    `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
+    top_k), C then holding the per-slot rows it reads."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict)
+    merge = top_k if merge_into is not None else 0
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
+        out, cnt, s_om = c, c, 0
+        if merge:
+            out, s_om = merge_into, merge_into.stride(0)
+            cnt = split_counters(a.device, num_pairs // top_k * triton.cdiv(n_out, t.block_n))
         try:
             _moe_gemm_kernel[grid](
                 a, b, c, sorted_pairs, block_expert, num_padded, weights,
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
                 a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
                 *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
+                out, cnt, s_om,
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, B_EVICT=evict, num_warps=t.num_warps, num_stages=t.num_stages,
+                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
                 **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -662,6 +702,12 @@ MOE_PRELOAD = os.environ.get("MINI_INFER_MOE_PRELOAD", "1") != "0"
 # it at 4 warps on sm_90: two programs per SM where shared memory allows three; module docstring).
 _PRELOAD_MAX_TILE = 128 * 64
 _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of one int64
+# The slot sum in the down GEMM's launch in pair-per-block mode (`_merge_slot_tiles`: the token's last block to
+# finish a column tile sums its slot rows, the same bits) instead of `_moe_sum_kernel` after it: one launch fewer an
+# MoE layer at batch 1, where the sum kernel's ~1.2-1.4 us are exposed (qwen3-30b-a3b on an H200, bench/RESULTS.md,
+# thirtieth session). Read at each call (MINI_INFER_MOE_MERGE_SLOTS=1, or `--switch fused_moe.MOE_MERGE_SLOTS=1`).
+# Not yet timed on a GPU, so off.
+MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "0") != "0"
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -736,11 +782,13 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
     preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
+    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call, likewise
     per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
-                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict)
-    if k > 1:
+                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
+                  out if merge else None, k)
+    if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
         _moe_sum_kernel[(t, triton.cdiv(h, block))](

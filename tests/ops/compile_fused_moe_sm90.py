@@ -15,7 +15,8 @@ give batch 4's down GEMM).
 
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
-columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why). The
+columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
+pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -45,10 +46,10 @@ def usage(built) -> dict:
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before))}
 
 
-def launches(tokens: int, local: int | None) -> tuple[object, dict]:
+def launches(tokens: int, local: int | None, merge: bool = False) -> tuple[object, dict]:
     """(the tile config, {kernel: [(args, kwargs), ...]}): the launches `fused_moe_triton` makes for `tokens` tokens
     of qwen3-30b-a3b (bf16 routing weights, as its router rounds them; with `local`, the first `local` experts on this
-    rank through an expert map)."""
+    rank through an expert map; with `merge`, MOE_MERGE_SLOTS)."""
     import torch
 
     from mini_infer.ops import fused_moe as fm
@@ -62,22 +63,23 @@ def launches(tokens: int, local: int | None) -> tuple[object, dict]:
     w13 = torch.empty(experts, 2 * inter, h, dtype=torch.bfloat16)  # never touched: not backed by memory
     w2 = torch.empty(experts, h, inter, dtype=torch.bfloat16)
     expert_map = None if local is None else torch.zeros(e, dtype=torch.int32)
-    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, _TILE_OK={}) as calls:
+    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, MOE_MERGE_SLOTS=merge, _TILE_OK={}) as calls:
         fm.fused_moe_triton(hidden, weights, ids, w13, w2, expert_map=expert_map, config=cfg)
     return cfg, calls
 
 
-def down_gemm(tokens: int, local: int | None, preload: bool):
+def down_gemm(tokens: int, local: int | None, preload: bool, merge: bool = False):
     """The down GEMM as fused_moe_triton launches it for `tokens` tokens of qwen3-30b-a3b: pair-per-block mode where
-    `uses_pair_blocks` takes it, else after align."""
+    `uses_pair_blocks` takes it, else after align; with `merge`, the slot sum in its launch."""
     from mini_infer.ops import fused_moe as fm
 
-    cfg, calls = launches(tokens, local)
+    cfg, calls = launches(tokens, local, merge)
     (args, kwargs), = [call for call in calls["_moe_gemm_kernel"] if not call[1]["GATED"]]
     tile = cfg.down
     pair_blocks = fm.uses_pair_blocks(tokens, QWEN3["top_k"], QWEN3["num_experts"])
-    assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["PAIR_BLOCKS"]) == (
-        tile.block_n, tile.block_k, tile.num_warps, pair_blocks), kwargs
+    assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["PAIR_BLOCKS"], kwargs["MERGE_SLOTS"]) == (
+        tile.block_n, tile.block_k, tile.num_warps, pair_blocks, QWEN3["top_k"] if merge else 0), kwargs
+    assert ("_moe_sum_kernel" in calls and calls["_moe_sum_kernel"] != []) == (not merge), calls.keys()
     # a CUDA launch: 16-bit dots (the CPU's are fp32; the PDL wait: build_launch); the case's preload
     kwargs = dict(kwargs, DOT_FP32=False, PRELOAD=preload)
     built, _ = build_launch(fm._moe_gemm_kernel, args, kwargs)
@@ -97,8 +99,10 @@ def slot_sum(preload: bool):
 
 
 def cases() -> list[dict]:
-    out = [{"kernel": "down_gemm", "name": name, "preload": preload, **down_gemm(tokens, local, preload)}
-           for name, tokens, local in CASES for preload in (True, False)]
+    out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
+            **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
+    out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
+            for name, tokens, local in CASES if tokens <= 2]
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

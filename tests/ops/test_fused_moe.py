@@ -22,7 +22,7 @@ from mini_infer.ops.fused_moe import (
     moe_tile_config,
     padded_rows,
 )
-from tests.ops.helpers import DEVICE, assert_close, requires_triton
+from tests.ops.helpers import DEVICE, assert_close, record_kernel_launches, requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # tiles small enough for the test shapes: one per regime (BLOCK_M 16 and 64), short K steps so that the K loop
@@ -517,3 +517,31 @@ def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
     assert aligned == [] and len(rows) == 2 and rows[0][0].data_ptr() == rows[1][0].data_ptr()
     fused_moe_triton(x, weights, ids, w13, w2, config=DECODE, pair_blocks=False)
     assert len(aligned) == 1
+
+
+@requires_triton
+@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 4, 3), ("round robin", 2, 4)])
+def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, top_k, monkeypatch):
+    """MOE_MERGE_SLOTS (pair-per-block mode): the down GEMM's last block of each (token, column tile) sums the slot
+    rows itself; the output equals the slot-sum kernel's bit for bit, with ids outside [0, E) and, with an expert
+    map, slots on other ranks (they still count), and no `_moe_sum_kernel` launch. The counters are left zero: a
+    second call (another routing) is right too."""
+    num_experts = 16
+    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=21)
+    ids[0, 0] = -1
+    if tokens > 1:
+        ids[-1, -1] = num_experts
+    emap = None
+    if placement is not None:
+        held = list(PLACEMENTS[placement])
+        emap = _expert_map(num_experts, PLACEMENTS[placement]).to(DEVICE)
+        w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", False)
+    summed = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
+    monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", True)
+    sums = record_kernel_launches(monkeypatch, fused_moe_mod, "_moe_sum_kernel")
+    for _ in range(2):
+        merged = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
+        assert torch.equal(merged, summed)
+    assert sums == []
+    assert_close(merged, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))

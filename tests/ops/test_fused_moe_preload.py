@@ -145,7 +145,8 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
     """Built for sm_90 as qwen3-30b-a3b's decode launches build them (no GPU needed): no register spills with the
     preload or without it, no store before the wait, and with the preload the B tile's vector loads (the slot sum:
     its ids) before the wait, without it no load there. Batch 1's tile is within the preload's size limit, batch 4's
-    128 x 128 is not."""
+    128 x 128 is not. The same holds for the down GEMM with the slot sum in its launch (MOE_MERGE_SLOTS: its counts and
+    sums come after the wait)."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90"])
     for case in report["cases"]:
         assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], case
@@ -158,3 +159,5 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
             assert case["loads_before_wait"] > 0, case
     limits = {case["name"]: case["within_preload_limit"] for case in report["cases"] if case["kernel"] == "down_gemm"}
     assert limits["qwen3_t1"] and limits["qwen3_t2"] and not limits["qwen3_t4"]
+    assert sorted(case["name"] for case in report["cases"] if case.get("merge")) == ["qwen3_t1", "qwen3_t1_ep2",
+                                                                                     "qwen3_t2"]
