@@ -39,7 +39,6 @@ import torch
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
-    WEIGHT_EVICTION,
     await_producers,
     num_sms,
     pdl_args,
@@ -300,7 +299,7 @@ def w8a8_linear_reference(
 
 if HAS_TRITON:
     from mini_infer.ops._split_k import arrives_last
-    from mini_infer.ops.linear import gemv_load, gemv_step
+    from mini_infer.ops.linear import gemv_load, gemv_rows, gemv_step
 
     _DOT_ROWS = tl.constexpr(DOT_ROWS)
     _DOT_COLS = tl.constexpr(DOT_COLS)
@@ -394,28 +393,33 @@ if HAS_TRITON:
         return total, last
 
     @triton.jit
-    def scaled_gemv_outputs(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, rows, row_ok, N, K, stride_wn, ws_ptr, cnt_ptr,
+    def scaled_gemv_program(
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, W_EVICT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     ):  # fmt: skip
-        """(y, stores): the scaled GEMV's fp32 outputs ((x . w[r]) * x_scale * w_scale[r] + bias[r]) for the weight
-        rows `rows` of this program (BLOCK_N of them, any N rows apart: `row_ok` says which exist; the caller
-        awaits its producers first), and whether this program is the one to store them: `scaled_gemv_program`'s
-        arithmetic, for rows given by the caller (scaled_gemv_program's are contiguous)."""
-        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        """The scaled GEMV's body (launched alone as `_scaled_gemv_kernel`; kernels that do more after it call it as
+        their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one
+        quantized row x [K] and BLOCK_N weight rows per program (linear.py's GEMV tiling). ACC_DTYPE int32 (int8
+        operands): every product and sum exact, the same int32 as the GEMM tile's; fp32 (fp8 operands): the products
+        are exact, only the order of the fp32 sums differs from the tile's. PACKED (int8): x and w are int32 views,
+        four bytes a word (K, stride_wn and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on
+        tensor cores instead (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose
+        partials meet in `_merged_splits` (fp32 workspace ws_ptr [SPLIT_K, N], this row block's counter at
+        cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
+        outputs: always without splits, only the row block's last split with them."""
+        await_producers(USE_GDC)
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
             split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
             dots = _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N, BLOCK_K)
         else:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], ACC_DTYPE)
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_ok = cols < K
                 x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
                 if PACKED:
-                    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0,
-                                eviction_policy=W_EVICT)
+                    w = gemv_load(w_rows, row_ok, cols, col_ok)
                     acc = _dot4(acc, w, tl.broadcast_to(x[None, :], (BLOCK_N, BLOCK_K)), ASM)
                 else:
                     acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, x)
@@ -424,37 +428,9 @@ if HAS_TRITON:
         if SPLIT_K > 1:
             dots, stores = _merged_splits(dots, split, rows, row_ok, N, ws_ptr, cnt_ptr + 1 + tl.program_id(0),
                                           SPLIT_K)
-        y = dots.to(tl.float32)
         if stores:
             y = _dequantize(dots, tl.load(x_scale_ptr), tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0),
                             b_ptr + rows, row_ok, HAS_BIAS)
-        return y, stores
-
-    @triton.jit
-    def scaled_gemv_program(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
-        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        W_EVICT: tl.constexpr = "",
-    ):  # fmt: skip
-        """The scaled GEMV's body (launched alone as `_scaled_gemv_kernel`; kernels that do more after it call it as
-        their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one
-        quantized row x [K] and BLOCK_N weight rows per program (linear.py's GEMV tiling; `scaled_gemv_outputs`).
-        ACC_DTYPE int32 (int8 operands): every product and sum exact, the same int32 as the GEMM tile's; fp32 (fp8
-        operands): the products are exact, only the order of the fp32 sums differs from the tile's. PACKED (int8):
-        x and w are int32 views, four bytes a word (K, stride_wn and BLOCK_K count words), multiplied by `_dot4`,
-        the weights loaded with L2 eviction policy W_EVICT. DOT (fp8): the products on tensor cores instead
-        (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose partials meet in
-        `_merged_splits` (fp32 workspace ws_ptr [SPLIT_K, N], this row block's counter at cnt_ptr[1 +
-        program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its outputs: always
-        without splits, only the row block's last split with them."""
-        await_producers(USE_GDC)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        y, stores = scaled_gemv_outputs(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, rows, row_ok, N, K, stride_wn,
-                                        ws_ptr, cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K,
-                                        SPLIT_K, W_EVICT)
-        if stores:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
         return stores
 
@@ -463,11 +439,10 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        W_EVICT: tl.constexpr = "",
     ):  # fmt: skip
         """`scaled_gemv_program` as a kernel of its own (a kernel returns nothing: the program's flag is dropped)."""
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
-                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K, W_EVICT)
+                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -706,8 +681,7 @@ def launch_scaled_gemv(
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), partials, cnt,
                 *args, config=(bn, bk, warps, stages), splits=split_k, HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
-                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k,
-                W_EVICT=WEIGHT_EVICTION if packed else "", **constexprs)
+                ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k, **constexprs)
 
 
 def scaled_linear_triton(

@@ -123,12 +123,11 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        SPLIT_K: tl.constexpr = 1, W_EVICT: tl.constexpr = "",
+        SPLIT_K: tl.constexpr = 1,
     ):  # fmt: skip
         # a split-K launch stores a row block's outputs from its last split only: those programs are counted here
         stored = scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr,
-                                     cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K,
-                                     W_EVICT)
+                                     cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
         if stored:
             if arrives_last(cnt_ptr, tl.num_programs(0)):
                 # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
