@@ -46,9 +46,9 @@ Two implementations:
          epilogue: intermediate [T*k, I];
       3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
          directly when k == 1);
-      4. the sum over the k slots (skipping slots with no expert); with MOE_MERGE_SLOTS (opt-in) in pair-per-block
-         mode, inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile sums
-         that tile (`_merge_slot_tiles`, the same bits).
+      4. the sum over the k slots (skipping slots with no expert); in pair-per-block mode (MOE_MERGE_SLOTS, on
+         by default) inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile
+         sums that tile (`_merge_slot_tiles`, the same bits).
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). For very few (token, slot) pairs
     (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
@@ -705,9 +705,10 @@ _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of on
 # The slot sum in the down GEMM's launch in pair-per-block mode (`_merge_slot_tiles`: the token's last block to
 # finish a column tile sums its slot rows, the same bits) instead of `_moe_sum_kernel` after it: one launch fewer an
 # MoE layer at batch 1, where the sum kernel's ~1.2-1.4 us are exposed (qwen3-30b-a3b on an H200, bench/RESULTS.md,
-# thirtieth session). Read at each call (MINI_INFER_MOE_MERGE_SLOTS=1, or `--switch fused_moe.MOE_MERGE_SLOTS=1`).
-# Not yet timed on a GPU, so off.
-MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "0") != "0"
+# thirtieth session). On by default: H200, qwen3-30b-a3b batch 1 (thirty-third session, two calls, engines in one
+# process) 374.3 vs 372.6 and 372.8 vs 372.1 tok/s, the same greedy tokens; bench/gpu_check.py passed with it.
+# Read at each call (MINI_INFER_MOE_MERGE_SLOTS=0, or `--switch fused_moe.MOE_MERGE_SLOTS=0`, for the sum kernel).
+MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "1") != "0"
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:

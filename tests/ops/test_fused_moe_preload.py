@@ -1,6 +1,7 @@
 """fused_moe's loads before the PDL wait (fused_moe.MOE_PRELOAD; fused_moe.py's module docstring, "Before the wait").
 
-With the switch on, the down GEMM of a call at decode tiles (and the slot sum after it) is launched with PRELOAD,
+With the switch on, the down GEMM of a call at decode tiles (and the slot sum after it, a launch of its own unless
+fused_moe.MOE_MERGE_SLOTS puts it in the down GEMM's: pair-per-block mode, both ways run here) is launched with PRELOAD,
 and its output equals the output without it bit for bit, and the reference within tolerance. That holds at 1 to 4
 tokens, top-2 and top-8, with and without an expert map, in pair-per-block mode and after align, and with K a
 multiple of the K step or not. The switch is read at each call: the tests set the module attribute. The launches
@@ -77,6 +78,12 @@ def test_preload_is_bit_equal_to_loading_after_the_wait(tokens, top_k, num_exper
     x, weights, ids, w13, w2, emap = _case(tokens, top_k, num_experts, inter, rank, seed=tokens * 10 + top_k)
     weights = weights.to(weights_dtype)
     launches = record_preload(monkeypatch)
+    # the slot sum in the down GEMM's launch (pair-per-block mode) on odd token counts, its own kernel on even ones
+    merge = tokens % 2 == 1
+    monkeypatch.setattr(fm, "MOE_MERGE_SLOTS", merge)
+    pairs = pair_blocks if pair_blocks is not None else fm.PAIR_BLOCKS_BY_DEFAULT and fm.uses_pair_blocks(
+        tokens, top_k, num_experts)
+    sums = top_k > 1 and not (merge and pairs)
 
     def run(preload: bool) -> torch.Tensor:
         monkeypatch.setattr(fm, "MOE_PRELOAD", preload)
@@ -87,7 +94,7 @@ def test_preload_is_bit_equal_to_loading_after_the_wait(tokens, top_k, num_exper
     if not launches:  # few enough pairs for the grouped-GEMV path (default tiles at 2 pairs): nothing to preload
         assert config is None and tokens * top_k <= MOE_GEMV_MAX_PAIRS
         return
-    expected_on = [("_moe_gemm_kernel", False), ("_moe_gemm_kernel", True)] + [("_moe_sum_kernel", True)] * (top_k > 1)
+    expected_on = [("_moe_gemm_kernel", False), ("_moe_gemm_kernel", True)] + [("_moe_sum_kernel", True)] * sums
     assert launches == expected_on
     off = run(False)
     assert launches == [(name, False) for name, _ in expected_on]
