@@ -37,6 +37,17 @@ Variants, each after more K/V bytes in flight per SM:
             With a decode tile's 16 rows on M, Triton 3.6 builds e4m3 dots as f16 MMAs after conversions; with the
             keys on M (64+) they are wgmma m64n16k32 e4m3 (Triton 3.6 and 3.9), with no fp8 -> fp16 conversion.
   vt8pv     vt8 with S^T in fp16 (K converted, q as fp16), only P @ V in e4m3.
+  vt2h/vt4h vt with a program per (sequence, pack of 2 / 4 adjacent kv heads): the pack's K and V tiles side by side
+            ([keys, HP * D], one block-table entry a key for all of them), score rows (head in pack, q head of its
+            group) with each row's q in its own head's columns and zeros elsewhere, so one dot gives every row its
+            own head's scores (qwen3-0.6b's group of 2: 4 or 8 of the 16 MMA rows used instead of 2), the softmax
+            shared by the pack, and each row storing its own head's columns of P @ V. Fewer programs (S * Hkv / HP)
+            and waves, more bytes a step: aimed at the op's fixed cost per call at batch 256 (~17-20 us, growing
+            with the waves of programs: b64 6.5 us; bench/RESULTS.md, thirty-third session). On an H200
+            (`s33_probe_fp8_packed_heads_h200.txt`) the best, vt2h n128 w4 s2 (255 registers, 14 spilled, two
+            programs an SM), ran 29.4 / 90.6 / 100.9 / 347.2 us against vt's same loop capped at 128 registers
+            (four single-head programs an SM) 30.0 / 92.5 / 101.0 / 351.0 and the op 27.3 / 90.6 / 97.1 / 341.5:
+            within 1-2%, the fixed cost unchanged at b256/ctx512. Not taken into the op.
 
 Why vt: P @ V reduces over keys, but the op's V tile [keys, D] has D contiguous. For 16-bit data ldmatrix.trans
 gives the MMA's B operand its key pairs; for fp8 bytes Triton reads the V tile from shared memory one byte at a
@@ -122,21 +133,26 @@ BLOCK_SIZE = 16
 HQ, HKV, D = 16, 8, 128  # qwen3-0.6b
 SHAPES = ((64, 512), (64, 2048), (256, 512), (256, 2048))  # (batch, context) on CUDA
 LAYERS = 28
-VARIANTS = ("base", "wide", "prefetch", "swapab", "vt", "vt8", "vt8pv")  # _probe_kernel's VARIANT is the index here
+VARIANTS = ("base", "wide", "prefetch", "swapab", "vt", "vt8", "vt8pv", "vt2h", "vt4h")  # _probe_kernel's VARIANT is the index here
 
 if HAS_TRITON:
     LOG2E = _split_k.LOG2E
 
     @triton.jit
     def _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh, s_bt,
-               G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr):  # fmt: skip
-        """(qv fp16 [BLOCK_R, D], ctx, bt_row, qk_scale (log2 units), v_scale) of program (sequence, kv head)."""
+               G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, HP: tl.constexpr = 1):  # fmt: skip
+        """(qv fp16 [BLOCK_R, HP * D], ctx, bt_row, qk_scale (log2 units), v_scale) of program (sequence, pack of
+        HP kv heads): score row r is q head (pack * HP + r // G) * G + r % G, its D values in the columns of its kv
+        head's place in the pack (r // G) and zeros in the others', so that one dot against a key tile of the
+        pack's HP heads side by side gives each row its own head's scores."""
         s = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, D)
-        head = kvh * G + r
-        qv = tl.load(q_ptr + s * s_qs + head[:, None] * s_qh + d[None, :], mask=(r < G)[:, None], other=0.0)
+        c = tl.arange(0, HP * D)
+        j = r // G
+        head = (kvh * HP + j) * G + r % G
+        mine = (r < HP * G)[:, None] & ((c // D)[None, :] == j[:, None])
+        qv = tl.load(q_ptr + s * s_qs + head[:, None] * s_qh + (c % D)[None, :], mask=mine, other=0.0)
         qv = tl.clamp(qv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # the op's fp16 dots
         ctx = tl.load(lens_ptr + s)
         qk_scale = scale * tl.load(ks_ptr) * LOG2E
@@ -181,14 +197,18 @@ if HAS_TRITON:
         return m_i, l_i, _values(acc, p, alpha, vt, VREGS)
 
     @triton.jit
-    def _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr):
+    def _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+               HP: tl.constexpr = 1):  # fmt: skip
+        """Each score row's output (acc [BLOCK_R, HP * D]: its own kv head's columns; _setup's packing)."""
         s = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, D)
+        c = tl.arange(0, HP * D)
+        j = r // G
         o = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        head = tl.program_id(1) * G + r
-        tl.store(out_ptr + s * s_os + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=(r < G)[:, None])
+        head = (tl.program_id(1) * HP + j) * G + r % G
+        mine = (r < HP * G)[:, None] & ((c // D)[None, :] == j[:, None])
+        tl.store(out_ptr + s * s_os + head[:, None] * s_oh + (c % D)[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=mine)
 
     @triton.jit
     def _base_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i, acc,
@@ -376,15 +396,16 @@ if HAS_TRITON:
         s_qs, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_os, s_oh, s_bt,
         G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, VREGS: tl.constexpr, VARIANT: tl.constexpr, EXACT_E4M3: tl.constexpr = False,
+        HP: tl.constexpr = 1,
     ):  # fmt: skip
-        """Program (sequence, kv head): the loop of variant VARIANT (an index into VARIANTS); EXACT_E4M3 (the
-        interpreter): vt8's casts to e4m3 rounded by quant.py first."""
+        """Program (sequence, kv head; vt2h / vt4h: a pack of HP kv heads): the loop of variant VARIANT (an index
+        into VARIANTS); EXACT_E4M3 (the interpreter): vt8's casts to e4m3 rounded by quant.py first."""
         kvh = tl.program_id(1)
         qv, ctx, bt_row, qk_scale, v_scale = _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh,
-                                                    s_bt, G, BLOCK_R, D)
+                                                    s_bt, G, BLOCK_R, D, HP)
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        acc = tl.zeros([BLOCK_R, HP * D], tl.float32)
         if VARIANT == 0:
             l_i, acc = _base_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
                                   m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
@@ -400,27 +421,36 @@ if HAS_TRITON:
         elif VARIANT == 4:  # vt: s_vo is the stride of D in the transposed V cache
             l_i, acc = _vt_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
                                 m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, VREGS)
-        else:  # vt8 (5) / vt8pv (6): over the transposed V cache as vt
+        elif VARIANT <= 6:  # vt8 (5) / vt8pv (6): over the transposed V cache as vt
             l_i, acc = _s8_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
                                 m_i, l_i, acc, D, BLOCK_SIZE, BLOCK_N, BLOCK_R, VARIANT == 5, EXACT_E4M3)
-        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D)
+        else:  # vt2h / vt4h: vt's loop over the pack's HP kv heads side by side (adjacent in both caches)
+            l_i, acc = _vt_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh * HP, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                s_vh, m_i, l_i, acc, HP * D, BLOCK_SIZE, BLOCK_N, VREGS)
+        _store(out_ptr, acc, l_i, v_scale, s_os, s_oh, G, BLOCK_R, D, HP)
 
     KERNELS = {name: _probe_kernel for name in VARIANTS}
 else:
     KERNELS = {}
 
-# Launch shapes (block_n, num_warps, num_stages, vregs) per variant: the CUDA run times each, --sm90 builds each.
+# Launch shapes (block_n, num_warps, num_stages, vregs[, maxnreg]) per variant: the CUDA run times each, --sm90
+# builds each (without the register cap maxnreg, which only a launch applies).
 CONFIGS = {
     "base": [(128, 4, 3, False), (128, 4, 3, True), (128, 4, 5, True), (64, 4, 3, True), (64, 4, 6, True),
              (64, 4, 8, True), (32, 4, 8, True), (128, 8, 4, True), (64, 2, 6, True)],
     "wide": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, True), (64, 4, 5, True)],
     "prefetch": [(64, 4, 1, True), (128, 8, 1, True), (32, 4, 1, True), (64, 4, 1, False)],
     "swapab": [(128, 4, 3, True), (64, 4, 3, True), (64, 4, 6, True), (128, 4, 3, False), (64, 4, 3, False)],
-    "vt": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, False), (64, 4, 6, False), (128, 8, 4, False)],
+    "vt": [(128, 4, 3, False), (128, 4, 3, True), (64, 4, 3, False), (64, 4, 6, False), (128, 8, 4, False),
+           (128, 4, 2, False, 128)],
     "vt8": [(128, 4, 3, False), (128, 4, 2, False), (64, 4, 3, False), (64, 4, 4, False), (256, 4, 2, False),
             (128, 8, 3, False)],
     "vt8pv": [(128, 4, 3, False), (64, 4, 3, False), (64, 4, 4, False)],
+    "vt2h": [(64, 4, 2, False), (64, 4, 3, False), (64, 4, 2, False, 128), (32, 4, 3, False), (128, 4, 2, False),
+             (64, 8, 2, False), (128, 8, 2, False, 128)],
+    "vt4h": [(32, 4, 2, False), (32, 4, 3, False), (64, 8, 2, False), (32, 8, 3, False)],
 }
+PACKED = {"vt2h": 2, "vt4h": 4}  # kv heads a program (HP)
 COMPILED = {}  # (variant, *config) -> the last launch's compiled kernel (the CUDA run prints its resources)
 CPU_CONFIGS = {name: [(128, 4, 3, False), (64, 4, 3, True), (32, 4, 3, True)] for name in CONFIGS}  # values only
 
@@ -438,7 +468,8 @@ def v_transposed(vc):
     return last[2]
 
 
-def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_stages, vregs, out=None):
+def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_stages, vregs, maxnreg=None,
+           out=None):
     """Variant `variant` of the decode attention; out [S, Hq, D] (new unless given). vc in the op's layout for every
     variant: vt reads `v_transposed(vc)`, its strides of block, D and head passed as s_vb, s_vo, s_vh."""
     s, hq, d = q.shape
@@ -446,17 +477,23 @@ def launch(variant, q, kc, vc, bt, lens, scale, ks, vs, block_n, num_warps, num_
     g = hq // hkv
     if out is None:
         out = torch.empty_like(q)  # (any float dtype: the kernel casts to it)
-    if variant in ("vt", "vt8", "vt8pv"):
+    hp = PACKED.get(variant, 1)
+    if variant in ("vt", "vt8", "vt8pv", *PACKED):
         vc = v_transposed(vc)
         v_strides = vc.stride(0), vc.stride(2), vc.stride(1)
     else:
         v_strides = vc.stride(0), vc.stride(1), vc.stride(2)
-    COMPILED[(variant, block_n, num_warps, num_stages, vregs)] = KERNELS[variant][(s, hkv)](
+    if hkv % hp:
+        raise ValueError(f"{variant}: packs of {hp} kv heads need a multiple of {hp} kv heads, got {hkv}")
+    cap = {"maxnreg": maxnreg} if maxnreg else {}
+    key = (variant, block_n, num_warps, num_stages, vregs) + ((maxnreg,) if maxnreg else ())
+    COMPILED[key] = KERNELS[variant][(s, hkv // hp)](
         q, kc, vc, out, bt, lens, ks, vs, float(scale),
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), *v_strides,
         out.stride(0), out.stride(1), bt.stride(0),
-        G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=kc.shape[1], BLOCK_N=block_n, VREGS=vregs,
-        VARIANT=VARIANTS.index(variant), EXACT_E4M3=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        G=g, BLOCK_R=max(16, next_pow2(g * hp)), D=d, BLOCK_SIZE=kc.shape[1], BLOCK_N=block_n, VREGS=vregs,
+        VARIANT=VARIANTS.index(variant), EXACT_E4M3=not q.is_cuda, HP=hp, num_warps=num_warps,
+        num_stages=num_stages, **cap,
     )  # fmt: skip
     return out
 
@@ -522,12 +559,15 @@ def cpu_check() -> int:
     if not os.environ.get("TRITON_INTERPRET"):
         print("--cpu needs TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    cases = [((1, 17, 300), 16, 8, 128), ((300, 1, 129, 64), 14, 2, 128), ((5, 256, 31), 4, 1, 64)]
+    cases = [((1, 17, 300), 16, 8, 128), ((300, 1, 129, 64), 14, 2, 128), ((5, 256, 31), 4, 1, 64),
+             ((2, 40), 8, 4, 64)]
     worst, worst32, bad = 0.0, 0.0, 0
     for lens, hq, hkv, d in cases:
         args = make_case(list(lens), hq, hkv, d, "cpu", capacity_blocks=24)
         ref = reference(*args)
         for variant, configs in CPU_CONFIGS.items():
+            if hkv % PACKED.get(variant, 1) or hq // hkv * PACKED.get(variant, 1) > 16:
+                continue  # packs of kv heads where they divide the kv heads and fill at most 16 score rows
             for cfg in configs:
                 t0 = time.perf_counter()
                 err = (launch(variant, *args, *cfg).float() - ref).abs().max().item()
@@ -547,8 +587,8 @@ def cpu_check() -> int:
 
 
 def cfg_label(cfg) -> str:
-    block_n, warps, stages, vregs = cfg
-    return f"n{block_n} w{warps} s{stages}" + (" vregs" if vregs else "")
+    block_n, warps, stages, vregs = cfg[:4]
+    return f"n{block_n} w{warps} s{stages}" + (" vregs" if vregs else "") + (f" cap{cfg[4]}" if cfg[4:] else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,9 +604,10 @@ def build_sm90(kernel, g, cfg, d=D, variant="base"):
     """`kernel` built for sm_90 at launch shape `cfg` as a launch at the H200 shapes specializes it."""
     from tests.ops.compile_sm90 import build_sm90 as build
 
-    block_n, num_warps, num_stages, vregs = cfg
-    constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, VREGS=vregs,
-                      VARIANT=VARIANTS.index(variant))
+    block_n, num_warps, num_stages, vregs = cfg[:4]
+    hp = PACKED.get(variant, 1)
+    constexprs = dict(G=g, BLOCK_R=max(16, next_pow2(g * hp)), D=d, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n,
+                      VREGS=vregs, VARIANT=VARIANTS.index(variant), HP=hp)
     divisible = tuple(a for a in kernel.arg_names if a.endswith("_ptr") or a in DIVISIBLE)  # what a launch specializes
     return build(kernel, constexprs, POINTER_TYPES, num_warps, num_stages, divisible=divisible, floats=("scale",))
 
