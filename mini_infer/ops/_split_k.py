@@ -31,16 +31,9 @@ if HAS_TRITON:
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                           ROW_TILES: tl.constexpr = False):
-        """(s, q_beg, qlen, ctx, q_off) of query tile `tile`: its sequence s, whose query rows start at q_beg,
-        number qlen and sit at the end of a context of ctx positions; q_off is the tile's first row within s.
-
-        Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)): disjoint, below
-        T // BLOCK_Q + S. A binary search (SEARCH_STEPS >= S.bit_length() steps) finds the last s whose first
-        tile is <= `tile`; q_off >= qlen marks a tile past its sequence's rows (nothing to do). ROW_TILES (one
-        query row a tile, BLOCK_Q == 1): tile t is row t, owned by the last s with qsl[s] <= t (never one of no
-        rows: its qsl equals the next one's), so T tiles cover the rows and none is past its sequence's."""
+    def _search_tile_sequence(tile, qsl_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                              ROW_TILES: tl.constexpr):
+        """find_tile_sequence's binary search: the last s whose first tile is <= `tile`."""
         lo = tile * 0
         hi = lo + n_seqs - 1
         for _ in range(SEARCH_STEPS):
@@ -51,10 +44,50 @@ if HAS_TRITON:
                 take = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
             lo = tl.where(take, mid, lo)
             hi = tl.where(take, hi, mid - 1)
-        s = lo
-        q_beg = tl.load(qsl_ptr + s)
-        qlen = tl.load(qsl_ptr + s + 1) - q_beg
-        ctx = tl.load(seq_lens_ptr + s)
+        return lo
+
+    @triton.jit
+    def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                           ROW_TILES: tl.constexpr = False, ROW_GUESS: tl.constexpr = False):
+        """(s, q_beg, qlen, ctx, q_off) of query tile `tile`: its sequence s, whose query rows start at q_beg,
+        number qlen and sit at the end of a context of ctx positions; q_off is the tile's first row within s.
+
+        Sequence s owns virtual tiles [qsl[s] // BLOCK_Q + s, ... + cdiv(qlen_s, BLOCK_Q)): disjoint, below
+        T // BLOCK_Q + S. A binary search (SEARCH_STEPS >= S.bit_length() steps) finds the last s whose first
+        tile is <= `tile`; q_off >= qlen marks a tile past its sequence's rows (nothing to do). ROW_TILES (one
+        query row a tile, BLOCK_Q == 1): tile t is row t, owned by the last s with qsl[s] <= t (never one of no
+        rows: its qsl equals the next one's), so T tiles cover the rows and none is past its sequence's.
+        ROW_GUESS (BLOCK_Q == 1): first the guess of a decode step, where every sequence has one row: s = t (ROW_TILES)
+        or t // 2 (tiles 2s and 2s + 1 are s's), taken where it is the search's answer (its first tile <= t, and the
+        next sequence's first tile > t or it is the last sequence) from three loads at once instead of the search's
+        SEARCH_STEPS dependent ones; other tiles (of sequences with several rows, past the owned rows) search."""
+        if ROW_GUESS and BLOCK_Q == 1:
+            if ROW_TILES:
+                g = tile
+            else:
+                g = tile // 2
+            ok = g < n_seqs
+            q_beg = tl.load(qsl_ptr + g, mask=ok, other=0)
+            q_end = tl.load(qsl_ptr + g + 1, mask=ok, other=0)
+            ctx = tl.load(seq_lens_ptr + g, mask=ok, other=0)
+            if ROW_TILES:  # the first tiles of g and g + 1
+                first = q_beg
+                after = q_end
+            else:
+                first = q_beg + g
+                after = q_end + g + 1
+            s = g
+            if not (ok & (first <= tile) & ((tile < after) | (g + 1 == n_seqs))):
+                s = _search_tile_sequence(tile, qsl_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS, ROW_TILES)
+                q_beg = tl.load(qsl_ptr + s)
+                q_end = tl.load(qsl_ptr + s + 1)
+                ctx = tl.load(seq_lens_ptr + s)
+            qlen = q_end - q_beg
+        else:
+            s = _search_tile_sequence(tile, qsl_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS, ROW_TILES)
+            q_beg = tl.load(qsl_ptr + s)
+            qlen = tl.load(qsl_ptr + s + 1) - q_beg
+            ctx = tl.load(seq_lens_ptr + s)
         if ROW_TILES:
             q_off = tile - q_beg
         else:

@@ -505,6 +505,37 @@ def test_row_tiles_leave_the_same_bits_with_fewer_programs(small_key_tiles, attn
     assert [grid[0] for grid, _ in attn_launches] == [t + n_seqs, t]
 
 
+# decode-shaped launches for ROW_GUESS: FUSED_WRITE's (runs of two and three rows, sequences of no rows, padding
+# rows) and a decode step with one row a sequence, but for a sequence of none among them (the rows after it are not
+# their guesses') and one at the end
+ROW_GUESS_CASES = {**FUSED_WRITE, "decode": (dict(seqs=[(7, 1), (12, 1), (0, 0), (0, 1), (20, 1), (9, 1), (0, 0)]),
+                                             dict(num_splits=1))}
+
+
+@requires_triton
+@pytest.mark.parametrize("row_tiles", [False, True], ids=["t_plus_s_tiles", "row_tiles"])
+@pytest.mark.parametrize("name", list(ROW_GUESS_CASES))
+def test_row_guess_finds_the_searched_sequence(small_key_tiles, attn_launches, monkeypatch, name, row_tiles):
+    """ROW_GUESS (a decode-shaped tile's sequence guessed, s = t or t // 2, searched only where the guess is not the
+    search's answer): the output and the cache bytes of the launch that searches every tile, bit for bit, with one
+    query row a tile and with T + S tiles."""
+    from mini_infer.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "ROW_TILES", row_tiles)
+    monkeypatch.setitem(pa._CONFIG["decode"], "row_tiles", 1)
+    case_kw, knobs = ROW_GUESS_CASES[name]
+    runs = []
+    for guess in (False, True):
+        monkeypatch.setattr(pa, "ROW_GUESS", guess)
+        case = make_case(**case_kw, dtype=torch.float32, block_size=4, seed=7)
+        args = case.args()
+        runs.append((paged_attention_triton(*args, **knobs), args[3], args[4]))
+    (old, old_k, old_v), (new, new_k, new_v) = runs
+    assert same_bytes(new, old) and same_bytes(new_k, old_k) and same_bytes(new_v, old_v)
+    assert_close(new, oracle(case))
+    assert [kwargs["ROW_GUESS"] for _, kwargs in attn_launches] == [False, True]
+
+
 @requires_triton
 @pytest.mark.parametrize("name", [n for n, (_, knobs) in FUSED_WRITE.items() if knobs["num_splits"] > 1])
 def test_fp8_split_launches_may_preload(small_key_tiles, attn_launches, monkeypatch, name):
