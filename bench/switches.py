@@ -60,7 +60,8 @@ def switched(assignment: str):
     takes the value as written: `int8_linear.FP8_GEMV=cuda-cores`; a tuple of ints takes them joined by '/':
     `int8_linear.SCALED_GEMV_CONFIG_FP8_DOT=64/256/4/4`), for the block, then restored: a kernel switch read at launch, for an engine built (and its graphs captured) inside the block.
     `module.TABLE[key][field]=int` sets one entry of a dict attribute instead (added if absent, removed again after),
-    e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`; the module's cached launch shapes (`_LAUNCH_OK`) are
+    e.g. `paged_attention._CONFIG[decode_fp8][maxnreg]=128`, or by name where the entry holds a string
+    (`paged_attention._CONFIG[decode_fp8][fp8_dot]=fp16_vregs`); the module's cached launch shapes (`_LAUNCH_OK`) are
     cleared on the way in and out. `env:NAME=value` sets an environment variable for the block instead (restored, or
     removed, after): the one kind of switch that also reaches the other ranks of a tensor-parallel engine, which
     its start-up spawns with this process's environment (a module attribute set here stays in this process: rank
@@ -93,20 +94,26 @@ def switched(assignment: str):
                 stack.callback(setattr, module, attr, getattr(module, attr))
                 setattr(module, attr, tuple(int(v) for v in value.strip().split("/")))
                 continue
-            if not value.strip().lstrip("-").isdigit():
+            table, last, old = None, None, None
+            if keys:
+                table = getattr(module, attr)
+                for k in keys[:-1]:
+                    table = table[k]
+                last = keys[-1]
+                old = table.get(last, _MISSING)
+            by_name = keys and isinstance(old, str)  # a mode by name in a table: `..._CONFIG[decode_fp8][fp8_dot]=fp16`
+            if not by_name and not value.strip().lstrip("-").isdigit():
                 raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "
-                                 f"attribute), joined by commas; got {assignment!r}")
+                                 f"attribute or entry), joined by commas; got {assignment!r}")
             if not keys:
                 old = getattr(module, attr)
                 setattr(module, attr, type(old)(int(value)))
                 stack.callback(setattr, module, attr, old)
                 continue
-            table = getattr(module, attr)
-            for k in keys[:-1]:
-                table = table[k]
-            last = keys[-1]
-            old = table.get(last, _MISSING)
-            table[last] = int(value) if old is _MISSING else type(old)(int(value))
+            if by_name:
+                table[last] = value.strip()
+            else:
+                table[last] = int(value) if old is _MISSING else type(old)(int(value))
             stack.callback(_restore, table, last, old)
             _clear_launch_cache(module)
             stack.callback(_clear_launch_cache, module)

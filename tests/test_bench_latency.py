@@ -66,6 +66,23 @@ def test_string_switch_takes_a_mode_by_name(monkeypatch):
         pass
 
 
+def test_table_entry_switch_takes_a_name_where_the_entry_is_a_string(monkeypatch):
+    """A dict entry holding a string (paged_attention's fp8 dot way) takes a name, restored after; an int entry
+    still refuses one."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import paged_attention
+
+    before = dict(paged_attention._CONFIG["decode_fp8"])
+    with latency.switched("paged_attention._CONFIG[decode_fp8][fp8_dot]=fp16_vregs"):
+        assert paged_attention._CONFIG["decode_fp8"] == {**before, "fp8_dot": "fp16_vregs"}
+    assert paged_attention._CONFIG["decode_fp8"] == before
+    with pytest.raises(SystemExit), latency.switched("paged_attention._CONFIG[decode_fp8][num_warps]=four"):
+        pass
+    assert paged_attention._CONFIG["decode_fp8"] == before
+
+
 def test_rounds_alternate_every_variant(monkeypatch):
     """--rounds N: the first engine again from the second round on, then each variant (--without, --with, each
     --switch) in every round; no variant, no extra engine."""
