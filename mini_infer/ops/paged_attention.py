@@ -1082,6 +1082,18 @@ def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | No
             and n_seqs > 0)
 
 
+def writes_in_kernel(q: torch.Tensor, new_rows: int, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, kv_fp8: bool, decode_only: bool | None = None,
+                     num_splits: int | None = None) -> bool:
+    """Whether `paged_attention_triton`'s launch for these shapes (packed q [T, Hq, D], `new_rows` keys to write,
+    the knobs as it gets them) writes the step's keys in its attention kernel; False: `write_kv_cache_triton`'s
+    kernel writes them before it (prefill-shaped launches; over an fp8 cache also one-split decode ones)."""
+    t, n_seqs = q.shape[0], seq_lens.shape[0]
+    decode_only = t <= n_seqs if decode_only is None else decode_only
+    splits = _splits(q, n_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], decode_only, num_splits)
+    return _writes_in_kernel(new_rows, t, n_seqs, decode_only, splits > 1, kv_fp8)
+
+
 def _splits(q: torch.Tensor, n_seqs: int, hkv: int, capacity: int, decode_only: bool, num_splits: int | None) -> int:
     """The launch's key splits: `num_splits`, or by default `_split_k.default_num_splits` for decode-shaped ones."""
     if num_splits is None:
