@@ -139,6 +139,17 @@ if HAS_TRITON:
     LOG2E = _split_k.LOG2E
 
     @triton.jit
+    def _pack_rows(G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, HP: tl.constexpr):
+        """(q head of each score row [BLOCK_R], mask [BLOCK_R, HP * D] of each row's own kv head's columns, the
+        column's dim [HP * D]) of program (sequence, pack of HP kv heads): _setup's packing, which _store undoes."""
+        r = tl.arange(0, BLOCK_R)
+        c = tl.arange(0, HP * D)
+        j = r // G
+        head = (tl.program_id(1) * HP + j) * G + r % G
+        mine = (r < HP * G)[:, None] & ((c // D)[None, :] == j[:, None])
+        return head, mine, c % D
+
+    @triton.jit
     def _setup(q_ptr, ks_ptr, vs_ptr, lens_ptr, bt_ptr, scale, s_qs, s_qh, s_bt,
                G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, HP: tl.constexpr = 1):  # fmt: skip
         """(qv fp16 [BLOCK_R, HP * D], ctx, bt_row, qk_scale (log2 units), v_scale) of program (sequence, pack of
@@ -146,13 +157,8 @@ if HAS_TRITON:
         head's place in the pack (r // G) and zeros in the others', so that one dot against a key tile of the
         pack's HP heads side by side gives each row its own head's scores."""
         s = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
-        r = tl.arange(0, BLOCK_R)
-        c = tl.arange(0, HP * D)
-        j = r // G
-        head = (kvh * HP + j) * G + r % G
-        mine = (r < HP * G)[:, None] & ((c // D)[None, :] == j[:, None])
-        qv = tl.load(q_ptr + s * s_qs + head[:, None] * s_qh + (c % D)[None, :], mask=mine, other=0.0)
+        head, mine, dim = _pack_rows(G, BLOCK_R, D, HP)
+        qv = tl.load(q_ptr + s * s_qs + head[:, None] * s_qh + dim[None, :], mask=mine, other=0.0)
         qv = tl.clamp(qv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # the op's fp16 dots
         ctx = tl.load(lens_ptr + s)
         qk_scale = scale * tl.load(ks_ptr) * LOG2E
@@ -201,14 +207,9 @@ if HAS_TRITON:
                HP: tl.constexpr = 1):  # fmt: skip
         """Each score row's output (acc [BLOCK_R, HP * D]: its own kv head's columns; _setup's packing)."""
         s = tl.program_id(0).to(tl.int64)
-        r = tl.arange(0, BLOCK_R)
-        c = tl.arange(0, HP * D)
-        j = r // G
+        head, mine, dim = _pack_rows(G, BLOCK_R, D, HP)
         o = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        head = (tl.program_id(1) * HP + j) * G + r % G
-        mine = (r < HP * G)[:, None] & ((c // D)[None, :] == j[:, None])
-        tl.store(out_ptr + s * s_os + head[:, None] * s_oh + (c % D)[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=mine)
+        tl.store(out_ptr + s * s_os + head[:, None] * s_oh + dim[None, :], o.to(out_ptr.dtype.element_ty), mask=mine)
 
     @triton.jit
     def _base_loop(qv, ctx, bt_row, qk_scale, kc_ptr, vc_ptr, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, m_i, l_i, acc,

@@ -101,7 +101,7 @@ def switched(assignment: str):
                     table = table[k]
                 last = keys[-1]
                 old = table.get(last, _MISSING)
-            by_name = keys and isinstance(old, str)  # a mode by name in a table: `..._CONFIG[decode_fp8][fp8_dot]=fp16`
+            by_name = bool(keys) and isinstance(old, str)  # a mode by name in a table: `..._CONFIG[decode_fp8][fp8_dot]=fp16`
             if not by_name and not value.strip().lstrip("-").isdigit():
                 raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "
                                  f"attribute or entry), joined by commas; got {assignment!r}")

@@ -47,6 +47,11 @@ if HAS_TRITON:
         return lo
 
     @triton.jit
+    def _sequence_rows(qsl_ptr, seq_lens_ptr, s):
+        """(q_beg, q_end, ctx) of sequence s: its query rows [q_beg, q_end) and its context length."""
+        return tl.load(qsl_ptr + s), tl.load(qsl_ptr + s + 1), tl.load(seq_lens_ptr + s)
+
+    @triton.jit
     def find_tile_sequence(tile, qsl_ptr, seq_lens_ptr, n_seqs, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                            ROW_TILES: tl.constexpr = False, ROW_GUESS: tl.constexpr = False):
         """(s, q_beg, qlen, ctx, q_off) of query tile `tile`: its sequence s, whose query rows start at q_beg,
@@ -79,15 +84,11 @@ if HAS_TRITON:
             s = g
             if not (ok & (first <= tile) & ((tile < after) | (g + 1 == n_seqs))):
                 s = _search_tile_sequence(tile, qsl_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS, ROW_TILES)
-                q_beg = tl.load(qsl_ptr + s)
-                q_end = tl.load(qsl_ptr + s + 1)
-                ctx = tl.load(seq_lens_ptr + s)
-            qlen = q_end - q_beg
+                q_beg, q_end, ctx = _sequence_rows(qsl_ptr, seq_lens_ptr, s)
         else:
             s = _search_tile_sequence(tile, qsl_ptr, n_seqs, BLOCK_Q, SEARCH_STEPS, ROW_TILES)
-            q_beg = tl.load(qsl_ptr + s)
-            qlen = tl.load(qsl_ptr + s + 1) - q_beg
-            ctx = tl.load(seq_lens_ptr + s)
+            q_beg, q_end, ctx = _sequence_rows(qsl_ptr, seq_lens_ptr, s)
+        qlen = q_end - q_beg
         if ROW_TILES:
             q_off = tile - q_beg
         else:

@@ -149,10 +149,9 @@ def rotary_paged_attention_triton(
                   knobs.get("decode_only"), knobs.get("num_splits")):
         return pa.paged_attention_triton(*_packed_args(q, k, v, *meta), **knobs,
                                          rotary=_rotary(q, cos, sin, q_weight, k_weight, eps))
-    kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if ROTARY_KV_WRITE and q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and not pa.writes_in_kernel(
-            _pack(q), k.shape[0] * k.shape[2], k_cache, block_tables, seq_lens, kv_fp8, knobs.get("decode_only"),
-            knobs.get("num_splits")):
+            _pack(q), k.shape[0] * k.shape[2], k_cache, block_tables, seq_lens,
+            pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale), knobs.get("decode_only"), knobs.get("num_splits")):
         q2 = qk_rotary_kv_write_triton(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
                                        k_scale, v_scale)
         return pa.paged_attention_cached_triton(_pack(q2), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
