@@ -111,7 +111,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens + 16,
-              kv_cache_memory_bytes=2 << 30, quantization=quantization, kv_cache_dtype=kv_cache_dtype, passes=passes)
+              kv_cache_memory_bytes=2 << 30, quantization=quantization, kv_cache_dtype=kv_cache_dtype, passes=passes,
+              **({"block_size": args.block_size} if args.block_size else {}))
     eng = llm.engine
     startup = time.perf_counter() - t0
     prompt = random_prompt(eng.vocab_size, args.prompt_len)
@@ -140,7 +141,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
     weights = token_bytes(eng.compiled.graph_module)
     kv_per_token = eng.compiled.cache_bytes_per_token()
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, startup_s=startup,
+    result = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, block_size=eng.config.block_size,
+                  startup_s=startup,
                   compile_s=eng.compile_seconds, capture_s=eng.capture_seconds, warmup_s=eng.warmup_seconds,
                   ttft_s=first,
                   ttft_runs_s=[*ttfts, first], decode_tok_s=(args.new_tokens - 1) / (total - first),
@@ -183,6 +185,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=None, help="KV cache block size, every engine (engine default)")
     ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static,vllm, or none")
     ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")

@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget (engine default)")
+    ap.add_argument("--block-size", default="default",
+                    help="comma list of KV cache block sizes (tokens a block; 'default': the engine's)")
     ap.add_argument("--switch", action="append", default=[],
                     help="`module.ATTR=int`, `module.TABLE[key][field]=int` or `env:NAME=value` (the kind that "
                          "reaches tensor-parallel ranks; bench/switches.py; several for one engine joined by commas): "
@@ -195,14 +197,15 @@ def main() -> None:
     if args.peers != "auto":
         peers = [] if args.peers == "none" else args.peers.split(",")
 
-    variants = [(None if q == "none" else q, kv, switch, par) for switch in [None, *args.switch]
-                for par in args.parallel for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
+    variants = [(None if q == "none" else q, kv, switch, par, None if bs == "default" else int(bs))
+                for switch in [None, *args.switch] for par in args.parallel for bs in args.block_size.split(",")
+                for q in args.quantization.split(",") for kv in args.kv_cache_dtype.split(",")]
     results, engine_meta, llm = [], [], None
     # a throwaway engine first (the first variant's, on the workload's first WARMUP_PROMPTS prompts): on an H200 the
     # first engine of a process ran its prefill / mixed steps ~3x slower than every later one until the engine's
     # start-up built the sampler's kernels (RESULTS, twenty-seventh session); for any other first-use cost
     runs = [(*variants[0], False)] * args.warmup_engine + [(*v, True) for v in variants]
-    for quantization, kv_cache_dtype, switch, (tp, ep), timed in runs:
+    for quantization, kv_cache_dtype, switch, (tp, ep), block_size, timed in runs:
         llm = None  # free the previous engine before building the next
         gc.collect()
         if torch.cuda.is_available():
@@ -213,7 +216,7 @@ def main() -> None:
                       max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                       quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, tensor_parallel_size=tp,
-                      enable_expert_parallel=ep)
+                      enable_expert_parallel=ep, **({"block_size": block_size} if block_size else {}))
             startup = time.perf_counter() - t0
             wl = (Workload.nanovllm(n) if args.workload == "nanovllm"
                   else Workload.random(n, inp, outp, llm.engine.vocab_size, seed=0))
@@ -234,12 +237,14 @@ def main() -> None:
             r = run_engine(llm, wl, temperature=temp, around_timed=watch)
         if len(variants) > 1:
             r.name = (f"mini-infer[q={quantization or 'none'},kv={kv_cache_dtype}{',' + switch if switch else ''}"
+                      f"{f',block={block_size}' if block_size else ''}"
                       f"{parallel_label(tp, ep)}]")
         r.startup_seconds = startup
         results.append(r)
         st = llm.engine.stats
         kv_tokens = llm.engine.kv_cache.num_blocks * llm.engine.config.block_size
         engine_meta.append(dict(name=r.name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, switch=switch,
+                                block_size=llm.engine.config.block_size,
                                 tensor_parallel_size=tp, expert_parallel=ep,
                                 kv_cache_tokens=kv_tokens, preemptions=st.get("preemptions", 0),
                                 kv_bytes_per_token=llm.engine.compiled.cache_bytes_per_token(),

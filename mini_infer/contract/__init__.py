@@ -9,8 +9,10 @@ from mini_infer.contract.caches import (
     SlidingWindowSpec,
     attention_window,
     bytes_per_block,
+    default_block_size,
 )
 from mini_infer.contract.inputs import DIMS, PADDED_DIMS, InputSpec, StepBatch
 
 __all__ = ["DIMS", "PADDED_DIMS", "CacheSpec", "CacheTensor", "FullAttentionSpec", "InputSpec",
-           "LatentAttentionSpec", "SlidingWindowSpec", "StepBatch", "attention_window", "bytes_per_block"]
+           "LatentAttentionSpec", "SlidingWindowSpec", "StepBatch", "attention_window", "bytes_per_block",
+           "default_block_size"]

@@ -6,7 +6,8 @@ allocates `[num_blocks, block_size, *shape]` for each, or that view of storage h
 contiguous, `CacheTensor.keys_contiguous`) and any fixed per-layer tensors (e.g. quantization scales), and
 computes its bytes per token. The runtime sizes the pool from the sum over specs, allocates each spec's tensors
 by calling `allocate`, passes them to the graph as the inputs they are named after, and frees blocks that every
-layer's attention window has left behind (`attention_window`).
+layer's attention window has left behind (`attention_window`). A spec may name the block size its readers run
+fastest at (`block_size_hint`); an engine not told a block size takes the largest hint (`default_block_size`).
 
 Kinds (vLLM keeps the same split in `kv_cache_interface.py`): `FullAttentionSpec` (K and V per KV head; a
 float8 storage dtype comes with per-layer K and V scales), `SlidingWindowSpec` (the same, attending to the last
@@ -54,6 +55,8 @@ class CacheSpec:
     """Base class of cache specs. Subclasses implement `tensors()`; most are frozen dataclasses."""
 
     layer_idx: int
+    # tokens a block, as the readers of this cache would have it (a power of two), or None: no preference
+    block_size_hint: int | None = None
 
     def tensors(self) -> tuple[CacheTensor, ...]:
         """The paged tensors, in graph-input order."""
@@ -91,7 +94,8 @@ class CacheSpec:
 class FullAttentionSpec(CacheSpec):
     """K `[num_kv_heads, head_size]` and V `[num_kv_heads, head_size_v]` per token. A float8 `dtype` is a
     quantized cache: values are stored divided by `scales` = (k_scale, v_scale) and read back multiplied.
-    `v_keys_contiguous`: V stored with each block's tokens contiguous (`CacheTensor.keys_contiguous`)."""
+    `v_keys_contiguous`: V stored with each block's tokens contiguous (`CacheTensor.keys_contiguous`).
+    `block_size_hint`: the block size the pass's attention kernels read this cache fastest at (None: any)."""
 
     layer_idx: int
     num_kv_heads: int
@@ -100,8 +104,10 @@ class FullAttentionSpec(CacheSpec):
     dtype: torch.dtype
     scales: tuple[float, float] | None = None
     v_keys_contiguous: bool = False
+    block_size_hint: int | None = None
 
     def __post_init__(self) -> None:
+        check_block_size_hint(self.layer_idx, self.block_size_hint)
         if self.dtype in FP8_DTYPES and self.scales is None:
             raise ValueError(f"layer {self.layer_idx}: a {self.dtype} KV cache needs scales (k_scale, v_scale)")
         if self.scales is not None and self.dtype not in FP8_DTYPES:
@@ -164,6 +170,18 @@ class LatentAttentionSpec(CacheSpec):
 
     def tensors(self) -> tuple[CacheTensor, ...]:
         return (CacheTensor(self.latent_input, (self.kv_lora_rank + self.qk_rope_head_dim,), self.dtype),)
+
+
+def check_block_size_hint(layer_idx: int, hint: int | None) -> None:
+    """A spec's `block_size_hint` is None or a power of two >= 1 (the engine's rule for block sizes)."""
+    if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int) or hint < 1 or hint & (hint - 1)):
+        raise ValueError(f"layer {layer_idx}: block_size_hint must be a power of two >= 1 or None, got {hint!r}")
+
+
+def default_block_size(specs: list[CacheSpec], fallback: int = 16) -> int:
+    """The block size of an engine not told one: the largest any spec's readers ask for (`block_size_hint`), else
+    `fallback` (16, vLLM's default). Every layer shares the blocks, so one hint decides for all."""
+    return max((s.block_size_hint for s in specs if s.block_size_hint), default=fallback)
 
 
 def bytes_per_block(specs: list[CacheSpec], block_size: int) -> int:

@@ -233,6 +233,15 @@ def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
 # V dims-contiguous as 16-bit caches store it. MINI_INFER_FP8_V_KEYS_CONTIGUOUS (or `--switch
 # paged_attention.FP8_V_KEYS_CONTIGUOUS=N`), read by the paged_attention pass when it runs.
 FP8_V_KEYS_CONTIGUOUS = _env_choice("MINI_INFER_FP8_V_KEYS_CONTIGUOUS", "1", (0, 1, 2))
+# The block size such a cache is read fastest at, declared by the paged_attention pass on the specs of layers it stores
+# so (`FullAttentionSpec.block_size_hint`: an engine not told a block size takes it). The V cache is [blocks, Hkv, Dv,
+# block_size], so a key tile's V^T rows are runs of block_size contiguous bytes: 16 at vLLM's default block size,
+# 64 here. H200 (thirty-fourth session, bench/RESULTS.md), nano-vllm workload on qwen3-0.6b over an fp8 cache:
+# 30,714.4 output tok/s at 64-token blocks, 30,415.7 at 128, 27,819.6 at 16 (decode steps 3.6 against 4.1 ms); the
+# bf16 cache (the usual layout) 23,391.1 / 23,437.7 / 23,466.8 at 16 / 64 / 128, and batch 1 the same at 16 and 64,
+# so only these specs ask for it. MINI_INFER_FP8_V_KEYS_BLOCK_SIZE (or `--switch
+# paged_attention.FP8_V_KEYS_BLOCK_SIZE=N`), read by the paged_attention pass when it runs.
+FP8_V_KEYS_BLOCK_SIZE = _env_choice("MINI_INFER_FP8_V_KEYS_BLOCK_SIZE", "64", (16, 32, 64, 128, 256))
 # How launches over a tokens-contiguous V cache mask their V tiles (the kernel's V_TILES; read at launch; 3 by
 # default, the fastest on an H200: _CONFIG's "decode_fp8_vkeys"). 1: whole key tiles with no per-key mask, the last
 # partial tile after the loop as usual (a second copy of the loop's body: sm_90, Triton 3.6, nano-vllm's batch-256

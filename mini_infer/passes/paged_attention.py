@@ -26,7 +26,9 @@ On CUDA the fp8 cache needs compute capability >= 8.9 (the kernels convert e4m3 
 With the op module's FP8_V_KEYS_CONTIGUOUS at 1 (the default since it was timed on an H200; read when the pass
 runs) the fp8 specs of full-attention layers declare V with each block's tokens contiguous
 (`FullAttentionSpec.v_keys_contiguous`), the layout in which the decode kernel's P @ V reads its value tiles as
-Q @ K^T reads keys (ops/paged_attention.py); at 2 the sliding-window layers' specs too, at 0 none.
+Q @ K^T reads keys (ops/paged_attention.py); at 2 the sliding-window layers' specs too, at 0 none. Those specs
+also ask for 64-token blocks (`block_size_hint`, the op module's FP8_V_KEYS_BLOCK_SIZE: runs of 64 contiguous V
+bytes a row), which an engine not told a block size takes.
 """
 
 from __future__ import annotations
@@ -138,8 +140,10 @@ class PagedAttention(GraphPass):
             softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
             v_keys = fp8 and fp8_v_keys_contiguous(window)
-            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, sliding_window=window) \
-                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys)
+            hint = int(paged_attention_op.FP8_V_KEYS_BLOCK_SIZE) if v_keys else None
+            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint,
+                                     sliding_window=window) \
+                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint)
             caches = ctx.add_cache(gm, spec)
             kv_scales = tuple(caches[name] for name in spec.fixed_tensors())  # (k_scale_i, v_scale_i) or ()
             with graph.inserting_before(sdpa):

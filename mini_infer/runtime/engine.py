@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
-from mini_infer.contract import attention_window
+from mini_infer.contract import attention_window, default_block_size
 from mini_infer.contract.inputs import MAX_POSITIONS, UNCAPTURED_QUERY_ROWS
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
@@ -90,7 +90,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    # tokens a KV block (a power of two); None: what the compiled model's cache specs ask for (contract's
+    # `default_block_size`: 64 over an fp8 cache whose V is stored tokens-contiguous, else 16, vLLM's)
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
@@ -126,8 +128,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} or None; "
                              f"got {self.quantization!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two >= 1 (or None: the caches' choice), got "
+                             f"{self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -216,6 +220,8 @@ class LLMEngine:
                              f"below {positions} (tables built at compile time): compile it with "
                              f"max_positions >= max_model_len")
         self.compile_seconds = time.perf_counter() - t1
+        if config.block_size is None:  # the block size the declared caches' readers ask for (16 when none asks)
+            self.config = config = dataclasses.replace(config, block_size=default_block_size(self.compiled.cache_specs))
         # The compiled graph owns the weights it uses; release the HF model so that weights a pass replaced
         # (merged, stacked, quantized) are freed. A caller that passed `loaded` keeps its own reference.
         self.generation_config = getattr(self.loaded.model, "generation_config", None)

@@ -93,10 +93,11 @@ def _check_kv_budget(config: EngineConfig, info_config, dtype: torch.dtype) -> N
 
     per_token = kv_bytes_per_token_at_least(info_config, resolve_kv_cache_dtype(config.kv_cache_dtype) or dtype)
     budget = config.kv_cache_memory_bytes
-    block = per_token * config.block_size
+    block_size = config.block_size or 16  # None: the caches' choice, known after compiling (16 or more)
+    block = per_token * block_size
     if budget < block:
         raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold one KV block of this model: a block of "
-                         f"{config.block_size} tokens needs at least {block} bytes")
+                         f"{block_size} tokens needs at least {block} bytes")
     if config.max_model_len is not None and budget < per_token * config.max_model_len:
         raise ValueError(f"kv_cache_memory_bytes={budget} holds at most {budget // per_token} tokens of this "
                          f"model's KV cache, fewer than max_model_len={config.max_model_len}: raise it or lower "
