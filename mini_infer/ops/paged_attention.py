@@ -203,10 +203,12 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # with ROW_TILES, else t // 2: three loads at once) and searching only where that fails (`_split_k.find_tile_sequence`'s
 # ROW_GUESS), instead of a binary search over the step's sequences in every program (ceil(log2 S / 4) * 4 dependent
 # loads: 12 at batch 256, each program waiting on them before its first key tile). The same sequence either way.
-# H200, nano-vllm workload on qwen3-0.6b over a bf16 cache (thirty-third session, one engine each): 23,385.8 output
-# tok/s with it against 23,231.3, decode steps 5.0 ms both; over an fp8 cache and at batch 1 not yet timed. Off
-# (MINI_INFER_ATTN_ROW_GUESS=1, or `--switch paged_attention.ROW_GUESS=1`). Read at launch.
-ROW_GUESS = os.environ.get("MINI_INFER_ATTN_ROW_GUESS", "0") != "0"
+# H200, nano-vllm workload on qwen3-0.6b, output tok/s with it against without, one engine each: bf16 cache 23,385.8 /
+# 23,231.3 (thirty-third session), 23,551.0 / 23,449.0 and 23,427.2 / 23,233.5 (thirty-fourth); fp8 cache 27,950.5 /
+# 27,450.3 (16-token blocks) and 30,385.6 / 29,897.7 (64); batch 1 1,521.3 / 1,524.7 against 1,479.9 / 1,527.8.
+# `bench/gpu_check.py` passed with it. On by default (MINI_INFER_ATTN_ROW_GUESS=0, or `--switch
+# paged_attention.ROW_GUESS=0`: the search alone). Read at launch.
+ROW_GUESS = os.environ.get("MINI_INFER_ATTN_ROW_GUESS", "1") != "0"
 
 
 def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
@@ -1089,18 +1091,6 @@ def _writes_in_kernel(new_rows: int, t: int, n_seqs: int, decode_only: bool | No
     one_split = _CONFIG["decode_fp8" if kv_fp8 else "decode"].get("write_one_split", 1)
     return (DECODE_WRITE_IN_KERNEL and (split or bool(one_split)) and new_rows > 0 and decode_only and t > 0
             and n_seqs > 0)
-
-
-def writes_in_kernel(q: torch.Tensor, new_rows: int, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, kv_fp8: bool, decode_only: bool | None = None,
-                     num_splits: int | None = None) -> bool:
-    """Whether `paged_attention_triton`'s launch for these shapes (packed q [T, Hq, D], `new_rows` keys to write,
-    the knobs as it gets them) writes the step's keys in its attention kernel; False: `write_kv_cache_triton`'s
-    kernel writes them before it (prefill-shaped launches; over an fp8 cache also one-split decode ones)."""
-    t, n_seqs = q.shape[0], seq_lens.shape[0]
-    decode_only = t <= n_seqs if decode_only is None else decode_only
-    splits = _splits(q, n_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], decode_only, num_splits)
-    return _writes_in_kernel(new_rows, t, n_seqs, decode_only, splits > 1, kv_fp8)
 
 
 def _splits(q: torch.Tensor, n_seqs: int, hkv: int, capacity: int, decode_only: bool, num_splits: int | None) -> int:

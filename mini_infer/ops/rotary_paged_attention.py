@@ -19,16 +19,11 @@ launch (decode-shaped, so the attention kernel writes the step's keys itself; a 
 more), the long-run route declines the step, qk_rotary's outputs keep q's and k's dtypes, and the query group is at
 most `max_group` heads (ROTARY_MAX_GROUP_SPLIT for split launches, ROTARY_MAX_GROUP for one-split ones; the
 measurements are beside them). Every other step runs `qk_rotary_triton`, then paged_attention's Triton body: the
-values of the unfused pair, in two launches or more; with ROTARY_KV_WRITE (opt-in), a step whose attention launch
-would write the step's keys with a kernel of its own (`pa.writes_in_kernel` False: prefill-shaped launches, and over
-an fp8 cache one-split decode ones) runs `qk_rotary_kv_write_triton` (the rotary and the cache write in one launch,
-the unfused pair's bytes) and the attention over the caches instead: one launch fewer, the same values.
+values of the unfused pair, in two launches or more.
 Imports nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -36,7 +31,6 @@ from mini_infer.ops import _prefill_sdpa, _split_k
 from mini_infer.ops import paged_attention as pa
 from mini_infer.ops._triton_support import HAS_TRITON, use_triton
 from mini_infer.ops.qk_rotary import _check, _out_dtype, qk_rotary_reference, qk_rotary_triton
-from mini_infer.ops.qk_rotary_kv_write import qk_rotary_kv_write_triton
 
 __all__ = [
     "ROTARY_MAX_GROUP",
@@ -67,12 +61,6 @@ __all__ = [
 # up to ROTARY_MAX_GROUP_SPLIT; one-split launches (large batches) take none (0): the two kernels.
 ROTARY_MAX_GROUP = 0
 ROTARY_MAX_GROUP_SPLIT = 8
-# Steps whose attention launch writes the step's keys with a kernel of its own (module docstring) rotate q and k and
-# write k and v in one launch (`qk_rotary_kv_write`), the attention then reading the caches: at batch 256 over an fp8
-# cache the rotary and the write kernels took 97 and 121 us of a 4,441 us step (H200, bench/RESULTS.md, thirty-third
-# session). Not yet timed on a GPU, so off (MINI_INFER_ROTARY_KV_WRITE=1, or `--switch
-# rotary_paged_attention.ROTARY_KV_WRITE=1`). Read at each call.
-ROTARY_KV_WRITE = os.environ.get("MINI_INFER_ROTARY_KV_WRITE", "0") != "0"
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
@@ -149,13 +137,6 @@ def rotary_paged_attention_triton(
                   knobs.get("decode_only"), knobs.get("num_splits")):
         return pa.paged_attention_triton(*_packed_args(q, k, v, *meta), **knobs,
                                          rotary=_rotary(q, cos, sin, q_weight, k_weight, eps))
-    if ROTARY_KV_WRITE and q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and not pa.writes_in_kernel(
-            _pack(q), k.shape[0] * k.shape[2], k_cache, block_tables, seq_lens,
-            pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale), knobs.get("decode_only"), knobs.get("num_splits")):
-        q2 = qk_rotary_kv_write_triton(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
-                                       k_scale, v_scale)
-        return pa.paged_attention_cached_triton(_pack(q2), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                scale, sliding_window, softcap, k_scale, v_scale, **knobs)
     q2, k2 = qk_rotary_triton(q, k, cos, sin, q_weight, k_weight, eps)
     return pa.paged_attention_triton(*_packed_args(q2, k2, v, *meta), **knobs)
 

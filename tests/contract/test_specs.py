@@ -14,6 +14,7 @@ from mini_infer.contract import (
     StepBatch,
     attention_window,
     bytes_per_block,
+    default_block_size,
 )
 from mini_infer.contract.inputs import ATTENTION_METADATA, LOGITS_INDICES, SLOT_MAPPING
 
@@ -104,3 +105,18 @@ def test_v_cache_stored_tokens_contiguous():
     assert "tokens contiguous" in spec.describe()
     window = SlidingWindowSpec(1, 2, 16, 16, torch.bfloat16, None, True, sliding_window=8)
     assert window.allocate(2, 4, torch.device("cpu"))["v_cache_1"].stride(1) == 1
+
+
+def test_block_size_hint_and_the_default_block_size():
+    """A spec may ask for a block size (a power of two); an engine not told one takes the largest asked, else 16.
+    Specs without the field (latent caches) ask for nothing."""
+    plain = FullAttentionSpec(0, 2, 16, 16, torch.bfloat16)
+    fp8 = FullAttentionSpec(1, 2, 16, 16, torch.float8_e4m3fn, (1.0, 1.0), True, 64)
+    window = SlidingWindowSpec(2, 2, 16, 16, torch.bfloat16, None, False, 32, sliding_window=8)
+    latent = LatentAttentionSpec(3, 512, 64, torch.bfloat16)
+    assert plain.block_size_hint is None and latent.block_size_hint is None and window.block_size_hint == 32
+    assert default_block_size([]) == 16 and default_block_size([plain, latent]) == 16
+    assert default_block_size([plain, fp8, window]) == 64 and default_block_size([plain], fallback=8) == 8
+    for bad in (0, 48, -16, 64.0, True):
+        with pytest.raises(ValueError, match=r"layer 1: block_size_hint must be a power of two >= 1 or None, got"):
+            FullAttentionSpec(1, 2, 16, 16, torch.bfloat16, block_size_hint=bad)

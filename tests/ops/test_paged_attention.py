@@ -234,6 +234,39 @@ def test_triton_knobs_do_not_change_results(name, knobs):
     assert_close(out, paged_attention_reference(*case.args()))
 
 
+# blocks as long as a key tile or longer (the engine's 64-token blocks over an fp8 cache, FP8_V_KEYS_BLOCK_SIZE):
+# contexts spanning one block, several, and a partial last one; one-split and split decode launches, a prefill chunk
+LONG_BLOCK_CASES = [
+    ("decode_one_split", [(200, 1), (5, 1), (130, 1), (0, 0)], dict(decode_only=True, num_splits=1)),
+    ("decode_splits", [(300, 1), (5, 1), (130, 1)], dict(decode_only=True, num_splits=4)),
+    ("chunked_prefill", [(100, 40), (0, 70), (3, 1)], {}),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("block_size", [64, 256])
+@pytest.mark.parametrize("name,seqs,knobs", LONG_BLOCK_CASES, ids=[c[0] for c in LONG_BLOCK_CASES])
+def test_triton_blocks_longer_than_key_tiles(name, seqs, knobs, block_size):
+    """Blocks of 64 and 256 tokens (key tiles of 64-128: a tile within a block, or a block within a tile): the
+    Triton kernels agree with the reference over a bf16 cache, and over an fp8 cache whose V is stored
+    tokens-contiguous they give the usual layout's output and cache bytes exactly."""
+    case = make_case(seqs, hq=4, hkv=2, d=16, block_size=block_size, dtype=torch.bfloat16, seed=1, cache_fill=0.0)
+    args = case.args()
+    out = paged_attention_triton(*args, **knobs)
+    assert_close(out, paged_attention_reference(*case.args()))
+    for s_idx, (hk, hv) in enumerate(zip(case.hist_k, case.hist_v)):  # every row where its block table puts it
+        pos = torch.arange(hk.shape[0])
+        blk, off = case.block_tables.cpu()[s_idx, pos // block_size].long(), pos % block_size
+        assert torch.equal(args[3].cpu()[blk, off], hk) and torch.equal(args[4].cpu()[blk, off], hv)
+    fp8, ks, vs = fp8_case(case)
+    usual, keys = fp8_args(fp8, ks, vs), list(fp8_args(fp8, ks, vs))
+    keys[4] = keys_contiguous(keys[4])
+    out8 = paged_attention_triton(*keys, **knobs)
+    assert not out8.isnan().any()
+    assert torch.equal(out8, paged_attention_triton(*usual, **knobs))
+    assert torch.equal(keys[4].contiguous().view(torch.uint8), usual[4].view(torch.uint8))
+
+
 @pytest.fixture
 def small_key_tiles(monkeypatch):
     """16-key tiles (the configured ones are 128): the short contexts of these tests span several splits."""
@@ -423,8 +456,10 @@ def test_write_kernel_only_for_prefill_shapes(kernel_launches):
 # same builds without the alignment marks spill up to 6 KB with 3.6 (the script's docstring). The fp8 builds run under
 # a register cap of 128 (_CONFIG's "decode_fp8" and "decode_fp8_vkeys": twice the programs an SM, faster on an
 # H200 though ptxas then keeps stack: the usual V layout 160-232 bytes with Triton 3.9, 104-192 with 3.6; the
-# tokens-contiguous one, fp8_g2's default, 64-72 with 3.9, 8-40 with 3.6): up to 256 allowed for any of them.
-STACK_ALLOWED = {("bf16_splits", "write"): 16, "fp8_window_g7": 256, "fp8_g2": 256, "fp8_g2_usual_v": 256}
+# tokens-contiguous one, fp8_g2's default, 64-72 with 3.9, 8-40 with 3.6). The row guess (ROW_GUESS, on by default
+# since it measured faster on an H200) adds 0-48 bytes with 3.9 (the windowed build 232 -> 264; with 3.6 the fp8
+# one-split build's 8 -> 0): up to 320 allowed for any of them.
+STACK_ALLOWED = {("bf16_splits", "write"): 16, "fp8_window_g7": 320, "fp8_g2": 320, "fp8_g2_usual_v": 320}
 
 
 @requires_triton

@@ -29,7 +29,6 @@ from tests.ops.helpers import TOL, assert_close, record_kernel_launches, require
 from tests.ops.test_paged_attention import (  # small_key_tiles: a fixture (16-key tiles, several splits)
     CASES,
     Case,
-    fp8_case,
     fused_write_case,
     make_case,
     same_bytes,
@@ -134,48 +133,6 @@ def test_prefill_launch_runs_the_unfused_kernels(launches):
     want_args = case.args()
     assert torch.equal(out, unfused_triton(rot, want_args[3:]))
     assert same_bytes(args[3], want_args[3]) and same_bytes(args[4], want_args[4])
-
-
-# (case, dtype, fp8 cache, knobs, the launches with ROTARY_KV_WRITE): a prefill-shaped launch and an fp8 cache's
-# one-split decode launch write the step's keys with a kernel of their own, which the switch folds into the rotary's;
-# a 16-bit cache's one-split decode launch writes them itself and keeps the rotary kernel
-KV_WRITE = [
-    ("chunked_prefill", torch.bfloat16, False, {}, ["_qk_rotary_kv_write_kernel", "_paged_attn_kernel"]),
-    ("chunked_prefill", torch.float32, True, {}, ["_qk_rotary_kv_write_kernel", "_paged_attn_kernel"]),
-    ("qlen2_one_split_g4", torch.bfloat16, True, None, ["_qk_rotary_kv_write_kernel", "_paged_attn_kernel"]),
-    ("qlen2_one_split_g4", torch.bfloat16, False, None, ["_qk_rotary_kernel", "_paged_attn_kernel"]),
-]
-
-
-@requires_triton
-@pytest.mark.usefixtures("small_key_tiles")
-@pytest.mark.parametrize("name,dtype,fp8,knobs,want", KV_WRITE)
-def test_rotary_kv_write_folds_the_write_kernel_into_the_rotary(launches, monkeypatch, name, dtype, fp8, knobs, want):
-    """ROTARY_KV_WRITE: where the attention launch would write the step's keys with a kernel of its own,
-    `qk_rotary_kv_write`'s one launch and the attention over the caches, with the output and the cache bytes of the
-    unfused kernels bit for bit; elsewhere the unfused path as before."""
-    from mini_infer.ops import qk_rotary_kv_write as qkw
-
-    record_kernel_launches(monkeypatch, qkw, "_qk_rotary_kv_write_kernel", launches=launches)
-    if knobs is None:
-        case, scales, knobs = fused_write_case(name, dtype, fp8)
-    else:
-        case = make_case(**CASES[name], d=32, dtype=dtype)
-        scales = ()
-        if fp8:
-            case, ks, vs = fp8_case(case)
-            scales = (ks, vs)
-    rot = rotary_args(case, norms=True)
-    runs = []
-    for switch in (False, True):
-        monkeypatch.setattr(rpa, "ROTARY_KV_WRITE", switch)
-        launches.clear()
-        args = (*case.args(), *scales)
-        runs.append((rotary_paged_attention_triton(*rot, *args[3:], **knobs), args[3], args[4], list(launches)))
-    (old, old_k, old_v, old_launches), (new, new_k, new_v, new_launches) = runs
-    assert new_launches == want
-    assert "_qk_rotary_kv_write_kernel" not in old_launches
-    assert same_bytes(new, old) and same_bytes(new_k, old_k) and same_bytes(new_v, old_v)
 
 
 @requires_triton

@@ -237,9 +237,11 @@ def test_v_stored_tokens_contiguous_by_the_switch(monkeypatch, name, mode, v_key
     gm, ctx = copy_gm(_cleaned(name)), fp8_context(name)
     PassManager([PagedAttention()]).run(gm, ctx)
     assert ctx.cache_specs and all(s.v_keys_contiguous == v_keys for s in ctx.cache_specs)
+    assert all(s.block_size_hint == (paged_attention_op.FP8_V_KEYS_BLOCK_SIZE if v_keys else None)
+               for s in ctx.cache_specs)  # such specs ask for longer blocks, the others for none
     gm16, ctx16 = copy_gm(_cleaned(name)), fp8_context(name, kv_cache_dtype=torch.bfloat16)
     PassManager([PagedAttention()]).run(gm16, ctx16)
-    assert not any(s.v_keys_contiguous for s in ctx16.cache_specs)
+    assert not any(s.v_keys_contiguous or s.block_size_hint for s in ctx16.cache_specs)
     # few blocks, so that some sequence is preempted (a sliding window frees blocks as it slides: fewer still)
     llm = _llm(name, kv_cache_dtype="fp8", enable_prefix_caching=True, enable_chunked_prefill=True,
                max_num_batched_tokens=8, num_kv_blocks=12 if name == "tiny-mistral" else 24)
@@ -250,6 +252,33 @@ def test_v_stored_tokens_contiguous_by_the_switch(monkeypatch, name, mode, v_key
     assert got == [oracle_greedy(name, tuple(p)) for p in prompts]
     assert llm.engine.stats["preemptions"] > 0
     assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("name,kv,given,switch,expected", [
+    ("tiny-qwen3", "fp8", None, None, 64),  # tokens-contiguous V: its specs' hint
+    ("tiny-qwen3", "fp8", None, 128, 128),  # the op module's FP8_V_KEYS_BLOCK_SIZE at compile time
+    ("tiny-qwen3", "fp8", 16, None, 16),  # a block size given wins
+    ("tiny-qwen3", "auto", None, None, 16),  # a 16-bit cache asks for nothing: vLLM's 16
+    ("tiny-mistral", "fp8", None, None, 16),  # sliding-window layers keep the usual V layout: no hint
+])
+def test_engine_block_size_follows_the_cache_specs(monkeypatch, name, kv, given, switch, expected):
+    """An engine not told a block size takes the largest its caches' specs ask for (`block_size_hint`): 64-token
+    blocks over an fp8 cache stored tokens-contiguous, else 16; the cache, the block manager and the log line use
+    it, and greedy generation (prefix caching and chunked prefill on) equals the fp8-rounded oracle's, blocks all
+    returned. (No compiled-engine cache: the switch is not one of its keys.)"""
+    from mini_infer.ops import paged_attention as paged_attention_op
+
+    if switch is not None:
+        monkeypatch.setattr(paged_attention_op, "FP8_V_KEYS_BLOCK_SIZE", switch)
+    llm = _llm(name, kv_cache_dtype=kv, block_size=given, num_kv_blocks=8, enable_prefix_caching=True,
+               max_num_batched_tokens=16)
+    engine = llm.engine
+    assert engine.config.block_size == engine.kv_cache.block_size == engine.block_manager.block_size == expected
+    assert all(t.shape[1] == expected for t in engine.kv_cache.tensors.values() if t.dim() == 4)
+    if kv == "fp8":
+        prompts = random_prompts(6, (70, 9, 22))
+        assert _generate(llm, prompts) == [oracle_greedy(name, tuple(p)) for p in prompts]
+    assert_no_leak(engine)
 
 
 def test_generate_under_preemption(patched):
