@@ -32,12 +32,21 @@ class CacheTensor:
     """One paged tensor: graph input `name`, allocated `[num_blocks, block_size, *shape]` of `dtype`.
     `keys_contiguous`: stored `[num_blocks, *shape, block_size]` (each block's tokens side by side for every element
     of `shape`) and handed out as the `[num_blocks, block_size, *shape]` view of that storage, so that readers index
-    it as any other cache and kernels see the layout in its strides (stride 1 along the block's tokens)."""
+    it as any other cache and kernels see the layout in its strides (stride 1 along the block's tokens).
+    `heads_outer`: stored `[num_blocks, shape[0], block_size, *shape[1:]]` (a block's tokens of one head, e.g. one KV
+    head's keys, side by side) and handed out as the same view; not with `keys_contiguous`, which already keeps
+    every element's tokens of a block together."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     keys_contiguous: bool = False
+    heads_outer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.heads_outer and (self.keys_contiguous or len(self.shape) < 2):
+            raise ValueError(f"{self.name}: heads_outer needs a [heads, ...] shape and no keys_contiguous, got "
+                             f"shape {self.shape}, keys_contiguous={self.keys_contiguous}")
 
     @property
     def bytes_per_token(self) -> int:
@@ -48,6 +57,9 @@ class CacheTensor:
         `keys_contiguous`)."""
         if self.keys_contiguous:
             return torch.zeros(num_blocks, *self.shape, block_size, dtype=self.dtype, device=device).movedim(-1, 1)
+        if self.heads_outer:
+            return torch.zeros(num_blocks, self.shape[0], block_size, *self.shape[1:], dtype=self.dtype,
+                               device=device).movedim(2, 1)
         return torch.zeros(num_blocks, block_size, *self.shape, dtype=self.dtype, device=device)
 
 
@@ -86,7 +98,8 @@ class CacheSpec:
     def describe(self) -> str:
         """One line for logs and summaries."""
         parts = ", ".join(f"{t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                          f"{' (tokens contiguous)' if t.keys_contiguous else ''}" for t in self.tensors())
+                          f"{' (tokens contiguous)' if t.keys_contiguous else ''}"
+                          f"{' (heads outer)' if t.heads_outer else ''}" for t in self.tensors())
         return f"layer {self.layer_idx}: {type(self).__name__}({parts}; {self.bytes_per_token()} B/token)"
 
 
@@ -95,7 +108,9 @@ class FullAttentionSpec(CacheSpec):
     """K `[num_kv_heads, head_size]` and V `[num_kv_heads, head_size_v]` per token. A float8 `dtype` is a
     quantized cache: values are stored divided by `scales` = (k_scale, v_scale) and read back multiplied.
     `v_keys_contiguous`: V stored with each block's tokens contiguous (`CacheTensor.keys_contiguous`).
-    `block_size_hint`: the block size the pass's attention kernels read this cache fastest at (None: any)."""
+    `block_size_hint`: the block size the pass's attention kernels read this cache fastest at (None: any).
+    `heads_outer`: K (and V, unless stored tokens-contiguous) stored with each KV head's tokens of a block side by
+    side (`CacheTensor.heads_outer`)."""
 
     layer_idx: int
     num_kv_heads: int
@@ -105,6 +120,7 @@ class FullAttentionSpec(CacheSpec):
     scales: tuple[float, float] | None = None
     v_keys_contiguous: bool = False
     block_size_hint: int | None = None
+    heads_outer: bool = False
 
     def __post_init__(self) -> None:
         check_block_size_hint(self.layer_idx, self.block_size_hint)
@@ -128,8 +144,9 @@ class FullAttentionSpec(CacheSpec):
         return self.scales is not None
 
     def tensors(self) -> tuple[CacheTensor, ...]:
-        return (CacheTensor(self.k_input, (self.num_kv_heads, self.head_size), self.dtype),
-                CacheTensor(self.v_input, (self.num_kv_heads, self.head_size_v), self.dtype, self.v_keys_contiguous))
+        return (CacheTensor(self.k_input, (self.num_kv_heads, self.head_size), self.dtype, False, self.heads_outer),
+                CacheTensor(self.v_input, (self.num_kv_heads, self.head_size_v), self.dtype, self.v_keys_contiguous,
+                            self.heads_outer and not self.v_keys_contiguous))
 
     def fixed_tensors(self) -> dict[str, torch.Tensor]:
         if self.scales is None:

@@ -28,7 +28,8 @@ runs) the fp8 specs of full-attention layers declare V with each block's tokens 
 (`FullAttentionSpec.v_keys_contiguous`), the layout in which the decode kernel's P @ V reads its value tiles as
 Q @ K^T reads keys (ops/paged_attention.py); at 2 the sliding-window layers' specs too, at 0 none. Those specs
 also ask for 64-token blocks (`block_size_hint`, the op module's FP8_V_KEYS_BLOCK_SIZE: runs of 64 contiguous V
-bytes a row), which an engine not told a block size takes.
+bytes a row), which an engine not told a block size takes. With the op module's KV_HEADS_OUTER (off by default, not
+yet timed) the specs store each KV head's tokens of a block side by side (`FullAttentionSpec.heads_outer`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def fp8_v_keys_contiguous(window: int | None) -> bool:
     tokens-contiguous: the op module's FP8_V_KEYS_CONTIGUOUS, 1 for full-attention layers, 2 for all, 0 for none."""
     mode = int(paged_attention_op.FP8_V_KEYS_CONTIGUOUS)
     return mode >= 2 or (mode == 1 and not window)
+
+
+def kv_heads_outer(fp8: bool) -> bool:
+    """Whether a layer's K/V caches are stored heads-outer (`FullAttentionSpec.heads_outer`): the op module's
+    KV_HEADS_OUTER, 1 for fp8 caches, 2 for all, 0 for none."""
+    mode = int(paged_attention_op.KV_HEADS_OUTER)
+    return mode >= 2 or (mode == 1 and fp8)
 
 
 class PagedAttention(GraphPass):
@@ -141,9 +149,10 @@ class PagedAttention(GraphPass):
             scales = self._layer_scales(layer_idx) if fp8 else None
             v_keys = fp8 and fp8_v_keys_contiguous(window)
             hint = int(paged_attention_op.FP8_V_KEYS_BLOCK_SIZE) if v_keys else None
-            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint,
+            outer = kv_heads_outer(fp8)
+            spec = SlidingWindowSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint, outer,
                                      sliding_window=window) \
-                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint)
+                if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint, outer)
             caches = ctx.add_cache(gm, spec)
             kv_scales = tuple(caches[name] for name in spec.fixed_tensors())  # (k_scale_i, v_scale_i) or ()
             with graph.inserting_before(sdpa):

@@ -120,3 +120,24 @@ def test_block_size_hint_and_the_default_block_size():
     for bad in (0, 48, -16, 64.0, True):
         with pytest.raises(ValueError, match=r"layer 1: block_size_hint must be a power of two >= 1 or None, got"):
             FullAttentionSpec(1, 2, 16, 16, torch.bfloat16, block_size_hint=bad)
+
+
+def test_caches_stored_heads_outer():
+    """`heads_outer`: K (and V unless tokens-contiguous) allocated [blocks, Hkv, block_size, D] and handed out as the
+    usual [blocks, block_size, Hkv, D] view, zeroed, same bytes; not with keys_contiguous, and not for a flat shape."""
+    from mini_infer.contract.caches import CacheTensor
+
+    spec = FullAttentionSpec(0, 4, 16, 8, torch.bfloat16, heads_outer=True)
+    cache = spec.allocate(3, 16, torch.device("cpu"))
+    k, v = cache["k_cache_0"], cache["v_cache_0"]
+    assert k.shape == (3, 16, 4, 16) and k.stride() == (4 * 16 * 16, 16, 16 * 16, 1)
+    assert v.shape == (3, 16, 4, 8) and v.stride() == (4 * 16 * 8, 8, 16 * 8, 1) and not v.any()
+    assert spec.bytes_per_token() == FullAttentionSpec(0, 4, 16, 8, torch.bfloat16).bytes_per_token()
+    assert "(heads outer)" in spec.describe()
+    fp8 = FullAttentionSpec(1, 4, 16, 8, torch.float8_e4m3fn, (1.0, 1.0), True, heads_outer=True)
+    k_t, v_t = fp8.tensors()
+    assert k_t.heads_outer and v_t.keys_contiguous and not v_t.heads_outer
+    with pytest.raises(ValueError, match="heads_outer needs a"):
+        CacheTensor("v", (4, 8), torch.bfloat16, True, True)
+    with pytest.raises(ValueError, match="heads_outer needs a"):
+        CacheTensor("latent", (576,), torch.bfloat16, False, True)

@@ -267,6 +267,39 @@ def test_triton_blocks_longer_than_key_tiles(name, seqs, knobs, block_size):
     assert torch.equal(keys[4].contiguous().view(torch.uint8), usual[4].view(torch.uint8))
 
 
+def heads_outer(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored heads-outer ([blocks, H, block_size, D] under the [blocks, block_size, H, D] view), in a
+    tensor allocated as `CacheTensor(heads_outer=True)` allocates one."""
+    from mini_infer.contract.caches import CacheTensor
+
+    nb, bs = cache.shape[:2]
+    return CacheTensor("k", tuple(cache.shape[2:]), cache.dtype, False, True).zeros(nb, bs, cache.device).copy_(cache)
+
+
+@requires_triton
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("name,seqs,knobs", LONG_BLOCK_CASES, ids=[c[0] for c in LONG_BLOCK_CASES])
+def test_triton_heads_outer_caches(name, seqs, knobs, block_size):
+    """Caches stored heads-outer (KV_HEADS_OUTER): a bf16 K and V, and an fp8 K beside the tokens-contiguous fp8 V:
+    the same output bits and the same cache bytes (the step's writes included) as the usual layout, and the
+    reference over them agrees too (within the dtype's tolerance)."""
+    case = make_case(seqs, hq=4, hkv=2, d=16, block_size=block_size, dtype=torch.bfloat16, seed=2, cache_fill=0.0)
+    fp8, ks, vs = fp8_case(case)
+    for usual, v_of in ((case.args(), heads_outer), ((*fp8.args(), ks, vs), keys_contiguous)):
+        outer = list(usual)
+        outer[3], outer[4] = heads_outer(usual[3].clone()), v_of(usual[4].clone())
+        assert outer[3].stride(2) == block_size * outer[3].shape[3] and outer[3].stride(-1) == 1
+        out = paged_attention_triton(*outer, **knobs)
+        assert torch.equal(out, paged_attention_triton(*usual, **knobs))
+        for a, b in ((outer[3], usual[3]), (outer[4], usual[4])):
+            assert torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))
+        cpu = [a.cpu() if torch.is_tensor(a) else a for a in usual]
+        cpu_outer = list(cpu)
+        cpu_outer[3], cpu_outer[4] = heads_outer(cpu[3].clone()), v_of(cpu[4].clone())
+        # (a 16-bit decode batch over contiguous caches takes the reference's SDPA path: close, not bit-equal)
+        assert_close(paged_attention_reference(*cpu_outer), paged_attention_reference(*cpu))
+
+
 @pytest.fixture
 def small_key_tiles(monkeypatch):
     """16-key tiles (the configured ones are 128): the short contexts of these tests span several splits."""

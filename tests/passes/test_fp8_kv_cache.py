@@ -281,6 +281,30 @@ def test_engine_block_size_follows_the_cache_specs(monkeypatch, name, kv, given,
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("mode,kv,outer", [(1, "fp8", True), (1, "auto", False), (2, "auto", True), (0, "fp8", False)])
+def test_kv_heads_outer_by_the_switch(monkeypatch, mode, kv, outer):
+    """paged_attention.KV_HEADS_OUTER at compile time (1: fp8 caches, 2: all, 0: none): the specs declare K (and a
+    V not stored tokens-contiguous) heads-outer, the engine allocates them so, and greedy generation with prefix
+    caching, chunked prefill and preemption gives the default layout's tokens, blocks all returned. (No
+    compiled-engine cache: the switch is not one of its keys.)"""
+    from mini_infer.ops import paged_attention as paged_attention_op
+
+    name, prompts = "tiny-qwen3", _prompts()
+    kw = dict(kv_cache_dtype=kv, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=8,
+              num_kv_blocks=24)
+    want = _generate(_llm(name, **kw), prompts)
+    monkeypatch.setattr(paged_attention_op, "KV_HEADS_OUTER", mode)
+    llm = _llm(name, **kw)
+    assert all(s.heads_outer == outer for s in llm.engine.compiled.cache_specs)
+    caches = {n: t for n, t in llm.engine.kv_cache.tensors.items() if n.startswith(("k_cache_", "v_cache_"))}
+    for n, t in caches.items():  # [blocks, block_size, Hkv, D] views; heads-outer: one head's block rows together
+        tokens_contiguous = n.startswith("v_") and kv == "fp8"
+        assert (t.stride(2) == t.shape[1] * t.shape[3] and t.stride(-1) == 1) == (outer and not tokens_contiguous)
+    assert _generate(llm, prompts) == want
+    assert llm.engine.stats["preemptions"] > 0
+    assert_no_leak(llm.engine)
+
+
 def test_generate_under_preemption(patched):
     name = "tiny-qwen3"
     prompts = random_prompts(4, (30, 9, 22, 14))
