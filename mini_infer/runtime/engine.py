@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
-from mini_infer.contract import attention_window, default_block_size
+from mini_infer.contract import attention_window, bytes_per_block, default_block_size
 from mini_infer.contract.inputs import MAX_POSITIONS, UNCAPTURED_QUERY_ROWS
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
@@ -345,6 +345,10 @@ class LLMEngine:
         if self.parallel is not None:  # every rank allocates the same blocks
             budget = self.parallel.agree_min(budget)
         num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
+        if num_blocks == 0:
+            raise ValueError(f"the KV cache budget ({budget} bytes) cannot hold one block of block_size="
+                             f"{cfg.block_size} tokens ({bytes_per_block(specs, cfg.block_size)} bytes): raise "
+                             f"kv_cache_memory_bytes / gpu_memory_utilization or lower block_size")
         try:
             self.max_model_len = fit_max_model_len(self.max_model_len, cfg.max_model_len is not None,
                                                    num_blocks * cfg.block_size, budget)

@@ -347,6 +347,16 @@ def test_summary_and_capacity_show_the_smaller_cache(patched):
 # -- bad input --------------------------------------------------------------------------------------------------
 
 
+def test_budget_below_one_long_block_is_refused():
+    """A budget that holds 16-token blocks (the pre-load check's smallest) but not one of the 64-token blocks the fp8
+    specs ask for: refused at start-up naming the budget, the block size and what one block needs."""
+    per_token = 2 * 2 * 16 * L  # tiny-qwen2: K and V, 2 KV heads x 16, one byte each
+    with pytest.raises(ValueError, match=rf"KV cache budget \({per_token * 20} bytes\) cannot hold one block of "
+                                         rf"block_size=64 tokens \({per_token * 64} bytes\)"):
+        _llm("tiny-qwen2", kv_cache_dtype="fp8", block_size=None, num_kv_blocks=None,
+             kv_cache_memory_bytes=per_token * 20)
+
+
 def test_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*fp8.*; got 'fp4'"):
         EngineConfig(kv_cache_dtype="fp4")
