@@ -25,7 +25,8 @@ are running or waiting: a long prompt alone takes the whole step budget.
 A sequence needs cache slots and positions for all of its ``num_tokens`` tokens (under an attention window
 with chunked prefill, only for its window and the chunk being computed). One that can never
 get them (more tokens than the whole cache or ``max_model_len``; with chunked prefill off, more than
-``max_num_batched_tokens`` at admission) is finished by the scheduler instead of looping: with
+``max_num_batched_tokens``, since a preempted sequence is recomputed in one step) is finished by the scheduler
+instead of looping, whether it waits or runs (so that preemption never changes where it ends): with
 ``finish_reason="error"`` and ``seq.error`` set if its prompt alone is too long, else with
 ``"length"``. Such sequences are reported in ``SchedulerOutput.finished``. (The engine's own stop
 check should end a sequence at ``max_model_len`` first; this is the safety net.)
@@ -164,7 +165,7 @@ class Scheduler:
     @property
     def max_tokens_per_seq(self) -> int:
         """Most tokens a running sequence may hold (the cache's size and max_model_len bound it)."""
-        return self._token_limit(admission=False)
+        return self._token_limit()
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs, or a rejection is still to be reported."""
@@ -188,8 +189,8 @@ class Scheduler:
         self._by_request.setdefault(seq.request_id, []).append(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        if seq.num_prompt_tokens > self._token_limit(admission=True):
-            self._finish_too_long(seq, self._token_limit(admission=True))
+        if seq.num_prompt_tokens > (limit := self._token_limit()):
+            self._finish_too_long(seq, limit)
             self._pending_finished.append(seq)
             return
         bisect.insort(self.waiting, seq, key=self._key)
@@ -224,7 +225,7 @@ class Scheduler:
         out = SchedulerOutput(finished=self._pending_finished)
         self._pending_finished = []
         budget = cfg.max_num_batched_tokens
-        run_limit = self._token_limit(admission=False)
+        limit = self._token_limit()  # most tokens a sequence may hold, waiting or running
         cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else None
         if cfg.long_prefill_only_when_shared and len(self.running) + len(self.waiting) <= 1:
             cap = None  # nobody else to make room for
@@ -239,8 +240,8 @@ class Scheduler:
             if seq.stop_pending:  # its last token is still in flight (async scheduling)
                 i += 1
                 continue
-            if seq.num_tokens > run_limit:
-                self._finish_too_long(seq, run_limit)
+            if seq.num_tokens > limit:
+                self._finish_too_long(seq, limit)
                 out.finished.append(seq)
                 continue
             n = self._num_new_tokens(seq, budget, cap)
@@ -260,11 +261,10 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting sequences, in policy order; the head blocks the rest.
-        admit_limit = self._token_limit(admission=True)
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            if seq.num_tokens > admit_limit:
-                self._finish_too_long(seq, admit_limit)
+            if seq.num_tokens > limit:
+                self._finish_too_long(seq, limit)
                 out.finished.append(seq)
                 continue
             if len(self.running) >= cfg.max_num_seqs or len(out.scheduled) >= cfg.max_num_seqs:
@@ -328,8 +328,9 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=self._key)
 
-    def _token_limit(self, admission: bool) -> int:
-        """Most tokens one sequence can ever hold KV for (at admission: also fit one step, unchunked)."""
+    def _token_limit(self) -> int:
+        """Most tokens one sequence can ever hold KV for (unchunked: also what one step can recompute, so that a
+        sequence preempted at any length can come back)."""
         bm, cfg = self.block_manager, self.config
         limit = bm.num_blocks * bm.block_size
         if cfg.attention_window is not None and cfg.enable_chunked_prefill:
@@ -338,7 +339,7 @@ class Scheduler:
             limit = sys.maxsize
         if cfg.max_model_len is not None:
             limit = min(limit, cfg.max_model_len)
-        if admission and not cfg.enable_chunked_prefill:
+        if not cfg.enable_chunked_prefill:
             limit = min(limit, cfg.max_num_batched_tokens)
         return limit
 

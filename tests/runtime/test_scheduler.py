@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 
 from mini_infer.runtime.block_manager import BlockManager
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -434,6 +434,11 @@ ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     prefix=st.booleans(),
 )
+# found by this test (2026-11-30): chunked prefill off, a 26-token prompt preempted at 31 tokens could not be
+# recomputed in a 30-token step and ended a token short of max_tokens, where unpreempted it would have run on
+@example(ops=[("add", [0], 1, 0)] * 4 + [("abort", 0)] * 3 + [("add", BASES[0][:15] + [0] * 11, 6, 1)]
+         + [("abort", 0)] * 3 + [("step", 2), ("add", [0], 1, 0), ("add", [0], 1, 0), ("add", BASES[0][:3] + [0] * 3, 4, 0)],
+         num_blocks=10, block_size=4, max_num_seqs=3, budget=1, chunked=False, policy="priority", prefix=False)
 def test_random_interleavings(ops, num_blocks, block_size, max_num_seqs, budget, chunked, policy, prefix):
     if not chunked:
         budget = max(budget, 30)
@@ -476,6 +481,8 @@ def test_random_interleavings(ops, num_blocks, block_size, max_num_seqs, budget,
 
     # drain: bounded, since the head of the queue always progresses (fcfs) and priorities are finite
     capacity = num_blocks * block_size
+    limit = sched.max_tokens_per_seq  # the cache, or with chunked prefill off the step budget if smaller
+    assert limit == (capacity if chunked else min(capacity, budget))
     bound = 1 + sum(s.num_tokens + s.sampling_params.max_tokens for s in seqs) * (1 + len(seqs))
     n = 0
     while sched.has_unfinished():
@@ -484,14 +491,29 @@ def test_random_interleavings(ops, num_blocks, block_size, max_num_seqs, budget,
         assert n <= bound, "starvation: did not drain"
     for s in seqs:
         assert s.is_finished
-        if s.finish_reason == "length":
-            assert len(s.output_token_ids) == s.sampling_params.max_tokens or s.num_tokens > capacity
+        if s.finish_reason == "length":  # max_tokens, or the most a sequence may hold (whether preempted or not)
+            assert len(s.output_token_ids) == s.sampling_params.max_tokens or s.num_tokens == limit + 1
         elif s.finish_reason == "error":
-            assert s.num_prompt_tokens > capacity and s.error
+            assert s.num_prompt_tokens > limit and s.error
         else:
             assert s.finish_reason == "abort"
     event(f"num_seqs={min(len(seqs), 5)}")
     event(f"preempted={sched.num_preemptions > 0} prefix_hits={bm.prefix_cache_hits > 0}")
+    assert_drained(sched, bm)
+
+
+def test_unchunked_sequences_never_outgrow_one_step():
+    """Chunked prefill off: a sequence may hold at most max_num_batched_tokens tokens, running as well as waiting,
+    since a preempted one is recomputed in one step. So it ends ("length") where a preempted one would have to:
+    a 26-token prompt with a 30-token step ends after 5 tokens (31 held, the last never computed), with or
+    without preemption. (Before, it ran on to 8 tokens unless preempted past 30, and then ended short.)"""
+    sched, bm = make(num_blocks=10, block_size=4, prefix=False, max_num_batched_tokens=30,
+                     enable_chunked_prefill=False)
+    assert sched.max_tokens_per_seq == 30
+    seq = make_seq([1] * 26, "long", max_tokens=8)
+    sched.add(seq)
+    FakeEngine(sched).run()
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 5 and seq.num_computed_tokens == 30
     assert_drained(sched, bm)
 
 
