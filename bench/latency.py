@@ -27,6 +27,8 @@ remove the prefill from the rate.
     python bench/latency.py --model qwen3-0.6b --peers none --switch paged_attention.ATTN_PRELOAD=0 --rounds 2
                                                       # a kernel switch's, engines alternated over two rounds
     python bench/latency.py --prompt-len 32000 --new-tokens 16 --peers none --repeat 2  # TTFT cold, then warm
+    python bench/latency.py --model qwen3-0.6b --kv-cache-dtype fp8 --peers none --block-size 16  # every engine's
+                                                      # KV block size (default: the engine's choice)
 
 `--repeat N`: the TTFT of N prompts of --prompt-len (other random ids each, so no prefix-cache hit; the last is
 the decode run's) in the same engine, in order: what a first prompt of that length pays once (cuDNN plans of the

@@ -26,7 +26,9 @@ engine of its own, run on the same workload one after the other in the same run 
 `--kv-cache-memory-bytes` caps the KV cache (to see what a cache of half the bytes per token buys when memory is
 short); the peers always run the unquantized model. `--switch` (bench/switches.py, as bench/latency.py takes it) adds
 one more engine per combination, built and run with a kernel switch set, e.g.
-`--kv-cache-dtype fp8 --switch "paged_attention._CONFIG[decode_fp8][maxnreg]=128"`.
+`--kv-cache-dtype fp8 --switch "paged_attention._CONFIG[decode_fp8][maxnreg]=128"`. `--block-size` (a comma list,
+"default" = the engine's choice from its cache specs) adds one engine per KV block size, e.g. `--kv-cache-dtype
+auto,fp8 --block-size default,16,128`.
 """
 
 from __future__ import annotations
