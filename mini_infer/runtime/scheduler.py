@@ -226,6 +226,7 @@ class Scheduler:
         self._pending_finished = []
         budget = cfg.max_num_batched_tokens
         limit = self._token_limit()  # most tokens a sequence may hold, waiting or running
+        bs = bm.block_size
         cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else None
         if cfg.long_prefill_only_when_shared and len(self.running) + len(self.waiting) <= 1:
             cap = None  # nobody else to make room for
@@ -246,6 +247,11 @@ class Scheduler:
                 continue
             n = self._num_new_tokens(seq, budget, cap)
             if n <= 0:
+                i += 1
+                continue
+            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:  # its blocks hold them: nothing to allocate
+                self._emit(out, seq, n)
+                budget -= n
                 i += 1
                 continue
             while not bm.can_allocate(seq, n):
