@@ -25,6 +25,12 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_BLOCK_SIZE = 16  # tokens a block when no spec asks for another size (vLLM's default)
+
+
+def is_block_size(value) -> bool:
+    """Whether `value` can be a block size: an int (not a bool) that is a power of two >= 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and not value & (value - 1)
 
 
 @dataclass(frozen=True)
@@ -191,13 +197,13 @@ class LatentAttentionSpec(CacheSpec):
 
 def check_block_size_hint(layer_idx: int, hint: int | None) -> None:
     """A spec's `block_size_hint` is None or a power of two >= 1 (the engine's rule for block sizes)."""
-    if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int) or hint < 1 or hint & (hint - 1)):
+    if hint is not None and not is_block_size(hint):
         raise ValueError(f"layer {layer_idx}: block_size_hint must be a power of two >= 1 or None, got {hint!r}")
 
 
-def default_block_size(specs: list[CacheSpec], fallback: int = 16) -> int:
+def default_block_size(specs: list[CacheSpec], fallback: int = DEFAULT_BLOCK_SIZE) -> int:
     """The block size of an engine not told one: the largest any spec's readers ask for (`block_size_hint`), else
-    `fallback` (16, vLLM's default). Every layer shares the blocks, so one hint decides for all."""
+    `fallback` (DEFAULT_BLOCK_SIZE). Every layer shares the blocks, so one hint decides for all."""
     return max((s.block_size_hint for s in specs if s.block_size_hint), default=fallback)
 
 

@@ -38,8 +38,8 @@ Two implementations:
     kernel first writes the step's new k/v rows (of its kv head) that fall in its key range, then a CTA barrier,
     then reads them back with the rest (several programs may write one row: the same bytes); a token no sequence owns is written by its tile's first program. Prefill-shaped launches
     keep the write kernel (a tile there reads keys that other tiles' rows own). Each program finds its sequence
-    by binary search over `query_start_loc`, loads each K/V tile once for all query heads of its kv-head (GQA),
-    and runs an online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
+    by binary search over `query_start_loc` (a decode step's tile first tries its own row's sequence: ROW_GUESS),
+    loads each K/V tile once for all query heads of its kv-head (GQA), and runs an online softmax over the key range; it writes every output row (zeros for rows no sequence owns). With
     `num_splits > 1` (flash-decoding), the splits a tile's range reaches write partial (max, sum, acc) and
     the last of them to finish merges them in split order, in the same launch (splits past the range exit at
     once; a range within one split is written directly). The split-K pieces are `_split_k`'s, shared with

@@ -137,6 +137,11 @@ class BlockManager:
         hashes = self._extend_hashes(state.hashes, seq.token_ids, n)
         return self._lookup(hashes[:n])
 
+    def holds(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `seq`'s blocks already hold ``seq.num_computed_tokens + num_new_tokens`` tokens (then
+        `allocate` would add nothing): a decode step needs a block only at a block boundary."""
+        return seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `allocate(seq, num_new_tokens)` would succeed now.
 

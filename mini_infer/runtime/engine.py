@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mini_infer.compiler import CompiledModel, compile_model
-from mini_infer.contract import attention_window, bytes_per_block, default_block_size
+from mini_infer.contract import attention_window, bytes_per_block, default_block_size, is_block_size
 from mini_infer.contract.inputs import MAX_POSITIONS, UNCAPTURED_QUERY_ROWS
 from mini_infer.models.loader import LoadedModel, default_device, load_model
 from mini_infer.outputs import RequestOutput
@@ -128,8 +128,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} or None; "
                              f"got {self.quantization!r}")
-        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
-                                            or self.block_size < 1 or self.block_size & (self.block_size - 1)):
+        if self.block_size is not None and not is_block_size(self.block_size):
             raise ValueError(f"block_size must be a power of two >= 1 (or None: the caches' choice), got "
                              f"{self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

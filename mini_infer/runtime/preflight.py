@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mini_infer.contract import DEFAULT_BLOCK_SIZE
 from mini_infer.models.model_info import ModelInfo, inspect_model
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ def _check_kv_budget(config: EngineConfig, info_config, dtype: torch.dtype) -> N
 
     per_token = kv_bytes_per_token_at_least(info_config, resolve_kv_cache_dtype(config.kv_cache_dtype) or dtype)
     budget = config.kv_cache_memory_bytes
-    block_size = config.block_size or 16  # None: the caches' choice, known after compiling (16 or more)
+    # None: the caches' choice, known after compiling (DEFAULT_BLOCK_SIZE or more)
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE
     block = per_token * block_size
     if budget < block:
         raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold one KV block of this model: a block of "

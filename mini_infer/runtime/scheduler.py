@@ -164,7 +164,8 @@ class Scheduler:
 
     @property
     def max_tokens_per_seq(self) -> int:
-        """Most tokens a running sequence may hold (the cache's size and max_model_len bound it)."""
+        """Most tokens a sequence may hold, waiting or running (the cache's size and max_model_len bound it, and with
+        chunked prefill off the step budget)."""
         return self._token_limit()
 
     def has_unfinished(self) -> bool:
@@ -226,7 +227,6 @@ class Scheduler:
         self._pending_finished = []
         budget = cfg.max_num_batched_tokens
         limit = self._token_limit()  # most tokens a sequence may hold, waiting or running
-        bs = bm.block_size
         cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else None
         if cfg.long_prefill_only_when_shared and len(self.running) + len(self.waiting) <= 1:
             cap = None  # nobody else to make room for
@@ -249,7 +249,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:  # its blocks hold them: nothing to allocate
+            if bm.holds(seq, n):  # nothing to allocate
                 self._emit(out, seq, n)
                 budget -= n
                 i += 1

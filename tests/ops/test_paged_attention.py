@@ -268,12 +268,8 @@ def test_triton_blocks_longer_than_key_tiles(name, seqs, knobs, block_size):
 
 
 def heads_outer(cache: torch.Tensor) -> torch.Tensor:
-    """The same values stored heads-outer ([blocks, H, block_size, D] under the [blocks, block_size, H, D] view), in a
-    tensor allocated as `CacheTensor(heads_outer=True)` allocates one."""
-    from mini_infer.contract.caches import CacheTensor
-
-    nb, bs = cache.shape[:2]
-    return CacheTensor("k", tuple(cache.shape[2:]), cache.dtype, False, True).zeros(nb, bs, cache.device).copy_(cache)
+    """The same values stored heads-outer ([blocks, H, block_size, D] under the [blocks, block_size, H, D] view)."""
+    return stored_as(cache, heads_outer=True)
 
 
 @requires_triton
@@ -1010,13 +1006,19 @@ def test_default_num_splits_policy(monkeypatch, n_seqs, heads, capacity, expecte
     assert _split_k.default_num_splits(q, n_seqs, heads, capacity) == expected
 
 
-def keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
-    """The same values stored tokens-contiguous ([blocks, H, D, block_size] under the [blocks, block_size, H, D]
-    view), in a tensor allocated as `CacheTensor(keys_contiguous=True)` allocates a V cache."""
+def stored_as(cache: torch.Tensor, **layout) -> torch.Tensor:
+    """The same values in a tensor allocated as `CacheTensor(**layout)` allocates one (the usual [blocks, block_size,
+    H, D] view of another storage order)."""
     from mini_infer.contract.caches import CacheTensor
 
     nb, bs = cache.shape[:2]
-    return CacheTensor("v", tuple(cache.shape[2:]), cache.dtype, True).zeros(nb, bs, cache.device).copy_(cache)
+    return CacheTensor("cache", tuple(cache.shape[2:]), cache.dtype, **layout).zeros(nb, bs, cache.device).copy_(cache)
+
+
+def keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored tokens-contiguous ([blocks, H, D, block_size] under the [blocks, block_size, H, D]
+    view), as a V cache of `CacheTensor(keys_contiguous=True)` is."""
+    return stored_as(cache, keys_contiguous=True)
 
 
 V_KEYS_CASES = [("decode_gqa", {}), ("decode_gqa", dict(decode_only=True, num_splits=3)), ("chunked_prefill", {}),
