@@ -281,6 +281,17 @@ def test_engine_block_size_follows_the_cache_specs(monkeypatch, name, kv, given,
     assert_no_leak(engine)
 
 
+def _heads_outer_kw(kv: str) -> dict:
+    return dict(kv_cache_dtype=kv, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=8,
+                num_kv_blocks=24)
+
+
+@functools.cache
+def _default_layout_tokens(kv: str) -> list[list[int]]:
+    """Greedy tokens of tiny-qwen3 over the default cache layout (KV_HEADS_OUTER 0), once per cache dtype."""
+    return _generate(_llm("tiny-qwen3", **_heads_outer_kw(kv)), _prompts())
+
+
 @pytest.mark.parametrize("mode,kv,outer", [(1, "fp8", True), (1, "auto", False), (2, "auto", True), (0, "fp8", False)])
 def test_kv_heads_outer_by_the_switch(monkeypatch, mode, kv, outer):
     """paged_attention.KV_HEADS_OUTER at compile time (1: fp8 caches, 2: all, 0: none): the specs declare K (and a
@@ -290,11 +301,10 @@ def test_kv_heads_outer_by_the_switch(monkeypatch, mode, kv, outer):
     from mini_infer.ops import paged_attention as paged_attention_op
 
     name, prompts = "tiny-qwen3", _prompts()
-    kw = dict(kv_cache_dtype=kv, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=8,
-              num_kv_blocks=24)
-    want = _generate(_llm(name, **kw), prompts)
+    assert paged_attention_op.KV_HEADS_OUTER == 0
+    want = _default_layout_tokens(kv)
     monkeypatch.setattr(paged_attention_op, "KV_HEADS_OUTER", mode)
-    llm = _llm(name, **kw)
+    llm = _llm(name, **_heads_outer_kw(kv))
     assert all(s.heads_outer == outer for s in llm.engine.compiled.cache_specs)
     caches = {n: t for n, t in llm.engine.kv_cache.tensors.items() if n.startswith(("k_cache_", "v_cache_"))}
     for n, t in caches.items():  # [blocks, block_size, Hkv, D] views; heads-outer: one head's block rows together

@@ -334,41 +334,45 @@ EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qw
 
 def _errors(rank: int, world_size: int) -> dict:
     """On each rank, for VARIANTS ("tp") and, with expert parallelism, EP_VARIANTS ("ep"): max |logits - eager| of
-    the pass alone and of the full pipeline, and |TP=N - TP=1| (one capture per model, each pipeline on a copy of
-    it). One launch of the ranks serves both tests: spawning them and capturing each model are most of the time."""
+    the pass alone and of the full pipeline, and |TP=N - TP=1| (one capture, one eager run and one TP=1 pipeline per
+    model, each pipeline on a copy of the capture). One launch of the ranks serves both tests: spawning them and
+    capturing each model are most of the time."""
     out: dict = {"tp": {}, "ep": {}}
     for label, (preset, fields) in VARIANTS.items():
         model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
         captured = capture(model)
+        num, start = 11, 5
+        ids = random_ids(num, seed=1) % model.config.vocab_size
+        pos = positions(start, num)
+        with torch.no_grad():
+            ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        tp1 = _pipeline_logits(model, captured, ids, pos, "tp1", 0, 1, False)
         for key, expert_parallel in (("tp", False), ("ep", True)):
             if expert_parallel and label not in EP_VARIANTS:
                 continue
-            out[key][label] = _variant_errors(model, captured, rank, world_size, expert_parallel)
+            row = {"tol": 1e-4 * max(1.0, ref.abs().max().item()), "tp1_all_reduces": tp1[1]}
+            logits = {"tp1": tp1[0]}
+            for kind in ("alone", "full"):
+                logits[kind], row[f"{kind}_all_reduces"] = _pipeline_logits(model, captured, ids, pos, kind, rank,
+                                                                            world_size, expert_parallel)
+            row["alone"] = (logits["alone"] - ref).abs().max().item()
+            row["full"] = (logits["full"] - ref).abs().max().item()
+            row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
+            out[key][label] = row
     return out
 
 
-def _variant_errors(model, captured, rank: int, world_size: int, expert_parallel: bool) -> dict:
-    num, start = 11, 5
-    ids = random_ids(num, seed=1) % model.config.vocab_size
-    pos = positions(start, num)
-    with torch.no_grad():
-        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    row = {"tol": 1e-4 * max(1.0, ref.abs().max().item())}
-    logits = {}
-    for kind, size in (("alone", world_size), ("full", world_size), ("tp1", 1)):
-        ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank % size,
-                          world_size=size, expert_parallel=expert_parallel)
-        passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
-        gm = copy_gm(captured)
-        PassManager(passes).run(gm, ctx)
-        inputs = ctx.example_inputs(ids, pos)
-        inputs["logits_indices"] = torch.arange(num)
-        logits[kind] = run_graph(gm, inputs)
-        row[f"{kind}_all_reduces"] = op_counts(gm)[mi.all_reduce_sum.default]
-    row["alone"] = (logits["alone"] - ref).abs().max().item()
-    row["full"] = (logits["full"] - ref).abs().max().item()
-    row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
-    return row
+def _pipeline_logits(model, captured, ids, pos, kind: str, rank: int, size: int, expert_parallel: bool):
+    """(logits, all-reduce count) of the shard pass alone ("alone") or the recommended pipeline ("full", "tp1") for
+    rank `rank` of `size`, run on a copy of the captured graph."""
+    ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank, world_size=size,
+                      expert_parallel=expert_parallel)
+    passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
+    gm = copy_gm(captured)
+    PassManager(passes).run(gm, ctx)
+    inputs = ctx.example_inputs(ids, pos)
+    inputs["logits_indices"] = torch.arange(ids.shape[-1])
+    return run_graph(gm, inputs), op_counts(gm)[mi.all_reduce_sum.default]
 
 
 @pytest.fixture(scope="module")
