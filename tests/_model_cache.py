@@ -10,6 +10,7 @@ different cache sizes or batching limits can share one.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -55,7 +56,22 @@ def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None,
                              model_name=model_name, **options)
     _MODELS[id(model)] = model
     return _compile(id(model), tuple(passes) if passes is not None else None,
-                    str(device) if device is not None else None, model_name, tuple(sorted(options.items())))
+                    str(device) if device is not None else None, model_name, _key_options(passes, options))
+
+
+_DEFAULTS = {name: p.default for name, p in inspect.signature(compile_model).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _key_options(passes, options: dict) -> tuple:
+    """The options that can change the compiled graph, sorted: those at compile_model's defaults are left out (the
+    engine passes rank=0, world_size=1, ... explicitly), and so is the tokenizer where no pass reads it (only
+    quantize_w8a8's calibration does, in the recommended pipeline with quantization="w8a8"), so that a test's
+    direct compile and an engine's share one."""
+    kept = {k: v for k, v in options.items() if k not in _DEFAULTS or v is not _DEFAULTS[k] and v != _DEFAULTS[k]}
+    if passes is None and kept.get("quantization") != "w8a8":
+        kept.pop("tokenizer", None)
+    return tuple(sorted(kept.items()))
 
 
 def cached_load(model=None, dtype="auto", device=None, seed=0, load_format="auto", tensor_parallel_size=1):
