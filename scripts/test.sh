@@ -8,7 +8,9 @@ bash scripts/setup.sh dev || exit 1
 # with the set-up; 2,564 tests in 11m15s on two, .ci/run on a clean clone 13m41s with the set-up, 2026-11-25;
 # with the SmolLM2 files as one unit and the slowest units first (tests/conftest.py), 2,547 passed in 10m01s
 # where the same machine ran the suite before it in 11m13s; at 9bacde5, 2,558 passed in 10m48s with setup.sh,
-# the last minutes beside another run, 2026-11-25);
+# the last minutes beside another run, 2026-11-25; .ci/run on a clean clone 14m35s at 6fb3898, 15m06s at 5fab1b7
+# (three tests made cheaper; the machine's speed moves by a minute between runs), 13m40s at a42afa4 (the compile
+# cache no longer missing between engines and direct compiles), 2026-11-30);
 # 0 runs everything in this process.
 workers="${MINI_INFER_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then
