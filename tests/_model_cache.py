@@ -45,7 +45,8 @@ def compiled(name: str | None):
 
 
 def cached_compile(model, passes=None, dump_dir=None, verify=False, device=None, model_name="", **options):
-    """`compile_model`, memoized by model, passes, device and options (quantization, kv_cache_dtype, ...).
+    """`compile_model`, memoized by model, passes, device and the options that can change the graph (quantization,
+    kv_cache_dtype, ...: `_key_options`).
 
     `max_positions` (the engine's max_model_len) is dropped: position tables then cover the config's
     max_position_embeddings, which every max_model_len preflight lets through fits, and engines with different
