@@ -69,7 +69,7 @@ def _key_options(passes, options: dict) -> tuple:
     engine passes rank=0, world_size=1, ... explicitly), and so is the tokenizer where no pass reads it (only
     quantize_w8a8's calibration does, in the recommended pipeline with quantization="w8a8"), so that a test's
     direct compile and an engine's share one."""
-    kept = {k: v for k, v in options.items() if k not in _DEFAULTS or v is not _DEFAULTS[k] and v != _DEFAULTS[k]}
+    kept = {k: v for k, v in options.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}
     if passes is None and kept.get("quantization") != "w8a8":
         kept.pop("tokenizer", None)
     return tuple(sorted(kept.items()))

@@ -249,22 +249,13 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if bm.holds(seq, n):  # nothing to allocate
-                self._emit(out, seq, n)
-                budget -= n
-                i += 1
-                continue
-            while not bm.can_allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if not bm.holds(seq, n):  # a decode step needs a block only at a block boundary
+                if not self._make_room(seq, n, out):
+                    continue  # seq itself was preempted
                 bm.allocate(seq, n)
-                self._emit(out, seq, n)
-                budget -= n
-                i += 1
+            self._emit(out, seq, n)
+            budget -= n
+            i += 1
 
         # 2. Waiting sequences, in policy order; the head blocks the rest.
         while self.waiting and budget > 0 and not out.preempted:
@@ -324,6 +315,17 @@ class Scheduler:
         out._starts.append(seq.num_computed_tokens)
         out.sample.append(seq.num_computed_tokens + n >= seq.num_tokens)
         out.num_batched_tokens += n
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt running sequences from the back until `seq` can allocate n more tokens; False if that took seq
+        itself (it then waits again, its preemption reported in `out`)."""
+        while not self.block_manager.can_allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
