@@ -36,7 +36,7 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["GEMV_MAX_K", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear",
+__all__ = ["GEMV_MAX_K", "LINEAR_PRELOAD_MAX_BYTES", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear",
            "linear_reference", "linear_triton", "prefix_preload_width", "preload_width", "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
@@ -88,6 +88,13 @@ PRELOAD_MAX_K = int(os.environ.get("MINI_INFER_GEMV_PRELOAD_MAX_K", "4096"))
 # 251.4 tok/s, llama-3.1-8b 238.4 / 239.1 / 240.7, qwen2.5-7b 258.9 / 259.8 / 264.2. Read at each launch
 # (MINI_INFER_GEMV_PREFIX_PRELOAD_K at import; 0 turns it off).
 PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "4096"))
+# Plain one-row linears (`gemv_triton`: an MoE router, a q/k/v GEMV whose norm runs in a launch of its own, lm_head)
+# whose weight holds at most this many bytes load their rows before the PDL wait as linear_add's do (rows up to
+# PRELOAD_MAX_K). In qwen3-30b-a3b's batch-1 timeline (thirtieth session) the router GEMV (128 x 2,048, 0.5 MB)
+# is exposed 3.0-3.3 us after o_proj's add + norm tail, and q/k/v (21 MB) 6.8-7.5 after a one-program norm: both
+# follow kernels that leave SMs idle. 0 (the default until timed) keeps every plain GEMV waiting first. Read at each
+# launch (MINI_INFER_LINEAR_PRELOAD_MAX_BYTES at import).
+LINEAR_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_LINEAR_PRELOAD_MAX_BYTES", "0"))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -292,8 +299,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     xr = unit_stride_row(x)
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    preload = w.numel() * w.element_size() <= LINEAR_PRELOAD_MAX_BYTES
     launch_gemv(_gemv_kernel, w, xr, w, bias if bias is not None else w, y, n, k, w.stride(0),
-                config=config, HAS_BIAS=bias is not None)
+                config=config, preload=preload, HAS_BIAS=bias is not None)
     return y
 
 

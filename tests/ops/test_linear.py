@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
 from mini_infer.ops import linear as linear_mod
 from mini_infer.ops.linear import GEMV_MAX_K, gemv_triton, linear_reference, linear_triton
-from tests.ops.helpers import DEVICE, assert_close, requires_triton, run_uninterpreted
+from tests.ops.helpers import DEVICE, assert_close, assert_loop_sums, requires_triton, run_uninterpreted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -32,6 +32,28 @@ def test_gemv_strided_input_and_tile_configs():
     x = torch.randn(1, 600, device=DEVICE)[:, ::2]  # a non-contiguous row
     for cfg in [(4, 512, 4, 1), (8, 256, 4, 3), (16, 1024, 8, 4)]:
         assert_close(gemv_triton(x, w, None, cfg), F.linear(x, w))
+
+
+@requires_triton
+@pytest.mark.parametrize("k", [300, 1024])
+def test_small_weight_preload_equals_the_k_loop(monkeypatch, k):
+    """A plain GEMV whose weight is within LINEAR_PRELOAD_MAX_BYTES loads its rows before the PDL wait
+    (`preload_width` asked, and not 0) and gives the K loop's sums; one byte over the limit, it waits first."""
+    torch.manual_seed(k)
+    w = torch.randn(40, k, device=DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    widths = []
+    real = linear_mod.preload_width
+    monkeypatch.setattr(linear_mod, "preload_width", lambda *a: widths.append(real(*a)) or widths[-1])
+    nbytes = w.numel() * w.element_size()
+    monkeypatch.setattr(linear_mod, "LINEAR_PRELOAD_MAX_BYTES", nbytes)
+    preloaded = gemv_triton(x, w, None)
+    assert len(widths) == 1 and widths[0] >= k
+    monkeypatch.setattr(linear_mod, "LINEAR_PRELOAD_MAX_BYTES", nbytes - 1)
+    looped = gemv_triton(x, w, None)
+    assert len(widths) == 1
+    assert_loop_sums(preloaded, looped)
+    assert_close(preloaded, F.linear(x, w))
 
 
 def test_default_tile_by_shape():
