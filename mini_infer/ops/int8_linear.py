@@ -59,7 +59,6 @@ __all__ = [
     "gemv_split_k",
     "GEMV_DOT_SPLIT_PER_SM",
     "INT8_MAX_K",
-    "INT8_PRELOAD_MAX_BYTES",
     "SCALED_GEMV_CONFIG",
     "SCALED_GEMV_CONFIG_FP8",
     "SCALED_GEMV_CONFIG_FP8_DOT",
@@ -148,11 +147,6 @@ if FP8_GEMV not in FP8_GEMV_MODES:
 # Also measured and dropped (docs/architecture.md): int8 on tensor cores (int8 x int8 -> int32 wgmma, split or not)
 # took fp8's times, slower than dp4a's 6.1 / 5.9 / 18.7 / 34.3 us; w8a8 336.5-370.4 against 397.0 tok/s.
 GEMV_DOT_SPLIT_PER_SM = int(os.environ.get("MINI_INFER_GEMV_DOT_SPLIT_PER_SM", "3"))
-# One-row int8 GEMVs launched alone (`scaled_gemv_triton`: W8A8 q/k/v and gate/up, whose producers are the o_proj /
-# down_proj kernels' one-program add + norm + quantization tails, SMs idle) whose weight holds at most this many
-# bytes load their packed rows (up to linear.PRELOAD_MAX_K words) before the PDL wait: linear.py's
-# LINEAR_PRELOAD_MAX_BYTES for int8. 0 (the default until timed): they wait first. Read at each launch.
-INT8_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_INT8_PRELOAD_MAX_BYTES", "0"))
 GEMV_DOT_MIN_SPLIT_STEPS = 2
 DOT_ROWS = 64  # the padded A tile's rows (x as A): a warpgroup's wgmma M
 DOT_COLS = 16  # the padded B tile's columns (x as B)
@@ -403,7 +397,6 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        PRELOAD_K: tl.constexpr = 0,
     ):  # fmt: skip
         """The scaled GEMV's body (launched alone as `_scaled_gemv_kernel`; kernels that do more after it call it as
         their first part: linear_add_rms_norm.py): y = ((x . w[n]) * x_scale * w_scale[n] + bias[n]) for one
@@ -413,29 +406,15 @@ if HAS_TRITON:
         four bytes a word (K, stride_wn and BLOCK_K count words), multiplied by `_dot4`. DOT (fp8): the products on
         tensor cores instead (`_padded_row_dot`), K cut into SPLIT_K splits over grid axis 1 (`_split_range`) whose
         partials meet in `_merged_splits` (fp32 workspace ws_ptr [SPLIT_K, N], this row block's counter at
-        cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). PRELOAD_K (packed int8 only: a multiple of
-        BLOCK_K, in words): the rows' first PRELOAD_K words are loaded before the PDL wait (weights: no kernel writes
-        them), their dp4a products taken after it and the K loop runs on from there; int32 sums are exact, so the
-        outputs are the loop's bits. Returns whether this program stored its outputs: always without splits, only
-        the row block's last split with them."""
-        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
-        if PRELOAD_K:
-            pre_cols = tl.arange(0, PRELOAD_K)
-            pre_ok = pre_cols < K
-            w_pre = gemv_load(w_rows, row_ok, pre_cols, pre_ok)
+        cnt_ptr[1 + program_id(0)]; cnt_ptr[0] is left to the caller). Returns whether this program stored its
+        outputs: always without splits, only the row block's last split with them."""
         await_producers(USE_GDC)
+        rows, row_ok, w_rows, acc = gemv_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K, ACC_DTYPE)
         if DOT:
             split, k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)
             dots = _padded_row_dot(x_ptr, w_rows, row_ok, k_lo, k_hi, K, BLOCK_N, BLOCK_K)
         else:
-            k_start = 0
-            if PRELOAD_K:
-                x_pre = tl.load(x_ptr + pre_cols, mask=pre_ok, other=0)
-                pre = _dot4(tl.zeros([BLOCK_N, PRELOAD_K], tl.int32), w_pre,
-                            tl.broadcast_to(x_pre[None, :], (BLOCK_N, PRELOAD_K)), ASM)
-                acc += tl.sum(tl.reshape(pre, [BLOCK_N, PRELOAD_K // BLOCK_K, BLOCK_K]), axis=1)
-                k_start = PRELOAD_K
-            for k0 in range(k_start, K, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_ok = cols < K
                 x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)
@@ -460,11 +439,10 @@ if HAS_TRITON:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        PRELOAD_K: tl.constexpr = 0,
     ):  # fmt: skip
         """`scaled_gemv_program` as a kernel of its own (a kernel returns nothing: the program's flag is dropped)."""
         scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr, cnt_ptr,
-                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K, PRELOAD_K)
+                            HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
 
     @triton.jit
     def _scaled_mm_kernel(
@@ -667,19 +645,18 @@ def scaled_gemv_triton(
                          f"x_scale {tuple(x_scale.shape)}")
     y = torch.empty((*x_q.shape[:-1], n), dtype=out_dtype, device=x_q.device)
     launch_scaled_gemv(_scaled_gemv_kernel, x_q, x_scale, w_q, w_scale, bias, y, config=config, pack_int8=pack_int8,
-                       fp8_gemv=fp8_gemv, preload=w_q.numel() * w_q.element_size() <= INT8_PRELOAD_MAX_BYTES)
+                       fp8_gemv=fp8_gemv)
     return y
 
 
 def launch_scaled_gemv(
     kernel, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, y: torch.Tensor, *args, config: tuple[int, ...] | None = None,
-    pack_int8: bool = True, fp8_gemv: str | None = None, preload: bool = False, **constexprs,
+    pack_int8: bool = True, fp8_gemv: str | None = None, **constexprs,
 ) -> None:  # fmt: skip
     """Launch a kernel whose body starts with `scaled_gemv_program` (one quantized row x_q of K elements times w_q
     [N, K].T into y [N]) with that body's arguments, then `args` and `constexprs`; the tile, the int8 packing, the
-    products' units and the split as `scaled_gemv_triton` describes. `preload` (the kernel takes PRELOAD_K): packed
-    int8 rows of at most linear.PRELOAD_MAX_K words are loaded before the PDL wait (ignored for other launches). The counters it hands the body (`split_counters`)
+    products' units and the split as `scaled_gemv_triton` describes. The counters it hands the body (`split_counters`)
     keep element 0 for the kernel's own use (linear_add_rms_norm.py's last-arriving program), zero between launches."""
     n, k = w_q.shape
     w = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
@@ -702,8 +679,7 @@ def launch_scaled_gemv(
     if packed:  # int32 words of four int8s: K, the row stride and the K step in words
         xr, w, k, bk = xr.view(torch.int32), w.view(torch.int32), k // 4, max(bk // 4, 1)
     launch_gemv(kernel, w, xr, x_scale, w, ws, bias if bias is not None else ws, y, n, k, w.stride(0), partials, cnt,
-                *args, config=(bn, bk, warps, stages), splits=split_k, preload=preload and packed and not dot,
-                HAS_BIAS=bias is not None,
+                *args, config=(bn, bk, warps, stages), splits=split_k, HAS_BIAS=bias is not None,
                 ACC_DTYPE=tl.int32 if x_q.dtype == torch.int8 else tl.float32, PACKED=packed,
                 ASM=packed and x_q.is_cuda and torch.version.hip is None, DOT=dot, SPLIT_K=split_k, **constexprs)
 

@@ -12,8 +12,8 @@ o_proj / down_proj output feeds only the residual add + norm. Functional: never 
 Why: at batch-1 decode the norm is a one-program kernel whose cost is almost all launch. On CUDA, for one row that
 the GEMV takes (linear.py's `takes_gemv`; the W8A8 GEMV takes any one row), one launch does both: every program
 runs the GEMV's body (`gemv_program`, with linear.py's weight preload before the PDL wait for rows of at most
-PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, its packed int8 rows preloaded where
-QUANT_GEMV_PRELOAD says, whose fp8 tensor-core launches may cut K into splits: then a row block's last split stores and counts, the others neither) and
+PRELOAD_MAX_K elements; int8_linear.py's `scaled_gemv_program`, no preload, whose fp8 tensor-core launches may cut K
+into splits: then a row block's last split stores and counts, the others neither) and
 stores its slice of the linear's output row, then counts itself in a counter (`_split_k.split_counters` and
 `arrives_last`: a `tl.debug_barrier()` first, then one acq_rel atomic per program, as the split-K merge does); the
 program that arrives last zeroes the counter again (CUDA-graph replays) and runs the norm's row body over the whole
@@ -123,25 +123,17 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
         NORM_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, NORM_BLOCK_M: tl.constexpr,
         NORM_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        SPLIT_K: tl.constexpr = 1, PRELOAD_K: tl.constexpr = 0,
+        SPLIT_K: tl.constexpr = 1,
     ):  # fmt: skip
         # a split-K launch stores a row block's outputs from its last split only: those programs are counted here
         stored = scaled_gemv_program(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, stride_wn, ws_ptr,
-                                     cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K,
-                                     PRELOAD_K)
+                                     cnt_ptr, HAS_BIAS, ACC_DTYPE, PACKED, ASM, DOT, BLOCK_N, BLOCK_K, USE_GDC, SPLIT_K)
         if stored:
             if arrives_last(cnt_ptr, tl.num_programs(0)):
                 # N here is the output row's length: with PACKED, K and stride_wn count int32 words, N does not
                 out, rows, cols, mask = _normalized_row(y_ptr, r_ptr, nw_ptr, s_ptr, N, eps, NORM_BLOCK_M,
                                                         NORM_BLOCK_N)
                 store_quantized_norm(out, rows, cols, mask, 1, q_ptr, q_scale_ptr, N, NORM_DTYPE, IS_FP8, QMAX)
-
-
-# Whether the int8 GEMV + add + norm + quantization launches (W8A8 o_proj / down_proj) load their weight rows (up to
-# linear.PRELOAD_MAX_K words) before the PDL wait, as the bf16 kernel does. Measured in the seventeenth session
-# (a prefix of 2,048 / 4,096 weights, before the next kernel could launch ahead of a wait): qwen2.5-7b w8a8 batch 1
-# 363.0-364.6 against 389.2-389.5 tok/s off. 0 (off) until timed again; read at each launch.
-QUANT_GEMV_PRELOAD = 0
 
 
 def _fusable(y_shape: tuple, residual: torch.Tensor, norm_weight: torch.Tensor, y_dtype: torch.dtype) -> bool:
@@ -201,7 +193,7 @@ def scaled_linear_add_rms_norm_quant_triton(
         _scaled_gemv_add_rms_norm_quant_kernel, x_q, x_scale, w_q, w_scale, bias, y,
         unit_stride_row(residual), norm_weight.contiguous(), q, q_scale, s, float(eps),
         NORM_DTYPE=_tl_dtype(torch.promote_types(norm_weight.dtype, out_dtype)), IS_FP8=dtype == FP8,
-        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n, preload=bool(QUANT_GEMV_PRELOAD),
+        QMAX=QMAX[dtype], NORM_BLOCK_M=block_m, NORM_BLOCK_N=block_n,
     )  # fmt: skip
     return q, q_scale, s
 

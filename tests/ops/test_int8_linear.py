@@ -131,29 +131,6 @@ def test_gemv_same_bits_as_the_tile(n, k, bias):
 
 
 @requires_triton
-@pytest.mark.parametrize(("n", "k", "preloads"), [(33, 200, True), (130, 4096, True), (9, 16388, False)])
-def test_gemv_preload_same_bits(monkeypatch, n, k, preloads):
-    """INT8_PRELOAD_MAX_BYTES: a one-row int8 GEMV whose weight is within it loads its packed rows before the PDL
-    wait (one or four K steps of words here) and gives the bits of the launch that waits first; rows longer than
-    linear.PRELOAD_MAX_K words (16,388 bytes) wait first whatever the limit."""
-    from mini_infer.ops import linear as linear_mod
-
-    w_q, w_scale, b = make_weights(n, k, seed=k, bias_dtype=torch.bfloat16)
-    _, x_q, x_scale = quantized_x(1, k, torch.bfloat16, seed=n)
-    w_q[0], x_q[0, : k // 2] = -128, -128
-    widths = []
-    real = linear_mod.preload_width
-    monkeypatch.setattr(linear_mod, "preload_width", lambda *a: widths.append(real(*a)) or widths[-1])
-    monkeypatch.setattr(il, "INT8_PRELOAD_MAX_BYTES", w_q.numel())
-    on = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32)
-    assert len(widths) == 1 and (widths[0] >= k // 4) == preloads and (widths[0] == 0) != preloads
-    monkeypatch.setattr(il, "INT8_PRELOAD_MAX_BYTES", w_q.numel() - 1)
-    off = il.scaled_gemv_triton(x_q, x_scale, w_q, w_scale, b, torch.float32)
-    assert len(widths) == 1
-    assert torch.equal(on, off)
-
-
-@requires_triton
 @pytest.mark.parametrize(("n", "k"), [(33, 200), (130, 1500)])
 @pytest.mark.parametrize("split", [2, 3, 8])
 def test_split_tensor_core_gemv(n, k, split):

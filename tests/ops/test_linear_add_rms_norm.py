@@ -164,30 +164,6 @@ def test_quantized_one_row_equals_the_unfused_kernels(fused_launches, operand, q
 
 
 @requires_triton
-@pytest.mark.parametrize(("n", "k"), [(40, 1024), (33, 2000)])  # one, four K steps of words preloaded
-def test_int8_preloaded_rows_give_the_same_bits(monkeypatch, n, k):
-    """QUANT_GEMV_PRELOAD: the packed int8 rows loaded before the PDL wait (preload_width asked, not 0) give the
-    outputs of the launch that waits first, bit for bit (int32 sums are exact in any order)."""
-    from mini_infer.ops import linear as linear_mod
-
-    x_q, x_scale, w_q, w_scale, b, r, nw = _quantized(1, n, k, torch.int8, bias=True, seed=n)
-    widths = []
-    real = linear_mod.preload_width
-    monkeypatch.setattr(linear_mod, "preload_width", lambda *a: widths.append(real(*a)) or widths[-1])
-    run = lambda: scaled_linear_add_rms_norm_quant_triton(x_q, x_scale, w_q, w_scale, b, torch.bfloat16, r,  # noqa: E731
-                                                          nw, EPS, torch.int8)
-    monkeypatch.setattr(mod, "QUANT_GEMV_PRELOAD", 1)
-    on = run()
-    assert len(widths) == 1 and widths[0] >= k // 4
-    monkeypatch.setattr(mod, "QUANT_GEMV_PRELOAD", 0)
-    off = run()
-    assert len(widths) == 1
-    for a, c in zip(on, off):
-        assert torch.equal(a.cpu().view(torch.uint8), c.cpu().view(torch.uint8))
-    assert _counter_is_zero()
-
-
-@requires_triton
 def test_fp8_dot_gemv_one_row_equals_the_unfused_kernels(fused_launches, monkeypatch):
     """With the fp8 GEMV on tensor cores (int8_linear.FP8_GEMV "dot"), the fused kernel is launched on the DOT path
     as fp8_linear's GEMV is: one launch, the same bits as fp8_linear then fused_add_rms_norm_quant. (That the fused
