@@ -12,7 +12,8 @@ depends only on shapes, so a CUDA graph captured for one batch size keeps its ke
 linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py: the W8A8 GEMV, int8 or fp8
 weights into an int32 or fp32 accumulator). The weight preload before the PDL wait lives here too (`PRELOAD_MAX_K`,
 `preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`, `gemv_after_wait`), taken by the GEMVs that follow
-a kernel leaving SMs idle (linear_add.py, linear_add_rms_norm.py: o_proj after attention, down_proj after gate_up):
+a kernel leaving SMs idle (linear_add.py, linear_add_rms_norm.py: o_proj after attention, down_proj after gate_up;
+`gemv_triton` for weights up to LINEAR_PRELOAD_MAX_BYTES: an MoE router, a q/k/v after a norm launch of its own):
 rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers` (longer ones, in linear_add.py, a
 prefix: `PREFIX_PRELOAD_K`, `prefix_preload_width`), then their K chunks are added in the K loop's order, so the
 sums are the loop's (bit for bit under the interpreter; on a GPU the compiler may contract
@@ -92,9 +93,11 @@ PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "4096"
 # whose weight holds at most this many bytes load their rows before the PDL wait as linear_add's do (rows up to
 # PRELOAD_MAX_K). In qwen3-30b-a3b's batch-1 timeline (thirtieth session) the router GEMV (128 x 2,048, 0.5 MB)
 # is exposed 3.0-3.3 us after o_proj's add + norm tail, and q/k/v (21 MB) 6.8-7.5 after a one-program norm: both
-# follow kernels that leave SMs idle. 0 (the default until timed) keeps every plain GEMV waiting first. Read at each
-# launch (MINI_INFER_LINEAR_PRELOAD_MAX_BYTES at import).
-LINEAR_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_LINEAR_PRELOAD_MAX_BYTES", "0"))
+# follow kernels that leave SMs idle. H200, qwen3-30b-a3b batch 1, engines in one process (thirty-sixth session):
+# off 373.3 tok/s, 1 MiB (the router) 379.1, 32 MiB (router and q/k/v) 381.8, greedy tokens equal. Vocabulary-wide
+# lm_heads stay above it (qwen3-0.6b's 311 MB: preloading it lost 2% in the twelfth session). 0 turns it off. Read at
+# each launch (MINI_INFER_LINEAR_PRELOAD_MAX_BYTES at import).
+LINEAR_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_LINEAR_PRELOAD_MAX_BYTES", str(32 << 20)))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -290,7 +293,8 @@ def launch_gemv(kernel, weight: torch.Tensor, *args, config: tuple[int, int, int
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """One row times `weight`.T (+ bias) with the GEMV kernel; `x` holds exactly K elements (any leading dims
-    of size 1). fp32 accumulation, output in x's dtype."""
+    of size 1). fp32 accumulation, output in x's dtype. A weight of at most LINEAR_PRELOAD_MAX_BYTES has its rows
+    (up to PRELOAD_MAX_K elements) loaded before the PDL wait."""
     if not HAS_TRITON:
         raise RuntimeError("gemv_triton needs triton")
     n, k = weight.shape

@@ -53,6 +53,15 @@ def _reference(norm, x, nw, w, b):
     return rms_norm_linear_silu_reference(x, nw, EPS, w, b) if norm else linear_silu_reference(x, w, b)
 
 
+@pytest.fixture(autouse=True)
+def _unfused_gemv_waits_first(monkeypatch):
+    """The unfused pair's plain GEMV (linear_triton) loads its rows after the PDL wait, as the fused kernel does, so
+    both take the K loop's sums on a GPU too (linear.LINEAR_PRELOAD_MAX_BYTES would preload these small weights)."""
+    from mini_infer.ops import linear
+
+    monkeypatch.setattr(linear, "LINEAR_PRELOAD_MAX_BYTES", 0)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The kernels the op launches through `launch_gemv`, recorded."""

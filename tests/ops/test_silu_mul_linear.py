@@ -43,6 +43,15 @@ def _unfused(gate, up, w, b, r, config=None):
     return gemv_triton(act, w, b, tile) if r is None else linear_add_triton(act, w, b, r, tile)
 
 
+@pytest.fixture(autouse=True)
+def _unfused_gemv_waits_first(monkeypatch):
+    """The unfused pair's plain GEMV (linear_triton) loads its rows after the PDL wait, as the fused kernel does, so
+    both take the K loop's sums on a GPU too (linear.LINEAR_PRELOAD_MAX_BYTES would preload these small weights)."""
+    from mini_infer.ops import linear
+
+    monkeypatch.setattr(linear, "LINEAR_PRELOAD_MAX_BYTES", 0)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The kernels the op launches through `launch_gemv`, recorded."""
