@@ -13,7 +13,7 @@ linear_add_rms_norm.py: the next add + norm in its last program; int8_linear.py:
 weights into an int32 or fp32 accumulator). The weight preload before the PDL wait lives here too (`PRELOAD_MAX_K`,
 `preload_width`, `gemv_preload`, `preloaded_acc`, `chunk_sums`, `gemv_after_wait`), taken by the GEMVs that follow
 a kernel leaving SMs idle (linear_add.py, linear_add_rms_norm.py: o_proj after attention, down_proj after gate_up;
-`gemv_triton` for weights up to LINEAR_PRELOAD_MAX_BYTES: an MoE router, a q/k/v after a norm launch of its own):
+`gemv_triton` for weights up to LINEAR_PRELOAD_MAX_BYTES: an MoE router after o_proj's add + norm tail):
 rows of at most PRELOAD_MAX_K elements are loaded whole before `await_producers` (longer ones, in linear_add.py, a
 prefix: `PREFIX_PRELOAD_K`, `prefix_preload_width`), then their K chunks are added in the K loop's order, so the
 sums are the loop's (bit for bit under the interpreter; on a GPU the compiler may contract
@@ -93,11 +93,13 @@ PREFIX_PRELOAD_K = int(os.environ.get("MINI_INFER_GEMV_PREFIX_PRELOAD_K", "4096"
 # whose weight holds at most this many bytes load their rows before the PDL wait as linear_add's do (rows up to
 # PRELOAD_MAX_K). In qwen3-30b-a3b's batch-1 timeline (thirtieth session) the router GEMV (128 x 2,048, 0.5 MB)
 # is exposed 3.0-3.3 us after o_proj's add + norm tail, and q/k/v (21 MB) 6.8-7.5 after a one-program norm: both
-# follow kernels that leave SMs idle. H200, qwen3-30b-a3b batch 1, engines in one process (thirty-sixth session):
-# off 373.3 tok/s, 1 MiB (the router) 379.1, 32 MiB (router and q/k/v) 381.8, greedy tokens equal. Vocabulary-wide
-# lm_heads stay above it (qwen3-0.6b's 311 MB: preloading it lost 2% in the twelfth session). 0 turns it off. Read at
-# each launch (MINI_INFER_LINEAR_PRELOAD_MAX_BYTES at import).
-LINEAR_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_LINEAR_PRELOAD_MAX_BYTES", str(32 << 20)))
+# follow kernels that leave SMs idle. H200, batch 1, engines in one process (thirty-sixth session, bench/RESULTS.md):
+# qwen3-30b-a3b off 373.3-374.0 tok/s, 1 MiB (the router) 379.1, 32 MiB (router and q/k/v) 381.8-382.8; but
+# qwen1.5-moe-a2.7b off 503.3-503.5, 1 MiB 503.8, 32 MiB 498.6-499.5 (a 1-32 MiB GEMV there follows a full-GPU one);
+# deepseek-v2-lite 358.0 / 358.5 either way. So 1 MiB: the routers, which never lost. Vocabulary-wide lm_heads stay
+# far above it (qwen3-0.6b's 311 MB: preloading it lost 2% in the twelfth session). 0 turns it off. Read at each
+# launch (MINI_INFER_LINEAR_PRELOAD_MAX_BYTES at import).
+LINEAR_PRELOAD_MAX_BYTES = int(os.environ.get("MINI_INFER_LINEAR_PRELOAD_MAX_BYTES", str(1 << 20)))
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
