@@ -37,8 +37,9 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-__all__ = ["GEMV_MAX_K", "LINEAR_PRELOAD_MAX_BYTES", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton", "launch_gemv", "linear",
-           "linear_reference", "linear_triton", "prefix_preload_width", "preload_width", "takes_gemv", "unit_stride_row"]
+__all__ = ["GEMV_MAX_K", "LINEAR_PRELOAD_MAX_BYTES", "PREFIX_PRELOAD_K", "PRELOAD_MAX_K", "gemv_config", "gemv_triton",
+           "launch_gemv", "linear", "linear_reference", "linear_triton", "prefix_preload_width", "preload_width",
+           "takes_gemv", "unit_stride_row"]
 
 # Rows up to GEMV_MAX_K elements take the GEMV (every dense preset's down_proj: 14336-18944); longer ones cuBLAS.
 # In isolation cuBLAS and the GEMV tie on the long rows (qwen2.5-7b down_proj 37.0 vs 38.1 us, llama-3.1-8b 30.8 vs
