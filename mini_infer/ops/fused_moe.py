@@ -118,12 +118,14 @@ __all__ = [
     "MoeTileConfig",
     "fused_moe",
     "fused_moe_reference",
+    "fused_moe_routed_triton",
     "fused_moe_triton",
     "local_expert_ids",
     "moe_align_triton",
     "moe_tile_config",
     "padded_rows",
     "pair_block_rows",
+    "routes_in_gemms",
     "uses_pair_blocks",
 ]
 
