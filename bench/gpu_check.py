@@ -46,7 +46,7 @@ def use_reference_kernels(compiled, names: set[str]) -> int:
 
 
 def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset(),
-                passes: list[str] | None = None) -> tuple[bool, str]:
+                passes: list[str] | None = None, with_: tuple[str, ...] | list[str] = ()) -> tuple[bool, str]:
     from transformers import GenerationConfig
 
     from mini_infer.compiler import compile_model
@@ -62,6 +62,12 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     prompts = [torch.randint(min(100, vocab // 4), min(5000, vocab), (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t = time.perf_counter()
+    if with_:  # the recommended pipeline (as compiled for this model), then the opt-in passes named
+        from mini_infer.passes import PASSES
+
+        default = compile_model(loaded.model, device="cuda", model_name=name)
+        passes = [*(r.name for r in default.stats if r.name in PASSES), *with_]
+        del default
     compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
     if reference_ops:
@@ -170,6 +176,9 @@ def main() -> int:
     ap.add_argument("--passes", default=None,
                     help="comma list of passes to compile with instead of the recommended pipeline (bisecting a "
                          "mismatch to a pass)")
+    ap.add_argument("--with", dest="with_", default=None,
+                    help="comma list of opt-in passes appended to the recommended pipeline (checking one before it "
+                         "becomes a default, e.g. fuse_moe_routing)")
     ap.add_argument("--readme", action="store_true",
                     help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
     ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")
@@ -185,7 +194,8 @@ def main() -> int:
         try:
             ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024,
                                    set(args.reference_ops.split(",")) if args.reference_ops else set(),
-                                   args.passes.split(",") if args.passes else None)
+                                   args.passes.split(",") if args.passes else None,
+                                   args.with_.split(",") if args.with_ else ())
         except Exception as exc:  # one architecture's failure must not hide the others'
             traceback.print_exc()
             ok, note = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
