@@ -52,8 +52,8 @@ Two implementations:
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). Routed mode (`fused_moe_routed_triton`, the op in fused_moe_routed.py; pair-per-block
     shapes, softmax routing, no expert map): no routing kernel ran, and each block ranks its token's router logits
-    for its own slot (moe_topk's `softmax_route_slot`): the gate/up GEMM after its wait, the down GEMM before it. For very few (token, slot) pairs
-    (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
+    for its own slot (moe_topk's `softmax_route_slot`): the gate/up GEMM after its wait, the down GEMM before it.
+    For very few (token, slot) pairs (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
     the slot sum inside the down GEMV. Tile sizes (`moe_tile_config`) depend only on
     (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
@@ -438,13 +438,13 @@ if HAS_TRITON:
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, logits_ptr, stride_lt, route_scale, route_eps,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
-        logits_ptr=None, stride_lt=0, route_scale=1.0, route_eps=0.0, ROUTED: tl.constexpr = 0,
-        ROUTE_RENORM: tl.constexpr = False, ROUTE_W_DTYPE: tl.constexpr = tl.float32, ROUTE_BLOCK_E: tl.constexpr = 1,
+        ROUTED: tl.constexpr = 0, ROUTE_RENORM: tl.constexpr = False, ROUTE_W_DTYPE: tl.constexpr = tl.float32,
+        ROUTE_BLOCK_E: tl.constexpr = 1,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -713,7 +713,8 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
     key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, routing is not None)
-    route = {}
+    # every launch passes the routed mode's arguments (unread, with ROUTED 0, but for the dummy pointer: block_expert)
+    route = dict(logits_ptr=block_expert, stride_lt=0, route_scale=1.0, route_eps=0.0, ROUTED=0)
     if routing is not None:
         lg = routing.logits
         route = dict(logits_ptr=lg, stride_lt=lg.stride(0), route_scale=float(routing.scale),
