@@ -106,6 +106,7 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 from mini_infer.ops.moe_topk import ROUTE_MAX_EXPERTS, _weights_dtype, check_moe_topk_args, moe_topk_triton
+from mini_infer.ops.quant import _tl_dtype
 
 if HAS_TRITON:
     from mini_infer.ops._moe_gemv import map_expert
@@ -117,6 +118,7 @@ __all__ = [
     "GemmTile",
     "MoeTileConfig",
     "fused_moe",
+    "check_routed_args",
     "fused_moe_reference",
     "fused_moe_routed_triton",
     "fused_moe_triton",
@@ -434,6 +436,28 @@ if HAS_TRITON:
         return pair, row_ok, live, b_ptrs
 
     @triton.jit
+    def _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale, route_eps, ROUTED: tl.constexpr,
+                     ROUTE_RENORM: tl.constexpr, ROUTE_W_DTYPE: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr):  # fmt: skip
+        """`_moe_gemm_kernel`'s ROUTED mode: block pid_m's (pair t * ROUTED + j) expert and routing weight from token
+        t's logits (`softmax_route_slot`); (0, 0.0), unread, otherwise."""
+        expert, weight = 0, 0.0
+        if ROUTED:
+            expert, weight = softmax_route_slot(
+                logits_ptr + (pid_m // ROUTED).to(tl.int64) * stride_lt, num_experts, pid_m % ROUTED, route_scale,
+                route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
+        return expert, weight
+
+    @triton.jit
+    def _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED: tl.constexpr):
+        """The block rows' routing weights (fp32, 0 past the pairs): loaded at their pairs, or in ROUTED mode the
+        block's own (`_block_route`)."""
+        if ROUTED:
+            w = tl.where(row_ok, routed_weight, 0.0)
+        else:
+            w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        return w
+
+    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
@@ -480,20 +504,14 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            routed_expert, routed_weight = 0, 0.0
-            if ROUTED:
-                routed_expert, routed_weight = softmax_route_slot(
-                    logits_ptr + (pid_m // ROUTED).to(tl.int64) * stride_lt, num_experts, pid_m % ROUTED, route_scale,
-                    route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
+            routed_expert, routed_weight = _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale,
+                                                        route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
             pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
                 num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
                 MASKED=True, routed_expert=routed_expert, ROUTED=ROUTED)  # fmt: skip
             if MUL_WEIGHT:
-                if ROUTED:
-                    row_weight = tl.where(row_ok, routed_weight, 0.0)
-                else:
-                    row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                row_weight = _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED)
             # the last K step (k_in >= 1), not the first: peeled before the loop, the first step would hold the
             # loop's first loads back until its A tile arrived; after the loop, it waits on nothing
             k_end = (k_in - 1) // BLOCK_K * BLOCK_K
@@ -508,11 +526,8 @@ if HAS_TRITON:
             padded_end = tl.load(num_padded_ptr)
             if pid_m * BLOCK_M >= padded_end:
                 return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
-            routed_expert, routed_weight = 0, 0.0
-            if ROUTED:
-                routed_expert, routed_weight = softmax_route_slot(
-                    logits_ptr + (pid_m // ROUTED).to(tl.int64) * stride_lt, num_experts, pid_m % ROUTED, route_scale,
-                    route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
+            routed_expert, routed_weight = _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale,
+                                                        route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
             pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False,
@@ -545,10 +560,7 @@ if HAS_TRITON:
             acc = acc * tl.sigmoid(acc) * acc_up
         if MUL_WEIGHT:
             if not PRELOAD:
-                if ROUTED:
-                    row_weight = tl.where(row_ok, routed_weight, 0.0)
-                else:
-                    row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                row_weight = _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED)
             acc = acc * row_weight[:, None]
         c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -696,9 +708,6 @@ class _Routing:
     w_dtype: torch.dtype
 
 
-_TL_FLOAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
                   merge_into: torch.Tensor | None = None, top_k: int = 0, routing: _Routing | None = None) -> None:
@@ -719,7 +728,7 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
         lg = routing.logits
         route = dict(logits_ptr=lg, stride_lt=lg.stride(0), route_scale=float(routing.scale),
                      route_eps=0.0, ROUTED=routing.top_k, ROUTE_RENORM=routing.renormalize,
-                     ROUTE_W_DTYPE=tl.dtype(_TL_FLOAT[routing.w_dtype]), ROUTE_BLOCK_E=next_pow2(lg.shape[1]))
+                     ROUTE_W_DTYPE=_tl_dtype(routing.w_dtype), ROUTE_BLOCK_E=next_pow2(lg.shape[1]))
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
@@ -802,6 +811,32 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
     return rows[:-1], rows[-1:]
 
 
+def _expert_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor,
+                  cfg: MoeTileConfig, k: int, raw_ids: _RawIds | None, merge: bool,
+                  routing: _Routing | None = None) -> torch.Tensor:
+    """The grouped GEMMs of a call over its pair rows: gate/up (+ silu) into `act`, then down (the routing weight in
+    its epilogue) into the per-slot rows it returns: `out` itself when k == 1, else a buffer whose slot sum goes
+    into `out` in the down GEMM's launch (`merge`) or is the caller's to launch. `routing`: both GEMMs in routed
+    mode (`fused_moe_routed_triton`; block_expert and weights then stand in for unread pointers)."""
+    num_pairs, h, inter = out.shape[0] * k, w2.shape[1], w2.shape[2]
+    # padding rows are never stored: unused rows of these buffers keep whatever they held
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
+    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
+                  cfg.gate_up, raw_ids, evict=evict, routing=routing)
+    # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
+    # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
+    # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
+    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
+    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
+                  cfg.block_m, cfg.down, raw_ids,
+                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
+                  out if merge else None, k, routing=routing)
+    return per_slot
+
+
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
@@ -839,21 +874,9 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     else:
         sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
         raw_ids = None
-    # padding rows are never stored: unused rows of these buffers keep whatever they held
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids, evict=evict)
-    # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
-    # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
-    # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
-    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
-    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call, likewise
-    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
-                  cfg.block_m, cfg.down, raw_ids,
-                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
-                  out if merge else None, k)
+    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call: benchmarks toggle it
+    per_slot = _expert_gemms(x, w13, w2, out, sorted_pairs, block_expert, num_padded, weights, cfg, k, raw_ids, merge)
+    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call, likewise
     if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
@@ -862,6 +885,18 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
             HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
             **pdl_args(per_slot, trigger_first=False))
     return out
+
+
+def check_routed_args(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, top_k: int) -> None:
+    """ValueError naming the argument unless router_logits is a float [T, E] for hidden's T rows and w13's E experts
+    and top_k is in [1, E] (fused_moe_routed's own checks; the rest is fused_moe's and moe_topk's)."""
+    e, t = w13.shape[0], hidden.shape[0]
+    same_t = not isinstance(t, int) or router_logits.dim() != 2 or router_logits.shape[0] == t  # symbolic T: unchecked
+    if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point or router_logits.shape[1] != e \
+            or not same_t:
+        raise ValueError(f"fused_moe_routed: router_logits must be a float [T={hidden.shape[0]}, E={e}] tensor, got "
+                         f"{router_logits.dtype} {tuple(router_logits.shape)}")
+    check_moe_topk_args(e, top_k, "softmax", 1, 1, None)
 
 
 def routes_in_gemms(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
@@ -883,14 +918,11 @@ def fused_moe_routed_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w
     Elsewhere the two ops' kernels run one after the other."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_routed_triton needs triton")
+    check_routed_args(hidden, router_logits, w13, top_k)
     t, e = router_logits.shape[0], w13.shape[0]
     meta = torch.device("meta")
     _, h, _, inter, k = _check_args(hidden, torch.empty(t, top_k, device=meta),
                                     torch.empty(t, top_k, dtype=torch.int32, device=meta), w13, w2, "silu")
-    if router_logits.dim() != 2 or router_logits.shape[1] != e or not router_logits.dtype.is_floating_point:
-        raise ValueError(f"fused_moe_routed: router_logits must be a float [T, E={e}] tensor, got "
-                         f"{router_logits.dtype} {tuple(router_logits.shape)}")
-    check_moe_topk_args(e, top_k, "softmax", 1, 1, None)
     w_dtype = _weights_dtype(weights_dtype)
     merge = MOE_MERGE_SLOTS and k > 1  # read at each call; without it the slot sum's kernel would need the ids
     if (t == 0 or not routes_in_gemms(t, k, e, h, inter) or w13.stride(2) != 1 or w2.stride(2) != 1
@@ -903,19 +935,9 @@ def fused_moe_routed_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w
     routing = _Routing(logits, k, bool(renormalize), float(routed_scaling_factor), w_dtype)
     cfg = moe_tile_config(t, e, k, h, inter)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
-    num_pairs = t * k
-    sorted_pairs, num_padded = pair_block_rows(num_pairs, cfg.block_m, hidden.device)
-    raw_ids = _RawIds(e, num_padded, e, False)
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""
-    # block_expert / weights: unread in routed mode (the logits stand in for the pointers)
-    _grouped_gemm(x, w13, act, sorted_pairs, logits, num_padded, None, num_pairs, k, True, cfg.block_m, cfg.gate_up,
-                  raw_ids, evict=evict, routing=routing)
-    preload = MOE_PRELOAD and cfg.kind == "decode"
-    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, per_slot, sorted_pairs, logits, num_padded, logits, num_pairs, 1, False, cfg.block_m,
-                  cfg.down, raw_ids, preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE,
-                  evict, out if merge else None, k, routing=routing)
+    sorted_pairs, num_padded = pair_block_rows(t * k, cfg.block_m, hidden.device)
+    _expert_gemms(x, w13, w2, out, sorted_pairs, logits, num_padded, logits, cfg, k, _RawIds(e, num_padded, e, False),
+                  merge, routing)
     return out
 
 

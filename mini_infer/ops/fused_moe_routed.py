@@ -21,22 +21,10 @@ from __future__ import annotations
 import torch
 
 from mini_infer.ops._triton_support import use_triton
-from mini_infer.ops.fused_moe import fused_moe_reference, fused_moe_routed_triton
-from mini_infer.ops.moe_topk import check_moe_topk_args, moe_topk_reference
+from mini_infer.ops.fused_moe import check_routed_args, fused_moe_reference, fused_moe_routed_triton
+from mini_infer.ops.moe_topk import moe_topk_reference
 
-__all__ = ["check_routed_args", "fused_moe_routed", "fused_moe_routed_reference"]
-
-
-def check_routed_args(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, top_k: int) -> None:
-    """ValueError naming the argument unless router_logits is a float [T, E] for hidden's T rows and w13's E experts
-    and top_k is in [1, E] (the rest is fused_moe's and moe_topk's to check)."""
-    e, t = w13.shape[0], hidden.shape[0]
-    same_t = not isinstance(t, int) or router_logits.dim() != 2 or router_logits.shape[0] == t  # symbolic T: unchecked
-    if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point or router_logits.shape[1] != e \
-            or not same_t:
-        raise ValueError(f"fused_moe_routed: router_logits must be a float [T={hidden.shape[0]}, E={e}] tensor, got "
-                         f"{router_logits.dtype} {tuple(router_logits.shape)}")
-    check_moe_topk_args(e, top_k, "softmax", 1, 1, None)
+__all__ = ["fused_moe_routed", "fused_moe_routed_reference"]
 
 
 def fused_moe_routed_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
