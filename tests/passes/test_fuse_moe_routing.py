@@ -14,6 +14,7 @@ from mini_infer.passes import PassContext, recommended_passes
 from mini_infer.passes.fuse_moe_routing import FuseMoeRouting
 from tests.passes.helpers import (
     assert_unfused_bits,
+    bench_module,
     check_against_eager,
     loaded,
     mi,
@@ -68,14 +69,7 @@ def test_one_row_with_triton_kernels_equals_the_unfused_pipeline(monkeypatch, na
 def test_bench_active_bytes_counts_the_routed_op():
     """bench/active_bytes.py (the batch-1 floor of bench/latency.py) counts top_k of E experts per fused_moe_routed
     node as it does per fused_moe node: the same active bytes with the pass as without."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).parents[2] / "bench" / "active_bytes.py"
-    spec = importlib.util.spec_from_file_location("active_bytes", path)
-    module = sys.modules.setdefault("active_bytes", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
+    module = bench_module("active_bytes")
     name = "tiny-qwen3-moe"
     with_pass, without = (module.token_bytes(run_passes(name, _pipeline(name, True, w))[0]) for w in (True, False))
     assert with_pass == without and with_pass.moe_layers == 2 and with_pass.active < with_pass.total

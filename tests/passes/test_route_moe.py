@@ -35,6 +35,7 @@ from tests.passes.helpers import (
     ToyLM,
     assert_logits_close,
     aten,
+    bench_module,
     bound_copy,
     check_against_eager,
     copy_gm,
@@ -285,14 +286,7 @@ def test_weight_bytes_and_summary(name):
 
 def test_bench_active_bytes_counts_top_k_experts():
     """bench/active_bytes.py (the batch-1 floor of bench/latency.py): a token reads top_k of E experts' weights."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).parents[2] / "bench" / "active_bytes.py"
-    spec = importlib.util.spec_from_file_location("active_bytes", path)
-    module = sys.modules.setdefault("active_bytes", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
+    module = bench_module("active_bytes")
     for name in ("tiny-qwen3-moe", "tiny-llama"):
         gm = mc.compiled(name).graph_module
         counted = module.token_bytes(gm)
