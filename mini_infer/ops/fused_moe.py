@@ -167,12 +167,14 @@ _MID_MAX_ROWS_PER_EXPERT = 64
 # Decode tiles narrow block_n until the launch has about this many live programs (two waves of 132 SMs on an
 # H100/H200): with one token per expert the weight stream must still be spread over every SM.
 _DECODE_TARGET_PROGRAMS = 264
+_DECODE_MIN_BLOCK_N = 32  # the narrowest decode tile
 
 
 def _decode_block_n(n_out: int, live_blocks: int) -> int:
-    """The widest of 128, 64, 32 output columns per program that still gives about _DECODE_TARGET_PROGRAMS."""
+    """The widest of 128, 64, ... _DECODE_MIN_BLOCK_N output columns per program that still gives about
+    _DECODE_TARGET_PROGRAMS."""
     block_n = 128
-    while block_n > 32 and live_blocks * -(-n_out // block_n) < _DECODE_TARGET_PROGRAMS:
+    while block_n > _DECODE_MIN_BLOCK_N and live_blocks * -(-n_out // block_n) < _DECODE_TARGET_PROGRAMS:
         block_n //= 2
     return block_n
 
