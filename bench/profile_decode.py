@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--without", default=None, help="comma list of passes left out of the recommended pipeline")
+    ap.add_argument("--with", dest="with_", default=None,
+                    help="comma list of opt-in passes appended to the recommended pipeline")
     ap.add_argument("--timeline", type=int, default=0, help="also profile this many engine steps as a GPU timeline")
     ap.add_argument("--trace-out", default=None, help="write the --timeline steps' chrome trace here")
     ap.add_argument("--switch", default=None,
@@ -53,16 +55,18 @@ def profile(args: argparse.Namespace) -> None:
     from mini_infer.sampling_params import SamplingParams
 
     passes = None
-    if args.without:  # the recommended pipeline's pass names for this model and options, less these
+    if args.without or args.with_:  # the recommended pipeline's pass names for this model and options, less
+        # --without's, plus --with's
         from mini_infer.models.loader import resolve_dtype
         from mini_infer.models.model_info import inspect_model
         from mini_infer.passes import PassContext, recommended_passes
 
-        off = set(args.without.split(","))
+        off = set(args.without.split(",")) if args.without else set()
         config, device = inspect_model(args.model, count_weights=False).config, torch.device("cuda")
         ctx = PassContext(config=config, device=device, dtype=resolve_dtype("auto", config, device),
                           quantization=args.quantization)
         passes = [p.name for p in recommended_passes(ctx) if p.name not in off]
+        passes += args.with_.split(",") if args.with_ else []
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
               quantization=args.quantization, passes=passes, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine

@@ -164,17 +164,24 @@ class MoeTileConfig:
 # then 128 (full tensor-core tiles, weights reused across rows).
 _DECODE_BLOCK_M = ((8, 16), (24, 32))  # (max mean rows per expert, BLOCK_M)
 _MID_MAX_ROWS_PER_EXPERT = 64
-# Decode tiles narrow block_n until the launch has about this many live programs (two waves of 132 SMs on an
-# H100/H200): with one token per expert the weight stream must still be spread over every SM.
+# Decode tiles narrow block_n until the launch has about this many live programs: with one token per expert the
+# weight stream must still be spread over every SM (132 on an H100/H200), by programs that each stream enough of it.
+# One token (batch-1 decode) has its own target: 200 (qwen3-30b-a3b: down 64 columns a program, 256 programs,
+# instead of 32 columns, 512) +1.3-1.8% in the engine in three H200 runs (thirty-sixth and -seventh sessions), though
+# the isolated kernel (bench/kernel_moe.py, no PDL overlap) read 8% slower; at two tokens (down 128 columns) the
+# isolated kernel read 21% slower and no engine run has timed it, so more tokens keep 264. 16-column gate/up tiles
+# (_DECODE_MIN_BLOCK_N) lost 3% at one token.
 _DECODE_TARGET_PROGRAMS = 264
+_DECODE_TARGET_PROGRAMS_ONE_TOKEN = 200
 _DECODE_MIN_BLOCK_N = 32  # the narrowest decode tile
 
 
-def _decode_block_n(n_out: int, live_blocks: int) -> int:
+def _decode_block_n(n_out: int, live_blocks: int, num_tokens: int) -> int:
     """The widest of 128, 64, ... _DECODE_MIN_BLOCK_N output columns per program that still gives about
-    _DECODE_TARGET_PROGRAMS."""
+    _DECODE_TARGET_PROGRAMS (_DECODE_TARGET_PROGRAMS_ONE_TOKEN for one token)."""
+    target = _DECODE_TARGET_PROGRAMS_ONE_TOKEN if num_tokens == 1 else _DECODE_TARGET_PROGRAMS
     block_n = 128
-    while block_n > _DECODE_MIN_BLOCK_N and live_blocks * -(-n_out // block_n) < _DECODE_TARGET_PROGRAMS:
+    while block_n > _DECODE_MIN_BLOCK_N and live_blocks * -(-n_out // block_n) < target:
         block_n //= 2
     return block_n
 
@@ -192,8 +199,8 @@ def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, 
         if rows_per_expert <= max_rows:
             local_pairs = -(-num_tokens * top_k * local // num_experts)
             live_blocks = max(1, min(local, local_pairs))  # about one block per used expert
-            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks), 128, 1, 4, 3),
-                                 GemmTile(_decode_block_n(hidden, live_blocks), 128, 1, 4, 3))
+            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks, num_tokens), 128, 1, 4, 3),
+                                 GemmTile(_decode_block_n(hidden, live_blocks, num_tokens), 128, 1, 4, 3))
     if rows_per_expert <= _MID_MAX_ROWS_PER_EXPERT:
         return MoeTileConfig("prefill", 64, GemmTile(64, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
     return MoeTileConfig("prefill", 128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 4))

@@ -294,8 +294,12 @@ def test_tile_config_by_regime():
             cfg = moe_tile_config(tokens, **shapes)
             assert cfg.block_m == block_m, (name, tokens, cfg)
             assert cfg.kind == ("decode" if block_m <= 32 else "prefill")
-    # one token: narrower output tiles, so that the few used experts' weights still spread over ~264 programs
-    assert moe_tile_config(1, **qwen3).gate_up.block_n == 32 and moe_tile_config(1, **mixtral).down.block_n == 32
+    # one token: narrower output tiles, so that the few used experts' weights still spread over ~200 programs
+    one = moe_tile_config(1, **qwen3)
+    assert (one.gate_up.block_n, one.down.block_n) == (32, 64)  # 192 and 256 programs
+    assert moe_tile_config(1, **mixtral).down.block_n == 32
+    two = moe_tile_config(2, **qwen3)
+    assert (two.gate_up.block_n, two.down.block_n) == (32, 64)  # 384 and 512 programs: more tokens aim at ~264
 
 
 @pytest.mark.parametrize(("change", "name"), [
