@@ -1,7 +1,7 @@
 """Weight bytes one decode token reads from a compiled graph: the numerator of the batch-1 bandwidth floor.
 
 A dense model reads every weight each step (the embedding table and the position tables of `rotary_table` aside:
-one row of each per token). A MoE model routed by `route_moe` reads, per `fused_moe` (or `fused_moe_routed`) node, only its top_k experts'
+one row of each per token). A MoE model routed by `route_moe` reads, per `fused_moe` node, only its top_k experts'
 slices of the stacked w13 / w2 (at batch 1, k distinct experts), beside everything else: attention, router, shared
 experts, dense layers, lm_head. So
 
@@ -51,23 +51,18 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     from mini_infer.passes import PassContext
     from mini_infer.passes.rotary_table import TABLE_PREFIX
 
-    fused_moe, routed = torch.ops.mini_infer.fused_moe.default, torch.ops.mini_infer.fused_moe_routed.default
+    fused_moe = torch.ops.mini_infer.fused_moe.default
     total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
                           if "embed_tokens" not in n and not n.startswith(TABLE_PREFIX)])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
     for node in gm.graph.nodes:
-        if _runs(node, fused_moe):  # (hidden, weights, ids, w13, w2, ...)
-            w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
-            top_k = node.args[2].meta["val"].shape[1]
-        elif _runs(node, routed):  # (hidden, logits, w13, w2, top_k, ...)
-            w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (2, 3))
-            top_k = node.args[4]
-        else:
+        if not _runs(node, fused_moe):
             continue
-        experts = w13.shape[0]
+        w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
+        experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
         idle += tensor_bytes([w13, w2]) * (experts - min(top_k, experts)) / experts
         layers += 1
-    _check_experts_counted(gm, fused_moe, routed)
+    _check_experts_counted(gm, fused_moe)
     return TokenBytes(total, round(total - idle), layers, experts, top_k)
 
 
@@ -76,7 +71,7 @@ def _runs(node: fx.Node, op) -> bool:
     return node.op == "call_function" and op in (node.target, node.meta.get("op"))
 
 
-def _check_experts_counted(gm: fx.GraphModule, *moe_ops) -> None:
+def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
     """ValueError when stacked expert weights (a 3-D tensor under an `experts` module) feed a node other than
     fused_moe: a token would read all of them by this count, and the floor would silently be a dense one's (an
     MoE op that replaced fused_moe did this once: 1 of 48 layers counted)."""
@@ -88,7 +83,7 @@ def _check_experts_counted(gm: fx.GraphModule, *moe_ops) -> None:
         if PassContext.tensor_of(gm, node).dim() != 3:
             continue
         for user in node.users:
-            if not any(_runs(user, op) for op in moe_ops):
+            if not _runs(user, fused_moe):
                 raise ValueError(f"active_bytes: the stacked expert weights {node.target} feed {user.format_node()}, "
                                  "which token_bytes counts as read whole: teach it that op before trusting the floor")
 

@@ -178,7 +178,7 @@ def main() -> int:
                          "mismatch to a pass)")
     ap.add_argument("--with", dest="with_", default=None,
                     help="comma list of opt-in passes appended to the recommended pipeline (checking one before it "
-                         "becomes a default, e.g. fuse_moe_routing)")
+                         "becomes a default, e.g. fuse_kv_write)")
     ap.add_argument("--readme", action="store_true",
                     help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
     ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")

@@ -54,7 +54,6 @@ SECONDS = {
     "tests/ops/test_fused_moe_preload.py": 29, "tests/ops/test_gumbel_argmax.py": 28,
     "tests/passes/test_quantize_fp8.py": 25, "tests/ops/test_argmax.py": 24, "tests/passes/test_fuse_gemv_norm.py": 23,
     "tests/ops/test_fused_moe.py": 20, "tests/ops/test_all_reduce.py": 20, "tests/passes/test_fuse_lookups.py": 19,
-    "tests/passes/test_fuse_moe_routing.py": 19,
     "tests/ops/test_fp8_linear.py": 19, "tests/ops/test_linear_add.py": 18, "tests/runtime/test_memory.py": 18,
 }
 SECONDS["smollm2"] = 372  # the SMOLLM2_FILES together

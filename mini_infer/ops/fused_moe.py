@@ -50,10 +50,8 @@ Two implementations:
          by default) inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile
          sums that tile (`_merge_slot_tiles`, the same bits).
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
-    with no local expert). Routed mode (`fused_moe_routed_triton`, the op in fused_moe_routed.py; pair-per-block
-    shapes, softmax routing, no expert map): no routing kernel ran, and each block ranks its token's router logits
-    for its own slot (moe_topk's `softmax_route_slot`): the gate/up GEMM after its wait, the down GEMM before it.
-    For very few (token, slot) pairs (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
+    with no local expert). For very few (token, slot) pairs
+    (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
     the slot sum inside the down GEMV. Tile sizes (`moe_tile_config`) depend only on
     (T, E, k, H, I) and the local expert count, so a CUDA graph captured for one T keeps its kernels. Tuned for bf16/fp16; fp32 is exact
     (IEEE dots) but untuned: its tiles shrink until they fit in shared memory, and on an H100 it ran at 0.14-0.56x
@@ -105,29 +103,23 @@ from mini_infer.ops._triton_support import (
     triton,
     use_triton,
 )
-from mini_infer.ops.moe_topk import ROUTE_MAX_EXPERTS, _weights_dtype, check_moe_topk_args, moe_topk_triton
-from mini_infer.ops.quant import _tl_dtype
 
 if HAS_TRITON:
     from mini_infer.ops._moe_gemv import map_expert
     from mini_infer.ops._split_k import arrives_last
-    from mini_infer.ops.moe_topk import softmax_route_slot
 
 __all__ = [
     "ACTIVATIONS",
     "GemmTile",
     "MoeTileConfig",
     "fused_moe",
-    "check_routed_args",
     "fused_moe_reference",
-    "fused_moe_routed_triton",
     "fused_moe_triton",
     "local_expert_ids",
     "moe_align_triton",
     "moe_tile_config",
     "padded_rows",
     "pair_block_rows",
-    "routes_in_gemms",
     "uses_pair_blocks",
 ]
 
@@ -409,8 +401,7 @@ if HAS_TRITON:
     @triton.jit
     def _block_operands(pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                         num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M: tl.constexpr,
-                        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, MASKED: tl.constexpr,
-                        routed_expert=0, ROUTED: tl.constexpr = 0):  # fmt: skip
+                        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
         """`_moe_gemm_kernel`'s block pid_m (`rows` of the sorted list, output columns `cols`, K offsets `ks`):
         (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
         live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
@@ -418,22 +409,15 @@ if HAS_TRITON:
         pointers at K offset 0). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
         pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
         already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
-        where `live` is False, after the wait. ROUTED (pair-per-block mode): the block's expert is `routed_expert`
-        (the caller's `softmax_route_slot`), not loaded."""
+        where `live` is False, after the wait."""
         live = pid_m * BLOCK_M < padded_end  # a multiple of BLOCK_M: a block's rows are all before it or none
         if MASKED:
             pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)
-            if ROUTED:
-                expert = routed_expert
-            else:
-                expert = tl.load(block_expert_ptr + pid_m, mask=live, other=0)
+            expert = tl.load(block_expert_ptr + pid_m, mask=live, other=0)
         else:
             pair = tl.load(sorted_ptr + rows)
             row_ok = pair < num_pairs
-            if ROUTED:
-                expert = routed_expert
-            else:
-                expert = tl.load(block_expert_ptr + pid_m)
+            expert = tl.load(block_expert_ptr + pid_m)
         if PAIR_BLOCKS:
             expert = map_expert(expert.to(tl.int32), live, map_ptr, num_global, HAS_MAP)
             live = live & (expert >= 0) & (expert < num_experts)
@@ -445,39 +429,15 @@ if HAS_TRITON:
         return pair, row_ok, live, b_ptrs
 
     @triton.jit
-    def _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale, route_eps, ROUTED: tl.constexpr,
-                     ROUTE_RENORM: tl.constexpr, ROUTE_W_DTYPE: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr):  # fmt: skip
-        """`_moe_gemm_kernel`'s ROUTED mode: block pid_m's (pair t * ROUTED + j) expert and routing weight from token
-        t's logits (`softmax_route_slot`); (0, 0.0), unread, otherwise."""
-        expert, weight = 0, 0.0
-        if ROUTED:
-            expert, weight = softmax_route_slot(
-                logits_ptr + (pid_m // ROUTED).to(tl.int64) * stride_lt, num_experts, pid_m % ROUTED, route_scale,
-                route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
-        return expert, weight
-
-    @triton.jit
-    def _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED: tl.constexpr):
-        """The block rows' routing weights (fp32, 0 past the pairs): loaded at their pairs, or in ROUTED mode the
-        block's own (`_block_route`)."""
-        if ROUTED:
-            w = tl.where(row_ok, routed_weight, 0.0)
-        else:
-            w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        return w
-
-    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, logits_ptr, stride_lt, route_scale, route_eps,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
-        ROUTED: tl.constexpr = 0, ROUTE_RENORM: tl.constexpr = False, ROUTE_W_DTYPE: tl.constexpr = tl.float32,
-        ROUTE_BLOCK_E: tl.constexpr = 1,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -494,12 +454,7 @@ if HAS_TRITON:
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
         decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
         (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
-        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om).
-        ROUTED (top_k, PAIR_BLOCKS only, no expert map; 0: off): no routing kernel ran; block pid_m (pair t * top_k
-        + j) takes its expert and routing weight from token t's router logits (logits_ptr, row stride stride_lt)
-        with moe_topk's `softmax_route_slot` (renormalized when ROUTE_RENORM, times route_scale, rounded through
-        ROUTE_W_DTYPE): after the wait, or with PRELOAD before it (the logits are then three kernels back).
-        block_expert_ptr and weight_ptr are not read."""
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -513,14 +468,12 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            routed_expert, routed_weight = _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale,
-                                                        route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
             pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
                 num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
-                MASKED=True, routed_expert=routed_expert, ROUTED=ROUTED)  # fmt: skip
+                MASKED=True)  # fmt: skip
             if MUL_WEIGHT:
-                row_weight = _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED)
+                row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
             # the last K step (k_in >= 1), not the first: peeled before the loop, the first step would hold the
             # loop's first loads back until its A tile arrived; after the loop, it waits on nothing
             k_end = (k_in - 1) // BLOCK_K * BLOCK_K
@@ -535,17 +488,13 @@ if HAS_TRITON:
             padded_end = tl.load(num_padded_ptr)
             if pid_m * BLOCK_M >= padded_end:
                 return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
-            routed_expert, routed_weight = _block_route(pid_m, logits_ptr, stride_lt, num_experts, route_scale,
-                                                        route_eps, ROUTED, ROUTE_RENORM, ROUTE_W_DTYPE, ROUTE_BLOCK_E)
             pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
-                num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False,
-                routed_expert=routed_expert, ROUTED=ROUTED)
+                num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
         if not live:
             if MERGE_SLOTS > 0:  # a slot with no (local) expert still counts for its token's sum
                 _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
-                                  stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP,
-                                  ROUTED > 0)
+                                  stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
             return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
         a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
@@ -569,35 +518,31 @@ if HAS_TRITON:
             acc = acc * tl.sigmoid(acc) * acc_up
         if MUL_WEIGHT:
             if not PRELOAD:
-                row_weight = _row_weights(weight_ptr, pair, row_ok, routed_weight, ROUTED)
+                row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
             acc = acc * row_weight[:, None]
         c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         if MERGE_SLOTS > 0:
             _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
-                              stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP,
-                              ROUTED > 0)
+                              stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
 
     @triton.jit
     def _merge_slot_tiles(c_ptr, out_ptr, ids_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok, stride_cm,
                           stride_om, num_experts, map_ptr, num_global, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_MAP: tl.constexpr, ALL_SLOTS: tl.constexpr = False):  # fmt: skip
+                          HAS_MAP: tl.constexpr):  # fmt: skip
         """The slot sum in the down GEMM's launch, pair-per-block mode (block pid_m is pair t * TOP_K + j): the
         block counts at its token's counter for column tile pid_n (after its store, or at its exit), and the last of
         the token's TOP_K blocks to arrive, which has reset the counter, sums the token's slot rows of C over these
         columns in slot order, in fp32, skipping slots with no (local) expert: `_moe_sum_kernel`'s arithmetic, so
-        the same bits, whatever the arrival order. ALL_SLOTS (routed mode): every slot has an expert, no ids read."""
+        the same bits, whatever the arrival order."""
         token = pid_m // TOP_K
         if arrives_last(cnt_ptr + token * num_pid_n + pid_n, TOP_K):
             acc = tl.zeros([BLOCK_N], tl.float32)
             for j in tl.static_range(TOP_K):
                 pair = token.to(tl.int64) * TOP_K + j
+                expert = map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
                 row = tl.load(c_ptr + pair * stride_cm + cols, mask=col_ok, other=0.0).to(tl.float32)
-                if ALL_SLOTS:
-                    acc += row
-                else:
-                    expert = map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
-                    acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
+                acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
             tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
     @triton.jit
@@ -706,38 +651,19 @@ class _RawIds:
     has_map: bool
 
 
-@dataclass(frozen=True)
-class _Routing:
-    """Routed mode's arguments (`fused_moe_routed_triton`): the router logits [T, E] and moe_topk's softmax rule."""
-
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-    scale: float
-    w_dtype: torch.dtype
-
-
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
-                  merge_into: torch.Tensor | None = None, top_k: int = 0, routing: _Routing | None = None) -> None:
+                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
     stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
     `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
-    top_k), C then holding the per-slot rows it reads. `routing` (pair-per-block mode): the kernel's ROUTED mode,
-    each block routing itself from the logits (block_expert and weights then stand in for unread pointers)."""
+    top_k), C then holding the per-slot rows it reads."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, routing is not None)
-    # every launch passes the routed mode's arguments (unread, with ROUTED 0, but for the dummy pointer: block_expert)
-    route = dict(logits_ptr=block_expert, stride_lt=0, route_scale=1.0, route_eps=0.0, ROUTED=0)
-    if routing is not None:
-        lg = routing.logits
-        route = dict(logits_ptr=lg, stride_lt=lg.stride(0), route_scale=float(routing.scale),
-                     route_eps=0.0, ROUTED=routing.top_k, ROUTE_RENORM=routing.renormalize,
-                     ROUTE_W_DTYPE=_tl_dtype(routing.w_dtype), ROUTE_BLOCK_E=next_pow2(lg.shape[1]))
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
@@ -755,7 +681,7 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
                 PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
-                **route, **pdl_args(a, trigger_first=False),
+                **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -820,32 +746,6 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
     return rows[:-1], rows[-1:]
 
 
-def _expert_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
-                  block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor,
-                  cfg: MoeTileConfig, k: int, raw_ids: _RawIds | None, merge: bool,
-                  routing: _Routing | None = None) -> torch.Tensor:
-    """The grouped GEMMs of a call over its pair rows: gate/up (+ silu) into `act`, then down (the routing weight in
-    its epilogue) into the per-slot rows it returns: `out` itself when k == 1, else a buffer whose slot sum goes
-    into `out` in the down GEMM's launch (`merge`) or is the caller's to launch. `routing`: both GEMMs in routed
-    mode (`fused_moe_routed_triton`; block_expert and weights then stand in for unread pointers)."""
-    num_pairs, h, inter = out.shape[0] * k, w2.shape[1], w2.shape[2]
-    # padding rows are never stored: unused rows of these buffers keep whatever they held
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids, evict=evict, routing=routing)
-    # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
-    # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
-    # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
-    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
-    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
-                  cfg.block_m, cfg.down, raw_ids,
-                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
-                  out if merge else None, k, routing=routing)
-    return per_slot
-
-
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
@@ -883,9 +783,21 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     else:
         sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
         raw_ids = None
-    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call: benchmarks toggle it
-    per_slot = _expert_gemms(x, w13, w2, out, sorted_pairs, block_expert, num_padded, weights, cfg, k, raw_ids, merge)
-    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call, likewise
+    # padding rows are never stored: unused rows of these buffers keep whatever they held
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
+    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
+                  cfg.gate_up, raw_ids, evict=evict)
+    # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
+    # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
+    # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
+    preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
+    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call, likewise
+    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
+                  cfg.block_m, cfg.down, raw_ids,
+                  preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
+                  out if merge else None, k)
     if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
@@ -893,60 +805,6 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
             per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
             HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
             **pdl_args(per_slot, trigger_first=False))
-    return out
-
-
-def check_routed_args(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, top_k: int) -> None:
-    """ValueError naming the argument unless router_logits is a float [T, E] for hidden's T rows and w13's E experts
-    and top_k is in [1, E] (fused_moe_routed's own checks; the rest is fused_moe's and moe_topk's)."""
-    e, t = w13.shape[0], hidden.shape[0]
-    same_t = not isinstance(t, int) or router_logits.dim() != 2 or router_logits.shape[0] == t  # symbolic T: unchecked
-    if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point or router_logits.shape[1] != e \
-            or not same_t:
-        raise ValueError(f"fused_moe_routed: router_logits must be a float [T={hidden.shape[0]}, E={e}] tensor, got "
-                         f"{router_logits.dtype} {tuple(router_logits.shape)}")
-    check_moe_topk_args(e, top_k, "softmax", 1, 1, None)
-
-
-def routes_in_gemms(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
-    """Whether `fused_moe_routed_triton` routes inside the grouped GEMMs (no routing launch) at these shapes: the
-    pair-per-block tiles (`uses_pair_blocks`; the decode-path GEMVs not taken) and at most ROUTE_MAX_EXPERTS experts.
-    Shapes only: CUDA-graph safe."""
-    return (PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(num_tokens, top_k, num_experts)
-            and num_experts <= ROUTE_MAX_EXPERTS and moe_gemv_config(num_tokens, top_k, hidden, inter) is None)
-
-
-def fused_moe_routed_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            top_k: int, renormalize: bool, routed_scaling_factor: float = 1.0,
-                            weights_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`fused_moe(hidden, *moe_topk(router_logits, top_k, "softmax", renormalize, routed_scaling_factor,
-    weights_dtype=weights_dtype), w13, w2)` (ops/fused_moe_routed.py). Where `routes_in_gemms` says so, no routing
-    kernel runs: the grouped GEMMs' blocks route themselves (`_moe_gemm_kernel`'s ROUTED mode): the gate/up GEMM
-    after its wait (the router, just before it, writes the logits), the down GEMM before its wait with its other
-    preloads (the logits are three kernels back); the ids are moe_topk's exactly, the weights to fp32 rounding.
-    Elsewhere the two ops' kernels run one after the other."""
-    if not HAS_TRITON:
-        raise RuntimeError("fused_moe_routed_triton needs triton")
-    check_routed_args(hidden, router_logits, w13, top_k)
-    t, e = router_logits.shape[0], w13.shape[0]
-    meta = torch.device("meta")
-    _, h, _, inter, k = _check_args(hidden, torch.empty(t, top_k, device=meta),
-                                    torch.empty(t, top_k, dtype=torch.int32, device=meta), w13, w2, "silu")
-    w_dtype = _weights_dtype(weights_dtype)
-    merge = MOE_MERGE_SLOTS and k > 1  # read at each call; without it the slot sum's kernel would need the ids
-    if (t == 0 or not routes_in_gemms(t, k, e, h, inter) or w13.stride(2) != 1 or w2.stride(2) != 1
-            or (k > 1 and not merge)):
-        weights, ids = moe_topk_triton(router_logits, top_k, "softmax", renormalize, routed_scaling_factor,
-                                       weights_dtype=weights_dtype)
-        return fused_moe_triton(hidden, weights, ids, w13, w2)
-    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    routing = _Routing(logits, k, bool(renormalize), float(routed_scaling_factor), w_dtype)
-    cfg = moe_tile_config(t, e, k, h, inter)
-    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
-    sorted_pairs, num_padded = pair_block_rows(t * k, cfg.block_m, hidden.device)
-    _expert_gemms(x, w13, w2, out, sorted_pairs, logits, num_padded, logits, cfg, k, _RawIds(e, num_padded, e, False),
-                  merge, routing)
     return out
 
 

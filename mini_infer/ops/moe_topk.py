@@ -63,13 +63,11 @@ __all__ = [
     "moe_topk_reference",
     "moe_topk_triton",
     "portable_sigmoid",
-    "ROUTE_MAX_EXPERTS",
 ]
 
 SCORINGS = ("softmax", "sigmoid")
 KERNEL_MAX_EXPERTS = 1024  # one row of scores per program, in registers
 KERNEL_MAX_TOP_K = 32  # the selection loop is unrolled top_k times
-ROUTE_MAX_EXPERTS = 128  # softmax_route_slot ranks with an [E, E] comparison tile
 _RENORM_EPS = {"softmax": 0.0, "sigmoid": 1e-20}  # DeepSeek-V3 adds 1e-20 to the denominator; Mixtral/Qwen don't
 
 
@@ -217,33 +215,6 @@ if HAS_TRITON:
         p = p * r + _P7
         two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
         return tl.math.div_rn(tl.full(r.shape, 1.0, tl.float32), 1.0 + p * two_n)
-
-    _NEG_INF = tl.constexpr(float("-inf"))
-
-    @triton.jit
-    def softmax_route_slot(logits_row, n_experts, slot, scale, eps, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                           W_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-        """Softmax routing for one (token, slot) alone, without the other slots' selection rounds: the expert of
-        `slot` (0 .. TOP_K-1) among the n_experts logits at `logits_row`, by rank (the experts ahead of e: a larger
-        logit, or an equal one at a lower index; the selection's rule, so `_moe_topk_kernel`'s ids exactly; a NaN
-        logit ranks as -inf), and its weight: softmax over all experts, renormalized over the TOP_K chosen (+ eps),
-        times `scale`, rounded through W_DTYPE. The weight's sums run in this program's layout, so it matches
-        `_moe_topk_kernel`'s to fp32 rounding, not bit for bit. Only loads and arithmetic: callable before a PDL wait
-        when the logits are old enough (ops/fused_moe.py's routed mode)."""
-        e = tl.arange(0, BLOCK_E)
-        valid = e < n_experts
-        x = tl.load(logits_row + e, mask=valid, other=0.0).to(tl.float32)
-        x = tl.where(valid & (x == x), x, _NEG_INF)
-        ahead = ((x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (e[None, :] < e[:, None]))) & valid[None, :]
-        rank = tl.sum(ahead.to(tl.int32), axis=1)
-        chosen = valid & (rank == slot)
-        expert = tl.sum(tl.where(chosen, e, 0))
-        ex = tl.where(valid, tl.exp(x - tl.max(x)), 0.0)
-        w_all = ex / tl.sum(ex)
-        w = tl.sum(tl.where(chosen, w_all, 0.0))
-        if RENORMALIZE:
-            w = w / (tl.sum(tl.where(valid & (rank < TOP_K), w_all, 0.0)) + eps)
-        return expert, (w * scale).to(W_DTYPE).to(tl.float32)
 
     @triton.jit
     def _moe_topk_kernel(

@@ -180,24 +180,14 @@ if HAS_TRITON:
     def _quant_rows_kernel(
         x_ptr, u_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x, stride_u, stride_q,
         GATED: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
-        ONE_PASS: tl.constexpr = False,
     ):  # fmt: skip
         """BLOCK_M rows per program, in column chunks: pass 1 finds each row's amax, pass 2 re-reads (L2),
-        quantizes, stores. ONE_PASS (rows of at most BLOCK columns): the one chunk is loaded once and kept."""
+        quantizes, stores."""
         await_producers(USE_GDC)
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < n_rows
         x_rows = x_ptr + rows[:, None] * stride_x
         u_rows = u_ptr + rows[:, None] * stride_u
-        if ONE_PASS:
-            cols = tl.arange(0, BLOCK)
-            mask = row_ok[:, None] & (cols < n_cols)[None, :]
-            v = _row_values(x_rows, u_rows, cols[None, :], mask, GATED)
-            scale, inv = _scale_and_inverse(tl.max(tl.abs(v), axis=1), QMAX)
-            tl.store(scale_ptr + rows, scale, mask=row_ok)
-            v = _quantize_values(v, inv[:, None], IS_FP8)
-            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=mask)
-            return
         amax = tl.zeros([BLOCK_M], tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
@@ -297,13 +287,6 @@ SPLIT_MIN_COLS = 8192
 SPLIT_CHUNK = 1024
 
 
-# Rows that fit one chunk (n_cols <= BLOCK: the W8A8 / FP8 attention output at batch-1 decode, 3,584 columns at
-# qwen2.5-7b) loaded once instead of once for the amax and again to quantize: one L2 round trip less on a
-# latency-bound chain (qwen2.5-7b w8a8, thirtieth session's timeline: this launch exposed 1.7-2.0 us a layer). The
-# same values, so the same bits. 0 (off) until timed on a GPU; read at each launch.
-QUANT_ROWS_ONE_PASS = 0
-
-
 def _launch_split_rows(x2, u2, q2, scale, n_rows: int, n_cols: int, gated: bool, dtype: torch.dtype) -> None:
     n_chunks = triton.cdiv(n_cols, SPLIT_CHUNK)
     parts = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=x2.device)
@@ -337,7 +320,6 @@ def _launch_quant_rows(x: torch.Tensor, up: torch.Tensor | None, dtype: torch.dt
     _quant_rows_kernel[(triton.cdiv(n_rows, block_m),)](
         x2, u2, q2, scale, n_rows, n_cols, x2.stride(0), u2.stride(0), q2.stride(0),
         GATED=up is not None, IS_FP8=dtype == torch.float8_e4m3fn, QMAX=QMAX[dtype], BLOCK_M=block_m, BLOCK=block,
-        ONE_PASS=bool(QUANT_ROWS_ONE_PASS) and n_cols <= block,
         num_warps=4 if block_m * block <= 1024 else 8, **pdl_args(x2),
     )  # fmt: skip
     return x_q, scale

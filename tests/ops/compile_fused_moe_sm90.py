@@ -16,8 +16,7 @@ give batch 4's down GEMM).
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
 columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
-pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`); and batch 1's
-two GEMMs in routed mode (fused_moe_routed: the blocks rank the router logits themselves). The
+pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -99,35 +98,12 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
-def routed_gemms() -> list[dict]:
-    """Batch 1's two GEMMs in routed mode (fused_moe_routed_triton: each block ranks the router logits for its slot;
-    the down GEMM before its wait, with its preload and the slot sum in its launch)."""
-    import torch
-
-    from mini_infer.ops import fused_moe as fm
-
-    e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
-    hidden, logits = torch.empty(1, h, dtype=torch.bfloat16), torch.zeros(1, e, dtype=torch.bfloat16)
-    w13 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16)  # never touched: not backed by memory
-    w2 = torch.empty(e, h, inter, dtype=torch.bfloat16)
-    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, MOE_MERGE_SLOTS=True, _TILE_OK={}) as calls:
-        fm.fused_moe_routed_triton(hidden, logits, w13, w2, k, True, 1.0, torch.bfloat16)
-    out = []
-    for args, kwargs in calls["_moe_gemm_kernel"]:
-        assert kwargs["ROUTED"] == k and kwargs["PRELOAD"] == (not kwargs["GATED"]), kwargs
-        built, _ = build_launch(fm._moe_gemm_kernel, args, dict(kwargs, DOT_FP32=False))
-        out.append({"kernel": "routed_gate_up" if kwargs["GATED"] else "routed_down", "name": "qwen3_t1",
-                    "preload": kwargs["PRELOAD"], **usage(built)})
-    return out
-
-
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
-    out += [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
-    return out + routed_gemms()
+    return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 
 if __name__ == "__main__":

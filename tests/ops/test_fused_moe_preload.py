@@ -153,11 +153,8 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
     preload or without it, no store before the wait, and with the preload the B tile's vector loads (the slot sum:
     its ids) before the wait, without it no load there. Batch 1's tile is within the preload's size limit, batch 4's
     128 x 128 is not. The same holds for the down GEMM with the slot sum in its launch (MOE_MERGE_SLOTS: its counts and
-    sums come after the wait), and for batch 1's routed GEMMs (fused_moe_routed: the down GEMM ranks the logits before
-    its wait, the gate/up GEMM after it)."""
+    sums come after the wait)."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90"])
-    assert sorted(case["kernel"] for case in report["cases"] if case["kernel"].startswith("routed")) == [
-        "routed_down", "routed_gate_up"]
     for case in report["cases"]:
         assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], case
         assert case["stores_before_wait"] == 0, case

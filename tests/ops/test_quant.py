@@ -210,27 +210,6 @@ def test_silu_and_mul_quant_long_rows():
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
-@pytest.mark.parametrize(("rows", "cols"), [(1, 3584), (5, 300)])  # one row (batch-1 decode), several a program
-def test_one_pass_rows_equal_the_two_pass_kernel(monkeypatch, qdtype, rows, cols):
-    """QUANT_ROWS_ONE_PASS: rows that fit one chunk, loaded once, give the two-pass kernel's bits, plain and gated;
-    the kernel is asked for it only where the row fits (ONE_PASS in the launch)."""
-    g, u = make_x(rows, cols, torch.bfloat16, seed=3), make_x(rows, cols, torch.bfloat16, seed=4)
-    launched = []
-    real = quant._quant_rows_kernel
-    monkeypatch.setattr(quant, "_quant_rows_kernel", type("K", (), {"__getitem__": lambda _, grid: (
-        lambda *a, **kw: launched.append(kw["ONE_PASS"]) or real[grid](*a, **kw))})())
-    run = lambda: (quant.quantize_per_token_triton(g, qdtype), quant.silu_and_mul_quant_triton(g, u, qdtype))  # noqa: E731
-    monkeypatch.setattr(quant, "QUANT_ROWS_ONE_PASS", 1)
-    one = run()
-    monkeypatch.setattr(quant, "QUANT_ROWS_ONE_PASS", 0)
-    two = run()
-    assert launched == [True, True, False, False]
-    for a, b in zip(one, two):
-        assert_same_quant(a, b)
-    assert_same_quant(one[0], quant.quantize_per_token_reference(g, qdtype))
-
-
-@pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_split_rows_equal_the_one_program_kernel(monkeypatch, qdtype, rows):
     """A few long rows go over programs of SPLIT_CHUNK columns (chunk amaxes, then the quantization): the same

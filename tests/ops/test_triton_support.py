@@ -37,11 +37,9 @@ def _jit_functions() -> dict[str, ast.FunctionDef]:
     return found
 
 
-# what may run before the wait: index arithmetic (loops of it too), arithmetic on what was loaded there, and loads
-# of the weights (addresses built on `w_ptr` and what is derived from it, also through jit helpers), which no kernel
-# writes
-_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where", "sum", "max",
-                "exp"}
+# what may run before the wait: index arithmetic (loops of it too), and loads of the weights (addresses built on
+# `w_ptr` and what is derived from it, also through jit helpers), which no kernel writes
+_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where", "sum"}
 # pointers besides w_ptr that a kernel loads before its wait, and why no kernel of the step writes what it loads:
 PRE_WAIT_POINTERS = {
     # the step's lengths and block tables are inputs copied before the step's graph; of the caches, only key
@@ -52,9 +50,7 @@ PRE_WAIT_POINTERS = {
     # step's pair rows / block experts / padded count and the expert map: two or more kernels back (the kernel just
     # before a down GEMM is its call's gate/up GEMM, which writes only the A operand; before a slot sum, the down
     # GEMM, which writes only its src); b_ptr is the expert weights
-    "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr",
-                         # routed mode (fused_moe_routed): the router's logits, three kernels before the down GEMM
-                         "logits_ptr"},
+    "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr"},
     "_moe_sum_kernel": {"ids_ptr", "map_ptr"},
 }
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
