@@ -166,6 +166,9 @@ _MID_MAX_ROWS_PER_EXPERT = 64
 _DECODE_TARGET_PROGRAMS = 264
 _DECODE_TARGET_PROGRAMS_ONE_TOKEN = 200
 _DECODE_MIN_BLOCK_N = 32  # the narrowest decode tile
+# (block_k, num_warps, num_stages) of the decode tiles' gate/up and down GEMMs
+_DECODE_GATE_UP_STEP = (128, 4, 3)
+_DECODE_DOWN_STEP = (128, 4, 3)
 
 
 def _decode_block_n(n_out: int, live_blocks: int, num_tokens: int) -> int:
@@ -191,8 +194,9 @@ def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, 
         if rows_per_expert <= max_rows:
             local_pairs = -(-num_tokens * top_k * local // num_experts)
             live_blocks = max(1, min(local, local_pairs))  # about one block per used expert
-            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks, num_tokens), 128, 1, 4, 3),
-                                 GemmTile(_decode_block_n(hidden, live_blocks, num_tokens), 128, 1, 4, 3))
+            (gk, gw, gs), (dk, dw, ds) = _DECODE_GATE_UP_STEP, _DECODE_DOWN_STEP
+            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks, num_tokens), gk, 1, gw, gs),
+                                 GemmTile(_decode_block_n(hidden, live_blocks, num_tokens), dk, 1, dw, ds))
     if rows_per_expert <= _MID_MAX_ROWS_PER_EXPERT:
         return MoeTileConfig("prefill", 64, GemmTile(64, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
     return MoeTileConfig("prefill", 128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 4))
