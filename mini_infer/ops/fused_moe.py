@@ -78,7 +78,8 @@ and the sm_90 PTX then issues the loop's cp.async only once that A tile has arri
 (at "decode" tiles, up to 63 slots) loads its token's slot ids, and their expert-map entries, before its own wait;
 the routing wrote them three kernels back. On sm_90 at qwen3-30b-a3b's decode tiles (tests/ops/compile_fused_moe_sm90.py) the down GEMM takes
 126 registers with the preload and 64 without at T = 1 and 2 (a 128 x 64 B tile), 72 against 48 at T = 1 on one of
-two expert-parallel ranks (128 x 32), with no spills. The 128 x 128 tile of T = 4 (176 against 104 registers) is left out by the size limit.
+two expert-parallel ranks (128 x 32), with no spills. The 128 x 128 tile of T = 4 (176 against 104 registers) is
+left out by the size limit.
 
 MOE_B_TMA (off until timed on a GPU; MINI_INFER_MOE_B_TMA=1, or `--switch fused_moe.MOE_B_TMA=1`; read at each call):
 the decode tiles' expert-weight tiles come through host-side TMA tensor descriptors over the weights viewed as
@@ -211,10 +212,11 @@ def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, 
         if rows_per_expert <= max_rows:
             local_pairs = -(-num_tokens * top_k * local // num_experts)
             live_blocks = max(1, min(local, local_pairs))  # about one block per used expert
-            (gk, gw, gs), (dk, dw, ds) = (_DECODE_GATE_UP_STEP_ONE_TOKEN if num_tokens == 1 else _DECODE_GATE_UP_STEP,
-                                          _DECODE_DOWN_STEP)
-            return MoeTileConfig("decode", block_m, GemmTile(_decode_block_n(inter, live_blocks, num_tokens), gk, 1, gw, gs),
-                                 GemmTile(_decode_block_n(hidden, live_blocks, num_tokens), dk, 1, dw, ds))
+            gk, gw, gs = _DECODE_GATE_UP_STEP_ONE_TOKEN if num_tokens == 1 else _DECODE_GATE_UP_STEP
+            dk, dw, ds = _DECODE_DOWN_STEP
+            gate_up_n = _decode_block_n(inter, live_blocks, num_tokens)
+            down_n = _decode_block_n(hidden, live_blocks, num_tokens)
+            return MoeTileConfig("decode", block_m, GemmTile(gate_up_n, gk, 1, gw, gs), GemmTile(down_n, dk, 1, dw, ds))
     if rows_per_expert <= _MID_MAX_ROWS_PER_EXPERT:
         return MoeTileConfig("prefill", 64, GemmTile(64, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
     return MoeTileConfig("prefill", 128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 4))
@@ -434,10 +436,10 @@ if HAS_TRITON:
         (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
         live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
         mapped through expert_map when HAS_MAP, names one of the num_experts local experts; b_ptrs: its expert's B
-        pointers at K offset 0; expert: its expert, int64). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
-        pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
-        already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
-        where `live` is False, after the wait."""
+        pointers at K offset 0; expert: its expert, int64). MASKED (PRELOAD, before the wait): a block past the
+        padded end loads nothing (its pairs read as the sentinel), and a block that will not run takes expert 0.
+        Without it the caller has exited already for a block past the padded end (whose rows may lie past the
+        buffers). Either way the caller exits where `live` is False, after the wait."""
         live = pid_m * BLOCK_M < padded_end  # a multiple of BLOCK_M: a block's rows are all before it or none
         if MASKED:
             pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)

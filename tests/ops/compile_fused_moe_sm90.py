@@ -1,6 +1,6 @@
 """Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue), its slot sum
-(`_moe_sum_kernel`) and (TMA cases) its gate/up GEMM for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
-tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
+(`_moe_sum_kernel`) and (TMA cases) its gate/up GEMM for sm_90 as qwen3-30b-a3b's decode launches build them (E 128,
+top-8, H 2048, I 768, bf16; the tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
 GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
 spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
 `griddepcontrol.wait`, and the TMA loads (cp.async.bulk.tensor) in all and before it.
