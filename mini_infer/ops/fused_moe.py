@@ -414,6 +414,12 @@ if HAS_TRITON:
         return b
 
     @triton.jit
+    def _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N: tl.constexpr):
+        """B_TMA: the descriptor row of column tile pid_n's first row in `expert`'s weights (contiguous B, so an
+        expert's rows are stride_be // stride_bn)."""
+        return (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
+
+    @triton.jit
     def _b_tile_tma(b_desc, b_row, k0):
         """One K step's B tile [BLOCK_K, BLOCK_N] through the tensor descriptor over the [experts x rows, K] weights
         (B_TMA): rows b_row.. of the descriptor's block, K columns k0..; rows past the tensor read as zeros."""
@@ -514,7 +520,7 @@ if HAS_TRITON:
             # col_ok & live as one compare: the interpreter's `&` of a vector and a scalar gives ints, not a mask
             col_live = cols < tl.where(live, n_out, 0)
             if B_TMA:  # a block that will exit reads its (masked-to-0) expert's tile; nothing of it is used
-                b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
+                b_row = _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N)
                 b_last = _b_tile_tma(b_desc, b_row, k_end)
                 if GATED:
                     b_up_last = _b_tile_tma(b_desc, b_row + n_out, k_end)
@@ -530,6 +536,8 @@ if HAS_TRITON:
             pair, row_ok, live, b_ptrs, expert = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
+            if B_TMA:
+                b_row = _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N)
         if not live:
             if MERGE_SLOTS > 0:  # a slot with no (local) expert still counts for its token's sum
                 _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
@@ -541,8 +549,6 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if PRELOAD:  # the last K step's A tile, loaded with the loop's first ones
             a_last = _a_tile(a_ptrs + k_end, row_ok, last_ok, EVEN_K, DOT_FP32)
-        if B_TMA:
-            b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
         for k0 in range(0, k_end, BLOCK_K):
             k_ok = ks < k_in - k0
             a = _a_tile(a_ptrs, row_ok, k_ok, EVEN_K, DOT_FP32)
@@ -781,8 +787,8 @@ def uses_b_tma(b: torch.Tensor, block_k: int) -> bool:
     pitch TMA wants a multiple of 16 bytes) and K a multiple of the step (no K tail: rows past the tensor read as
     zeros, K columns past a step would not)."""
     k = b.shape[2]
-    return (TensorDescriptor is not None and b.is_contiguous() and b.dtype in (torch.bfloat16, torch.float16) and k % block_k == 0 and k % 8 == 0
-            and b.data_ptr() % 16 == 0)
+    return (TensorDescriptor is not None and b.is_contiguous() and b.dtype in (torch.bfloat16, torch.float16)
+            and k % block_k == 0 and k % 8 == 0 and b.data_ptr() % 16 == 0)
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
