@@ -62,12 +62,11 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     prompts = [torch.randint(min(100, vocab // 4), min(5000, vocab), (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t = time.perf_counter()
-    if with_:  # the recommended pipeline (as compiled for this model), then the opt-in passes named
-        from mini_infer.passes import PASSES
+    if with_:  # the recommended pipeline (compile_model's for this model), then the opt-in passes named
+        from mini_infer.passes import PassContext, recommended_passes
 
-        default = compile_model(loaded.model, device="cuda", model_name=name)
-        passes = [*(r.name for r in default.stats if r.name in PASSES), *with_]
-        del default
+        ctx = PassContext(config=loaded.model.config, device=torch.device("cuda"), dtype=torch.float32)
+        passes = [*recommended_passes(ctx), *with_]
     compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
     if reference_ops:
