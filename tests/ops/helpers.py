@@ -86,11 +86,22 @@ def preloaded_and_looped(monkeypatch: pytest.MonkeyPatch, run) -> tuple:
 
 def without_preload(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear.py's weight preload off for the rest of the test: the K loop's sums, so a one-row kernel's bits can be
-    compared with gemv_triton's (which waits first) on a GPU too (see `assert_loop_sums`)."""
+    compared with gemv_triton's (which waits first for weights over LINEAR_PRELOAD_MAX_BYTES, and under
+    `plain_gemv_waits_first` for every weight) on a GPU too (see `assert_loop_sums`)."""
     from mini_infer.ops import linear
 
     monkeypatch.setattr(linear, "PRELOAD_MAX_K", 0)
     monkeypatch.setattr(linear, "PREFIX_PRELOAD_K", 0)
+
+
+@pytest.fixture(autouse=True)
+def plain_gemv_waits_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autouse in a test module that imports it: the plain GEMV (`gemv_triton`) loads its rows after the PDL wait
+    whatever its weight's size (linear.LINEAR_PRELOAD_MAX_BYTES 0), as a fused kernel compared with the unfused pair
+    does, so both take the K loop's sums on a GPU too."""
+    from mini_infer.ops import linear
+
+    monkeypatch.setattr(linear, "LINEAR_PRELOAD_MAX_BYTES", 0)
 
 
 def assert_loop_sums(preloaded: torch.Tensor, looped: torch.Tensor) -> None:

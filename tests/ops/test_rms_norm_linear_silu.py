@@ -17,7 +17,13 @@ from mini_infer.ops.rms_norm_linear_silu import (
     rms_norm_linear_silu_triton,
 )
 from mini_infer.ops.silu_and_mul import silu_and_mul_triton
-from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
+from tests.ops.helpers import (  # plain_gemv_waits_first: autouse here (the unfused pair's GEMV waits first)
+    DEVICE,
+    assert_close,
+    plain_gemv_waits_first,  # noqa: F401
+    record_gemv_launches,
+    requires_triton,
+)
 
 mi = torch.ops.mini_infer
 EPS = 1e-6
@@ -51,15 +57,6 @@ def _unfused(norm, x, nw, w, b):
 
 def _reference(norm, x, nw, w, b):
     return rms_norm_linear_silu_reference(x, nw, EPS, w, b) if norm else linear_silu_reference(x, w, b)
-
-
-@pytest.fixture(autouse=True)
-def _unfused_gemv_waits_first(monkeypatch):
-    """The unfused pair's plain GEMV (linear_triton) loads its rows after the PDL wait, as the fused kernel does, so
-    both take the K loop's sums on a GPU too (linear.LINEAR_PRELOAD_MAX_BYTES would preload these small weights)."""
-    from mini_infer.ops import linear
-
-    monkeypatch.setattr(linear, "LINEAR_PRELOAD_MAX_BYTES", 0)
 
 
 @pytest.fixture

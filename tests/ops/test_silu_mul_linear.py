@@ -16,7 +16,13 @@ from mini_infer.ops.silu_mul_linear import (
     silu_mul_linear_reference,
     silu_mul_linear_triton,
 )
-from tests.ops.helpers import DEVICE, assert_close, record_gemv_launches, requires_triton
+from tests.ops.helpers import (  # plain_gemv_waits_first: autouse here (the unfused pair's GEMV waits first)
+    DEVICE,
+    assert_close,
+    plain_gemv_waits_first,  # noqa: F401
+    record_gemv_launches,
+    requires_triton,
+)
 
 mi = torch.ops.mini_infer
 # (N, K): no N a multiple of the rows per program, no K a multiple of the K step; K >= 1024 takes the long tile
@@ -41,15 +47,6 @@ def _unfused(gate, up, w, b, r, config=None):
     the fused kernel's tile (`config`, None: its default): the same sums in the same order, on a GPU too."""
     act, tile = silu_and_mul_triton(gate, up), config or silu_mul_gemv_config(w.shape[1])
     return gemv_triton(act, w, b, tile) if r is None else linear_add_triton(act, w, b, r, tile)
-
-
-@pytest.fixture(autouse=True)
-def _unfused_gemv_waits_first(monkeypatch):
-    """The unfused pair's plain GEMV (linear_triton) loads its rows after the PDL wait, as the fused kernel does, so
-    both take the K loop's sums on a GPU too (linear.LINEAR_PRELOAD_MAX_BYTES would preload these small weights)."""
-    from mini_infer.ops import linear
-
-    monkeypatch.setattr(linear, "LINEAR_PRELOAD_MAX_BYTES", 0)
 
 
 @pytest.fixture
