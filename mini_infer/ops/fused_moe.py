@@ -81,13 +81,6 @@ the routing wrote them three kernels back. On sm_90 at qwen3-30b-a3b's decode ti
 two expert-parallel ranks (128 x 32), with no spills. The 128 x 128 tile of T = 4 (176 against 104 registers) is
 left out by the size limit.
 
-MOE_B_TMA (off until timed on a GPU; MINI_INFER_MOE_B_TMA=1, or `--switch fused_moe.MOE_B_TMA=1`; read at each call):
-the decode tiles' expert-weight tiles come through host-side TMA tensor descriptors over the weights viewed as
-[E x rows, K] (`uses_b_tma`: contiguous 16-bit weights, K a multiple of the K step) instead of pointer loads, the
-preloaded last tile too: the same values, so the same bits (tested under the interpreter); no L2 eviction hint. The
-sm_90 builds at qwen3-30b-a3b T = 1 take 120 / 76 registers (down GEMM with / without the preload) and 70 (gate/up)
-against 126 / 64 and 64, no spills.
-
 Must not import anything from mini_infer outside `mini_infer.ops`.
 """
 
@@ -112,15 +105,9 @@ from mini_infer.ops._triton_support import (
     use_triton,
 )
 
-TensorDescriptor = None  # B_TMA's host-side descriptors (Triton >= 3.4)
 if HAS_TRITON:
     from mini_infer.ops._moe_gemv import map_expert
     from mini_infer.ops._split_k import arrives_last
-
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # an older Triton: the pointer loads
-        pass
 
 __all__ = [
     "ACTIVATIONS",
@@ -414,18 +401,6 @@ if HAS_TRITON:
         return b
 
     @triton.jit
-    def _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N: tl.constexpr):
-        """B_TMA: the descriptor row of column tile pid_n's first row in `expert`'s weights (contiguous B, so an
-        expert's rows are stride_be // stride_bn)."""
-        return (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
-
-    @triton.jit
-    def _b_tile_tma(b_desc, b_row, k0):
-        """One K step's B tile [BLOCK_K, BLOCK_N] through the tensor descriptor over the [experts x rows, K] weights
-        (B_TMA): rows b_row.. of the descriptor's block, K columns k0..; rows past the tensor read as zeros."""
-        return tl.trans(b_desc.load([b_row, k0]))
-
-    @triton.jit
     def _dot_step(a, b, acc, DOT_FP32: tl.constexpr):
         """acc + a @ b (IEEE fp32 products with DOT_FP32: `a` is fp32 already)."""
         if DOT_FP32:
@@ -442,10 +417,10 @@ if HAS_TRITON:
         (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
         live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
         mapped through expert_map when HAS_MAP, names one of the num_experts local experts; b_ptrs: its expert's B
-        pointers at K offset 0; expert: its expert, int64). MASKED (PRELOAD, before the wait): a block past the
-        padded end loads nothing (its pairs read as the sentinel), and a block that will not run takes expert 0.
-        Without it the caller has exited already for a block past the padded end (whose rows may lie past the
-        buffers). Either way the caller exits where `live` is False, after the wait."""
+        pointers at K offset 0). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
+        pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
+        already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
+        where `live` is False, after the wait."""
         live = pid_m * BLOCK_M < padded_end  # a multiple of BLOCK_M: a block's rows are all before it or none
         if MASKED:
             pair = tl.load(sorted_ptr + rows, mask=rows < padded_end, other=num_pairs)
@@ -462,18 +437,18 @@ if HAS_TRITON:
             row_ok = pair < num_pairs  # here, and right after the load without MASKED: each path's own order
         expert = expert.to(tl.int64)
         b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
-        return pair, row_ok, live, b_ptrs, expert
+        return pair, row_ok, live, b_ptrs
 
     @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, b_desc,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0, B_TMA: tl.constexpr = False,
+        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -490,10 +465,7 @@ if HAS_TRITON:
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
         decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
         (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
-        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om). B_TMA (EVEN_K,
-        contiguous B): the B tiles come through `b_desc`, a tensor descriptor over B as [experts x rows, K] with block
-        [BLOCK_N, BLOCK_K] (TMA on sm_90; no eviction hint), instead of pointer loads; the same values, so the same
-        bits."""
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -507,7 +479,7 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            pair, row_ok, live, b_ptrs, expert = _block_operands(
+            pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
                 num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
                 MASKED=True)  # fmt: skip
@@ -519,25 +491,17 @@ if HAS_TRITON:
             last_ok = ks < k_in - k_end
             # col_ok & live as one compare: the interpreter's `&` of a vector and a scalar gives ints, not a mask
             col_live = cols < tl.where(live, n_out, 0)
-            if B_TMA:  # a block that will exit reads its (masked-to-0) expert's tile; nothing of it is used
-                b_row = _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N)
-                b_last = _b_tile_tma(b_desc, b_row, k_end)
-                if GATED:
-                    b_up_last = _b_tile_tma(b_desc, b_row + n_out, k_end)
-            else:
-                b_last = _b_tile(b_ptrs + k_end * stride_bk, col_live, last_ok, EVEN_K, B_EVICT)
-                if GATED:
-                    b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K, B_EVICT)
+            b_last = _b_tile(b_ptrs + k_end * stride_bk, col_live, last_ok, EVEN_K, B_EVICT)
+            if GATED:
+                b_up_last = _b_tile(b_ptrs + k_end * stride_bk + up_offset, col_live, last_ok, EVEN_K, B_EVICT)
         await_producers(USE_GDC)
         if not PRELOAD:
             padded_end = tl.load(num_padded_ptr)
             if pid_m * BLOCK_M >= padded_end:
                 return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
-            pair, row_ok, live, b_ptrs, expert = _block_operands(
+            pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
-            if B_TMA:
-                b_row = _tma_row(expert, pid_n, stride_be, stride_bn, BLOCK_N)
         if not live:
             if MERGE_SLOTS > 0:  # a slot with no (local) expert still counts for its token's sum
                 _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
@@ -552,15 +516,9 @@ if HAS_TRITON:
         for k0 in range(0, k_end, BLOCK_K):
             k_ok = ks < k_in - k0
             a = _a_tile(a_ptrs, row_ok, k_ok, EVEN_K, DOT_FP32)
-            if B_TMA:
-                acc = _dot_step(a, _b_tile_tma(b_desc, b_row, k0), acc, DOT_FP32)
-                if GATED:
-                    acc_up = _dot_step(a, _b_tile_tma(b_desc, b_row + n_out, k0), acc_up, DOT_FP32)
-            else:
-                acc = _dot_step(a, _b_tile(b_ptrs, col_ok, k_ok, EVEN_K, B_EVICT), acc, DOT_FP32)
-                if GATED:
-                    acc_up = _dot_step(a, _b_tile(b_ptrs + up_offset, col_ok, k_ok, EVEN_K, B_EVICT), acc_up,
-                                       DOT_FP32)
+            acc = _dot_step(a, _b_tile(b_ptrs, col_ok, k_ok, EVEN_K, B_EVICT), acc, DOT_FP32)
+            if GATED:
+                acc_up = _dot_step(a, _b_tile(b_ptrs + up_offset, col_ok, k_ok, EVEN_K, B_EVICT), acc_up, DOT_FP32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         if PRELOAD:  # the last K step, peeled: its B tile(s) loaded before the wait
@@ -706,20 +664,18 @@ class _RawIds:
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
-                  merge_into: torch.Tensor | None = None, top_k: int = 0, tma: bool = False) -> None:
+                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
     stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
     `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
-    top_k), C then holding the per-slot rows it reads. `tma`: B_TMA, where `uses_b_tma` allows it."""
+    top_k), C then holding the per-slot rows it reads."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, tma)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
-        tma_ok = tma and uses_b_tma(b, t.block_k)  # a smaller tile's K step may not divide K
-        b_desc = TensorDescriptor.from_tensor(b.view(-1, k_in), [t.block_n, t.block_k]) if tma_ok else b
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
         if merge:
@@ -731,12 +687,11 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
                 a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
                 *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
-                out, cnt, s_om, b_desc,
+                out, cnt, s_om,
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, B_TMA=tma_ok, num_warps=t.num_warps,
-                num_stages=t.num_stages,
+                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
                 **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -763,7 +718,7 @@ _PAIR_BLOCKS_REPEAT_DIV = 16
 # engines (before capturing their graphs).
 MOE_PRELOAD = os.environ.get("MINI_INFER_MOE_PRELOAD", "1") != "0"
 # The down GEMM preloads a B tile of at most this many elements, held in registers through its K loop: qwen3-30b-a3b's
-# tiles at T = 1 and 2 (64 columns of 128), not the 128 x 128 of T = 4 (176 registers against 104 without
+# tiles at T = 1 and 2 (32 and 64 columns of 128), not the 128 x 128 of T = 4 (176 registers against 104 without
 # it at 4 warps on sm_90: two programs per SM where shared memory allows three; module docstring).
 _PRELOAD_MAX_TILE = 128 * 64
 _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of one int64
@@ -774,21 +729,6 @@ _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of on
 # process) 374.3 vs 372.6 and 372.8 vs 372.1 tok/s, the same greedy tokens; bench/gpu_check.py passed with it.
 # Read at each call (MINI_INFER_MOE_MERGE_SLOTS=0, or `--switch fused_moe.MOE_MERGE_SLOTS=0`, for the sum kernel).
 MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "1") != "0"
-
-
-# The decode tiles' expert-weight (B) tiles through TMA tensor descriptors instead of pointer loads (B_TMA): off until
-# timed on a GPU. Read at each call (`--switch fused_moe.MOE_B_TMA=1`).
-MOE_B_TMA = os.environ.get("MINI_INFER_MOE_B_TMA", "0") != "0"
-
-
-def uses_b_tma(b: torch.Tensor, block_k: int) -> bool:
-    """Whether a grouped GEMM over the stacked weights `b` [E, N, K] may load its B tiles through a tensor
-    descriptor with K step `block_k`: contiguous 16-bit weights (the descriptor views them as [E * N, K], whose row
-    pitch TMA wants a multiple of 16 bytes) and K a multiple of the step (no K tail: rows past the tensor read as
-    zeros, K columns past a step would not)."""
-    k = b.shape[2]
-    return (TensorDescriptor is not None and b.is_contiguous() and b.dtype in (torch.bfloat16, torch.float16)
-            and k % block_k == 0 and k % 8 == 0 and b.data_ptr() % 16 == 0)
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -857,9 +797,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    tma = MOE_B_TMA and cfg.kind == "decode"  # read at each call, likewise
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids, evict=evict, tma=tma)
+                  cfg.gate_up, raw_ids, evict=evict)
     # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
@@ -869,7 +808,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
                   preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
-                  out if merge else None, k, tma)
+                  out if merge else None, k)
     if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)

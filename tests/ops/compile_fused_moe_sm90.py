@@ -1,9 +1,9 @@
-"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue), its slot sum
-(`_moe_sum_kernel`) and (TMA cases) its gate/up GEMM for sm_90 as qwen3-30b-a3b's decode launches build them (E 128,
-top-8, H 2048, I 768, bf16; the tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
+"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue) and its slot sum
+(`_moe_sum_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
+tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
 GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
 spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
-`griddepcontrol.wait`, and the TMA loads (cp.async.bulk.tensor) in all and before it.
+`griddepcontrol.wait`.
 
 Each build is the launch `fused_moe_triton` makes (given `moe_tile_config`'s tiles: the grouped GEMMs' path) for the
 case's tokens, bf16 hidden rows and routing weights and int32 ids, recorded by calling it on CPU tensors with every
@@ -16,9 +16,7 @@ give batch 4's down GEMM).
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
 columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
-pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`); batch 1's
-down GEMM (slot sum in its launch, with and without the preload) and gate/up GEMM with their B tiles through TMA
-tensor descriptors (fused_moe.MOE_B_TMA, `tma`; the gate/up GEMM without it too). The
+pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -41,21 +39,17 @@ KERNELS = ("_moe_gemm_kernel", "_moe_sum_kernel", "_align_single_kernel", "_alig
 
 def usage(built) -> dict:
     """The build's resource line and what its PTX issues before the PDL wait (nothing past the first wait counts)."""
-    ptx = built.asm["ptx"]
-    before = ptx.split("griddepcontrol.wait")[0]
-    tensor_load = r"\bcp\.async\.bulk\.tensor\b"  # a TMA load (MOE_B_TMA)
+    before = built.asm["ptx"].split("griddepcontrol.wait")[0]
     return {"resources": resource_usage(built.asm["cubin"]),
-            "tensor_loads": len(re.findall(tensor_load, ptx)),
-            "tensor_loads_before_wait": len(re.findall(tensor_load, before)),
             "loads_before_wait": len(re.findall(r"\bld\.global\b", before)),
             "vector_loads_before_wait": len(re.findall(r"\bld\.global(?:\.[\w:]+)*\.v[24]\b", before)),
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before))}
 
 
-def launches(tokens: int, local: int | None, merge: bool = False, tma: bool = False) -> tuple[object, dict]:
+def launches(tokens: int, local: int | None, merge: bool = False) -> tuple[object, dict]:
     """(the tile config, {kernel: [(args, kwargs), ...]}): the launches `fused_moe_triton` makes for `tokens` tokens
     of qwen3-30b-a3b (bf16 routing weights, as its router rounds them; with `local`, the first `local` experts on this
-    rank through an expert map; with `merge`, MOE_MERGE_SLOTS; with `tma`, MOE_B_TMA)."""
+    rank through an expert map; with `merge`, MOE_MERGE_SLOTS)."""
     import torch
 
     from mini_infer.ops import fused_moe as fm
@@ -69,42 +63,28 @@ def launches(tokens: int, local: int | None, merge: bool = False, tma: bool = Fa
     w13 = torch.empty(experts, 2 * inter, h, dtype=torch.bfloat16)  # never touched: not backed by memory
     w2 = torch.empty(experts, h, inter, dtype=torch.bfloat16)
     expert_map = None if local is None else torch.zeros(e, dtype=torch.int32)
-    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, MOE_MERGE_SLOTS=merge, MOE_B_TMA=tma, _TILE_OK={}) as calls:
+    with record_launches(fm, *KERNELS, MOE_PRELOAD=True, MOE_MERGE_SLOTS=merge, _TILE_OK={}) as calls:
         fm.fused_moe_triton(hidden, weights, ids, w13, w2, expert_map=expert_map, config=cfg)
     return cfg, calls
 
 
-def down_gemm(tokens: int, local: int | None, preload: bool, merge: bool = False, tma: bool = False):
+def down_gemm(tokens: int, local: int | None, preload: bool, merge: bool = False):
     """The down GEMM as fused_moe_triton launches it for `tokens` tokens of qwen3-30b-a3b: pair-per-block mode where
-    `uses_pair_blocks` takes it, else after align; with `merge`, the slot sum in its launch; with `tma`, its B tiles
-    through a tensor descriptor."""
+    `uses_pair_blocks` takes it, else after align; with `merge`, the slot sum in its launch."""
     from mini_infer.ops import fused_moe as fm
 
-    cfg, calls = launches(tokens, local, merge, tma)
+    cfg, calls = launches(tokens, local, merge)
     (args, kwargs), = [call for call in calls["_moe_gemm_kernel"] if not call[1]["GATED"]]
     tile = cfg.down
     pair_blocks = fm.uses_pair_blocks(tokens, QWEN3["top_k"], QWEN3["num_experts"])
     assert (kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs["PAIR_BLOCKS"], kwargs["MERGE_SLOTS"]) == (
         tile.block_n, tile.block_k, tile.num_warps, pair_blocks, QWEN3["top_k"] if merge else 0), kwargs
     assert ("_moe_sum_kernel" in calls and calls["_moe_sum_kernel"] != []) == (not merge), calls.keys()
-    assert kwargs["B_TMA"] == tma, kwargs
     # a CUDA launch: 16-bit dots (the CPU's are fp32; the PDL wait: build_launch); the case's preload
     kwargs = dict(kwargs, DOT_FP32=False, PRELOAD=preload)
     built, _ = build_launch(fm._moe_gemm_kernel, args, kwargs)
     return {"block_m": cfg.block_m, "block_n": tile.block_n, "block_k": tile.block_k, "pair_blocks": pair_blocks,
             "within_preload_limit": tile.block_n * tile.block_k <= fm._PRELOAD_MAX_TILE, **usage(built)}
-
-
-def gate_up_gemm(tma: bool):
-    """The gate/up GEMM of a qwen3-30b-a3b batch-1 call (pair-per-block mode; no preload: its experts come from the
-    kernel just before it); with `tma`, its B tiles through a tensor descriptor."""
-    from mini_infer.ops import fused_moe as fm
-
-    _, calls = launches(1, None, tma=tma)
-    (args, kwargs), = [call for call in calls["_moe_gemm_kernel"] if call[1]["GATED"]]
-    assert (kwargs["B_TMA"], kwargs["PRELOAD"]) == (tma, False), kwargs
-    built, _ = build_launch(fm._moe_gemm_kernel, args, dict(kwargs, DOT_FP32=False))
-    return usage(built)
 
 
 def slot_sum(preload: bool):
@@ -123,10 +103,6 @@ def cases() -> list[dict]:
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
-    out += [{"kernel": "down_gemm", "name": "qwen3_t1", "preload": p, "merge": True, "tma": True,
-             **down_gemm(1, None, p, True, True)} for p in (True, False)]
-    out += [{"kernel": "gate_up_gemm", "name": "qwen3_t1", "preload": False, "tma": tma, **gate_up_gemm(tma)}
-            for tma in (True, False)]
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

@@ -68,19 +68,9 @@ _POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "flo
                   "int64": "i64", "bool": "i1"}
 
 
-def _is_descriptor(value) -> bool:
-    """Whether `value` is Triton's host-side tensor descriptor (triton.tools.tensor_descriptor, Triton >= 3.4)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return False
-    return isinstance(value, TensorDescriptor)
-
-
 def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of `kernel` launched with `args` / `kwargs` (launch options such as num_warps
-    left out), specialized as Triton's launcher does (3.6 and 3.9 alike): a tensor descriptor is its
-    `tensordesc<dtype[block]>` type; a tensor is a pointer, divisible by 16 when
+    left out), specialized as Triton's launcher does (3.6 and 3.9 alike): a tensor is a pointer, divisible by 16 when
     its data is 16-byte aligned; an integer 1 is a constant, as is None; another integer is divisible by 16 when it is a
     multiple of 16; floats and bools are not specialized; nor is a parameter in the kernel's `do_not_specialize` (no constant,
     no mark) or its `do_not_specialize_on_alignment` (no mark). A constexpr parameter the launch does not pass takes
@@ -94,10 +84,6 @@ def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dic
         specialize = not param.do_not_specialize
         if param.is_constexpr or value is None or (specialize and type(value) is int and value == 1):
             sig[name], constexprs[name] = "constexpr", value
-            continue
-        if _is_descriptor(value):  # a host-side tensor descriptor: its type names the dtype and the block
-            dtype = _POINTER_TYPES[str(value.base.dtype).removeprefix("torch.")]
-            sig[name] = f"tensordesc<{dtype}[{','.join(str(d) for d in value.block_shape)}]>"
             continue
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]

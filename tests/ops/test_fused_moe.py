@@ -551,31 +551,3 @@ def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, 
         assert torch.equal(merged, summed)
     assert sums == []
     assert_close(merged, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
-
-
-@requires_triton
-@pytest.mark.parametrize(("tokens", "pair_blocks"), [(1, True), (3, False)])
-def test_b_tma_gives_the_pointer_loads_bits(tokens, pair_blocks, monkeypatch):
-    """MOE_B_TMA: the decode tiles' expert-weight tiles through tensor descriptors give the pointer loads' output bit
-    for bit (pair-per-block mode with the down GEMM's preload and slot sum, and the sorted path), with I = 48 not a
-    multiple of the 32-column tile (a tile's rows past I read the next rows, which no column stored uses)."""
-    config = MoeTileConfig("decode", 16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 16, 1, 4, 2))  # K steps divide K
-    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16).to(DEVICE)
-    w13, w2 = _experts(8, 64, 48, torch.bfloat16, seed=tokens)
-    weights, ids = _routing(tokens, 8, 2, seed=tokens)
-    outs = {}
-    launches = record_kernel_launches(monkeypatch, fused_moe_mod, "_moe_gemm_kernel", arguments=True)
-    for tma in (False, True):
-        monkeypatch.setattr(fused_moe_mod, "MOE_B_TMA", tma)
-        outs[tma] = fused_moe_triton(x, weights, ids, w13, w2, config=config, pair_blocks=pair_blocks)
-    assert [kw["B_TMA"] for _, kw in launches] == [False, False, True, True]
-    assert torch.equal(outs[True], outs[False])
-    assert_close(outs[True], fused_moe_reference(x, weights, ids, w13, w2))
-
-
-def test_b_tma_needs_contiguous_16_bit_weights_and_whole_k_steps():
-    w = torch.zeros(4, 48, 64, dtype=torch.bfloat16)
-    assert fused_moe_mod.uses_b_tma(w, 32) == (fused_moe_mod.TensorDescriptor is not None)
-    assert not fused_moe_mod.uses_b_tma(w, 128)  # K 64: no whole K step of 128
-    assert not fused_moe_mod.uses_b_tma(w.float(), 32)
-    assert not fused_moe_mod.uses_b_tma(w.transpose(1, 2), 16)  # not contiguous

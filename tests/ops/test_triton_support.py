@@ -38,10 +38,8 @@ def _jit_functions() -> dict[str, ast.FunctionDef]:
 
 
 # what may run before the wait: index arithmetic (loops of it too), and loads of the weights (addresses built on
-# `w_ptr` and what is derived from it, also through jit helpers; or `desc.load(...)` of a weight's tensor
-# descriptor), which no kernel writes
-_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where", "sum",
-                "trans"}
+# `w_ptr` and what is derived from it, also through jit helpers), which no kernel writes
+_PRE_WAIT_TL = {"arange", "program_id", "load", "zeros", "full", "cdiv", "maximum", "minimum", "where", "sum"}
 # pointers besides w_ptr that a kernel loads before its wait, and why no kernel of the step writes what it loads:
 PRE_WAIT_POINTERS = {
     # the step's lengths and block tables are inputs copied before the step's graph; of the caches, only key
@@ -51,9 +49,8 @@ PRE_WAIT_POINTERS = {
     # (MOE_PRELOAD, launched so only for the down GEMM and the slot sum) the routing's outputs, the align
     # step's pair rows / block experts / padded count and the expert map: two or more kernels back (the kernel just
     # before a down GEMM is its call's gate/up GEMM, which writes only the A operand; before a slot sum, the down
-    # GEMM, which writes only its src); b_ptr is the expert weights, b_desc their tensor descriptor (MOE_B_TMA)
-    "_moe_gemm_kernel": {"b_ptr", "b_desc", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr",
-                         "map_ptr"},
+    # GEMM, which writes only its src); b_ptr is the expert weights
+    "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr"},
     "_moe_sum_kernel": {"ids_ptr", "map_ptr"},
 }
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
@@ -117,8 +114,6 @@ def _call_ok(call: ast.Call, jit: dict[str, ast.FunctionDef], weights: set[str])
         if func.attr not in _PRE_WAIT_TL:
             return UNSAFE
         return PURE if func.attr != "load" or _weight_address(call.args[0], weights) else UNSAFE
-    if isinstance(func, ast.Attribute) and func.attr == "load":  # a tensor descriptor's load: of a weight only
-        return PURE if isinstance(func.value, ast.Name) and func.value.id in weights else UNSAFE
     if isinstance(func, ast.Name):
         name = func.id
     elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.attr in jit:
