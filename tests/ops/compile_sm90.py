@@ -104,12 +104,14 @@ def build_launch(kernel, args: tuple, kwargs: dict, use_gdc: bool | int = True):
     """`kernel` compiled for sm_90 as the launch `kernel[grid](*args, **kwargs)` builds it (`launch_signature`, and
     the launch's num_warps / num_stages; `launch_pdl` is a launch option only), with the PDL wait a CUDA launch on
     sm_90 takes (`pdl_args`: USE_GDC, where the kernel has it, set to `use_gdc`; a launch recorded on CPU tensors
-    passed False). Returns (the compiled kernel, its constexprs by name)."""
+    passed False), and its `enable_fp_fusion` where it passes one. Returns (the compiled kernel, its constexprs by
+    name)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     kwargs = dict(kwargs, **({"USE_GDC": use_gdc} if "USE_GDC" in kernel.arg_names else {}))
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
+               if key in kwargs}
     kwargs.pop("launch_pdl", None)
     sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
     source = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
