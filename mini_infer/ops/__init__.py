@@ -60,8 +60,6 @@ nothing from mini_infer outside this package.
 | fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
 |   activation, expert_map=None)                        |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
 |                                                       |                     | expert_map: e = map[ids[t,j]], -1 = another rank's    |
-| fused_moe_add(hidden, topk_weights, topk_ids, w13,    | Tensor [T, H]       | fused_moe(...) + residual; the add where the slots    |
-|   w2, residual, activation, expert_map=None)          |                     | are summed (bit-equal to the pair)                    |
 | quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
 | rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
 | fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |
@@ -107,7 +105,6 @@ from mini_infer.ops import argmax as _argmax_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
-from mini_infer.ops import fused_moe_add as _fused_moe_add_mod
 from mini_infer.ops import gather_rows as _gather_rows_mod
 from mini_infer.ops import gumbel_argmax as _gumbel_argmax_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
@@ -152,7 +149,6 @@ _MODULE_OF = {
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,
-    "fused_moe_add": _fused_moe_add_mod,
     "quantize_per_token": _quant_mod,
     "rms_norm_quant": _quant_mod,
     "fused_add_rms_norm_quant": _quant_mod,

@@ -102,16 +102,6 @@ if HAS_TRITON:
         return expert
 
     @triton.jit
-    def with_residual(acc, res_ptrs, mask, out_ptr, HAS_RESIDUAL: tl.constexpr):
-        """A slot sum `acc` (fp32) as stored at out_ptr's dtype, plus the residual at `res_ptrs` with HAS_RESIDUAL:
-        the sum rounded to that dtype, then added to the residual in fp32 (the caller's store rounds again), which is
-        torch's add of the rounded MoE output and the residual, bit for bit. Without HAS_RESIDUAL, `acc`."""
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r
-        return acc
-
-    @triton.jit
     def _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP: tl.constexpr):
         """The local expert of slot `pair` (int64; this rank's when in [0, E_local))."""
         return map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP).to(tl.int64)
@@ -154,15 +144,13 @@ if HAS_TRITON:
     @triton.jit
     def _moe_gemv_down_kernel(
         act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
-        stride_om, stride_we, stride_wn, res_ptr, stride_rm,
+        stride_om, stride_we, stride_wn,
         TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr = False,
     ):  # fmt: skip
         """out[t, n-tile] = sum over slots j of weight[p] * (W2[e] act[p]), p = t * TOP_K + j, t = program_id(0):
         one K loop over the TOP_K slots' rows laid end to end (BLOCK_K divides I: a step stays within one slot,
         whose expert and weight are scalars there), the weight applied to act; slots without a (local) expert
-        load nothing and add zero. Summed in fp32 in a fixed order; HAS_RESIDUAL: plus the token's residual row
-        (`with_residual`)."""
+        load nothing and add zero. Summed in fp32 in a fixed order."""
         await_producers(USE_GDC)
         t = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,18 +167,15 @@ if HAS_TRITON:
             a = tl.load(act_ptr + pair.to(tl.int64) * inter + cols, mask=col_ok, other=0.0).to(tl.float32)
             a *= tl.load(weights_ptr + pair).to(tl.float32)
             acc = gemv_step(acc, w_rows + tl.where(mine, expert, 0) * stride_we, row_ok, cols, col_ok, a)
-        out = with_residual(tl.sum(acc, axis=1), res_ptr + t.to(tl.int64) * stride_rm + rows, row_ok, out_ptr,
-                            HAS_RESIDUAL)
+        out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
+                    map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig) -> torch.Tensor:
     """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
     ids flat [T*k] contiguous, w13 [E, 2I, H] and w2 [E, H, I] with unit last stride; `map_ptr` / `num_global`
-    / `has_map` as fused_moe.py's `_map_args` gives them. Returns [T, H] in x's dtype; with `residual` ([T, H] in
-    x's dtype, unit column stride) the residual plus that output, the add in the down kernel (`with_residual`)."""
+    / `has_map` as fused_moe.py's `_map_args` gives them. Returns [T, H] in x's dtype."""
     t, h = x.shape
     e, inter = w2.shape[0], w2.shape[2]
     k = ids.numel() // t
@@ -204,7 +189,6 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x, trigger_first=False))
     _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
-        out if residual is None else residual, 0 if residual is None else residual.stride(0),
-        TOP_K=k, HAS_MAP=has_map, HAS_RESIDUAL=residual is not None, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
+        TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
         num_stages=dn.num_stages, **pdl_args(act, trigger_first=False))
     return out

@@ -48,8 +48,7 @@ Two implementations:
          directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert); in pair-per-block mode (MOE_MERGE_SLOTS, on
          by default) inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile
-         sums that tile (`_merge_slot_tiles`, the same bits). With `residual` (ops/fused_moe_add.py's op) that sum
-         also adds the residual row (`with_residual`: the sum rounded to hidden's dtype, then the add, as torch's).
+         sums that tile (`_merge_slot_tiles`, the same bits).
     Programs whose block lies past the padded end exit at once (in pair-per-block mode, also those of a slot
     with no local expert). For very few (token, slot) pairs
     (`moe_gemv_config`, _moe_gemv.py) a decode path replaces all four steps with two grouped GEMVs: no align,
@@ -107,7 +106,7 @@ from mini_infer.ops._triton_support import (
 )
 
 if HAS_TRITON:
-    from mini_infer.ops._moe_gemv import map_expert, with_residual
+    from mini_infer.ops._moe_gemv import map_expert
     from mini_infer.ops._split_k import arrives_last
 
 __all__ = [
@@ -245,13 +244,6 @@ def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         raise ValueError(f"fused_moe: expert_map must be an int32/int64 [E_global >= E={e}] tensor (local index of "
                          f"each global expert, -1 elsewhere), got {expert_map.dtype} {tuple(expert_map.shape)}")
     return t, h, e, two_i // 2, topk_ids.shape[1]
-
-
-def _check_residual(residual: torch.Tensor, t: int, h: int, dtype: torch.dtype) -> None:
-    """ValueError unless `residual` is [T, H] in hidden's dtype (the fused add's operand)."""
-    if residual.shape != (t, h) or residual.dtype != dtype:
-        raise ValueError(f"fused_moe: residual must be [{t}, {h}] {dtype}, got {list(residual.shape)} "
-                         f"{residual.dtype}")
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -452,11 +444,11 @@ if HAS_TRITON:
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, res_ptr, stride_rm,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False,
+        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -473,8 +465,7 @@ if HAS_TRITON:
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
         decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
         (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
-        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om), adding the
-        residual row at res_ptr (row stride stride_rm) with HAS_RESIDUAL."""
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -514,8 +505,7 @@ if HAS_TRITON:
         if not live:
             if MERGE_SLOTS > 0:  # a slot with no (local) expert still counts for its token's sum
                 _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
-                                  stride_cm, stride_om, num_experts, map_ptr, num_global, res_ptr, stride_rm,
-                                  MERGE_SLOTS, BLOCK_N, HAS_MAP, HAS_RESIDUAL)
+                                  stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
             return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
         a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
@@ -545,18 +535,17 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         if MERGE_SLOTS > 0:
             _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
-                              stride_cm, stride_om, num_experts, map_ptr, num_global, res_ptr, stride_rm,
-                              MERGE_SLOTS, BLOCK_N, HAS_MAP, HAS_RESIDUAL)
+                              stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
 
     @triton.jit
     def _merge_slot_tiles(c_ptr, out_ptr, ids_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok, stride_cm,
-                          stride_om, num_experts, map_ptr, num_global, res_ptr, stride_rm, TOP_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_MAP: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+                          stride_om, num_experts, map_ptr, num_global, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_MAP: tl.constexpr):  # fmt: skip
         """The slot sum in the down GEMM's launch, pair-per-block mode (block pid_m is pair t * TOP_K + j): the
         block counts at its token's counter for column tile pid_n (after its store, or at its exit), and the last of
         the token's TOP_K blocks to arrive, which has reset the counter, sums the token's slot rows of C over these
         columns in slot order, in fp32, skipping slots with no (local) expert: `_moe_sum_kernel`'s arithmetic, so
-        the same bits, whatever the arrival order. HAS_RESIDUAL: plus the token's residual row (`with_residual`)."""
+        the same bits, whatever the arrival order."""
         token = pid_m // TOP_K
         if arrives_last(cnt_ptr + token * num_pid_n + pid_n, TOP_K):
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -565,18 +554,16 @@ if HAS_TRITON:
                 expert = map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP)
                 row = tl.load(c_ptr + pair * stride_cm + cols, mask=col_ok, other=0.0).to(tl.float32)
                 acc += tl.where((expert >= 0) & (expert < num_experts), row, 0.0)
-            acc = with_residual(acc, res_ptr + token.to(tl.int64) * stride_rm + cols, col_ok, out_ptr, HAS_RESIDUAL)
             tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
     @triton.jit
-    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, res_ptr, stride_rm,
-                        TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr,
-                        PRELOAD: tl.constexpr, USE_GDC: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False):  # fmt: skip
+    def _moe_sum_kernel(src_ptr, ids_ptr, out_ptr, n_cols, num_experts, map_ptr, num_global, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr,
+                        USE_GDC: tl.constexpr):  # fmt: skip
         """out[t] = sum over the TOP_K rows t*TOP_K + j of src, in fp32, skipping slots whose id is not a (local)
         expert (their rows were never written). PRELOAD (TOP_K <= 63; module docstring, "Before the wait"): the
         token's slot ids, mapped and checked, are loaded before the PDL wait as a bit set (BLOCK_K: TOP_K's
-        power of two), read slot by slot after it; the rows and the sum as without it. HAS_RESIDUAL: plus the
-        token's residual row (`with_residual`)."""
+        power of two), read slot by slot after it; the rows and the sum as without it."""
         t = tl.program_id(0).to(tl.int64)
         if PRELOAD:  # the routing's ids: written before the grouped GEMMs, so two kernels back at least
             slot = tl.arange(0, BLOCK_K)
@@ -597,7 +584,6 @@ if HAS_TRITON:
                 slot_used = (expert >= 0) & (expert < num_experts)
             row = tl.load(src_ptr + (t * TOP_K + j) * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             acc += tl.where(slot_used, row, 0.0)
-        acc = with_residual(acc, res_ptr + t * stride_rm + cols, ok, out_ptr, HAS_RESIDUAL)
         tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -678,19 +664,17 @@ class _RawIds:
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
-                  merge_into: torch.Tensor | None = None, top_k: int = 0,
-                  residual: torch.Tensor | None = None) -> None:
+                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
     stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
     `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
-    top_k), C then holding the per-slot rows it reads; `residual` (with merge_into): added to those sums
-    (HAS_RESIDUAL)."""
+    top_k), C then holding the per-slot rows it reads."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, residual is not None)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
@@ -703,12 +687,11 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
                 a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
                 *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
-                out, cnt, s_om, c if residual is None else residual, 0 if residual is None else residual.stride(0),
+                out, cnt, s_om,
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, HAS_RESIDUAL=residual is not None,
-                num_warps=t.num_warps, num_stages=t.num_stages,
+                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
                 **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -777,20 +760,14 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
-                     pair_blocks: bool | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                     pair_blocks: bool | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
     the decode path, a `MoeTileConfig` the grouped GEMMs; None picks by shape: `moe_gemv_config` (few pairs, and
     weights of unit last stride), else `moe_tile_config`. The grouped GEMMs run in pair-per-block mode (no align
-    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT.
-    `residual` ([T, H] in hidden's dtype): returns residual + the routed sum instead, the add in the launch that
-    sums the slots (the down GEMM or GEMV, or the sum kernel; torch's add where the down GEMM writes the output
-    itself, k == 1) with torch's rounding: the sum rounded to hidden's dtype, then the add."""
+    step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
-    if residual is not None:
-        _check_residual(residual, t, h, hidden.dtype)
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
     if t == 0:
         return hidden.new_empty(0, h)
     num_global = e if expert_map is None else expert_map.shape[0]
@@ -804,7 +781,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if isinstance(config, MoeGemvConfig):
         emap, n_global = _map_args(ids, expert_map)
         w13, w2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13, w2))  # only with a given config
-        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config, residual)
+        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config)
     cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
     # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
@@ -831,18 +808,14 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
                   preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
-                  out if merge else None, k, residual if merge else None)
+                  out if merge else None, k)
     if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
         _moe_sum_kernel[(t, triton.cdiv(h, block))](
-            per_slot, ids, out, h, e, emap, n_global, out if residual is None else residual,
-            0 if residual is None else residual.stride(0), TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
-            HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS,
-            HAS_RESIDUAL=residual is not None, num_warps=4,
+            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
+            HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
             **pdl_args(per_slot, trigger_first=False))
-    if k == 1 and residual is not None:  # the down GEMM stored the output rows itself
-        return out + residual
     return out
 
 

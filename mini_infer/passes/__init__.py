@@ -11,7 +11,6 @@ from mini_infer.passes.fuse_gate_up_silu import FuseGateUpSilu
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
 from mini_infer.passes.fuse_lookups import FuseLookups
-from mini_infer.passes.fuse_moe_residual import FuseMoeResidual
 from mini_infer.passes.fuse_norm_gemv import FuseNormGemv
 from mini_infer.passes.fuse_qk_rotary import FuseQKRotary
 from mini_infer.passes.fuse_residual_gemvs import FuseResidualGemvs
@@ -35,7 +34,7 @@ PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm, FuseRotary,
                         FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul, FuseActQuant, MlaLatentCache,
                         PagedAttention, RotaryTable, FuseLookups, FuseRotaryAttention, FuseKVWrite, GemvLinear,
-                        FuseMoeResidual, FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
+                        FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }
 
 
