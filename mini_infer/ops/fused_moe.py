@@ -417,7 +417,7 @@ if HAS_TRITON:
         (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
         live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
         mapped through expert_map when HAS_MAP, names one of the num_experts local experts; b_ptrs: its expert's B
-        pointers at K offset 0; expert: its expert, int64). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
+        pointers at K offset 0). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
         pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
         already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
         where `live` is False, after the wait."""
@@ -437,18 +437,18 @@ if HAS_TRITON:
             row_ok = pair < num_pairs  # here, and right after the load without MASKED: each path's own order
         expert = expert.to(tl.int64)
         b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
-        return pair, row_ok, live, b_ptrs, expert
+        return pair, row_ok, live, b_ptrs
 
     @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, pf_ptr, pf_expert_bytes,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0, PREFETCH_LANES: tl.constexpr = 0,
+        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -465,10 +465,7 @@ if HAS_TRITON:
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
         decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
         (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
-        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om).
-        PREFETCH_LANES (> 0; CUDA only, MOE_PREFETCH_DOWN): after the wait, a live block asks L2 for its share (by
-        column tile) of its expert's next weights (pf_ptr: the down projection, pf_expert_bytes an expert's bytes),
-        one bulk prefetch per lane (`_prefetch_share`), so that the down GEMM after this launch finds them there."""
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -482,7 +479,7 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            pair, row_ok, live, b_ptrs, expert = _block_operands(
+            pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
                 num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
                 MASKED=True)  # fmt: skip
@@ -502,7 +499,7 @@ if HAS_TRITON:
             padded_end = tl.load(num_padded_ptr)
             if pid_m * BLOCK_M >= padded_end:
                 return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
-            pair, row_ok, live, b_ptrs, expert = _block_operands(
+            pair, row_ok, live, b_ptrs = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
         if not live:
@@ -510,8 +507,6 @@ if HAS_TRITON:
                 _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
                                   stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
             return  # past the padded end, or (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
-        if PREFETCH_LANES > 0:
-            _prefetch_share(pf_ptr, expert * pf_expert_bytes, pf_expert_bytes, pid_n, num_pid_n, PREFETCH_LANES)
         a_row = (pair // rows_per_a).to(tl.int64)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -541,22 +536,6 @@ if HAS_TRITON:
         if MERGE_SLOTS > 0:
             _merge_slot_tiles(c_ptr, out_ptr, block_expert_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok,
                               stride_cm, stride_om, num_experts, map_ptr, num_global, MERGE_SLOTS, BLOCK_N, HAS_MAP)
-
-    @triton.jit
-    def _prefetch_share(base_ptr, start, nbytes, part, parts, LANES: tl.constexpr):
-        """Share `part` of `parts` of the bytes [start, start + nbytes) after base_ptr into L2: one
-        `cp.async.bulk.prefetch.L2` per lane over a 16-byte-multiple piece (a hint: nothing is loaded or stored;
-        CUDA sm_90 only, never under the interpreter)."""
-        share = tl.cdiv(tl.cdiv(nbytes, parts), 16) * 16
-        first = part.to(tl.int64) * share
-        end = tl.minimum(first + share, nbytes)
-        piece = tl.cdiv(tl.cdiv(share, LANES), 16) * 16
-        lo = first + tl.arange(0, LANES).to(tl.int64) * piece
-        size = tl.maximum((tl.minimum(lo + piece, end) - lo) // 16 * 16, 0).to(tl.int32)
-        ptr = base_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + start + lo
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _merge_slot_tiles(c_ptr, out_ptr, ids_ptr, cnt_ptr, pid_m, pid_n, num_pid_n, cols, col_ok, stride_cm,
@@ -685,19 +664,17 @@ class _RawIds:
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
-                  merge_into: torch.Tensor | None = None, top_k: int = 0,
-                  prefetch: torch.Tensor | None = None) -> None:
+                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
     stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
     `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
-    top_k), C then holding the per-slot rows it reads. `prefetch` (CUDA): the stacked weights [E, ..] whose expert
-    slices each live block asks L2 for after its wait (PREFETCH_LANES: the down GEMM's, from the gate/up launch)."""
+    top_k), C then holding the per-slot rows it reads."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, prefetch is not None)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
@@ -710,14 +687,11 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
                 a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
                 *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
-                out, cnt, s_om, b if prefetch is None else prefetch,
-                0 if prefetch is None else prefetch.stride(0) * prefetch.element_size(),
+                out, cnt, s_om,
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge,
-                PREFETCH_LANES=0 if prefetch is None else 32 * t.num_warps, num_warps=t.num_warps,
-                num_stages=t.num_stages,
+                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
                 **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -755,11 +729,6 @@ _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of on
 # process) 374.3 vs 372.6 and 372.8 vs 372.1 tok/s, the same greedy tokens; bench/gpu_check.py passed with it.
 # Read at each call (MINI_INFER_MOE_MERGE_SLOTS=0, or `--switch fused_moe.MOE_MERGE_SLOTS=0`, for the sum kernel).
 MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "1") != "0"
-# The decode gate/up GEMM's live blocks ask L2 for their expert's down-projection weights (each its column tile's
-# share, `_prefetch_share`) after their wait, so that the down GEMM reads them from L2: off until timed on a GPU.
-# CUDA only (inline PTX: never under the interpreter), contiguous down weights. Read at each call
-# (MINI_INFER_MOE_PREFETCH_DOWN=1, or `--switch fused_moe.MOE_PREFETCH_DOWN=1`).
-MOE_PREFETCH_DOWN = os.environ.get("MINI_INFER_MOE_PREFETCH_DOWN", "0") != "0"
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -828,10 +797,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    prefetch = (w2 if MOE_PREFETCH_DOWN and cfg.kind == "decode" and w2.is_cuda and w2.is_contiguous()
-                and not os.environ.get("TRITON_INTERPRET") else None)  # read at each call
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids, evict=evict, prefetch=prefetch)
+                  cfg.gate_up, raw_ids, evict=evict)
     # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).

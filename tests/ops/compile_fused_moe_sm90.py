@@ -43,8 +43,7 @@ def usage(built) -> dict:
     return {"resources": resource_usage(built.asm["cubin"]),
             "loads_before_wait": len(re.findall(r"\bld\.global\b", before)),
             "vector_loads_before_wait": len(re.findall(r"\bld\.global(?:\.[\w:]+)*\.v[24]\b", before)),
-            "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before)),
-            "l2_prefetches": len(re.findall(r"\bcp\.async\.bulk\.prefetch\.L2\b", built.asm["ptx"]))}
+            "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom|red)\.", before))}
 
 
 def launches(tokens: int, local: int | None, merge: bool = False) -> tuple[object, dict]:
@@ -99,26 +98,11 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
-def gate_up_gemm(prefetch: bool):
-    """Batch 1's gate/up GEMM of qwen3-30b-a3b, with its blocks' L2 prefetch of the down weights (MOE_PREFETCH_DOWN,
-    which a CPU launch never takes: set here as a CUDA launch sets it) and without."""
-    from mini_infer.ops import fused_moe as fm
-
-    _, calls = launches(1, None)
-    (args, kwargs), = [call for call in calls["_moe_gemm_kernel"] if call[1]["GATED"]]
-    assert kwargs["PREFETCH_LANES"] == 0, kwargs
-    lanes = 32 * kwargs["num_warps"] if prefetch else 0
-    built, _ = build_launch(fm._moe_gemm_kernel, args, dict(kwargs, DOT_FP32=False, PREFETCH_LANES=lanes))
-    return usage(built)
-
-
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
-    out += [{"kernel": "gate_up_gemm", "name": "qwen3_t1", "preload": False, "prefetch": p, **gate_up_gemm(p)}
-            for p in (True, False)]
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

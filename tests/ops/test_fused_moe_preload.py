@@ -122,23 +122,6 @@ def test_preload_only_at_decode_tiles_within_the_size_limit_and_when_switched_on
 
 
 @requires_triton
-def test_down_weight_prefetch_never_runs_on_a_cpu(monkeypatch):
-    """MOE_PREFETCH_DOWN asks for inline PTX, which the interpreter cannot run: on CPU tensors no launch takes it
-    (PREFETCH_LANES 0), switched on or not, and the output is the same."""
-    from tests.ops.helpers import record_kernel_launches
-
-    x, weights, ids, w13, w2, _ = _case(1, 4, 8, 48, None, seed=6)
-    outs = []
-    for switch in (False, True):
-        monkeypatch.setattr(fm, "MOE_PREFETCH_DOWN", switch)
-        launches = record_kernel_launches(monkeypatch, fm, "_moe_gemm_kernel", arguments=True)
-        outs.append(fm.fused_moe_triton(x, weights, ids, w13, w2, config=DECODE))
-        assert [kw["PREFETCH_LANES"] for _, kw in launches] == [0, 0], switch
-        monkeypatch.undo()
-    assert torch.equal(*outs)
-
-
-@requires_triton
 @pytest.mark.parametrize("pair_blocks", [False, True], ids=["sorted", "pair_per_block"])
 def test_gated_preload_is_bit_equal(pair_blocks):
     """The kernel's GATED preload (the last K step's gate and up tiles), which fused_moe never launches (the kernel
@@ -170,8 +153,7 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
     preload or without it, no store before the wait, and with the preload the B tile's vector loads (the slot sum:
     its ids) before the wait, without it no load there. Batch 1's tile is within the preload's size limit, batch 4's
     128 x 128 is not. The same holds for the down GEMM with the slot sum in its launch (MOE_MERGE_SLOTS: its counts and
-    sums come after the wait). The gate/up GEMM builds with its L2 prefetch of the down weights (MOE_PREFETCH_DOWN)
-    and without it, the bulk prefetch only in the first."""
+    sums come after the wait)."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90"])
     for case in report["cases"]:
         assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], case
@@ -182,9 +164,6 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
             assert case["vector_loads_before_wait"] > 0, case
         else:
             assert case["loads_before_wait"] > 0, case
-    assert [(case["kernel"], case["l2_prefetches"] > 0) for case in report["cases"] if case["l2_prefetches"]] == [
-        ("gate_up_gemm", True)]
-    assert [case["prefetch"] for case in report["cases"] if case["kernel"] == "gate_up_gemm"] == [True, False]
     limits = {case["name"]: case["within_preload_limit"] for case in report["cases"] if case["kernel"] == "down_gemm"}
     assert limits["qwen3_t1"] and limits["qwen3_t2"] and not limits["qwen3_t4"]
     assert sorted(case["name"] for case in report["cases"] if case.get("merge")) == ["qwen3_t1", "qwen3_t1_ep2",
