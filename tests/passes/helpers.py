@@ -108,20 +108,6 @@ def bound_copy(gm: fx.GraphModule, backend: str) -> tuple[fx.GraphModule, set[st
     return bound, {getattr(n.target, "__name__", "") for n in bound.graph.nodes if n.op == "call_function"}
 
 
-def bench_module(name: str):
-    """bench/<name>.py as a module (the benchmarks are scripts, not a package), loaded once per process."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[2] / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def op_counts(gm: fx.GraphModule) -> Counter:
     return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
 

@@ -15,6 +15,7 @@ tests/ops/test_moe_topk.py's.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +36,6 @@ from tests.passes.helpers import (
     ToyLM,
     assert_logits_close,
     aten,
-    bench_module,
     bound_copy,
     check_against_eager,
     copy_gm,
@@ -284,9 +284,10 @@ def test_weight_bytes_and_summary(name):
     assert f"{blocks} MoE blocks ({block_class} x{blocks})" in row and "MB before stacking" in row
 
 
-def test_bench_active_bytes_counts_top_k_experts():
+def test_bench_active_bytes_counts_top_k_experts(monkeypatch):
     """bench/active_bytes.py (the batch-1 floor of bench/latency.py): a token reads top_k of E experts' weights."""
-    module = bench_module("active_bytes")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))  # as the tests/test_bench_* do
+    import active_bytes as module
     for name in ("tiny-qwen3-moe", "tiny-llama"):
         gm = mc.compiled(name).graph_module
         counted = module.token_bytes(gm)
