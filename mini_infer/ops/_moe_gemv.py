@@ -34,7 +34,8 @@ from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args
 if HAS_TRITON:
     from mini_infer.ops.linear import gemv_step
 
-__all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "moe_gemv_config", "moe_gemv_tiles", "moe_gemv_triton"]
+__all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "moe_gemv_config", "moe_gemv_gate_up", "moe_gemv_tiles",
+           "moe_gemv_triton"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class MoeGemvConfig:
 MOE_GEMV_MAX_PAIRS = int(os.environ.get("MINI_INFER_MOE_GEMV_MAX_PAIRS", "2"))  # read once, at import
 
 
+# The gate/up GEMV's tile (rows of gate and of up a program, K step, warps, stages): the H200 sweep's best
+# (bench/results/kernel_moe_decode_sweep_h200.json), one gate and one up row a program, 3 stages. Read at each
+# `moe_gemv_tiles` call (a benchmark switch: `--switch _moe_gemv.GATE_UP_TILE=2/1024/4/1`).
+GATE_UP_TILE = (1, 1024, 4, 3)
+
+
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for these shapes, or None when the grouped-GEMM path serves them (more than
     MOE_GEMV_MAX_PAIRS pairs, or an I that no K step of the down GEMV divides). Depends on shapes only, so a CUDA
@@ -76,9 +83,8 @@ def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     down_k = down_k_step(inter)
     if down_k is None:
         return None
-    # the H200 sweep's best of each GEMV (bench/results/kernel_moe_decode_sweep_h200.json): one gate and one up
-    # row per program, 3 stages; the down GEMV 4 rows at K steps of 512+, else 2
-    return MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
+    # the down GEMV 4 rows at K steps of 512+, else 2 (the H200 sweep's best, as GATE_UP_TILE)
+    return MoeGemvConfig(GemvTile(*GATE_UP_TILE), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
 
 
 def down_k_step(inter: int, most: int = 1024) -> int | None:
@@ -171,6 +177,22 @@ if HAS_TRITON:
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, ids: torch.Tensor, map_ptr: torch.Tensor,
+                     num_global: int, has_map: bool, tile: GemvTile) -> None:
+    """The decode path's gate/up GEMV alone (`_moe_gemv_gate_up_kernel`): act[p] = silu(W1[e] x[t]) * (W3[e] x[t])
+    for every (token, slot) pair p = t * k + j of `ids` (flat [T*k]) with a (local) expert e, rows of the others
+    left unwritten; act is [T*k, I] in x's dtype, the layout the grouped down GEMM's pair-per-block mode reads
+    (fused_moe.py's MOE_GEMV_GATE_UP). Launched so that the next kernel may load, before its own wait, what the
+    kernels before this one wrote (the routing), never `act`."""
+    t, h = x.shape
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    k = ids.numel() // t
+    _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, tile.block_n))](
+        x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+        HAS_MAP=has_map, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl_args(x, trigger_first=False))
+
+
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig) -> torch.Tensor:
     """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
@@ -181,12 +203,10 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     k = ids.numel() // t
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    gu, dn = config.gate_up, config.down
+    dn = config.down
     if inter % dn.block_k:
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
-    _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
-        x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        HAS_MAP=has_map, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(x, trigger_first=False))
+    moe_gemv_gate_up(x, w13, act, ids, map_ptr, num_global, has_map, config.gate_up)
     _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
         TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,

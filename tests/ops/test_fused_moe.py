@@ -525,15 +525,10 @@ def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
     assert len(aligned) == 1
 
 
-@requires_triton
-@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 4, 3), ("round robin", 2, 4)])
-def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, top_k, monkeypatch):
-    """MOE_MERGE_SLOTS (pair-per-block mode): the down GEMM's last block of each (token, column tile) sums the slot
-    rows itself; the output equals the slot-sum kernel's bit for bit, with ids outside [0, E) and, with an expert
-    map, slots on other ranks (they still count), and no `_moe_sum_kernel` launch. The counters are left zero: a
-    second call (another routing) is right too."""
-    num_experts = 16
-    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=21)
+def _pair_block_case(placement, tokens, top_k, seed, num_experts=16):
+    """A pair-per-block call's fp16 arguments and expert map (None, or this rank's `placement`, the weights then
+    its experts only), with ids outside [0, E): -1 in the first token's first slot, E in the last token's last."""
+    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=seed)
     ids[0, 0] = -1
     if tokens > 1:
         ids[-1, -1] = num_experts
@@ -542,6 +537,17 @@ def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, 
         held = list(PLACEMENTS[placement])
         emap = _expert_map(num_experts, PLACEMENTS[placement]).to(DEVICE)
         w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    return x, weights, ids, w13, w2, emap
+
+
+@requires_triton
+@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 4, 3), ("round robin", 2, 4)])
+def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, top_k, monkeypatch):
+    """MOE_MERGE_SLOTS (pair-per-block mode): the down GEMM's last block of each (token, column tile) sums the slot
+    rows itself; the output equals the slot-sum kernel's bit for bit, with ids outside [0, E) and, with an expert
+    map, slots on other ranks (they still count), and no `_moe_sum_kernel` launch. The counters are left zero: a
+    second call (another routing) is right too."""
+    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, seed=21)
     monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", False)
     summed = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
     monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", True)
@@ -551,3 +557,39 @@ def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, 
         assert torch.equal(merged, summed)
     assert sums == []
     assert_close(merged, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
+
+
+@requires_triton
+@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 3, 2), ("round robin", 2, 4)])
+def test_gate_up_gemv_feeds_the_grouped_down_gemm(placement, tokens, top_k, monkeypatch):
+    """MOE_GEMV_GATE_UP (pair-per-block mode, "decode" tiles): the decode path's gate/up GEMV writes the act rows in
+    place of the grouped gate/up GEMM, which is not launched; the grouped down GEMM and its slot sum read them. The
+    act rows are the decode path's own bits (the same kernel in `moe_gemv_triton`), and the output is the
+    reference's, with ids outside [0, E) and, with an expert map, slots on other ranks (their rows unwritten and
+    unread). Sorted (not pair-per-block) calls keep the grouped gate/up GEMM."""
+    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, seed=23)
+    monkeypatch.setattr(fused_moe_mod, "MOE_GEMV_GATE_UP", True)
+    monkeypatch.setattr(fused_moe_mod, "moe_gemv_tiles", lambda hidden, inter: GEMV)  # wide tiles: interpreter time
+    acts = []
+    gate_up = fused_moe_mod.moe_gemv_gate_up
+
+    def spy(x_, w13_, act, *args):
+        gate_up(x_, w13_, act, *args)
+        acts.append(act.clone())
+
+    monkeypatch.setattr(fused_moe_mod, "moe_gemv_gate_up", spy)
+    kernels = record_kernel_launches(monkeypatch, fused_moe_mod, "_moe_gemm_kernel")
+    out = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
+    assert len(acts) == 1 and kernels == ["_moe_gemm_kernel"]  # the down GEMM only
+    assert_close(out, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
+    # the rows of pairs with a local expert are the decode path's (its gate/up kernel, as moe_gemv_triton runs it)
+    flat = ids.reshape(-1).contiguous()
+    local = local_expert_ids(flat.long(), emap)
+    used = (local >= 0) & (local < w13.shape[0])
+    decode_path = torch.zeros(ids.numel(), w2.shape[2], dtype=x.dtype, device=x.device)
+    emap_arg, n_global = fused_moe_mod._map_args(flat, emap)
+    gate_up(x, w13, decode_path, flat, emap_arg, n_global, emap is not None, GEMV.gate_up)
+    assert used.any() and not used.all() and torch.equal(acts[0][used], decode_path[used])
+    kernels.clear()
+    fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=False)
+    assert kernels.count("_moe_gemm_kernel") == 2 and len(acts) == 1
