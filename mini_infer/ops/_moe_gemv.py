@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args, tl, triton
 
 if HAS_TRITON:
-    from mini_infer.ops.linear import gemv_step
+    from mini_infer.ops._split_k import arrives_last
+    from mini_infer.ops.linear import gemv_load, gemv_step
 
 __all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "moe_gemv_config", "moe_gemv_gate_up", "moe_gemv_tiles",
            "moe_gemv_triton"]
@@ -55,6 +57,7 @@ class MoeGemvConfig:
 
     gate_up: GemvTile
     down: GemvTile
+    down_pairs: bool = False  # the down GEMV a program per (pair, row tile), slots summed by the last to arrive
 
 
 # The decode path serves calls of at most this many (token, slot) pairs: where it beat the grouped GEMMs on an
@@ -68,6 +71,22 @@ MOE_GEMV_MAX_PAIRS = int(os.environ.get("MINI_INFER_MOE_GEMV_MAX_PAIRS", "2"))  
 # (bench/results/kernel_moe_decode_sweep_h200.json), one gate and one up row a program, 3 stages. Read at each
 # `moe_gemv_tiles` call (a benchmark switch: `--switch _moe_gemv.GATE_UP_TILE=2/1024/4/1`).
 GATE_UP_TILE = (1, 1024, 4, 3)
+# The down GEMV a program per (token, slot) pair and BLOCK_N output rows (`_moe_gemv_down_pairs_kernel`) instead of
+# a program per (token, row tile) walking every slot's I in one K loop (`_moe_gemv_down_kernel`): in qwen3-30b-a3b's
+# batch-1 timeline on an H200 (thirty-ninth session, bench/RESULTS.md) the latter took 25-26 us a layer over 25 MB
+# (512 programs, 24 dependent K steps of 256 each), the decode path's gate/up GEMV 14.5-14.7 over 50 MB (6,144
+# programs of 2 rows). Each pair's partial rows are stored in fp32 and the last of a token's TOP_K programs to
+# finish a row tile sums them in slot order (fused_moe.py's `_merge_slot_tiles` way: deterministic). Any I (the K
+# loop masks its last step). Not yet timed on a GPU, so off: `--switch
+# _moe_gemv.DOWN_PAIRS=1,_moe_gemv.MOE_GEMV_MAX_PAIRS=8` times it at qwen3-30b-a3b batch 1; read at each
+# `moe_gemv_tiles` call (MINI_INFER_MOE_GEMV_DOWN_PAIRS=1 at import). DOWN_PAIRS_TILE: (rows a program, K step,
+# warps, stages): qwen3-30b-a3b's I of 768 in three pipelined steps of 256, 4 rows (6 KiB of bf16) a program.
+DOWN_PAIRS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_PAIRS", "0") == "1"
+DOWN_PAIRS_TILE = (4, 256, 4, 3)
+# The pairs kernel loads its pair's routing (expert id and weight, written by the router two kernels back: the
+# gate/up GEMV before it lets it launch only after its own wait) and the first K step of its weight rows before
+# its PDL wait; the act rows (the gate/up GEMV's output) after it. Read at each launch.
+DOWN_PAIRS_PRELOAD = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_PAIRS_PRELOAD", "1") != "0"
 
 
 def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> MoeGemvConfig | None:
@@ -80,6 +99,8 @@ def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> Moe
 def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
     divides I)."""
+    if DOWN_PAIRS:
+        return MoeGemvConfig(GemvTile(*GATE_UP_TILE), GemvTile(*DOWN_PAIRS_TILE), down_pairs=True)
     down_k = down_k_step(inter)
     if down_k is None:
         return None
@@ -176,6 +197,60 @@ if HAS_TRITON:
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
+    @triton.jit
+    def _moe_gemv_down_pairs_kernel(
+        act_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden,
+        inter, stride_om, stride_we, stride_wn,
+        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
+    ):  # fmt: skip
+        """part[p, n-tile] = weight[p] * (W2[e] act[p]) in fp32 for pair p = program_id(0) (its local expert e; a
+        pair without one stores nothing), then out[t, n-tile] = the sum over slots j of part[t * TOP_K + j] in slot
+        order, by the last of token t's TOP_K programs to count at its counter for the tile (`arrives_last`; pairs
+        without a local expert count too and are skipped in the sum). One K loop over I (the last step masked),
+        the weight applied to act, elementwise fp32 products and one row-sum (the dense GEMV's loop). PRELOAD: the
+        pair's expert id and the first K step's weights are loaded before the wait (both written before the kernel
+        just before this one, which launches this one only after its own wait)."""
+        pair = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+        t = pair // TOP_K
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < hidden
+        cols0 = tl.arange(0, BLOCK_K)
+        if PRELOAD:
+            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+            mine = (expert >= 0) & (expert < num_experts)
+            n_k = tl.where(mine, inter, 0)  # no local expert: no K step loads anything
+            w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows[:, None].to(tl.int64) * stride_wn
+            w0 = gemv_load(w_rows, row_ok, cols0, cols0 < n_k)
+            await_producers(USE_GDC)
+        else:
+            await_producers(USE_GDC)
+            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+            mine = (expert >= 0) & (expert < num_experts)
+            n_k = tl.where(mine, inter, 0)
+            w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows[:, None].to(tl.int64) * stride_wn
+            w0 = gemv_load(w_rows, row_ok, cols0, cols0 < n_k)
+        wgt = tl.load(weights_ptr + pair).to(tl.float32)
+        a_row = act_ptr + pair * inter
+        a = tl.load(a_row + cols0, mask=cols0 < n_k, other=0.0).to(tl.float32) * wgt
+        acc = w0.to(tl.float32) * a[None, :]
+        for k0 in range(BLOCK_K, n_k, BLOCK_K):
+            cols = k0 + cols0
+            col_ok = cols < n_k
+            a = tl.load(a_row + cols, mask=col_ok, other=0.0).to(tl.float32) * wgt
+            acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, a)
+        part = tl.sum(acc, axis=1)
+        tl.store(part_ptr + pair * hidden + rows, part, mask=row_ok & (rows * 0 < n_k))
+        if arrives_last(cnt_ptr + t * tl.num_programs(1) + tile, TOP_K):
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(TOP_K):
+                p = t * TOP_K + j
+                e = _slot_expert(ids_ptr, p, map_ptr, num_global, HAS_MAP)
+                used = tl.where((e >= 0) & (e < num_experts), hidden, 0)
+                total += tl.load(part_ptr + p * hidden + rows, mask=rows < used, other=0.0)
+            tl.store(out_ptr + t * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+
 
 def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, ids: torch.Tensor, map_ptr: torch.Tensor,
                      num_global: int, has_map: bool, tile: GemvTile) -> None:
@@ -204,9 +279,18 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     dn = config.down
-    if inter % dn.block_k:
+    if inter % dn.block_k and not config.down_pairs:
         raise ValueError(f"moe_gemv_triton: the down K step {dn.block_k} must divide I = {inter}")
     moe_gemv_gate_up(x, w13, act, ids, map_ptr, num_global, has_map, config.gate_up)
+    if config.down_pairs:
+        tiles = triton.cdiv(h, dn.block_n)
+        part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+        _moe_gemv_down_pairs_kernel[(t * k, tiles)](
+            act, w2, out, part, split_counters(x.device, t * tiles), weights, ids, map_ptr, num_global, e, h, inter,
+            out.stride(0), w2.stride(0), w2.stride(1), TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n,
+            BLOCK_K=dn.block_k, PRELOAD=DOWN_PAIRS_PRELOAD, num_warps=dn.num_warps, num_stages=dn.num_stages,
+            **pdl_args(act, trigger_first=False))
+        return out
     _moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, weights, ids, map_ptr, num_global, e, h, inter, out.stride(0), w2.stride(0), w2.stride(1),
         TOP_K=k, HAS_MAP=has_map, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,

@@ -1,5 +1,5 @@
-"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue) and its slot sum
-(`_moe_sum_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
+"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue), its slot sum
+(`_moe_sum_kernel`) and the decode path's per-pair down GEMV (`_moe_gemv_down_pairs_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
 tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
 GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
 spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
@@ -16,7 +16,8 @@ give batch 4's down GEMM).
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
 columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
-pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
+pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`); and the decode
+path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS, batch 1, DOWN_PAIRS_PRELOAD on and off). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -98,11 +99,32 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
+def gemv_down_pairs(preload: bool):
+    """The decode path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS) for one token of
+    qwen3-30b-a3b at its DOWN_PAIRS_TILE, with its routing and first weight step before the wait or not."""
+    import torch
+
+    from mini_infer.ops import _moe_gemv as mg
+
+    e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
+    hidden, weights = torch.empty(1, h, dtype=torch.bfloat16), torch.empty(k, dtype=torch.bfloat16)
+    ids = torch.zeros(k, dtype=torch.int32)
+    w13, w2 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)
+    cfg = mg.MoeGemvConfig(mg.GemvTile(*mg.GATE_UP_TILE), mg.GemvTile(*mg.DOWN_PAIRS_TILE), down_pairs=True)
+    with record_launches(mg, "_moe_gemv_gate_up_kernel", "_moe_gemv_down_pairs_kernel",
+                         DOWN_PAIRS_PRELOAD=preload) as calls:
+        mg.moe_gemv_triton(hidden, weights, ids, w13, w2, ids, e, False, cfg)
+    (args, kwargs), = calls["_moe_gemv_down_pairs_kernel"]
+    built, _ = build_launch(mg._moe_gemv_down_pairs_kernel, args, kwargs)
+    return usage(built)
+
+
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
+    out += [{"kernel": "gemv_down_pairs", "name": "qwen3_t1", "preload": p, **gemv_down_pairs(p)} for p in (True, False)]
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

@@ -33,6 +33,9 @@ PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 1
 # tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
 # runs one program at a time.
 GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
+# the decode path with its down GEMV a program per (pair, row tile) (`down_pairs`): row tiles of 16 (two at H 32,
+# the second partial at H 24), K steps of 8 (the first one the preloaded step; I 20 ends on a masked one)
+GEMV_PAIRS = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(16, 8, 4, 1), down_pairs=True)
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -230,8 +233,9 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize(("config", "pair_blocks"), [(GEMV, None), (DECODE, False), (DECODE, True)],
-                         ids=["gemv", "grouped", "pair_per_block"])
+@pytest.mark.parametrize(("config", "pair_blocks"),
+                         [(GEMV, None), (GEMV_PAIRS, None), (DECODE, False), (DECODE, True)],
+                         ids=["gemv", "gemv_down_pairs", "grouped", "pair_per_block"])
 def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
     """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
     path and the grouped GEMMs, after align or pair per block)."""
@@ -525,10 +529,10 @@ def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
     assert len(aligned) == 1
 
 
-def _pair_block_case(placement, tokens, top_k, seed, num_experts=16):
+def _pair_block_case(placement, tokens, top_k, seed, num_experts=16, hidden=32, inter=48):
     """A pair-per-block call's fp16 arguments and expert map (None, or this rank's `placement`, the weights then
     its experts only), with ids outside [0, E): -1 in the first token's first slot, E in the last token's last."""
-    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=seed)
+    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, hidden, inter, top_k, torch.float16, seed)
     ids[0, 0] = -1
     if tokens > 1:
         ids[-1, -1] = num_experts
@@ -593,3 +597,45 @@ def test_gate_up_gemv_feeds_the_grouped_down_gemm(placement, tokens, top_k, monk
     kernels.clear()
     fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=False)
     assert kernels.count("_moe_gemm_kernel") == 2 and len(acts) == 1
+
+
+@requires_triton
+@pytest.mark.parametrize(("placement", "tokens", "top_k", "hidden", "inter"),
+                         [(None, 1, 8, 32, 20), (None, 3, 2, 24, 16), ("round robin", 2, 4, 32, 20)])
+def test_gemv_down_pairs_sum_slots_in_the_last_program(placement, tokens, top_k, hidden, inter, monkeypatch):
+    """The decode path's down GEMV a program per (pair, row tile) (`down_pairs`): the reference's output, with ids
+    outside [0, E) and, with an expert map, slots on other ranks (they count, add nothing); the same bits with its
+    routing and first weight step loaded before the wait (DOWN_PAIRS_PRELOAD) or after; each token's slot partials
+    summed in slot order by the last program (the fp32 sum of the stored partials in that order, bit for bit); the
+    counters left zero, so a second call with another routing is right too."""
+    from mini_infer.ops import _moe_gemv
+
+    num_experts = 16
+    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, 31, num_experts, hidden, inter)
+    parts = []
+    empty = torch.empty
+
+    def keep_parts(*shape, dtype=None, device=None):  # the launcher's fp32 partials [T*k, H], kept to check the sum
+        t = empty(*shape, dtype=dtype, device=device)
+        if dtype == torch.float32:
+            t.fill_(float("nan"))  # rows of pairs without a local expert stay unwritten and must not be read
+            parts.append(t)
+        return t
+
+    monkeypatch.setattr(_moe_gemv.torch, "empty", keep_parts)
+    outs = {}
+    for preload in (True, False):
+        monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS_PRELOAD", preload)
+        outs[preload] = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=GEMV_PAIRS)
+    assert torch.equal(outs[True], outs[False])
+    assert_close(outs[True], fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
+    local = local_expert_ids(ids.reshape(-1).long(), emap)
+    used = ((local >= 0) & (local < w13.shape[0])).reshape(tokens, top_k)
+    part = parts[0].reshape(tokens, top_k, hidden)
+    summed = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    for j in range(top_k):
+        summed += torch.where(used[:, j, None], part[:, j], 0.0)
+    assert torch.equal(outs[True], summed.to(x.dtype))
+    weights, ids = _routing(tokens, num_experts, top_k, seed=32)
+    assert_close(fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=GEMV_PAIRS),
+                 fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
