@@ -9,7 +9,10 @@ No align step and no slot sum:
      divides I, so each step lies in one slot, whose expert and routing weight are scalars there), the routing
      weight applied to act, slots without a (local) expert loading nothing: out [T, H] directly, summed in fp32
      in a fixed order. Unlike the grouped path, the slots' products are not rounded to hidden's dtype one by one
-     before the sum (the reference does not round them either).
+     before the sum (the reference does not round them either). Or (DOWN_PAIRS, opt-in, not yet timed on a GPU):
+     program (pair p, output tile n) over p's I alone, fp32 partial rows, the token's last program to finish the
+     tile summing its k partials in slot order (`_moe_gemv_down_pairs_kernel`).
+The gate/up GEMV alone (`moe_gemv_gate_up`) also serves fused_moe.py's grouped path (MOE_GEMV_GATE_UP, opt-in).
 Each pair reads its expert's weights itself (tokens that share an expert read it again), so this can pay only
 while T * k is tiny. Measured on an H200 (bench/kernel_moe.py --decode, bench/results/kernel_moe_decode*_h200.json)
 it beat the grouped GEMMs only at mixtral-8x7b's batch 1 (2 pairs, I 14336: 183 vs 193 us); at qwen3-30b-a3b's
