@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +100,13 @@ def step_loop_ms(eng, prompt: list[int], params) -> float:
         eng.step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / (eng.stats["generation_tokens"] - first)
+
+
+def progress(e: dict) -> None:
+    """One line on stderr as soon as an engine is timed (the table comes at the end: a run cut short by a time
+    limit still shows what it measured)."""
+    print(f"[timed] q={e['quantization'] or 'none'} kv={e['kv_cache_dtype']}{e.get('tag', '')}: "
+          f"{e['decode_tok_s']:.1f} tok/s (floor {e['floor_tok_s']:.1f})", file=sys.stderr, flush=True)
 
 
 def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str,
@@ -226,11 +234,14 @@ def main() -> None:
             passes = [PASSES[name](lm_head=True) if p == name else p for p in e["passes"]]
             engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes))
             engines[-1]["tag"] = ",lm_head"
+    for e in engines:
+        progress(e)
     first = engines[0]
     for tag, passes, switch in variant_runs(first["passes"], args.without, args.with_, args.switch, args.rounds):
         with switched(switch) if switch else contextlib.nullcontext():
             engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes))
         engines[-1]["tag"] = tag
+        progress(engines[-1])
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:

@@ -99,6 +99,19 @@ def test_rounds_alternate_every_variant(monkeypatch):
     assert latency.variant_runs(first, "a,c", None, [], 1) == [(",without=a+c", ["b"], None)]
 
 
+def test_each_engine_is_reported_as_soon_as_it_is_timed(monkeypatch, capsys):
+    """A run cut short by its time limit keeps what it measured: one stderr line an engine, with its tag."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    latency.progress({"quantization": None, "kv_cache_dtype": "auto", "tag": ",linear.X=0", "decode_tok_s": 391.24,
+                      "floor_tok_s": 681.4})
+    latency.progress({"quantization": "w8a8", "kv_cache_dtype": "fp8", "decode_tok_s": 407.0, "floor_tok_s": 540.8})
+    assert capsys.readouterr().err.splitlines() == [
+        "[timed] q=none kv=auto,linear.X=0: 391.2 tok/s (floor 681.4)",
+        "[timed] q=w8a8 kv=fp8: 407.0 tok/s (floor 540.8)"]
+
+
 def test_table_switch_sets_one_field_and_clears_launch_shapes(monkeypatch):
     """`module.TABLE[key][field]=int`: one entry of a launch-shape table for the block (added if absent, removed
     after), the module's cached launch shapes dropped on the way in and out (else the next engine would launch the
