@@ -39,8 +39,8 @@ if HAS_TRITON:
     from mini_infer.ops._split_k import arrives_last
     from mini_infer.ops.linear import gemv_load, gemv_step
 
-__all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "moe_gemv_config", "moe_gemv_gate_up", "moe_gemv_tiles",
-           "moe_gemv_triton"]
+__all__ = ["MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "gate_up_tile", "moe_gemv_config", "moe_gemv_gate_up",
+           "moe_gemv_tiles", "moe_gemv_triton"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ GATE_UP_TILE = (1, 1024, 4, 3)
 # warps, stages): qwen3-30b-a3b's I of 768 in three pipelined steps of 256, 4 rows (6 KiB of bf16) a program.
 DOWN_PAIRS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_PAIRS", "0") == "1"
 DOWN_PAIRS_TILE = (4, 256, 4, 3)
-# The pairs kernel loads its pair's routing (expert id and weight, written by the router two kernels back: the
-# gate/up GEMV before it lets it launch only after its own wait) and the first K step of its weight rows before
-# its PDL wait; the act rows (the gate/up GEMV's output) after it. Read at each launch.
+# The pairs kernel loads its pair's expert id (written by the router two kernels back: the gate/up GEMV before it
+# lets it launch only after its own wait) and the first K step of its weight rows before its PDL wait; the routing
+# weight and the act rows (the gate/up GEMV's output) after it. Read at each launch.
 DOWN_PAIRS_PRELOAD = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_PAIRS_PRELOAD", "1") != "0"
 
 
@@ -99,16 +99,21 @@ def moe_gemv_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> Moe
     return moe_gemv_tiles(hidden, inter) if num_tokens * top_k <= MOE_GEMV_MAX_PAIRS else None
 
 
+def gate_up_tile() -> GemvTile:
+    """The gate/up GEMV's tile (GATE_UP_TILE, read now)."""
+    return GemvTile(*GATE_UP_TILE)
+
+
 def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
     divides I)."""
     if DOWN_PAIRS:
-        return MoeGemvConfig(GemvTile(*GATE_UP_TILE), GemvTile(*DOWN_PAIRS_TILE), down_pairs=True)
+        return MoeGemvConfig(gate_up_tile(), GemvTile(*DOWN_PAIRS_TILE), down_pairs=True)
     down_k = down_k_step(inter)
     if down_k is None:
         return None
     # the down GEMV 4 rows at K steps of 512+, else 2 (the H200 sweep's best, as GATE_UP_TILE)
-    return MoeGemvConfig(GemvTile(*GATE_UP_TILE), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
+    return MoeGemvConfig(gate_up_tile(), GemvTile(4 if down_k >= 512 else 2, down_k, 4, 3))
 
 
 def down_k_step(inter: int, most: int = 1024) -> int | None:
@@ -244,7 +249,7 @@ if HAS_TRITON:
             a = tl.load(a_row + cols, mask=col_ok, other=0.0).to(tl.float32) * wgt
             acc = gemv_step(acc, w_rows, row_ok, cols, col_ok, a)
         part = tl.sum(acc, axis=1)
-        tl.store(part_ptr + pair * hidden + rows, part, mask=row_ok & (rows * 0 < n_k))
+        tl.store(part_ptr + pair * hidden + rows, part, mask=row_ok & (rows * 0 < n_k))  # n_k > 0: a local expert
         if arrives_last(cnt_ptr + t * tl.num_programs(1) + tile, TOP_K):
             total = tl.zeros([BLOCK_N], tl.float32)
             for j in tl.static_range(TOP_K):

@@ -94,9 +94,9 @@ import torch.nn.functional as F
 
 from mini_infer.ops._moe_gemv import (
     MoeGemvConfig,
+    gate_up_tile,
     moe_gemv_config,
     moe_gemv_gate_up,
-    moe_gemv_tiles,
     moe_gemv_triton,
 )
 from mini_infer.ops._split_k import split_counters
@@ -815,9 +815,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    gemv_tiles = moe_gemv_tiles(h, inter) if pair_blocks and cfg.kind == "decode" and MOE_GEMV_GATE_UP else None
-    if gemv_tiles is not None and w13.stride(2) == 1:
-        moe_gemv_gate_up(x, w13, act, ids, raw_ids.emap, raw_ids.num_global, raw_ids.has_map, gemv_tiles.gate_up)
+    if pair_blocks and cfg.kind == "decode" and MOE_GEMV_GATE_UP and w13.stride(2) == 1:
+        moe_gemv_gate_up(x, w13, act, ids, raw_ids.emap, raw_ids.num_global, raw_ids.has_map, gate_up_tile())
     else:
         _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
                       cfg.gate_up, raw_ids, evict=evict)

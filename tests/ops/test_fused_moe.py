@@ -573,7 +573,7 @@ def test_gate_up_gemv_feeds_the_grouped_down_gemm(placement, tokens, top_k, monk
     unread). Sorted (not pair-per-block) calls keep the grouped gate/up GEMM."""
     x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, seed=23)
     monkeypatch.setattr(fused_moe_mod, "MOE_GEMV_GATE_UP", True)
-    monkeypatch.setattr(fused_moe_mod, "moe_gemv_tiles", lambda hidden, inter: GEMV)  # wide tiles: interpreter time
+    monkeypatch.setattr(fused_moe_mod, "gate_up_tile", lambda: GEMV.gate_up)  # wide tiles: interpreter time
     acts = []
     gate_up = fused_moe_mod.moe_gemv_gate_up
 
