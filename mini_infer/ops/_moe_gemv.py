@@ -84,8 +84,12 @@ GATE_UP_TILE = (1, 1024, 4, 3)
 # _moe_gemv.DOWN_PAIRS=1,_moe_gemv.MOE_GEMV_MAX_PAIRS=8` times it at qwen3-30b-a3b batch 1; read at each
 # `moe_gemv_tiles` call (MINI_INFER_MOE_GEMV_DOWN_PAIRS=1 at import). DOWN_PAIRS_TILE: (rows a program, K step,
 # warps, stages): qwen3-30b-a3b's I of 768 in three pipelined steps of 256, 4 rows (6 KiB of bf16) a program.
+# Only experts of at most DOWN_PAIRS_MAX_I intermediate rows take it: a program walks one pair's I, so long ones
+# (mixtral-8x7b's 14,336: 56 steps of 256) would be the slow dependent chain this kernel is to avoid; the per-row-tile
+# kernel reads those at 0.94 of the copy bandwidth (the module docstring's sweep).
 DOWN_PAIRS = os.environ.get("MINI_INFER_MOE_GEMV_DOWN_PAIRS", "0") == "1"
 DOWN_PAIRS_TILE = (4, 256, 4, 3)
+DOWN_PAIRS_MAX_I = 4096
 # The pairs kernel loads its pair's expert id (written by the router two kernels back: the gate/up GEMV before it
 # lets it launch only after its own wait) and the first K step of its weight rows before its PDL wait; the routing
 # weight and the act rows (the gate/up GEMV's output) after it. Read at each launch.
@@ -106,8 +110,8 @@ def gate_up_tile() -> GemvTile:
 
 def moe_gemv_tiles(hidden: int, inter: int) -> MoeGemvConfig | None:
     """The decode path's tiles for experts of these sizes, whatever the number of pairs (None: no down K step
-    divides I)."""
-    if DOWN_PAIRS:
+    divides I, unless the per-pair down GEMV takes them: DOWN_PAIRS, I up to DOWN_PAIRS_MAX_I)."""
+    if DOWN_PAIRS and inter <= DOWN_PAIRS_MAX_I:
         return MoeGemvConfig(gate_up_tile(), GemvTile(*DOWN_PAIRS_TILE), down_pairs=True)
     down_k = down_k_step(inter)
     if down_k is None:

@@ -177,6 +177,12 @@ def test_gemv_path_is_picked_by_shape(monkeypatch):
     assert moe_gemv_config(1, 2, 4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
     assert moe_gemv_config(1, 8, 2048, 768) is None
     assert moe_gemv_config(1, 2, 64, 40) is None and moe_gemv_tiles(64, 40) is None  # 40 = 8 x 5
+    from mini_infer.ops import _moe_gemv
+
+    monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", True)  # the per-pair down GEMV: short I only, any I up to its limit
+    assert moe_gemv_tiles(2048, 768).down_pairs and moe_gemv_tiles(64, 40).down_pairs
+    assert moe_gemv_tiles(4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
+    monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", False)
     if not HAS_TRITON:
         return
     launch, calls = fused_moe_mod.moe_gemv_triton, []
