@@ -263,12 +263,18 @@ def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("down_pairs", [False, True], ids=["", "down_pairs"])
 @pytest.mark.parametrize("placement", [None, "linear rank 1"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_cuda_graph_replays_new_routing(tokens, placement):
+def test_cuda_graph_replays_new_routing(tokens, placement, down_pairs, monkeypatch):
     """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
     (other experts, other counts per expert) into its input buffers gives that routing's result (also with an
-    expert map: the rank's share changes with the routing)."""
+    expert map: the rank's share changes with the routing). With the decode path's per-pair down GEMV (DOWN_PAIRS:
+    one token's two pairs take the decode path) the slot-sum counters are left zero at each replay."""
+    if down_pairs:
+        from mini_infer.ops import _moe_gemv
+
+        monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", True)
     num_experts, hidden, inter = 8, 64, 96
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
