@@ -74,6 +74,15 @@ MOE_GEMV_MAX_PAIRS = int(os.environ.get("MINI_INFER_MOE_GEMV_MAX_PAIRS", "2"))  
 # (bench/results/kernel_moe_decode_sweep_h200.json), one gate and one up row a program, 3 stages. Read at each
 # `moe_gemv_tiles` call (a benchmark switch: `--switch _moe_gemv.GATE_UP_TILE=2/1024/4/1`).
 GATE_UP_TILE = (1, 1024, 4, 3)
+# The gate/up GEMV from at most about GATE_UP_PROGRAMS programs in all (0: a program per row tile), each walking
+# several row tiles of its pair (`_moe_gemv_gate_up_kernel`'s STRIDED way, the same bits): in qwen3-30b-a3b's batch-1
+# timeline the decode path's gate/up GEMV, 6,144 programs of one gate and one up row, each loading its expert id
+# first, read its 50 MB at ~3.4 TB/s (thirty-ninth session) where the dense q/k/v GEMV, 2,560 programs, reads at the
+# copy bandwidth. Each program loads a step's weights one step ahead (two steps in flight). Not yet timed on a GPU,
+# so 0: `--switch _moe_gemv.GATE_UP_PROGRAMS=1184` (the sm_90 build at the default tile takes 56 registers: 9
+# programs of 4 warps an SM, 1,188 on an H200; 148 a pair at qwen3-30b-a3b's 8 pairs, 5-6 row tiles each). Read at
+# each launch.
+GATE_UP_PROGRAMS = int(os.environ.get("MINI_INFER_MOE_GEMV_GATE_UP_PROGRAMS", "0"))
 # The down GEMV a program per (token, slot) pair and BLOCK_N output rows (`_moe_gemv_down_pairs_kernel`) instead of
 # a program per (token, row tile) walking every slot's I in one K loop (`_moe_gemv_down_kernel`): in qwen3-30b-a3b's
 # batch-1 timeline on an H200 (thirty-ninth session, bench/RESULTS.md) the latter took 25-26 us a layer over 25 MB
@@ -158,27 +167,74 @@ if HAS_TRITON:
         return tl.sum(acc, axis=1)
 
     @triton.jit
+    def _store_act(act_ptr, pair, dots, tile, inter, BLOCK_N: tl.constexpr):
+        """act[pair, tile's rows] = silu(gate) * up from the tile's [2 BLOCK_N] row sums (its gate rows, then its up
+        rows), rounded to act's dtype."""
+        gate, up = tl.split(dots.reshape(2, BLOCK_N).permute(1, 0))
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=rows < inter)
+
+    @triton.jit
     def _moe_gemv_gate_up_kernel(
         x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
         stride_xm, stride_we, stride_wn,
-        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDED: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):  # fmt: skip
         """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k: the
-        tile's BLOCK_N gate rows and BLOCK_N up rows (I further down) as one [2 BLOCK_N] stack."""
+        tile's BLOCK_N gate rows and BLOCK_N up rows (I further down) as one [2 BLOCK_N] stack. STRIDED: the same
+        bits from fewer programs, program j taking the tiles j, j + P, j + 2P, ... (P = num_programs(1)), its expert
+        id read once, (tile, K step) walked in one loop whose weights are loaded a step ahead; else the tile j."""
         await_producers(USE_GDC)
         pair = tl.program_id(0)
         expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
         if (expert < 0) | (expert >= num_experts):
             return  # another rank's expert, or none: the down kernel skips this slot too
-        stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows
-        row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
-        w_rows = w_ptr + expert * stride_we + (row + stack // BLOCK_N * inter)[:, None].to(tl.int64) * stride_wn
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-        dots = _dot_rows(w_rows, row < inter, x_row, hidden, 2 * BLOCK_N, BLOCK_K)
-        gate, up = tl.split(dots.reshape(2, BLOCK_N).permute(1, 0))
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=rows < inter)
+        w_expert = w_ptr + expert * stride_we
+        if STRIDED:
+            _gate_up_tiles_strided(x_row, w_expert, act_ptr, pair, inter, hidden, stride_wn, BLOCK_N, BLOCK_K)
+        else:
+            stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows
+            row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
+            w_rows = w_expert + (row + stack // BLOCK_N * inter)[:, None].to(tl.int64) * stride_wn
+            dots = _dot_rows(w_rows, row < inter, x_row, hidden, 2 * BLOCK_N, BLOCK_K)
+            _store_act(act_ptr, pair, dots, tl.program_id(1), inter, BLOCK_N)
+
+    @triton.jit
+    def _gate_up_tiles_strided(x_row, w_expert, act_ptr, pair, inter, hidden, stride_wn, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+        """`_moe_gemv_gate_up_kernel`'s STRIDED way for program j = program_id(1) of `pair`."""
+        j = tl.program_id(1)
+        k_steps = tl.cdiv(hidden, BLOCK_K)
+        steps = tl.cdiv(tl.cdiv(inter, BLOCK_N) - j, tl.num_programs(1)) * k_steps  # tiles j, j + P, ... below the end
+        # each step's weights are loaded one step ahead (the loop's loads wait on nothing the step before computes)
+        w_cur, x_cur = _strided_step_load(w_expert, x_row, j, 0, steps, k_steps, inter, hidden, stride_wn, BLOCK_N,
+                                          BLOCK_K)
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], tl.float32)
+        for it in range(0, steps):
+            w_next, x_next = _strided_step_load(w_expert, x_row, j, it + 1, steps, k_steps, inter, hidden, stride_wn,
+                                                BLOCK_N, BLOCK_K)
+            acc += w_cur.to(tl.float32) * x_cur[None, :]  # gemv_step's arithmetic
+            if it % k_steps == k_steps - 1:  # the tile's last K step: its rows' sums, then the next tile from zero
+                _store_act(act_ptr, pair, tl.sum(acc, axis=1), j + it // k_steps * tl.num_programs(1), inter, BLOCK_N)
+                acc = tl.zeros([2 * BLOCK_N, BLOCK_K], tl.float32)
+            w_cur, x_cur = w_next, x_next
+
+    @triton.jit
+    def _strided_step_load(w_expert, x_row, j, it, steps, k_steps, inter, hidden, stride_wn, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """Step `it` of `_gate_up_tiles_strided`'s program j: (its [2 BLOCK_N, BLOCK_K] weights, zero past
+        the rows, the row's end or the last step; x's BLOCK_K values there in fp32)."""
+        stack = tl.arange(0, 2 * BLOCK_N)
+        tile = j + it // k_steps * tl.num_programs(1)
+        row = tile * BLOCK_N + stack % BLOCK_N
+        cols = it % k_steps * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = (cols < hidden) & (cols * 0 + it < steps)
+        w_rows = w_expert + (row + stack // BLOCK_N * inter)[:, None].to(tl.int64) * stride_wn
+        return (gemv_load(w_rows, row < inter, cols, col_ok),
+                tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32))
 
     @triton.jit
     def _moe_gemv_down_kernel(
@@ -274,10 +330,12 @@ def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, ids:
     t, h = x.shape
     e, inter = w13.shape[0], w13.shape[1] // 2
     k = ids.numel() // t
-    _moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, tile.block_n))](
+    tiles = triton.cdiv(inter, tile.block_n)
+    per_pair = max(1, GATE_UP_PROGRAMS // (t * k)) if GATE_UP_PROGRAMS > 0 else tiles
+    _moe_gemv_gate_up_kernel[(t * k, min(per_pair, tiles))](
         x, w13, act, ids, map_ptr, num_global, e, k, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        HAS_MAP=has_map, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_args(x, trigger_first=False))
+        HAS_MAP=has_map, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STRIDED=per_pair < tiles,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x, trigger_first=False))
 
 
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

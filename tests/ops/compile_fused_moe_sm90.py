@@ -17,7 +17,8 @@ Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on 
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
 columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
 pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`); and the decode
-path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS, batch 1, DOWN_PAIRS_PRELOAD on and off). The
+path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS, batch 1, DOWN_PAIRS_PRELOAD on and off) and
+its gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -119,12 +120,31 @@ def gemv_down_pairs(preload: bool):
     return usage(built)
 
 
+def gemv_gate_up_strided():
+    """The decode path's gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS: 1,184 for one token of
+    qwen3-30b-a3b), at GATE_UP_TILE."""
+    import torch
+
+    from mini_infer.ops import _moe_gemv as mg
+
+    e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
+    hidden, ids = torch.empty(1, h, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.int32)
+    w13, act = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(k, inter, dtype=torch.bfloat16)
+    with record_launches(mg, "_moe_gemv_gate_up_kernel", GATE_UP_PROGRAMS=1184) as calls:
+        mg.moe_gemv_gate_up(hidden, w13, act, ids, ids, e, False, mg.gate_up_tile())
+    (args, kwargs), = calls["_moe_gemv_gate_up_kernel"]
+    assert kwargs["STRIDED"], kwargs
+    built, _ = build_launch(mg._moe_gemv_gate_up_kernel, args, kwargs)
+    return usage(built)
+
+
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
     out += [{"kernel": "gemv_down_pairs", "name": "qwen3_t1", "preload": p, **gemv_down_pairs(p)} for p in (True, False)]
+    out.append({"kernel": "gemv_gate_up_strided", "name": "qwen3_t1", "preload": False, **gemv_gate_up_strided()})
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

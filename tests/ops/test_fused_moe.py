@@ -651,3 +651,40 @@ def test_gemv_down_pairs_sum_slots_in_the_last_program(placement, tokens, top_k,
     weights, ids = _routing(tokens, num_experts, top_k, seed=32)
     assert_close(fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=GEMV_PAIRS),
                  fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("placement", "programs"), [(None, 8), (None, 7), ("round robin", 5), (None, 24)])
+def test_gate_up_gemv_from_fewer_programs_is_the_same_bits(dtype, placement, programs, monkeypatch):
+    """GATE_UP_PROGRAMS: each program walks several row tiles of its pair (tiles j, j + P, ...; P = programs per
+    pair, here not dividing the tiles), reading its expert once, and writes the act rows of the one-tile-a-program
+    kernel bit for bit (K steps with a masked tail, ids outside [0, E), an expert map); rows of pairs without a local
+    expert stay unwritten. As many programs a pair as tiles (24): the one-tile-a-program kernel."""
+    from mini_infer.ops import _moe_gemv
+
+    tokens, top_k, hidden, inter = 2, 4, 40, 48
+    x, _, ids, w13, _, emap = _pair_block_case(placement, tokens, top_k, 41, num_experts=8, hidden=hidden, inter=inter)
+    x, w13 = x.to(dtype), w13.to(dtype)
+    flat = ids.reshape(-1).contiguous()
+    emap_arg, n_global = fused_moe_mod._map_args(flat, emap)
+    tile = GemvTile(2, 16, 4, 2)  # 24 row tiles of 2, K steps of 16 over 40 (a masked tail)
+    acts = {}
+    for total in (0, programs * tokens * top_k):
+        monkeypatch.setattr(_moe_gemv, "GATE_UP_PROGRAMS", total)
+        launches = record_kernel_launches(monkeypatch, _moe_gemv, "_moe_gemv_gate_up_kernel", arguments=True)
+        act = torch.full((tokens * top_k, inter), float("nan"), dtype=dtype, device=x.device)
+        _moe_gemv.moe_gemv_gate_up(x, w13, act, flat, emap_arg, n_global, emap is not None, tile)
+        (grid, kwargs), = launches
+        strided = bool(total) and programs < 24
+        assert kwargs["STRIDED"] == strided and grid == (tokens * top_k, programs if strided else 24)
+        acts[total] = act
+    local = local_expert_ids(flat.long(), emap)
+    used = (local >= 0) & (local < w13.shape[0])
+    assert used.any() and not used.all()
+    few, many = acts[programs * tokens * top_k], acts[0]
+    assert torch.equal(few[used], many[used]) and few[~used].isnan().all()
+    gate, up = w13[local[used]].float().split(inter, dim=1)
+    xs = x.float()[torch.arange(tokens * top_k, device=x.device)[used] // top_k]
+    g, u = (torch.einsum("pih,ph->pi", w, xs) for w in (gate, up))
+    assert_close(few[used], (torch.nn.functional.silu(g) * u).to(dtype))
