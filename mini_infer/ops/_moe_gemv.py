@@ -266,6 +266,17 @@ if HAS_TRITON:
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
+    def _pair_first_step(w_ptr, ids_ptr, map_ptr, pair, num_global, num_experts, inter, rows, row_ok, cols0, stride_we,
+                         stride_wn, HAS_MAP: tl.constexpr):
+        """`_moe_gemv_down_pairs_kernel`'s start: (n_k, I for a pair with a local expert, else 0: no K step loads
+        anything; its weight rows' pointers; their first K step's weights)."""
+        expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+        mine = (expert >= 0) & (expert < num_experts)
+        n_k = tl.where(mine, inter, 0)
+        w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows[:, None].to(tl.int64) * stride_wn
+        return n_k, w_rows, gemv_load(w_rows, row_ok, cols0, cols0 < n_k)
+
+    @triton.jit
     def _moe_gemv_down_pairs_kernel(
         act_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden,
         inter, stride_om, stride_we, stride_wn,
@@ -286,19 +297,13 @@ if HAS_TRITON:
         row_ok = rows < hidden
         cols0 = tl.arange(0, BLOCK_K)
         if PRELOAD:
-            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
-            mine = (expert >= 0) & (expert < num_experts)
-            n_k = tl.where(mine, inter, 0)  # no local expert: no K step loads anything
-            w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows[:, None].to(tl.int64) * stride_wn
-            w0 = gemv_load(w_rows, row_ok, cols0, cols0 < n_k)
+            n_k, w_rows, w0 = _pair_first_step(w_ptr, ids_ptr, map_ptr, pair, num_global, num_experts, inter, rows,
+                                               row_ok, cols0, stride_we, stride_wn, HAS_MAP)
             await_producers(USE_GDC)
         else:
             await_producers(USE_GDC)
-            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
-            mine = (expert >= 0) & (expert < num_experts)
-            n_k = tl.where(mine, inter, 0)
-            w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows[:, None].to(tl.int64) * stride_wn
-            w0 = gemv_load(w_rows, row_ok, cols0, cols0 < n_k)
+            n_k, w_rows, w0 = _pair_first_step(w_ptr, ids_ptr, map_ptr, pair, num_global, num_experts, inter, rows,
+                                               row_ok, cols0, stride_we, stride_wn, HAS_MAP)
         wgt = tl.load(weights_ptr + pair).to(tl.float32)
         a_row = act_ptr + pair * inter
         a = tl.load(a_row + cols0, mask=cols0 < n_k, other=0.0).to(tl.float32) * wgt

@@ -1,9 +1,9 @@
 """Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue), its slot sum
-(`_moe_sum_kernel`) and the decode path's per-pair down GEMV (`_moe_gemv_down_pairs_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
-tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
-GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
-spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
-`griddepcontrol.wait`.
+(`_moe_sum_kernel`) and the decode path's GEMVs (`_moe_gemv_down_pairs_kernel`, `_moe_gemv_gate_up_kernel`) for sm_90
+as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the tiles `moe_tile_config`
+picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no GPU needed; print one
+JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts spilled registers; LOCAL
+stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before `griddepcontrol.wait`.
 
 Each build is the launch `fused_moe_triton` makes (given `moe_tile_config`'s tiles: the grouped GEMMs' path) for the
 case's tokens, bf16 hidden rows and routing weights and int32 ids, recorded by calling it on CPU tensors with every
@@ -100,9 +100,9 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
-def gemv_down_pairs(preload: bool):
-    """The decode path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS) for one token of
-    qwen3-30b-a3b at its DOWN_PAIRS_TILE, with its routing and first weight step before the wait or not."""
+def decode_path_gemvs(**knobs) -> dict:
+    """{kernel: (args, kwargs)}: the decode path's two GEMVs as `moe_gemv_triton` launches them for one token of
+    qwen3-30b-a3b, its down GEMV a program per (pair, row tile) (DOWN_PAIRS_TILE), with _moe_gemv's `knobs`."""
     import torch
 
     from mini_infer.ops import _moe_gemv as mg
@@ -111,31 +111,28 @@ def gemv_down_pairs(preload: bool):
     hidden, weights = torch.empty(1, h, dtype=torch.bfloat16), torch.empty(k, dtype=torch.bfloat16)
     ids = torch.zeros(k, dtype=torch.int32)
     w13, w2 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)
-    cfg = mg.MoeGemvConfig(mg.GemvTile(*mg.GATE_UP_TILE), mg.GemvTile(*mg.DOWN_PAIRS_TILE), down_pairs=True)
-    with record_launches(mg, "_moe_gemv_gate_up_kernel", "_moe_gemv_down_pairs_kernel",
-                         DOWN_PAIRS_PRELOAD=preload) as calls:
+    cfg = mg.MoeGemvConfig(mg.gate_up_tile(), mg.GemvTile(*mg.DOWN_PAIRS_TILE), down_pairs=True)
+    with record_launches(mg, "_moe_gemv_gate_up_kernel", "_moe_gemv_down_pairs_kernel", **knobs) as calls:
         mg.moe_gemv_triton(hidden, weights, ids, w13, w2, ids, e, False, cfg)
-    (args, kwargs), = calls["_moe_gemv_down_pairs_kernel"]
-    built, _ = build_launch(mg._moe_gemv_down_pairs_kernel, args, kwargs)
-    return usage(built)
+    return {name: launch for name, (launch,) in calls.items()}
+
+
+def gemv_down_pairs(preload: bool):
+    """The decode path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS), with its expert id and
+    first weight step before the wait or not."""
+    from mini_infer.ops import _moe_gemv as mg
+
+    args, kwargs = decode_path_gemvs(DOWN_PAIRS_PRELOAD=preload)["_moe_gemv_down_pairs_kernel"]
+    return usage(build_launch(mg._moe_gemv_down_pairs_kernel, args, kwargs)[0])
 
 
 def gemv_gate_up_strided():
-    """The decode path's gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS: 1,184 for one token of
-    qwen3-30b-a3b), at GATE_UP_TILE."""
-    import torch
-
+    """The decode path's gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS: 1,184 for the one token)."""
     from mini_infer.ops import _moe_gemv as mg
 
-    e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
-    hidden, ids = torch.empty(1, h, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.int32)
-    w13, act = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(k, inter, dtype=torch.bfloat16)
-    with record_launches(mg, "_moe_gemv_gate_up_kernel", GATE_UP_PROGRAMS=1184) as calls:
-        mg.moe_gemv_gate_up(hidden, w13, act, ids, ids, e, False, mg.gate_up_tile())
-    (args, kwargs), = calls["_moe_gemv_gate_up_kernel"]
+    args, kwargs = decode_path_gemvs(GATE_UP_PROGRAMS=1184)["_moe_gemv_gate_up_kernel"]
     assert kwargs["STRIDED"], kwargs
-    built, _ = build_launch(mg._moe_gemv_gate_up_kernel, args, kwargs)
-    return usage(built)
+    return usage(build_launch(mg._moe_gemv_gate_up_kernel, args, kwargs)[0])
 
 
 def cases() -> list[dict]:
