@@ -156,8 +156,7 @@ def decode_paths(case: Case) -> dict:
 
 def gemv_sweep_configs(base, inter: int):
     """The decode path's tiles varied one GEMV at a time (the other kept at `base`'s): GATE_UP_SWEEP, and down
-    tiles of 2, 4, 8 rows, 1 or 3 stages, with the K steps that divide I (up to 1024, 512, 256), or with `base`'s
-    per-pair down GEMV (_moe_gemv.DOWN_PAIRS, whose last K step is masked) K steps of 256, 512 and 1024."""
+    tiles of 2, 4, 8 rows, 1 or 3 stages, with the K steps that divide I (up to 1024, 512, 256)."""
     from dataclasses import replace
 
     from mini_infer.ops._moe_gemv import GemvTile, down_k_step
@@ -165,9 +164,7 @@ def gemv_sweep_configs(base, inter: int):
     for shape in GATE_UP_SWEEP:
         if GemvTile(*shape) != base.gate_up:
             yield "gate_up", replace(base, gate_up=GemvTile(*shape))
-    steps = (256, 512, 1024) if base.down_pairs else sorted({down_k_step(inter, most) for most in (1024, 512, 256)}
-                                                           - {None})
-    for block_k in steps:
+    for block_k in sorted({down_k_step(inter, most) for most in (1024, 512, 256)} - {None}):
         for block_n in (2, 4, 8):
             for stages in (1, 3):
                 if GemvTile(block_n, block_k, 4, stages) != base.down:

@@ -92,13 +92,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from mini_infer.ops._moe_gemv import (
-    MoeGemvConfig,
-    gate_up_tile,
-    moe_gemv_config,
-    moe_gemv_gate_up,
-    moe_gemv_triton,
-)
+from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
@@ -735,18 +729,6 @@ _SUM_PRELOAD_MAX_SLOTS = 63  # the slot sum's preloaded slots are the bits of on
 # process) 374.3 vs 372.6 and 372.8 vs 372.1 tok/s, the same greedy tokens; bench/gpu_check.py passed with it.
 # Read at each call (MINI_INFER_MOE_MERGE_SLOTS=0, or `--switch fused_moe.MOE_MERGE_SLOTS=0`, for the sum kernel).
 MOE_MERGE_SLOTS = os.environ.get("MINI_INFER_MOE_MERGE_SLOTS", "1") != "0"
-# The gate/up product of pair-per-block mode at "decode" tiles by the decode path's gate/up GEMV (_moe_gemv.py's
-# `moe_gemv_gate_up`: a program per pair and row of I, elementwise fp32 products along H, one row-sum) instead of
-# the grouped GEMM, the down GEMM (and its slot sum) unchanged: it writes the same [T*k, I] act rows (bits of
-# another summation order). Why: in qwen3-30b-a3b's batch-1 timeline on an H200 (thirty-ninth session,
-# bench/RESULTS.md) the decode path's gate/up GEMV was exposed 14.5-14.7 us a layer against the grouped gate/up
-# GEMM's 16.2-17.4, while its down GEMV took 25-26 us against the grouped down GEMM's 8.6-11.2. Engines in one
-# process, one round (same session): 396.3 tok/s against 391.2, greedy tokens 241/256 equal (the summation order);
-# `bench/gpu_check.py` passed with it on, but its tiny MoE presets (top-2) never reach this path (their one-token
-# calls take the decode path, their larger ones the sorted one). Off by default until two rounds, and the other
-# MoE presets it would change (qwen1.5-moe-a2.7b, deepseek-v2-lite at batch 1; any preset at two tokens), are timed.
-# Read at each call (MINI_INFER_MOE_GEMV_GATE_UP=1, or `--switch fused_moe.MOE_GEMV_GATE_UP=1`).
-MOE_GEMV_GATE_UP = os.environ.get("MINI_INFER_MOE_GEMV_GATE_UP", "0") == "1"
 
 
 def uses_pair_blocks(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -815,11 +797,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
-    if pair_blocks and cfg.kind == "decode" and MOE_GEMV_GATE_UP and w13.stride(2) == 1:
-        moe_gemv_gate_up(x, w13, act, ids, raw_ids.emap, raw_ids.num_global, raw_ids.has_map, gate_up_tile())
-    else:
-        _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                      cfg.gate_up, raw_ids, evict=evict)
+    _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
+                  cfg.gate_up, raw_ids, evict=evict)
     # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).

@@ -1,9 +1,9 @@
-"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue), its slot sum
-(`_moe_sum_kernel`) and the decode path's GEMVs (`_moe_gemv_down_pairs_kernel`, `_moe_gemv_gate_up_kernel`) for sm_90
-as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the tiles `moe_tile_config`
-picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no GPU needed; print one
-JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts spilled registers; LOCAL
-stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before `griddepcontrol.wait`.
+"""Compile fused_moe's down GEMM (`_moe_gemm_kernel`, not GATED, the routing weight in its epilogue) and its slot sum
+(`_moe_sum_kernel`) for sm_90 as qwen3-30b-a3b's decode launches build them (E 128, top-8, H 2048, I 768, bf16; the
+tiles `moe_tile_config` picks), with their loads before the PDL wait (PRELOAD, fused_moe.MOE_PRELOAD) and without, no
+GPU needed; print one JSON line with, for each, cuobjdump's resource line (REG: registers, STACK: where ptxas puts
+spilled registers; LOCAL stays 0) and, from the PTX, the global loads and the stores (st / atom / red) issued before
+`griddepcontrol.wait`.
 
 Each build is the launch `fused_moe_triton` makes (given `moe_tile_config`'s tiles: the grouped GEMMs' path) for the
 case's tokens, bf16 hidden rows and routing weights and int32 ids, recorded by calling it on CPU tensors with every
@@ -16,9 +16,7 @@ give batch 4's down GEMM).
 Cases: batch 1 (pair-per-block mode, 32 output columns per program), batch 1 on one of two expert-parallel ranks
 (an expert map), batch 2 (pair-per-block mode, 64 columns) and batch 4 (the expert-sorted path after align, 128
 columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not preload; built to show why); and the
-pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`); and the decode
-path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS, batch 1, DOWN_PAIRS_PRELOAD on and off) and
-its gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS). The
+pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
@@ -100,48 +98,11 @@ def slot_sum(preload: bool):
     return usage(built)
 
 
-def decode_path_gemvs(**knobs) -> dict:
-    """{kernel: (args, kwargs)}: the decode path's two GEMVs as `moe_gemv_triton` launches them for one token of
-    qwen3-30b-a3b, its down GEMV a program per (pair, row tile) (DOWN_PAIRS_TILE), with _moe_gemv's `knobs`."""
-    import torch
-
-    from mini_infer.ops import _moe_gemv as mg
-
-    e, k, h, inter = QWEN3["num_experts"], QWEN3["top_k"], QWEN3["hidden"], QWEN3["inter"]
-    hidden, weights = torch.empty(1, h, dtype=torch.bfloat16), torch.empty(k, dtype=torch.bfloat16)
-    ids = torch.zeros(k, dtype=torch.int32)
-    w13, w2 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)
-    cfg = mg.MoeGemvConfig(mg.gate_up_tile(), mg.GemvTile(*mg.DOWN_PAIRS_TILE), down_pairs=True)
-    with record_launches(mg, "_moe_gemv_gate_up_kernel", "_moe_gemv_down_pairs_kernel", **knobs) as calls:
-        mg.moe_gemv_triton(hidden, weights, ids, w13, w2, ids, e, False, cfg)
-    return {name: launch for name, (launch,) in calls.items()}
-
-
-def gemv_down_pairs(preload: bool):
-    """The decode path's down GEMV a program per (pair, row tile) (_moe_gemv.DOWN_PAIRS), with its expert id and
-    first weight step before the wait or not."""
-    from mini_infer.ops import _moe_gemv as mg
-
-    args, kwargs = decode_path_gemvs(DOWN_PAIRS_PRELOAD=preload)["_moe_gemv_down_pairs_kernel"]
-    return usage(build_launch(mg._moe_gemv_down_pairs_kernel, args, kwargs)[0])
-
-
-def gemv_gate_up_strided():
-    """The decode path's gate/up GEMV from fewer programs (_moe_gemv.GATE_UP_PROGRAMS: 1,184 for the one token)."""
-    from mini_infer.ops import _moe_gemv as mg
-
-    args, kwargs = decode_path_gemvs(GATE_UP_PROGRAMS=1184)["_moe_gemv_gate_up_kernel"]
-    assert kwargs["STRIDED"], kwargs
-    return usage(build_launch(mg._moe_gemv_gate_up_kernel, args, kwargs)[0])
-
-
 def cases() -> list[dict]:
     out = [{"kernel": "down_gemm", "name": name, "preload": preload, "merge": False,
             **down_gemm(tokens, local, preload)} for name, tokens, local in CASES for preload in (True, False)]
     out += [{"kernel": "down_gemm", "name": name, "preload": True, "merge": True, **down_gemm(tokens, local, True, True)}
             for name, tokens, local in CASES if tokens <= 2]
-    out += [{"kernel": "gemv_down_pairs", "name": "qwen3_t1", "preload": p, **gemv_down_pairs(p)} for p in (True, False)]
-    out.append({"kernel": "gemv_gate_up_strided", "name": "qwen3_t1", "preload": False, **gemv_gate_up_strided()})
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 

@@ -33,9 +33,6 @@ PREFILL = MoeTileConfig("prefill", 64, GemmTile(32, 32, 4, 4, 2), GemmTile(64, 1
 # tiles past I (rows that do not exist), two K steps each, the down one with a tail. Wide tiles: the interpreter
 # runs one program at a time.
 GEMV = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(32, 16, 4, 1))
-# the decode path with its down GEMV a program per (pair, row tile) (`down_pairs`): row tiles of 16 (two at H 32,
-# the second partial at H 24), K steps of 8 (the first one the preloaded step; I 20 ends on a masked one)
-GEMV_PAIRS = MoeGemvConfig(GemvTile(64, 16, 4, 1), GemvTile(16, 8, 4, 1), down_pairs=True)
 
 
 def _experts(num_experts, hidden, inter, dtype, seed=0):
@@ -177,12 +174,6 @@ def test_gemv_path_is_picked_by_shape(monkeypatch):
     assert moe_gemv_config(1, 2, 4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
     assert moe_gemv_config(1, 8, 2048, 768) is None
     assert moe_gemv_config(1, 2, 64, 40) is None and moe_gemv_tiles(64, 40) is None  # 40 = 8 x 5
-    from mini_infer.ops import _moe_gemv
-
-    monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", True)  # the per-pair down GEMV: short I only, any I up to its limit
-    assert moe_gemv_tiles(2048, 768).down_pairs and moe_gemv_tiles(64, 40).down_pairs
-    assert moe_gemv_tiles(4096, 14336) == MoeGemvConfig(GemvTile(1, 1024, 4, 3), GemvTile(4, 1024, 4, 3))
-    monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", False)
     if not HAS_TRITON:
         return
     launch, calls = fused_moe_mod.moe_gemv_triton, []
@@ -239,9 +230,8 @@ def test_align(multi_kernel, block_m, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize(("config", "pair_blocks"),
-                         [(GEMV, None), (GEMV_PAIRS, None), (DECODE, False), (DECODE, True)],
-                         ids=["gemv", "gemv_down_pairs", "grouped", "pair_per_block"])
+@pytest.mark.parametrize(("config", "pair_blocks"), [(GEMV, None), (DECODE, False), (DECODE, True)],
+                         ids=["gemv", "grouped", "pair_per_block"])
 def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
     """No .item() / .tolist() / bool() / int() on a tensor: the launcher can run inside a CUDA graph (the decode
     path and the grouped GEMMs, after align or pair per block)."""
@@ -263,18 +253,12 @@ def test_triton_never_syncs_with_the_host(config, pair_blocks, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("down_pairs", [False, True], ids=["", "down_pairs"])
 @pytest.mark.parametrize("placement", [None, "linear rank 1"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_cuda_graph_replays_new_routing(tokens, placement, down_pairs, monkeypatch):
+def test_cuda_graph_replays_new_routing(tokens, placement):
     """Captured once, the graph recomputes the alignment on the device: replaying it after writing another routing
     (other experts, other counts per expert) into its input buffers gives that routing's result (also with an
-    expert map: the rank's share changes with the routing). With the decode path's per-pair down GEMV (DOWN_PAIRS:
-    one token's two pairs take the decode path) the slot-sum counters are left zero at each replay."""
-    if down_pairs:
-        from mini_infer.ops import _moe_gemv
-
-        monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS", True)
+    expert map: the rank's share changes with the routing)."""
     num_experts, hidden, inter = 8, 64, 96
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=6)
@@ -541,10 +525,15 @@ def test_pair_blocks_launch_no_align_and_reuse_their_rows(monkeypatch):
     assert len(aligned) == 1
 
 
-def _pair_block_case(placement, tokens, top_k, seed, num_experts=16, hidden=32, inter=48):
-    """A pair-per-block call's fp16 arguments and expert map (None, or this rank's `placement`, the weights then
-    its experts only), with ids outside [0, E): -1 in the first token's first slot, E in the last token's last."""
-    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, hidden, inter, top_k, torch.float16, seed)
+@requires_triton
+@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 4, 3), ("round robin", 2, 4)])
+def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, top_k, monkeypatch):
+    """MOE_MERGE_SLOTS (pair-per-block mode): the down GEMM's last block of each (token, column tile) sums the slot
+    rows itself; the output equals the slot-sum kernel's bit for bit, with ids outside [0, E) and, with an expert
+    map, slots on other ranks (they still count), and no `_moe_sum_kernel` launch. The counters are left zero: a
+    second call (another routing) is right too."""
+    num_experts = 16
+    x, weights, ids, w13, w2 = _rank_case(num_experts, tokens, top_k=top_k, dtype=torch.float16, seed=21)
     ids[0, 0] = -1
     if tokens > 1:
         ids[-1, -1] = num_experts
@@ -553,17 +542,6 @@ def _pair_block_case(placement, tokens, top_k, seed, num_experts=16, hidden=32, 
         held = list(PLACEMENTS[placement])
         emap = _expert_map(num_experts, PLACEMENTS[placement]).to(DEVICE)
         w13, w2 = w13[held].contiguous(), w2[held].contiguous()
-    return x, weights, ids, w13, w2, emap
-
-
-@requires_triton
-@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 4, 3), ("round robin", 2, 4)])
-def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, top_k, monkeypatch):
-    """MOE_MERGE_SLOTS (pair-per-block mode): the down GEMM's last block of each (token, column tile) sums the slot
-    rows itself; the output equals the slot-sum kernel's bit for bit, with ids outside [0, E) and, with an expert
-    map, slots on other ranks (they still count), and no `_moe_sum_kernel` launch. The counters are left zero: a
-    second call (another routing) is right too."""
-    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, seed=21)
     monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", False)
     summed = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
     monkeypatch.setattr(fused_moe_mod, "MOE_MERGE_SLOTS", True)
@@ -573,118 +551,3 @@ def test_slot_sum_in_the_down_launch_is_the_sum_kernels_bits(placement, tokens, 
         assert torch.equal(merged, summed)
     assert sums == []
     assert_close(merged, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
-
-
-@requires_triton
-@pytest.mark.parametrize(("placement", "tokens", "top_k"), [(None, 1, 8), (None, 3, 2), ("round robin", 2, 4)])
-def test_gate_up_gemv_feeds_the_grouped_down_gemm(placement, tokens, top_k, monkeypatch):
-    """MOE_GEMV_GATE_UP (pair-per-block mode, "decode" tiles): the decode path's gate/up GEMV writes the act rows in
-    place of the grouped gate/up GEMM, which is not launched; the grouped down GEMM and its slot sum read them. The
-    act rows are the decode path's own bits (the same kernel in `moe_gemv_triton`), and the output is the
-    reference's, with ids outside [0, E) and, with an expert map, slots on other ranks (their rows unwritten and
-    unread). Sorted (not pair-per-block) calls keep the grouped gate/up GEMM."""
-    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, seed=23)
-    monkeypatch.setattr(fused_moe_mod, "MOE_GEMV_GATE_UP", True)
-    monkeypatch.setattr(fused_moe_mod, "gate_up_tile", lambda: GEMV.gate_up)  # wide tiles: interpreter time
-    acts = []
-    gate_up = fused_moe_mod.moe_gemv_gate_up
-
-    def spy(x_, w13_, act, *args):
-        gate_up(x_, w13_, act, *args)
-        acts.append(act.clone())
-
-    monkeypatch.setattr(fused_moe_mod, "moe_gemv_gate_up", spy)
-    kernels = record_kernel_launches(monkeypatch, fused_moe_mod, "_moe_gemm_kernel")
-    out = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=True)
-    assert len(acts) == 1 and kernels == ["_moe_gemm_kernel"]  # the down GEMM only
-    assert_close(out, fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
-    # the rows of pairs with a local expert are the decode path's (its gate/up kernel, as moe_gemv_triton runs it)
-    flat = ids.reshape(-1).contiguous()
-    local = local_expert_ids(flat.long(), emap)
-    used = (local >= 0) & (local < w13.shape[0])
-    decode_path = torch.zeros(ids.numel(), w2.shape[2], dtype=x.dtype, device=x.device)
-    emap_arg, n_global = fused_moe_mod._map_args(flat, emap)
-    gate_up(x, w13, decode_path, flat, emap_arg, n_global, emap is not None, GEMV.gate_up)
-    assert used.any() and not used.all() and torch.equal(acts[0][used], decode_path[used])
-    kernels.clear()
-    fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=DECODE, pair_blocks=False)
-    assert kernels.count("_moe_gemm_kernel") == 2 and len(acts) == 1
-
-
-@requires_triton
-@pytest.mark.parametrize(("placement", "tokens", "top_k", "hidden", "inter"),
-                         [(None, 1, 8, 32, 20), (None, 3, 2, 24, 16), ("round robin", 2, 4, 32, 20)])
-def test_gemv_down_pairs_sum_slots_in_the_last_program(placement, tokens, top_k, hidden, inter, monkeypatch):
-    """The decode path's down GEMV a program per (pair, row tile) (`down_pairs`): the reference's output, with ids
-    outside [0, E) and, with an expert map, slots on other ranks (they count, add nothing); the same bits with its
-    routing and first weight step loaded before the wait (DOWN_PAIRS_PRELOAD) or after; each token's slot partials
-    summed in slot order by the last program (the fp32 sum of the stored partials in that order, bit for bit); the
-    counters left zero, so a second call with another routing is right too."""
-    from mini_infer.ops import _moe_gemv
-
-    num_experts = 16
-    x, weights, ids, w13, w2, emap = _pair_block_case(placement, tokens, top_k, 31, num_experts, hidden, inter)
-    parts = []
-    empty = torch.empty
-
-    def keep_parts(*shape, dtype=None, device=None):  # the launcher's fp32 partials [T*k, H], kept to check the sum
-        t = empty(*shape, dtype=dtype, device=device)
-        if dtype == torch.float32:
-            t.fill_(float("nan"))  # rows of pairs without a local expert stay unwritten and must not be read
-            parts.append(t)
-        return t
-
-    monkeypatch.setattr(_moe_gemv.torch, "empty", keep_parts)
-    outs = {}
-    for preload in (True, False):
-        monkeypatch.setattr(_moe_gemv, "DOWN_PAIRS_PRELOAD", preload)
-        outs[preload] = fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=GEMV_PAIRS)
-    assert torch.equal(outs[True], outs[False])
-    assert_close(outs[True], fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
-    local = local_expert_ids(ids.reshape(-1).long(), emap)
-    used = ((local >= 0) & (local < w13.shape[0])).reshape(tokens, top_k)
-    part = parts[0].reshape(tokens, top_k, hidden)
-    summed = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
-    for j in range(top_k):
-        summed += torch.where(used[:, j, None], part[:, j], 0.0)
-    assert torch.equal(outs[True], summed.to(x.dtype))
-    weights, ids = _routing(tokens, num_experts, top_k, seed=32)
-    assert_close(fused_moe_triton(x, weights, ids, w13, w2, "silu", emap, config=GEMV_PAIRS),
-                 fused_moe_reference(x, weights, ids, w13, w2, "silu", emap))
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize(("placement", "programs"), [(None, 8), (None, 7), ("round robin", 5), (None, 24)])
-def test_gate_up_gemv_from_fewer_programs_is_the_same_bits(dtype, placement, programs, monkeypatch):
-    """GATE_UP_PROGRAMS: each program walks several row tiles of its pair (tiles j, j + P, ...; P = programs per
-    pair, here not dividing the tiles), reading its expert once, and writes the act rows of the one-tile-a-program
-    kernel bit for bit (K steps with a masked tail, ids outside [0, E), an expert map); rows of pairs without a local
-    expert stay unwritten. As many programs a pair as tiles (24): the one-tile-a-program kernel."""
-    from mini_infer.ops import _moe_gemv
-
-    tokens, top_k, hidden, inter = 2, 4, 40, 48
-    x, _, ids, w13, _, emap = _pair_block_case(placement, tokens, top_k, 41, num_experts=8, hidden=hidden, inter=inter)
-    x, w13 = x.to(dtype), w13.to(dtype)
-    flat = ids.reshape(-1).contiguous()
-    emap_arg, n_global = fused_moe_mod._map_args(flat, emap)
-    tile = GemvTile(2, 16, 4, 2)  # 24 row tiles of 2, K steps of 16 over 40 (a masked tail)
-    acts = {}
-    for total in (0, programs * tokens * top_k):
-        monkeypatch.setattr(_moe_gemv, "GATE_UP_PROGRAMS", total)
-        launches = record_kernel_launches(monkeypatch, _moe_gemv, "_moe_gemv_gate_up_kernel", arguments=True)
-        act = torch.full((tokens * top_k, inter), float("nan"), dtype=dtype, device=x.device)
-        _moe_gemv.moe_gemv_gate_up(x, w13, act, flat, emap_arg, n_global, emap is not None, tile)
-        (grid, kwargs), = launches
-        strided = bool(total) and programs < 24
-        assert kwargs["STRIDED"] == strided and grid == (tokens * top_k, programs if strided else 24)
-        acts[total] = act
-    local = local_expert_ids(flat.long(), emap)
-    used = (local >= 0) & (local < w13.shape[0])
-    assert used.any() and not used.all()
-    few, many = acts[programs * tokens * top_k], acts[0]
-    assert torch.equal(few[used], many[used]) and few[~used].isnan().all()
-    gate, up = w13[local[used]].float().split(inter, dim=1)
-    xs = x.float()[torch.arange(tokens * top_k, device=x.device)[used] // top_k]
-    g, u = (torch.einsum("pih,ph->pi", w, xs) for w in (gate, up))
-    assert_close(few[used], (torch.nn.functional.silu(g) * u).to(dtype))

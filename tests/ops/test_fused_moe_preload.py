@@ -153,15 +153,14 @@ def test_down_gemm_and_slot_sum_compile_sm90_without_spills():
     preload or without it, no store before the wait, and with the preload the B tile's vector loads (the slot sum:
     its ids) before the wait, without it no load there. Batch 1's tile is within the preload's size limit, batch 4's
     128 x 128 is not. The same holds for the down GEMM with the slot sum in its launch (MOE_MERGE_SLOTS: its counts and
-    sums come after the wait), and for the decode path's per-pair down GEMV (DOWN_PAIRS: its expert id and first weight
-    step before the wait with DOWN_PAIRS_PRELOAD)."""
+    sums come after the wait)."""
     report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90"])
     for case in report["cases"]:
         assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], case
         assert case["stores_before_wait"] == 0, case
         if not case["preload"]:
             assert case["loads_before_wait"] == 0, case
-        elif case["kernel"] in ("down_gemm", "gemv_down_pairs"):
+        elif case["kernel"] == "down_gemm":
             assert case["vector_loads_before_wait"] > 0, case
         else:
             assert case["loads_before_wait"] > 0, case

@@ -52,9 +52,6 @@ PRE_WAIT_POINTERS = {
     # GEMM, which writes only its src); b_ptr is the expert weights
     "_moe_gemm_kernel": {"b_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "weight_ptr", "map_ptr"},
     "_moe_sum_kernel": {"ids_ptr", "map_ptr"},
-    # (DOWN_PAIRS_PRELOAD) the pair's routing id and its expert map entry: moe_topk's output, written before the
-    # decode path's gate/up GEMV, which launches this kernel only after its own wait and writes only act
-    "_moe_gemv_down_pairs_kernel": {"ids_ptr", "map_ptr"},
 }
 WAITS, PURE, UNSAFE = "waits", "pure", "unsafe"
 
