@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from active_bytes import token_bytes  # the sibling script's count of the weight bytes a token reads
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
-from switches import switched  # a kernel switch set for one engine's build
+from switches import check_switches, switched  # a kernel switch set for one engine's build
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -218,6 +218,7 @@ def main() -> None:
                     help="TTFT of this many prompts of --prompt-len in the same engine (the last one decodes)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
+    check_switches(args.switch)  # every switch parsed and found before the first engine
 
     from mini_infer.models import load_model
 

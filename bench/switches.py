@@ -118,3 +118,18 @@ def switched(assignment: str):
             _clear_launch_cache(module)
             stack.callback(_clear_launch_cache, module)
         yield
+
+
+def check_switches(switches: list[str | None]) -> None:
+    """Every `--switch` of a run set and restored once, before any engine is built: a switch that does not parse or
+    names no attribute stops the run at once (SystemExit naming it) instead of after the engines before it were
+    built and timed (minutes of device time)."""
+    for one in switches:
+        if not one:
+            continue
+        try:
+            with switched(one):
+                pass
+        except (AttributeError, ImportError, KeyError, TypeError, ValueError) as err:
+            raise SystemExit(f"--switch {one!r}: {type(err).__name__}: {err}") from None
+

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from jit_watch import JitWatch  # Triton variants first used inside the timed run
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
-from switches import switched  # a kernel switch set for one engine's build
+from switches import check_switches, switched  # a kernel switch set for one engine's build
 
 from mini_infer.benchmark import BenchResult, Workload, run_engine
 
@@ -185,6 +185,7 @@ def main() -> None:
                     help="build and run a throwaway engine (the first variant's, a slice of the workload) first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
+    check_switches(args.switch)  # every switch parsed and found before the first engine
     if args.threads:
         torch.set_num_threads(args.threads)
 

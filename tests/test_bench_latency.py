@@ -32,6 +32,26 @@ def test_switch_sets_and_restores(monkeypatch):
             pass
 
 
+def test_every_switch_is_checked_before_the_first_engine(monkeypatch):
+    """`check_switches` (latency.py and throughput.py call it right after parsing): a switch that does not parse, or
+    names a module, attribute or table entry that does not exist, stops the run before any engine is built, naming
+    the switch; good ones are set and restored, nothing left changed."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.ops import paged_attention
+
+    before = paged_attention.ATTN_PRELOAD, dict(paged_attention._CONFIG["decode_split"])
+    good = ["paged_attention.ATTN_PRELOAD=0", "paged_attention._CONFIG[decode_split][num_warps]=4", None]
+    latency.check_switches(good)
+    assert (paged_attention.ATTN_PRELOAD, paged_attention._CONFIG["decode_split"]) == before
+    for bad in ("paged_attention.NO_SUCH_SWITCH=1", "no_such_module.X=1", "paged_attention._CONFIG[nope][x]=1",
+                "paged_attention.ATTN_PRELOAD=0,linear.GEMV_CONFIG_LONG_K=4/x"):
+        with pytest.raises(SystemExit, match="switch"):
+            latency.check_switches([*good, bad])
+        assert (paged_attention.ATTN_PRELOAD, paged_attention._CONFIG["decode_split"]) == before
+
+
 def test_dotted_switch_reaches_a_runtime_module(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import latency
