@@ -132,4 +132,3 @@ def check_switches(switches: list[str | None]) -> None:
                 pass
         except (AttributeError, ImportError, KeyError, TypeError, ValueError) as err:
             raise SystemExit(f"--switch {one!r}: {type(err).__name__}: {err}") from None
-
