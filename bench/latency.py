@@ -110,9 +110,10 @@ def progress(e: dict) -> None:
 
 
 def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: str,
-                   passes: list[str] | None = None) -> dict:
+                   passes: list[str] | None = None, tag: str = "") -> dict:
     """Build one engine (`passes`: None for the recommended pipeline), time batch-1 decode of the benchmark
-    prompt, free it; the numbers and the engine's floor."""
+    prompt, report it (`progress`, with `tag`: what sets it apart from the first engine), free it; the numbers and
+    the engine's floor."""
     import gc
 
     from mini_infer.llm import LLM
@@ -161,7 +162,8 @@ def measure_engine(args, bw: float, quantization: str | None, kv_cache_dtype: st
                   moe_layers=weights.moe_layers, weights_read=weights.describe(),
                   kv_bytes_per_token=kv_per_token, floor_tok_s=bw / (weights.active + kv_per_token * mean_ctx),
                   tokens=list(out.outputs[0].token_ids), prompt=prompt,
-                  passes=[r.name for r in eng.compiled.stats if r.name in PASSES], tag="")
+                  passes=[r.name for r in eng.compiled.stats if r.name in PASSES], tag=tag)
+    progress(result)
     del llm, eng, out
     gc.collect()
     torch.cuda.empty_cache()
@@ -233,16 +235,11 @@ def main() -> None:
         for e in [e for e in engines if e["quantization"]]:
             name = f"quantize_{e['quantization']}"
             passes = [PASSES[name](lm_head=True) if p == name else p for p in e["passes"]]
-            engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes))
-            engines[-1]["tag"] = ",lm_head"
-    for e in engines:
-        progress(e)
+            engines.append(measure_engine(args, bw, e["quantization"], e["kv_cache_dtype"], passes, ",lm_head"))
     first = engines[0]
     for tag, passes, switch in variant_runs(first["passes"], args.without, args.with_, args.switch, args.rounds):
         with switched(switch) if switch else contextlib.nullcontext():
-            engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes))
-        engines[-1]["tag"] = tag
-        progress(engines[-1])
+            engines.append(measure_engine(args, bw, first["quantization"], first["kv_cache_dtype"], passes, tag))
     prompt = engines[0]["prompt"]
     rows = []
     for e in engines:
