@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from kernel_norm import git_info  # the sibling script's HEAD and dirty files
-from switches import switched  # a kernel switch set for one engine's build
+from switches import check_switches, switched  # a kernel switch set for one engine's build
 
 from mini_infer.benchmark import Workload
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[], help="as bench/throughput.py's (bench/switches.py)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
+    check_switches(args.switch)  # every switch parsed and found before the first engine
 
     from mini_infer.llm import LLM
     from mini_infer.sampling_params import SamplingParams

@@ -53,6 +53,58 @@ def _clear_launch_cache(module) -> None:
         cache.clear()
 
 
+def _set_one(stack: contextlib.ExitStack, one: str, assignment: str) -> None:
+    """Set the one switch `one` (of `assignment`, for messages) and push its restoration onto `stack`."""
+    name, _, value = one.partition("=")
+    if name.strip().startswith("env:"):
+        var = name.strip()[4:]
+        if not re.fullmatch(r"[A-Za-z_]\w*", var) or not value.strip():
+            raise SystemExit(f"--switch env:NAME=value needs a variable name and a value; got {one!r}")
+        stack.enter_context(environment({var: value.strip()}))
+        return
+    m = _TARGET.match(name.strip())
+    if not m or not value.strip():
+        raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int, joined by commas; "
+                         f"got {assignment!r}")
+    mod_name, attr = m["mod"], m["attr"]
+    # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
+    module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
+    keys = [_key(k) for k in re.findall(r"\[([^\[\]]+)\]", m["keys"])]
+    if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.FP8_GEMV=cuda-cores`
+        stack.callback(setattr, module, attr, getattr(module, attr))
+        setattr(module, attr, value.strip())
+        return
+    if not keys and isinstance(getattr(module, attr), tuple):  # a tile: `int8_linear.SCALED_GEMV_CONFIG=4/512/4/1`
+        if not re.fullmatch(r"-?\d+(/-?\d+)*", value.strip()):
+            raise SystemExit(f"--switch of a tuple attribute takes ints joined by '/'; got {one!r}")
+        stack.callback(setattr, module, attr, getattr(module, attr))
+        setattr(module, attr, tuple(int(v) for v in value.strip().split("/")))
+        return
+    table, last, old = None, None, None
+    if keys:
+        table = getattr(module, attr)
+        for k in keys[:-1]:
+            table = table[k]
+        last = keys[-1]
+        old = table.get(last, _MISSING)
+    by_name = bool(keys) and isinstance(old, str)  # a mode by name in a table: `..._CONFIG[decode_fp8][fp8_dot]=fp16`
+    if not by_name and not value.strip().lstrip("-").isdigit():
+        raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "
+                         f"attribute or entry), joined by commas; got {assignment!r}")
+    if not keys:
+        old = getattr(module, attr)
+        setattr(module, attr, type(old)(int(value)))
+        stack.callback(setattr, module, attr, old)
+        return
+    if by_name:
+        table[last] = value.strip()
+    else:
+        table[last] = int(value) if old is _MISSING else type(old)(int(value))
+    stack.callback(_restore, table, last, old)
+    _clear_launch_cache(module)
+    stack.callback(_clear_launch_cache, module)
+
+
 @contextlib.contextmanager
 def switched(assignment: str):
     """`module.ATTR=int` set on mini_infer.ops.<module> (or mini_infer.<package.module> for a dotted name: a runtime
@@ -66,69 +118,23 @@ def switched(assignment: str):
     removed, after): the one kind of switch that also reaches the other ranks of a tensor-parallel engine, which
     its start-up spawns with this process's environment (a module attribute set here stays in this process: rank
     0), e.g. `env:MINI_INFER_TWO_SHOT_ALLREDUCE=33554432`. Several switches for one engine are joined by commas:
-    `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`."""
+    `linear.PRELOAD_MAX_K=4096,paged_attention.ATTN_PRELOAD=0`. A switch that does not parse, or names a module,
+    attribute or table entry that does not exist, is a SystemExit naming it before the block runs (the ones set
+    before it restored)."""
     with contextlib.ExitStack() as stack:
         for one in assignment.split(","):
-            name, _, value = one.partition("=")
-            if name.strip().startswith("env:"):
-                var = name.strip()[4:]
-                if not re.fullmatch(r"[A-Za-z_]\w*", var) or not value.strip():
-                    raise SystemExit(f"--switch env:NAME=value needs a variable name and a value; got {one!r}")
-                stack.enter_context(environment({var: value.strip()}))
-                continue
-            m = _TARGET.match(name.strip())
-            if not m or not value.strip():
-                raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int, joined by commas; "
-                                 f"got {assignment!r}")
-            mod_name, attr = m["mod"], m["attr"]
-            # `module` names mini_infer.ops.<module>; a dotted one (runtime.cuda_graphs) a module under mini_infer
-            module = importlib.import_module(f"mini_infer.{mod_name}" if "." in mod_name else f"mini_infer.ops.{mod_name}")
-            keys = [_key(k) for k in re.findall(r"\[([^\[\]]+)\]", m["keys"])]
-            if not keys and isinstance(getattr(module, attr), str):  # a mode by name: `int8_linear.FP8_GEMV=cuda-cores`
-                stack.callback(setattr, module, attr, getattr(module, attr))
-                setattr(module, attr, value.strip())
-                continue
-            if not keys and isinstance(getattr(module, attr), tuple):  # a tile: `int8_linear.SCALED_GEMV_CONFIG=4/512/4/1`
-                if not re.fullmatch(r"-?\d+(/-?\d+)*", value.strip()):
-                    raise SystemExit(f"--switch of a tuple attribute takes ints joined by '/'; got {one!r}")
-                stack.callback(setattr, module, attr, getattr(module, attr))
-                setattr(module, attr, tuple(int(v) for v in value.strip().split("/")))
-                continue
-            table, last, old = None, None, None
-            if keys:
-                table = getattr(module, attr)
-                for k in keys[:-1]:
-                    table = table[k]
-                last = keys[-1]
-                old = table.get(last, _MISSING)
-            by_name = bool(keys) and isinstance(old, str)  # a mode by name in a table: `..._CONFIG[decode_fp8][fp8_dot]=fp16`
-            if not by_name and not value.strip().lstrip("-").isdigit():
-                raise SystemExit(f"--switch takes module.ATTR=int or module.ATTR[key]...=int (or a name for a string "
-                                 f"attribute or entry), joined by commas; got {assignment!r}")
-            if not keys:
-                old = getattr(module, attr)
-                setattr(module, attr, type(old)(int(value)))
-                stack.callback(setattr, module, attr, old)
-                continue
-            if by_name:
-                table[last] = value.strip()
-            else:
-                table[last] = int(value) if old is _MISSING else type(old)(int(value))
-            stack.callback(_restore, table, last, old)
-            _clear_launch_cache(module)
-            stack.callback(_clear_launch_cache, module)
+            try:  # before the block: an error inside it (the engine's) is not a switch's
+                _set_one(stack, one, assignment)
+            except (AttributeError, ImportError, KeyError, TypeError, ValueError) as err:
+                raise SystemExit(f"--switch {one!r}: {type(err).__name__}: {err}") from None
         yield
 
 
 def check_switches(switches: list[str | None]) -> None:
     """Every `--switch` of a run set and restored once, before any engine is built: a switch that does not parse or
-    names no attribute stops the run at once (SystemExit naming it) instead of after the engines before it were
-    built and timed (minutes of device time)."""
+    names no attribute stops the run at once (`switched`'s SystemExit naming it) instead of after the engines before
+    it were built and timed (minutes of device time)."""
     for one in switches:
-        if not one:
-            continue
-        try:
+        if one:
             with switched(one):
                 pass
-        except (AttributeError, ImportError, KeyError, TypeError, ValueError) as err:
-            raise SystemExit(f"--switch {one!r}: {type(err).__name__}: {err}") from None
