@@ -21,6 +21,9 @@ ids still on the device (async scheduling: the previous step's sampled ids) are 
 input ids by one device op (`StepInputs.feed`). The graph is replayed and the first L rows of its logits are
 the answer: the graph's own output tensor, kept alive, for buckets of at most `OWN_LOGITS_MAX_ROWS` rows, else a
 buffer shared by all buckets that the graph copies its output into (so that large outputs' memory is reused).
+Decode buckets of at most `GRAPH_ARGMAX_MAX_ROWS` rows also capture their rows' greedy argmax (`last_ids`), which an
+all-greedy step takes as its sampled ids; work on another stream that still reads them (the engine's copy to the
+host) is fenced (`fence_ids`): the next replay waits for it on the device before it rewrites them.
 Steps that fit no bucket (prompt logprobs, more tokens than the token budget) run uncaptured. A shape whose
 capture fails (out of memory, or an op that cannot be captured) is logged and its steps run uncaptured. Inputs
 that are already on the device (a tensor-parallel rank's, received from rank 0) are written into the same views
@@ -47,6 +50,7 @@ import torch
 
 from mini_infer.compiler import CompiledModel
 from mini_infer.contract import PADDED_DIMS, InputSpec
+from mini_infer.ops.argmax import greedy_argmax
 from mini_infer.runtime.kv_cache import KVCache
 from mini_infer.runtime.transfer import HostView, StagedBuffer, assign
 
@@ -61,6 +65,13 @@ logger = logging.getLogger(__name__)
 # 1.8 us kernel of a 656 us step); larger buckets copy, so that their outputs' memory is reused by the next capture.
 # Read at capture.
 OWN_LOGITS_MAX_ROWS = 8
+# Decode buckets of at most this many sequences also capture the greedy argmax of their logits rows (the sampler's
+# own `greedy_argmax`: the same kernel, the same ids), and a step they replay answers with those ids too
+# (`last_ids`), so that an all-greedy step whose logits nothing changes samples without a launch of its own after
+# the replay: inside the graph the argmax starts while lm_head finishes (programmatic dependent launch) and no
+# launch gap separates them. At qwen3-0.6b batch 1 on an H200 the argmax after the replay was a 3.4 us kernel of a
+# ~660 us token (bench/RESULTS.md, twentieth and thirty-fifth sessions). Read at capture; 0 turns it off.
+GRAPH_ARGMAX_MAX_ROWS = 8
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -108,6 +119,9 @@ class CUDAGraphRunner:
         # were when one shape replayed twice in a row.
         self.logits: torch.Tensor | None = None
         self.own_logits: dict[tuple[int, int], torch.Tensor] = {}  # buckets of <= OWN_LOGITS_MAX_ROWS logits rows
+        self.own_ids: dict[tuple[int, int], torch.Tensor] = {}  # decode buckets of <= GRAPH_ARGMAX_MAX_ROWS rows
+        self.last_ids: torch.Tensor | None = None  # the last replay's greedy ids (None: its bucket has none)
+        self._ids_fence = None  # an event ending work (on another stream) that still reads last_ids: fence_ids
         self.capture_seconds = 0.0
         self.use_graphs = device.type == "cuda"
 
@@ -165,6 +179,12 @@ class CUDAGraphRunner:
                 return (t, self.max_num_seqs)
         return None
 
+    @staticmethod
+    def takes_argmax(shape: tuple[int, int]) -> bool:
+        """Whether bucket `shape` computes its rows' greedy ids too: a decode bucket (T == S; a mixed bucket has
+        more tokens than sequences) of at most GRAPH_ARGMAX_MAX_ROWS sequences."""
+        return shape[0] == shape[1] <= GRAPH_ARGMAX_MAX_ROWS
+
     def _inputs(self, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
         """Bucket `shape`'s graph inputs: its static views and the caches."""
         return {**self.staged[shape].views, **self.kv_cache.tensors}
@@ -180,9 +200,12 @@ class CUDAGraphRunner:
         pool = None
         for shape in sorted(self.shapes(), reverse=True):
             inputs = self._inputs(shape)
+            argmax = self.takes_argmax(shape)
             try:
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
                     warm = self.compiled(**inputs)[0]
+                    if argmax:  # (its first call also sizes the kernel's workspace, outside the capture)
+                        greedy_argmax(warm)
                 if self.logits is None:  # the largest shape comes first: its rows are the most any graph has
                     self.logits = torch.empty((self.max_num_seqs, *warm.shape[1:]), dtype=warm.dtype,
                                               device=self.device)
@@ -192,10 +215,13 @@ class CUDAGraphRunner:
                 keep = shape[1] <= OWN_LOGITS_MAX_ROWS  # a small bucket answers with the graph's own output
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.compiled(**inputs)[0]
+                    ids = greedy_argmax(out) if argmax else None
                     if not keep:
                         self.logits[:out.shape[0]].copy_(out)
                 if keep:
                     self.own_logits[shape] = out
+                if ids is not None:
+                    self.own_ids[shape] = ids
                 del out  # unless kept, its memory goes back to the pool, for the next (smaller) capture to reuse
             except torch.OutOfMemoryError:
                 logger.warning("CUDA graph for %d tokens x %d sequences: out of memory, runs uncaptured", *shape)
@@ -260,11 +286,27 @@ class CUDAGraphRunner:
             write_padded(views[spec.name], spec, value, real, self._padded(spec, real, shape))
         return self._replay(plan, shape)
 
+    def fence_ids(self, event) -> None:
+        """The ids of the last replay (`last_ids`) are read by work on another stream that ends at `event` (the
+        engine's copy of them to the host): the next replay, which may rewrite them, waits for it on the device
+        (the host does not wait)."""
+        self._ids_fence = event
+
     def _replay(self, plan, shape: tuple[int, int]) -> torch.Tensor:
+        """Replay bucket `shape` (on a CPU: run it eagerly); its first num_logits logits rows, and in `last_ids`
+        their greedy ids where the bucket `takes_argmax` (else None)."""
+        n = plan.num_logits
         if self.use_graphs:
+            if self._ids_fence is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._ids_fence)
+                self._ids_fence = None
             self.graphs[shape].replay()
-            return self.own_logits.get(shape, self.logits)[:plan.num_logits]
-        return self.compiled(**self._inputs(shape))[0][:plan.num_logits]
+            ids = self.own_ids.get(shape)
+            self.last_ids = ids[:n] if ids is not None else None
+            return self.own_logits.get(shape, self.logits)[:n]
+        out = self.compiled(**self._inputs(shape))[0]
+        self.last_ids = greedy_argmax(out)[:n] if self.takes_argmax(shape) else None
+        return out[:n]
 
 
 def _shape(value) -> tuple[int, ...]:

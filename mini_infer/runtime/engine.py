@@ -152,6 +152,10 @@ class EngineConfig:
 
 
 PLACEHOLDER = -1  # a sampled token id not read back from the device yet
+# On CUDA a step's sampled ids (and logprobs) go to the host by copies on a stream of their own, so that the next
+# step's input copy and replay, queued on the compute stream while they run, do not wait behind them (a batch-1
+# decode token otherwise spends the copy and its launch gap between two replays). Read at engine start.
+SIDE_STREAM_COPIES = True
 
 
 @dataclass
@@ -262,6 +266,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
         self._inflight: _Launched | None = None  # async scheduling: the step launched, not completed
+        self._copy_stream = torch.cuda.Stream(self.device) \
+            if self.device.type == "cuda" and SIDE_STREAM_COPIES else None  # see SIDE_STREAM_COPIES
         self._touched: dict[str, RequestState] = {}  # requests with news since the last step() returned
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
@@ -543,7 +549,7 @@ class LLMEngine:
         decode = all(n == 1 for _, n in out.scheduled) and all(out.sample)
         logits = self.runner.execute(inputs, plan, decode=decode, padded=not plan.prompt_rows)
         sampling = [seq for (seq, _), s in zip(out.scheduled, out.sample) if s]
-        so = None
+        so = greedy_ids = None
         if sampling:
             batch = SamplingBatch.build(
                 [s.sampling_params for s in sampling], [(s.prompt_token_ids, s.output_token_ids) for s in sampling],
@@ -552,9 +558,11 @@ class LLMEngine:
             rows = plan.sample_rows
             if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous (every decode step): a view
                 sample_logits = logits[rows[0]: rows[0] + len(rows)]
+                ids = self.runner.last_greedy_ids  # the replay's own argmax of its rows, if it has one
+                greedy_ids = ids[rows[0]: rows[0] + len(rows)] if ids is not None else None
             else:
                 sample_logits = logits[to_device(rows, torch.int64, logits.device)]
-            so = self.sampler(sample_logits, batch)
+            so = self.sampler(sample_logits, batch, greedy_ids)
         if plan.prompt_rows:
             self._record_prompt_logprobs(out, plan, logits)
         for seq, n in out.scheduled:
@@ -569,8 +577,12 @@ class LLMEngine:
             seq.append_token(PLACEHOLDER)
             if self._reaches_length(seq, len(seq.output_token_ids)):
                 seq.stop_pending = True  # its last token is in flight: not scheduled again
-        so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs]) \
-            if so is not None else None
+        so_host = None
+        if so is not None:
+            so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs],
+                               stream=self._copy_stream)
+            if greedy_ids is not None and so.token_ids is greedy_ids and so_host.event is not None:
+                self.runner.fence_greedy_ids(so_host.event)  # the graph's own ids: its next replay rewrites them
         return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed", so_host)
 
     def _feed_pending(self, inputs: StepInputs, out, prev: _Launched) -> None:

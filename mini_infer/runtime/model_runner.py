@@ -78,6 +78,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.cuda_graphs = None  # a CUDAGraphRunner once enable_cuda_graphs() ran
+        self.last_greedy_ids: torch.Tensor | None = None  # see execute()
         # Host mirror of block tables, one row per recently scheduled sequence, updated incrementally:
         # a sequence's table only grows in place (the block manager gives a reset table a new list).
         self._tables = np.zeros((64, 8), dtype=np.int32)
@@ -210,6 +211,11 @@ class ModelRunner:
         self.cuda_graphs.capture()
         return self.cuda_graphs.capture_seconds
 
+    def fence_greedy_ids(self, event) -> None:
+        """`last_greedy_ids` are read by work on another stream ending at `event` (cuda_graphs.py, `fence_ids`)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.fence_ids(event)
+
     def _has_uncapturable_run(self, plan: StepPlan) -> bool:
         """Whether the step holds a query run at least as long as a pass declared its op handles on the host
         (UNCAPTURED_QUERY_ROWS: paged_attention's long-prefill route), which a captured graph cannot replay."""
@@ -222,11 +228,15 @@ class ModelRunner:
         graph input already on the device (a tensor-parallel rank's). `decode` marks a pure decode step (one
         token per sequence, each sampled). With graphs enabled and `padded`, a step that fits a captured shape
         replays it; otherwise (prompt logprobs, oversized steps, a query run `_has_uncapturable_run`) the graph
-        runs as is."""
+        runs as is. `last_greedy_ids` then holds the greedy ids of the returned rows where the replayed bucket
+        computed them (cuda_graphs.py, GRAPH_ARGMAX_MAX_ROWS), else None."""
         graphs = self.cuda_graphs
         on_host = isinstance(inputs, StepInputs)
+        self.last_greedy_ids = None
         if graphs is not None and padded and not self._has_uncapturable_run(plan):
             shape = graphs.bucket_for(plan.num_tokens, plan.num_seqs, plan.num_logits, decode)
             if shape is not None:
-                return graphs.run(inputs, plan, shape) if on_host else graphs.run_device(inputs, plan, shape)
+                logits = graphs.run(inputs, plan, shape) if on_host else graphs.run_device(inputs, plan, shape)
+                self.last_greedy_ids = graphs.last_ids
+                return logits
         return self.compiled(**(self.device_inputs(inputs) if on_host else inputs))[0]

@@ -382,7 +382,11 @@ class Sampler:
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
             self(logits, SamplingBatch.build([params], [((), ())], None, vocab_size, device))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """Sample one token a row of `logits` (the module docstring's steps). `greedy_ids`: the argmax of these
+        very rows, computed already (a CUDA graph's, cuda_graphs.py), taken as the answer of an all-greedy batch
+        whose logits nothing changes (no penalties, no banned ids) instead of computing it again."""
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
         want_lp = batch.max_num_logprobs is not None
@@ -400,7 +404,8 @@ class Sampler:
 
         processed = logits
         if batch.all_greedy:
-            token_ids = greedy_argmax(logits)
+            unchanged = not batch.needs_penalties and batch.banned_ids is None
+            token_ids = greedy_ids if greedy_ids is not None and unchanged else greedy_argmax(logits)
         elif fused:  # (processed logprobs never come here)
             seed = int(torch.randint(MAX_SEED, (1,)).item())  # the default CPU generator: no device sync
             token_ids = gumbel_argmax_triton(logits, batch.inv_temperature, seed)

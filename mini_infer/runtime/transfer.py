@@ -11,6 +11,7 @@ in a padded input.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -168,25 +169,35 @@ class HostCopy:
     queued after them: `wait()` waits only for this copy, not for the rest of the stream.
 
     (`tensor.tolist()` later would queue its copy behind everything launched since, e.g. the next step.)
+    With `stream` (a CUDA stream other than the current one) the copies run there, after the current stream's
+    work so far, so that what the current stream queues next (the next step's inputs and replay) does not wait
+    behind them; the device tensors are kept alive until `wait()` has seen the copies land. `event` marks their
+    end on the device: work that will overwrite the tensors must wait for it (cuda_graphs.py, `fence_ids`).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor | None]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor | None], stream: torch.cuda.Stream | None = None) -> None:
         self.event = None
         self.host: list[torch.Tensor | None] = []
-        for t in tensors:
-            if t is None or t.device.type != "cuda":
-                self.host.append(t)
-                continue
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            self.host.append(h)
-            if self.event is None:
+        on_device = [t for t in tensors if t is not None and t.device.type == "cuda"]
+        self._sources = on_device if stream is not None else []  # alive until the side copies land
+        if on_device and stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
+        with torch.cuda.stream(stream) if on_device and stream is not None else contextlib.nullcontext():
+            for t in tensors:
+                if t is None or t.device.type != "cuda":
+                    self.host.append(t)
+                    continue
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                self.host.append(h)
+            if on_device:
                 self.event = torch.cuda.Event()
-        if self.event is not None:
-            self.event.record()
+                self.event.record()
 
     def wait(self) -> list[torch.Tensor | None]:
         """The host copies, once they have landed."""
         if self.event is not None:
             self.event.synchronize()
+        self._sources = []
         return self.host
+

@@ -17,6 +17,7 @@ import torch
 
 from mini_infer.contract import PADDED_DIMS
 from mini_infer.runtime.transfer import ALIGN, StagedBuffer, pack, typed_views
+from mini_infer.sampling_params import SamplingParams
 from tests.runtime.test_engine import PROMPTS, assert_no_leak, hf_ref, make_engine, run
 
 
@@ -146,3 +147,71 @@ def test_pack_puts_every_value_in_one_aligned_buffer():
     for name, (value, dtype) in values.items():
         expected = torch.as_tensor(np.asarray(value)).to(dtype)
         assert views[name].dtype == dtype and torch.equal(views[name], expected), name
+
+
+def _record_sampler_calls(engine) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """Wrap the engine's sampler: each call's (greedy ids given, logits rows, token ids returned)."""
+    calls, real = [], engine.sampler
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, logits, batch, greedy_ids=None):
+            out = real(logits, batch, greedy_ids)
+            calls.append((greedy_ids, logits.clone(), out.token_ids))
+            return out
+
+    engine.sampler = Recording()
+    return calls
+
+
+def test_small_decode_buckets_answer_with_their_own_greedy_ids():
+    # decode buckets of up to GRAPH_ARGMAX_MAX_ROWS rows compute their rows' argmax with the logits; an all-greedy
+    # step takes those ids (the very tensor) instead of another argmax: they must be the rows' argmax, row for row
+    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=40,
+                         async_scheduling=True)
+    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 16, force=True)
+    calls = _record_sampler_calls(engine)
+    outs = run(engine, PROMPTS)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == hf_ref("tiny-llama", tuple(p)), f"prompt of {len(p)} tokens"
+    given = [(ids, logits, tokens) for ids, logits, tokens in calls if ids is not None]
+    assert given and len(given) < len(calls)  # decode steps took them; mixed (prefill) steps did not
+    for ids, logits, tokens in given:
+        assert tokens is ids and torch.equal(ids, logits.argmax(dim=-1))
+    assert_no_leak(engine)
+
+
+def test_greedy_ids_of_the_graph_are_not_taken_where_the_logits_change():
+    # a repetition penalty changes the logits before the argmax: the graph's ids (of the raw logits) must not
+    # be the answer; the penalized tokens equal an engine's without captured shapes
+    penalized = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
+    plain = make_engine("tiny-llama", max_num_seqs=8, num_kv_blocks=40, async_scheduling=True)
+    expected = [o.outputs[0].token_ids for o in run(plain, PROMPTS, penalized)]
+    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=40,
+                         async_scheduling=True)
+    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 16, force=True)
+    calls = _record_sampler_calls(engine)
+    got = [o.outputs[0].token_ids for o in run(engine, PROMPTS, penalized)]
+    assert got == expected
+    # the graph's ids were offered, and the penalty moved some token away from them
+    offered = [(ids, tokens) for ids, _, tokens in calls if ids is not None]
+    assert offered and any(not torch.equal(ids, tokens) for ids, tokens in offered)
+    assert_no_leak(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a copy stream needs a CUDA device")
+def test_host_copy_on_a_side_stream_reads_the_values_before_they_are_overwritten():
+    from mini_infer.runtime.transfer import HostCopy
+
+    side = torch.cuda.Stream()
+    for step in range(20):
+        t = torch.full((8,), step, dtype=torch.int64, device="cuda")
+        torch.cuda._sleep(200_000)  # the copy must wait for the work queued before it on the current stream
+        t.add_(1)
+        copy = HostCopy([t, None], stream=side)
+        torch.cuda.current_stream().wait_event(copy.event)  # what the graph's fence does before rewriting
+        t.zero_()
+        host = copy.wait()
+        assert host[1] is None and host[0].tolist() == [step + 1] * 8
