@@ -152,10 +152,14 @@ class EngineConfig:
 
 
 PLACEHOLDER = -1  # a sampled token id not read back from the device yet
-# On CUDA a step's sampled ids (and logprobs) go to the host by copies on a stream of their own, so that the next
-# step's input copy and replay, queued on the compute stream while they run, do not wait behind them (a batch-1
-# decode token otherwise spends the copy and its launch gap between two replays). Read at engine start.
-SIDE_STREAM_COPIES = True
+# On CUDA a step sampling at most this many rows sends its sampled ids (and logprobs) to the host by copies on a
+# stream of their own, so that the next step's input copy and replay, queued on the compute stream while they run,
+# do not wait behind them (a batch-1 decode token otherwise spends the copy and its launch gap between two replays:
+# +0.5% at qwen3-0.6b on an H200, bench/RESULTS.md forty-first session). Larger steps run for milliseconds, where the
+# copy is noise: they keep it on the compute stream and spare the host the stream switching (their host was busy
+# 63% of the nano-vllm workload's step time with every step's copy on the side stream, 51% without). 0 turns it off;
+# read at engine start (whether there is a copy stream) and at each step.
+SIDE_STREAM_COPIES = 8
 
 
 @dataclass
@@ -579,8 +583,8 @@ class LLMEngine:
                 seq.stop_pending = True  # its last token is in flight: not scheduled again
         so_host = None
         if so is not None:
-            so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs],
-                               stream=self._copy_stream)
+            side = self._copy_stream if len(sampling) <= SIDE_STREAM_COPIES else None
+            so_host = HostCopy([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs], stream=side)
             if greedy_ids is not None and so.token_ids is greedy_ids and so_host.event is not None:
                 self.runner.fence_greedy_ids(so_host.event)  # the graph's own ids: its next replay rewrites them
         return _Launched(out, sampling, out_index, so, "decode" if decode else "mixed", so_host)
