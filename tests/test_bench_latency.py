@@ -196,3 +196,18 @@ def test_env_switch_sets_and_restores(monkeypatch):
     for bad in ("env:=1", "env:MINI_INFER_X=", "env:1BAD=2"):
         with pytest.raises(SystemExit, match="env:NAME=value"), latency.switched(bad):
             pass
+
+
+def test_warm_up_decodes_as_long_as_the_timed_run(monkeypatch):
+    """Every engine decodes once, as long as the timed decode, before it is timed (the first long decode after a
+    machine starts runs slower once): the warm-up's generate asks for exactly the timed run's new tokens."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import latency
+
+    from mini_infer.llm import LLM
+
+    llm = LLM("tiny-llama", num_kv_blocks=64, block_size=4)
+    before = llm.engine.stats["generation_tokens"]
+    latency.warm_up(llm, list(range(1, 30)), 20)
+    assert llm.engine.stats["generation_tokens"] - before == 20
+    assert not llm.engine.has_unfinished_requests()
