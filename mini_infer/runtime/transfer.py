@@ -200,4 +200,3 @@ class HostCopy:
             self.event.synchronize()
         self._sources = []
         return self.host
-
