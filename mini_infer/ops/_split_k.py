@@ -205,12 +205,18 @@ if HAS_TRITON:
                             s_wms, s_wmt, s_was, s_wat, s_wah)
 
     @triton.jit
+    def count_arrival(cnt_ptr):
+        """After this program's stores: count it at cnt_ptr (acq_rel, gpu scope: whoever reads the count sees the
+        stores); returns the count before this one."""
+        tl.debug_barrier()  # every thread's stores are issued before the count is released
+        return tl.atomic_add(cnt_ptr, 1)
+
+    @triton.jit
     def arrives_last(cnt_ptr, n_arrivals):
         """After this program's stores: count it at cnt_ptr (a counter from `split_counters`, zero between
         launches) and return whether it is the last of the n_arrivals programs counted there; that one has zeroed
         the counter again (a CUDA graph's replay) and sees every other counted program's stores."""
-        tl.debug_barrier()  # every thread's stores are issued before the (acq_rel, gpu) count is released
-        last = tl.atomic_add(cnt_ptr, 1) == n_arrivals - 1
+        last = count_arrival(cnt_ptr) == n_arrivals - 1
         if last:
             tl.store(cnt_ptr, 0)
         return last
@@ -301,8 +307,7 @@ if HAS_TRITON:
             else:
                 _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                                 s_wms, s_wmt, s_was, s_wat, s_wah)
-                tl.debug_barrier()  # every thread's stores are issued before the (acq_rel, gpu) count is released
-                tl.atomic_add(cnt_ptr, 1)
+                count_arrival(cnt_ptr)
         else:
             _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                             s_wms, s_wmt, s_was, s_wat, s_wah)

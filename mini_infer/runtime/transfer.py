@@ -179,10 +179,11 @@ class HostCopy:
         self.event = None
         self.host: list[torch.Tensor | None] = []
         on_device = [t for t in tensors if t is not None and t.device.type == "cuda"]
-        self._sources = on_device if stream is not None else []  # alive until the side copies land
-        if on_device and stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
-        with torch.cuda.stream(stream) if on_device and stream is not None else contextlib.nullcontext():
+        side = stream if on_device else None
+        self._sources = on_device if side is not None else []  # alive until the side copies land
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(on_device[0].device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for t in tensors:
                 if t is None or t.device.type != "cuda":
                     self.host.append(t)
