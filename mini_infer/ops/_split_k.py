@@ -187,8 +187,25 @@ if HAS_TRITON:
         pass 2**31 elements). The loops are unrolled over NUM_SPLITS with splits from n on masked off (they add
         exact zeros), so that every load can be in flight at once; the loads go through L2 (.cg): the partials
         may come from other programs of the same launch."""
-        return _merge(ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was, a_off, m_off, m_off,
-                      NUM_SPLITS, False)
+        zero = m_off * 0
+        m_max = tl.full(m_off.shape, float("-inf"), tl.float32)
+        for sp in tl.static_range(NUM_SPLITS):
+            ok = row_ok & ((zero + sp) < n)
+            m = tl.load(ws_m_ptr + (zero + sp) * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros(m_off.shape, tl.float32)
+        acc = tl.zeros(a_off.shape, tl.float32)
+        for sp in tl.static_range(NUM_SPLITS):
+            sp64 = zero + sp
+            ok = row_ok & (sp64 < n)
+            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.exp2(m - m_ref)  # m is in log2 units
+            l_sum += wgt * tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += wgt[:, None] * tl.load(
+                ws_acc_ptr + sp64[:, None] * s_was + a_off, mask=mask & ok[:, None], other=0.0, cache_modifier=".cg"
+            )
+        return acc, l_sum
 
     @triton.jit
     def store_rows(
@@ -205,109 +222,29 @@ if HAS_TRITON:
                             s_wms, s_wmt, s_was, s_wat, s_wah)
 
     @triton.jit
-    def count_arrival(cnt_ptr):
-        """After this program's stores: count it at cnt_ptr (acq_rel, gpu scope: whoever reads the count sees the
-        stores); returns the count before this one."""
-        tl.debug_barrier()  # every thread's stores are issued before the count is released
-        return tl.atomic_add(cnt_ptr, 1)
-
-    @triton.jit
     def arrives_last(cnt_ptr, n_arrivals):
         """After this program's stores: count it at cnt_ptr (a counter from `split_counters`, zero between
         launches) and return whether it is the last of the n_arrivals programs counted there; that one has zeroed
         the counter again (a CUDA graph's replay) and sees every other counted program's stores."""
-        last = count_arrival(cnt_ptr) == n_arrivals - 1
+        tl.debug_barrier()  # every thread's stores are issued before the (acq_rel, gpu) count is released
+        last = tl.atomic_add(cnt_ptr, 1) == n_arrivals - 1
         if last:
             tl.store(cnt_ptr, 0)
         return last
 
     @triton.jit
-    def _merge(
-        ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was, acc_own, m_own, l_own,
-        NUM_SPLITS: tl.constexpr, HAS_OWN: tl.constexpr,
-    ):  # fmt: skip
-        """`merge_partials`' body; with HAS_OWN, split n-1's partial is (acc_own, m_own, l_own), not loaded (where
-        HAS_OWN is off they are unread placeholders)."""
-        zero = m_off * 0
-        n_stored = n - 1 if HAS_OWN else n
-        m_max = tl.full(m_off.shape, float("-inf"), tl.float32)
-        for sp in tl.static_range(NUM_SPLITS):
-            ok = row_ok & ((zero + sp) < n_stored)
-            m = tl.load(ws_m_ptr + (zero + sp) * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            if HAS_OWN:
-                m = tl.where(row_ok & ((zero + sp) == n - 1), m_own, m)
-            m_max = tl.maximum(m_max, m)
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = tl.zeros(m_off.shape, tl.float32)
-        acc = tl.zeros(a_off.shape, tl.float32)
-        for sp in tl.static_range(NUM_SPLITS):
-            sp64 = zero + sp
-            ok = row_ok & (sp64 < n_stored)
-            own = row_ok & (sp64 == n - 1)  # (read only with HAS_OWN)
-            m = tl.load(ws_m_ptr + sp64 * s_wms + m_off, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            if HAS_OWN:
-                m = tl.where(own, m_own, m)
-            wgt = tl.exp2(m - m_ref)  # m is in log2 units
-            l_part = tl.load(ws_l_ptr + sp64 * s_wms + m_off, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_OWN:
-                l_part = tl.where(own, l_own, l_part)
-            l_sum += wgt * l_part
-            part = tl.load(ws_acc_ptr + sp64[:, None] * s_was + a_off, mask=mask & ok[:, None], other=0.0,
-                           cache_modifier=".cg")
-            if HAS_OWN:
-                part = tl.where(own[:, None] & mask, acc_own, part)
-            acc += wgt[:, None] * part
-        return acc, l_sum
-
-    @triton.jit
-    def merge_partials_owned(
-        ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, acc_own, m_own, l_own, s_wms, s_was,
-        NUM_SPLITS: tl.constexpr,
-    ):  # fmt: skip
-        """`merge_partials` of splits 0 .. n-1 where split n-1's partial is this program's own (acc_own, m_own,
-        l_own, in registers: the rows of m_off / a_off) and the others' are in the workspace: the same values in the
-        same order, so the same bits as the merge of n stored partials."""
-        return _merge(ws_m_ptr, ws_l_ptr, ws_acc_ptr, m_off, a_off, row_ok, mask, n, s_wms, s_was, acc_own, m_own,
-                      l_own, NUM_SPLITS, True)
-
-    @triton.jit
-    def await_count(cnt_ptr, n):
-        """Spin until the counter at cnt_ptr reads n (acquire: the counted programs' stores are then visible)."""
-        seen = tl.atomic_add(cnt_ptr, 0)
-        while seen < n:
-            seen = tl.atomic_add(cnt_ptr, 0)
-
-    @triton.jit
     def finish_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
         col_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
-        OWNER: tl.constexpr = False,
     ):  # fmt: skip
         """The end of split `split` (< n_used, the non-empty splits of its rows' key range) with the merge in
         the same launch: n_used == 1, the normalized rows at once; else its partials, then a count at cnt_ptr
         (one counter per set of rows, zero between launches); the split that arrives last resets it and
         merges the n_used partials in split order (deterministic, whatever the arrival order). The merge runs
         over rows (tok_m, head_m, row_ok_m): the real ones among (tok, head, row_ok), or all of them; fewer rows
-        keep fewer partials in registers (a decode tile pads its few real rows to the dots' 16).
-        OWNER (the launch guarantees every program of its grid can be resident at once: see paged_attention.py's
-        OWNER_MERGE): the last split (n_used - 1) keeps its partial in registers, waits until the others have
-        counted, merges (`merge_partials_owned`, rows (tok, head, row_ok)), resets the counter; the others store
-        their partials and count. The same bits."""
+        keep fewer partials in registers (a decode tile pads its few real rows to the dots' 16)."""
         if n_used == 1:
             _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh)
-        elif OWNER:
-            if split == n_used - 1:
-                await_count(cnt_ptr, n_used - 1)
-                tl.store(cnt_ptr, 0)
-                mask = row_ok[:, None] & col_ok[None, :]
-                a_off = tok[:, None] * s_wat + head[:, None] * s_wah + col[None, :]
-                acc_m, l_sum = merge_partials_owned(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok * s_wmt + head, a_off, row_ok,
-                                                    mask, n_used, acc, m_i, l_i, s_wms, s_was, NUM_SPLITS)
-                _store_normalized(out_ptr, acc_m, l_sum, tok, head, col, row_ok, col_ok, s_ot, s_oh)
-            else:
-                _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
-                                s_wms, s_wmt, s_was, s_wat, s_wah)
-                count_arrival(cnt_ptr)
         else:
             _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                             s_wms, s_wmt, s_was, s_wat, s_wah)

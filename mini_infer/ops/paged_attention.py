@@ -95,7 +95,6 @@ from mini_infer.ops._triton_support import (
     HAS_TRITON,
     await_producers,
     next_pow2,
-    num_sms,
     pdl_args,
     tl,
     triton,
@@ -210,17 +209,6 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # `bench/gpu_check.py` passed with it. On by default (MINI_INFER_ATTN_ROW_GUESS=0, or `--switch
 # paged_attention.ROW_GUESS=0`: the search alone). Read at launch.
 ROW_GUESS = os.environ.get("MINI_INFER_ATTN_ROW_GUESS", "1") != "0"
-# Split launches whose whole grid fits the GPU at once (at most one program an SM; on a CPU, under the interpreter,
-# which runs a tile's splits in order, always) merge by an owner: the last non-empty split keeps its partial in
-# registers, waits (spinning on the count) for the other splits' partials and merges them with its own, instead of
-# every split storing and the last to arrive reloading all of them (`_split_k.finish_rows`' OWNER; the same bits).
-# Why the wait cannot hang there: a program spins only after its PDL wait, when the kernel before it has finished,
-# and the kernel after it launches only once every program of this grid has started (each lets it launch as it
-# starts), so nothing can hold a not-yet-started program of the grid off the GPU for long; a grid of at most one
-# program an SM always finds room. Off by default: in the thirty-fifth session's version (then without that guard)
-# qwen3-0.6b batch 1 ran 1,533.1 / 1,534.3 tok/s against 1,522.2 / 1,518.7, qwen2.5-7b and qwen3-30b-a3b unchanged
-# (bench/RESULTS.md), to be timed again (`--switch paged_attention.OWNER_MERGE=1`). Read at launch.
-OWNER_MERGE = os.environ.get("MINI_INFER_ATTN_OWNER_MERGE", "0") != "0"
 
 
 def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
@@ -791,7 +779,6 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0, ROW_GUESS: tl.constexpr = False,
-        OWNER: tl.constexpr = False,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -941,7 +928,7 @@ if HAS_TRITON:
                 _split_k.finish_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
                     l_i, split, n_used, tok, head, dv, row_ok, dv_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms,
-                    s_wmt, s_was, s_wat, s_wah, NUM_SPLITS, OWNER,
+                    s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
                 )  # fmt: skip
             else:
                 _split_k.store_rows(
@@ -1226,8 +1213,6 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         row_tiles = ROW_TILES and block_q == 1 and bool(_CONFIG[name].get("row_tiles", 1))
         tiles = t if row_tiles else t // block_q + n_seqs
         counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
-        owner = OWNER_MERGE and fused_merge and (not q.is_cuda or tiles * hkv * num_splits <= num_sms(
-            q.device.index if q.device.index is not None else torch.cuda.current_device()))
         try:
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
@@ -1246,7 +1231,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, ROW_GUESS=ROW_GUESS,
-                V_TILES=V_KEYS_TILES if v_keys else 0, OWNER=owner, num_warps=num_warps,
+                V_TILES=V_KEYS_TILES if v_keys else 0, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:

@@ -12,8 +12,7 @@ an fp8 cache's tiles are loaded a byte at a time, each thread holding the row ad
 3.6 spills 1.3-6 KB there; with them it loads 16-byte vectors and keeps everything in registers.
 
 Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1: the "decode_split" shape,
-its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`, and
-with the owner merge, `MINI_INFER_ATTN_OWNER_MERGE=1`), an
+its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`), an
 fp8 cache in one split under a sliding window (qwen2.5-7b's group of 7, batch 64), and nano-vllm's fp8 workload
 (qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones over the V layout the paged_attention pass
 declares (by default tokens-contiguous for full-attention layers: `_CONFIG["decode_fp8_vkeys"]` and `V_KEYS_TILES`;
@@ -91,13 +90,11 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
 
 
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-          rotary: bool = False, preload: bool = True, owner: bool = False):
-    """The kernel compiled for sm_90 as `launch` launches it (`owner`: as paged_attention.OWNER_MERGE launches a split
-    grid that fits the GPU); returns (the compiled kernel, the launch shape)."""
+          rotary: bool = False, preload: bool = True):
+    """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
     args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
-    kwargs = dict(kwargs, OWNER=owner)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
                  splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"],
@@ -107,13 +104,12 @@ def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_k
 
 def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
     out = {"name": name}
-    builds = [("no_write", False, False, True, False), ("write", True, False, True, False),
-              ("rotary", True, True, True, False)]
+    builds = [("no_write", False, False, True), ("write", True, False, True),
+              ("rotary", True, True, True)]
     if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
-        builds.append(("rotary_no_preload", True, True, False, False))
-        builds.append(("rotary_owner", True, True, True, True))  # the owner merge (OWNER_MERGE)
-    for key, write, rotary, preload, owner in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, owner)
+        builds.append(("rotary_no_preload", True, True, False))
+    for key, write, rotary, preload in builds:
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),

@@ -328,27 +328,6 @@ def test_triton_split_k_decode(small_key_tiles):
     assert not _split_k.split_counters(case.q.device, 1).any()
 
 
-@requires_triton
-@pytest.mark.parametrize("seqs,hq,hkv", [(SPLIT_SEQS, 4, 2), ([(70, 1)], 8, 2), ([(100, 1), (40, 1)], 2, 2)])
-def test_owner_merge_gives_the_merge_bits(small_key_tiles, attn_launches, monkeypatch, seqs, hq, hkv):
-    """OWNER_MERGE: the last non-empty split keeps its partial and merges once the others counted; the bits of the
-    last-to-arrive merge (and of the reduce kernel), twice on the same buffers, the counters left zero. The launch
-    takes the owner only when asked (the interpreter runs a tile's splits in order, so the owner never spins)."""
-    from mini_infer.ops import _split_k
-    from mini_infer.ops import paged_attention as pa
-
-    case = make_case(seqs, hq=hq, hkv=hkv, block_size=4, seed=7)
-    want = paged_attention_triton(*case.args(), decode_only=True, num_splits=4)
-    monkeypatch.setattr(pa, "OWNER_MERGE", True)
-    args = case.args()
-    got = paged_attention_triton(*args, decode_only=True, num_splits=4)
-    assert torch.equal(got, want)
-    assert_close(got, oracle(case))
-    assert torch.equal(paged_attention_triton(*args, decode_only=True, num_splits=4), got)
-    assert not _split_k.split_counters(case.q.device, 1).any()
-    assert [kw["OWNER"] for _, kw in attn_launches] == [False, True, True]
-
-
 def test_grown_counters_keep_the_old_set_alive(monkeypatch):
     """A CUDA graph captured with one set of counters keeps counting in it; a later call asking for more (the
     sampler's argmax with more rows than any captured launch) gets a new set, and the old one stays allocated."""
@@ -531,8 +510,6 @@ def test_decode_kernel_with_the_write_compiles_sm90():
         write, no_write = case["write"], case["no_write"]
         assert write["barriers"] == no_write["barriers"] + 1, case
         builds = {key: built for key, built in case.items() if key != "name"}
-        if case["name"] == "bf16_splits":
-            assert "rotary_owner" in builds  # the owner merge's build (OWNER_MERGE) compiles too
         for key, built in builds.items():  # rotary*: with the q/k norms and rotary in it too (rotary_paged_attention)
             stack = re.search(r"\bSTACK:(\d+) ", built["usage"])
             assert stack and "LOCAL:0 " in built["usage"], (case["name"], key, built)
