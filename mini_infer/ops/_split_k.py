@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, next_pow2, num_sms, tl, triton
+from mini_infer.ops._triton_support import HAS_TRITON, cuda_index, next_pow2, num_sms, tl, triton
 
 __all__ = ["default_num_splits", "launch_split_reduce", "split_counters", "split_outputs"]
 
@@ -345,7 +345,7 @@ def default_num_splits(q: torch.Tensor, n_seqs: int, programs_per_seq: int, max_
     if not q.is_cuda:
         return 1
     programs = max(1, n_seqs * programs_per_seq)
-    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = num_sms(cuda_index(q.device))
     if programs >= sms:
         return 1
     splits = min(math.ceil(2 * sms / programs), 8 if max_context <= 1024 else 16)

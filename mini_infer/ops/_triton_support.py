@@ -43,7 +43,7 @@ except Exception:  # ImportError, or a broken install that fails on import
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "pdl_args", "triton", "tl", "use_triton", "next_pow2",
+__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "cuda_index", "pdl_args", "triton", "tl", "use_triton", "next_pow2",
            "num_sms"]
 
 # The L2 eviction policy of the weight loads of the one-row GEMV kernels (linear.py's `gemv_load`: every float, int8
@@ -70,6 +70,11 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; the current device for a bare `cuda`."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -99,7 +104,7 @@ def pdl_args(t: torch.Tensor, trigger_first: bool = True) -> dict:
     True under PDL_TRIGGER_FIRST for launches that allow it (`trigger_first`: False where the kernel's successor may
     load, before its wait, what a kernel of the step writes)."""
     if (t.is_cuda and os.environ.get("MINI_INFER_PDL", "1") != "0" and not os.environ.get("TRITON_INTERPRET")
-            and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())):
+            and _pdl_capable(cuda_index(t.device))):
         return {"USE_GDC": TRIGGER_FIRST if PDL_TRIGGER_FIRST and trigger_first else True, "launch_pdl": True}
     return {"USE_GDC": False}
 

@@ -52,6 +52,8 @@ import os
 
 import torch
 
+from mini_infer.ops._triton_support import cuda_index
+
 logger = logging.getLogger("mini_infer")
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # the size to try: the largest message then taken (a [64, 2048] bf16 activation)
@@ -224,7 +226,7 @@ def _buffer(group_name: str, dtype: torch.dtype, device: torch.device, nbytes: i
     """This rank's symmetric buffer for (group, dtype, device), allocated and rendezvoused with the peers at the
     first call (collective); None when it cannot be (under CUDA-graph capture, the set-up failed, or an earlier
     group of rank 0's process had symmetric memory: `symmetric_memory_agreed`, module docstring)."""
-    key = (group_name, dtype, device.index if device.index is not None else torch.cuda.current_device())
+    key = (group_name, dtype, cuda_index(device))
     buf = _buffers.get(key)
     if buf is not None:
         return buf if buf.nbytes >= nbytes else None

@@ -40,6 +40,7 @@ from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     await_producers,
+    cuda_index,
     num_sms,
     pdl_args,
     tl,
@@ -620,7 +621,7 @@ def gemv_split_k(n: int, k: int, config: tuple[int, ...], device: torch.device) 
         return 1
     block_n, block_k = config[0], config[1]
     blocks = triton.cdiv(n, block_n)
-    target = GEMV_DOT_SPLIT_PER_SM * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = GEMV_DOT_SPLIT_PER_SM * num_sms(cuda_index(device))
     by_steps = max(1, k // (block_k * GEMV_DOT_MIN_SPLIT_STEPS))
     return 1 << (min(max(1, target // blocks), by_steps).bit_length() - 1)  # the power of two at or below both
 
