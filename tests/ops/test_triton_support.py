@@ -285,3 +285,14 @@ def test_trigger_first_orders_the_ptx():
     report = run_uninterpreted(["-m", "tests.ops.compile_pdl_sm90"])
     assert {case["name"]: case["order"] for case in report["cases"]} == {
         "wait_first": ["wait", "launch_dependents"], "trigger_first": ["launch_dependents", "wait"]}
+
+
+def test_cuda_index_is_the_device_s_own_or_the_current_one(monkeypatch):
+    """`cuda_index` (what pdl_args, the split counts and the all-reduce's buffers key on) takes a device's own index,
+    and for a bare `cuda` the current device's."""
+    from mini_infer.ops import _triton_support
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert _triton_support.cuda_index(torch.device("cuda", 3)) == 3
+    assert _triton_support.cuda_index(torch.device("cuda", 0)) == 0
+    assert _triton_support.cuda_index(torch.device("cuda")) == 5
