@@ -5,7 +5,7 @@ The batch-1 decode attention splits each kv head's keys over programs and merges
 every split stores its partial (o, m, l) to a global workspace and counts itself with an atomic; the last to arrive
 reloads every partial and merges (`_split_k.finish_rows`). Leaving the merge out ran qwen3-0.6b at 1,614 tok/s
 against ~1,535; every other place for the merge lost (docs/architecture.md). Triton 3.6 has no thread-block clusters,
-so this probe compiles one small CUDA kernel three ways (NVRTC, `torch.cuda._compile_kernel`) and times a chain of
+so this probe compiles one small CUDA kernel four ways (NVRTC, `torch.cuda._compile_kernel`) and times a chain of
 them in a CUDA graph, one launch a layer:
 
   * "none":    each split stores its partial and exits (no merge: the floor);
@@ -17,7 +17,7 @@ them in a CUDA graph, one launch a layer:
   * "cluster-all": the same, every split merging its share of the head's columns.
 
 The kernel's own attention (one thread a (q head, key) score, fp32, the paged cache of `--block-size` tokens) is the
-same in all three, so the differences are the merges' costs. Outputs of "global" and "cluster" are checked against
+same in all four, so the differences are the merges' costs. Outputs of the three that merge are checked against
 fp32 torch. Ordinary launches (no PDL: `_compile_kernel` launches with cuLaunchKernel).
 
     python bench/probe_cluster_merge.py [--heads 16/8] [--context 384] [--out DIR]   # GPU (sm_90)
