@@ -201,15 +201,16 @@ def compile_mode(mode: str, g: int, d: int, splits: int, kps: int, bs: int):
     return torch.cuda._compile_kernel(defines + _SOURCE, "attn")
 
 
-def reference(q, kc, vc, bt, seq_len, hkv, g, bs):
-    """fp32 attention of one query token over its paged cache: [HQ, D]."""
-    t = torch.arange(seq_len, device=q.device)
-    rows = bt[t // bs].long() * bs + t % bs
-    k = kc.view(-1, hkv, kc.shape[-1])[rows].float()  # [T, HKV, D]
-    v = vc.view(-1, hkv, vc.shape[-1])[rows].float()
-    qf = q.float().view(hkv, g, -1)
-    s = torch.einsum("hgd,thd->hgt", qf, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hkv * g, -1)
+def reference(q, kc, vc, bt, seq_len, hkv, bs):
+    """fp32 attention of one query token over its paged cache ([blocks x BS, HKV, D]): [HQ, D], by the op's own
+    reference (`paged_attention_cached_reference`)."""
+    from mini_infer.ops.paged_attention import paged_attention_cached_reference
+
+    d = q.shape[-1]
+    caches = [c.float().view(-1, bs, hkv, c.shape[-1]) for c in (kc, vc)]
+    ints = dict(dtype=torch.int32, device=q.device)
+    return paged_attention_cached_reference(q.float()[None], *caches, bt[None], torch.tensor([seq_len], **ints),
+                                            torch.tensor([0, 1], **ints), 1 / math.sqrt(d))[0]
 
 
 def main() -> int:
@@ -258,7 +259,7 @@ def main() -> int:
             err = None
             if mode != "none":
                 q, kc, vc, bt, out = layers[-1]
-                want = reference(q, kc, vc, bt, ctx, hkv, g, bs)
+                want = reference(q, kc, vc, bt, ctx, hkv, bs)
                 err = ((out.float() - want).abs().max() / want.abs().max()).item()
             us = time_calls([chain], 200.0, 5)[0] * 1e3 / args.layers
             print(f"  context {ctx:5d}, {splits} splits, merge {mode:8s}: {us:6.2f} us a launch"

@@ -34,6 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from probe_gemv_persistent import warps_for  # noqa: E402  (the sibling probe's warps for a whole-row tile)
+
 from mini_infer.ops._triton_support import next_pow2, tl, triton  # noqa: E402
 
 MAX_K = 4096
@@ -99,11 +101,6 @@ def _chain_gemv_kernel(x_ptr, w_ptr, y_ptr, cnt_in_ptr, cnt_out_ptr, need, N, K,
     if MODE >= 2:
         tl.debug_barrier()  # every thread's stores issued before the release
         tl.atomic_add(cnt_out_ptr + (pid % SUB_C if MODE >= 4 else 0), 1, sem="release")
-
-
-def warps_for(block_n: int, kp: int) -> int:
-    """4-16 warps, so that a thread holds at most 64 of a tile's BLOCK_N x KP weights."""
-    return min(16, max(4, block_n * kp // (32 * 64)))
 
 
 class Chain:
