@@ -43,8 +43,8 @@ except Exception:  # ImportError, or a broken install that fails on import
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "cuda_index", "pdl_args", "triton", "tl", "use_triton", "next_pow2",
-           "num_sms"]
+__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "cuda_index", "pdl_args", "triton", "tl", "use_triton",
+           "next_pow2", "num_sms"]
 
 # The L2 eviction policy of the weight loads of the one-row GEMV kernels (linear.py's `gemv_load`: every float, int8
 # and fp8 GEMV, lm_head's and the MoE decode path's included) and of the MoE GEMMs' decode-shaped launches
