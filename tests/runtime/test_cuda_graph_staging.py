@@ -166,13 +166,19 @@ def _record_sampler_calls(engine) -> list[tuple[torch.Tensor | None, torch.Tenso
     return calls
 
 
-def test_small_decode_buckets_answer_with_their_own_greedy_ids():
-    # decode buckets of up to GRAPH_ARGMAX_MAX_ROWS rows compute their rows' argmax with the logits; an all-greedy
-    # step takes those ids (the very tensor) instead of another argmax: they must be the rows' argmax, row for row
+def _captured_engine_recording_its_sampler():
+    """A tiny-llama engine with its CUDA-graph runner forced on (shapes of up to 8 sequences, 16 tokens), and the
+    list its sampler's calls are recorded into (`_record_sampler_calls`)."""
     engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=40,
                          async_scheduling=True)
     engine.runner.enable_cuda_graphs(8, engine.max_model_len, 16, force=True)
-    calls = _record_sampler_calls(engine)
+    return engine, _record_sampler_calls(engine)
+
+
+def test_small_decode_buckets_answer_with_their_own_greedy_ids():
+    # decode buckets of up to GRAPH_ARGMAX_MAX_ROWS rows compute their rows' argmax with the logits; an all-greedy
+    # step takes those ids (the very tensor) instead of another argmax: they must be the rows' argmax, row for row
+    engine, calls = _captured_engine_recording_its_sampler()
     outs = run(engine, PROMPTS)
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == hf_ref("tiny-llama", tuple(p)), f"prompt of {len(p)} tokens"
@@ -189,10 +195,7 @@ def test_greedy_ids_of_the_graph_are_not_taken_where_the_logits_change():
     penalized = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
     plain = make_engine("tiny-llama", max_num_seqs=8, num_kv_blocks=40, async_scheduling=True)
     expected = [o.outputs[0].token_ids for o in run(plain, PROMPTS, penalized)]
-    engine = make_engine("tiny-llama", max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=40,
-                         async_scheduling=True)
-    engine.runner.enable_cuda_graphs(8, engine.max_model_len, 16, force=True)
-    calls = _record_sampler_calls(engine)
+    engine, calls = _captured_engine_recording_its_sampler()
     got = [o.outputs[0].token_ids for o in run(engine, PROMPTS, penalized)]
     assert got == expected
     # the graph's ids were offered, and the penalty moved some token away from them
