@@ -5,7 +5,7 @@ The batch-1 decode attention splits each kv head's keys over programs and merges
 every split stores its partial (o, m, l) to a global workspace and counts itself with an atomic; the last to arrive
 reloads every partial and merges (`_split_k.finish_rows`). Leaving the merge out ran qwen3-0.6b at 1,614 tok/s
 against ~1,535; every other place for the merge lost (docs/architecture.md). Triton 3.6 has no thread-block clusters,
-so this probe compiles one small CUDA kernel four ways (NVRTC, `torch.cuda._compile_kernel`) and times a chain of
+so this probe compiles one small CUDA kernel five ways (NVRTC, `torch.cuda._compile_kernel`) and times a chain of
 them in a CUDA graph, one launch a layer:
 
   * "none":    each split stores its partial and exits (no merge: the floor);
@@ -14,10 +14,13 @@ them in a CUDA graph, one launch a layer:
   * "cluster": the splits of a kv head are one cluster (`__cluster_dims__`); each keeps its partial in shared memory,
                a cluster barrier, then split 0 reads the others' partials over DSMEM (`mapa` +
                `ld.shared::cluster`) and merges; a second barrier keeps the others' shared memory alive until then;
-  * "cluster-all": the same, every split merging its share of the head's columns.
+  * "cluster-all": the same, every split merging its share of the head's columns;
+  * "cluster-l2": the partials stored to global memory as "global" does, a cluster barrier in place of the fence
+               and count, then every split merges its share of the columns from L2 (what a Triton kernel launched
+               as a cluster could do: Triton 3.6 gives no shared-memory addresses, but inline PTX has the barrier).
 
 The kernel's own attention (one thread a (q head, key) score, fp32, the paged cache of `--block-size` tokens) is the
-same in all four, so the differences are the merges' costs. Outputs of the three that merge are checked against
+same in all five, so the differences are the merges' costs. Outputs of the four that merge are checked against
 fp32 torch. Ordinary launches (no PDL: `_compile_kernel` launches with cuLaunchKernel).
 
     python bench/probe_cluster_merge.py [--heads 16/8] [--context 384] [--out DIR]   # GPU (sm_90)
@@ -35,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = {"none": 0, "global": 1, "cluster": 2, "cluster-all": 3}
+MODES = {"none": 0, "global": 1, "cluster": 2, "cluster-all": 3, "cluster-l2": 4}
 
 _SOURCE = r"""
 #define NT 128
@@ -137,7 +140,7 @@ attn(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc
     __syncthreads();
     // the partials: ws[h][split][g][0..D-1] = o, [D] = m, [D + 1] = l
     float* mine = ws + ((long)(h * SPLITS + split) * G) * (D + 2);
-#if MODE == 0 || MODE == 1
+#if MODE == 0 || MODE == 1 || MODE == 4
     for (int i = tid; i < G * D; i += NT) mine[(i / D) * (D + 2) + i % D] = so[i / D][i % D];
     if (tid < G) { mine[tid * (D + 2) + D] = sm[tid]; mine[tid * (D + 2) + D + 1] = sl[tid]; }
 #endif
@@ -189,6 +192,28 @@ attn(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc
         }
     }
     cluster_sync();
+#endif
+#if MODE == 4
+    cluster_sync();  // release / acquire at cluster scope: the other splits' stores above are visible
+    {
+        const float* base = ws + (long)h * SPLITS * G * (D + 2);
+        const int per = (D + SPLITS - 1) / SPLITS, c0 = split * per;
+        for (int i = tid; i < G * per; i += NT) {
+            const int g = i / per, d = c0 + i % per;
+            if (d >= D) continue;
+            float mx = NEG_INF;
+            for (int r = 0; r < SPLITS; r++) mx = fmaxf(mx, ld_l2(base + (r * G + g) * (D + 2) + D));
+            float L = 0.f, O = 0.f;
+            for (int r = 0; r < SPLITS; r++) {
+                const float* pr = base + (r * G + g) * (D + 2);
+                const float m = ld_l2(pr + D);
+                const float w = (m == NEG_INF) ? 0.f : __expf(m - mx);
+                L += w * ld_l2(pr + D + 1);
+                O += w * ld_l2(pr + d);
+            }
+            out[(h * G + g) * D + d] = to_bf(O / L);
+        }
+    }
 #endif
 }
 """

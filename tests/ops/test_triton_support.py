@@ -296,3 +296,43 @@ def test_cuda_index_is_the_device_s_own_or_the_current_one(monkeypatch):
     assert _triton_support.cuda_index(torch.device("cuda", 3)) == 3
     assert _triton_support.cuda_index(torch.device("cuda", 0)) == 0
     assert _triton_support.cuda_index(torch.device("cuda")) == 5
+
+
+class _CompiledStandIn:
+    """What `launch_in_clusters` reads of a compiled Triton kernel: its packed launch metadata and num_warps."""
+
+    def __init__(self, packed_metadata: tuple):
+        self.packed_metadata = packed_metadata
+        self.metadata = type("Metadata", (), {"num_warps": packed_metadata[0]})()
+
+
+class _KernelStandIn:
+    """A @triton.jit function's `warmup` (the compiled kernel) and `kernel[grid](...)` (recorded, with the metadata
+    the launch would pass Triton's launcher)."""
+
+    def __init__(self, packed_metadata: tuple):
+        self.compiled = _CompiledStandIn(packed_metadata)
+        self.launches = []
+
+    def warmup(self, *args, grid, **kwargs):
+        return self.compiled
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs, self.compiled.packed_metadata))
+
+
+def test_launch_in_clusters_gives_the_compiled_kernel_the_cluster_size():
+    """`launch_in_clusters` launches the kernel's own compiled variant with num_ctas (what Triton's launcher makes the
+    cluster size, and multiplies grid x by) set to the cluster, once and for every later launch; a Triton whose
+    metadata is laid out otherwise, or a cluster of more than 16 CTAs, is refused by name."""
+    from mini_infer.ops._triton_support import launch_in_clusters
+
+    kernel = _KernelStandIn((8, 1, 1024))
+    for _ in range(2):
+        launch_in_clusters(kernel, (2, 8, 1), 4, (1, 2), {"CLUSTER": True})
+    assert kernel.launches == [((2, 8, 1), (1, 2), {"CLUSTER": True}, (8, 4, 1024))] * 2
+    with pytest.raises(RuntimeError, match="launch metadata"):
+        launch_in_clusters(_KernelStandIn((8, 2, 1024, 0)), (2, 8, 1), 4, (), {})
+    with pytest.raises(ValueError, match="1 to 16 CTAs, got 17"):
+        launch_in_clusters(kernel, (2, 8, 1), 17, (), {})
+
