@@ -6,9 +6,7 @@ in log2 units (scores times LOG2E, exp2) over a key range, and with NUM_SPLITS >
 aligned splits whose partials (running max m, sum l, unnormalized acc) are merged in split order, either by a
 reduce kernel (`store_rows` + `launch_split_reduce`) or inside the attention launch (`finish_rows`: the split
 that arrives last at its rows, counted in a counter per set of rows that it zeroes again, merges the non-empty
-splits; a range that fits one split is written normalized at once; or, in a launch whose splits of a set of rows
-are one thread-block cluster, `merge_share_in_cluster`: after a cluster barrier every split merges a share of the
-columns). Here:
+splits; a range that fits one split is written normalized at once). Here:
   * Triton helpers the kernels inline: which sequence a query tile belongs to, a program's split of its key
     range and how many splits are non-empty, a key tile's cache blocks (through the block table) and
     causal/window mask, one online-softmax step, the merge of partials, and the end of a program (normalized
@@ -25,15 +23,7 @@ import math
 
 import torch
 
-from mini_infer.ops._triton_support import (
-    HAS_TRITON,
-    cluster_sync,
-    cuda_index,
-    next_pow2,
-    num_sms,
-    tl,
-    triton,
-)
+from mini_infer.ops._triton_support import HAS_TRITON, cuda_index, next_pow2, num_sms, tl, triton
 
 __all__ = ["default_num_splits", "launch_split_reduce", "split_counters", "split_outputs"]
 
@@ -246,48 +236,24 @@ if HAS_TRITON:
     def finish_rows(
         out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr, acc, m_i, l_i, split, n_used, tok, head, col, row_ok,
         col_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr,
-        IN_CLUSTER: tl.constexpr = False,
     ):  # fmt: skip
         """The end of split `split` (< n_used, the non-empty splits of its rows' key range) with the merge in
         the same launch: n_used == 1, the normalized rows at once; else its partials, then a count at cnt_ptr
         (one counter per set of rows, zero between launches); the split that arrives last resets it and
         merges the n_used partials in split order (deterministic, whatever the arrival order). The merge runs
         over rows (tok_m, head_m, row_ok_m): the real ones among (tok, head, row_ok), or all of them; fewer rows
-        keep fewer partials in registers (a decode tile pads its few real rows to the dots' 16). IN_CLUSTER (the
-        splits of the rows are one thread-block cluster): the partials only; `merge_share_in_cluster` merges."""
+        keep fewer partials in registers (a decode tile pads its few real rows to the dots' 16)."""
         if n_used == 1:
             _store_normalized(out_ptr, acc, l_i, tok, head, col, row_ok, col_ok, s_ot, s_oh)
         else:
             _store_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, col, row_ok, col_ok,
                             s_wms, s_wmt, s_was, s_wat, s_wah)
-            if not IN_CLUSTER:
-                if arrives_last(cnt_ptr, n_used):
-                    mask = row_ok_m[:, None] & col_ok[None, :]
-                    a_off = tok_m[:, None] * s_wat + head_m[:, None] * s_wah + col[None, :]
-                    acc_m, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok_m * s_wmt + head_m, a_off,
-                                                  row_ok_m, mask, n_used, s_wms, s_was, NUM_SPLITS)
-                    _store_normalized(out_ptr, acc_m, l_sum, tok_m, head_m, col, row_ok_m, col_ok, s_ot, s_oh)
-
-    @triton.jit
-    def merge_share_in_cluster(
-        out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, split, n_used, tok_m, head_m, row_ok_m, head_dv,
-        s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ):  # fmt: skip
-        """The fused merge of a launch whose NUM_SPLITS splits of a set of rows are one thread-block cluster
-        (`_triton_support.launch_in_clusters`), in place of `finish_rows`'s: called by every split of the cluster,
-        the empty ones too, once the non-empty ones (split < n_used, n_used > 1) have stored their partials. A
-        cluster barrier, then split `split` merges columns split * BLOCK_DV / NUM_SPLITS onwards (its share) of
-        the rows (tok_m, head_m, row_ok_m) in split order and stores them normalized: per element the same
-        operations as `finish_rows`'s last split merging every column (the same bits), spread over the cluster,
-        with no counter to wait on."""
-        cluster_sync()
-        col = split * (BLOCK_DV // NUM_SPLITS) + tl.arange(0, BLOCK_DV // NUM_SPLITS)
-        col_ok = col < head_dv
-        mask = row_ok_m[:, None] & col_ok[None, :]
-        a_off = tok_m[:, None] * s_wat + head_m[:, None] * s_wah + col[None, :]
-        acc, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok_m * s_wmt + head_m, a_off, row_ok_m, mask,
-                                    n_used, s_wms, s_was, NUM_SPLITS)
-        _store_normalized(out_ptr, acc, l_sum, tok_m, head_m, col, row_ok_m, col_ok, s_ot, s_oh)
+            if arrives_last(cnt_ptr, n_used):
+                mask = row_ok_m[:, None] & col_ok[None, :]
+                a_off = tok_m[:, None] * s_wat + head_m[:, None] * s_wah + col[None, :]
+                acc_m, l_sum = merge_partials(ws_m_ptr, ws_l_ptr, ws_acc_ptr, tok_m * s_wmt + head_m, a_off, row_ok_m,
+                                              mask, n_used, s_wms, s_was, NUM_SPLITS)
+                _store_normalized(out_ptr, acc_m, l_sum, tok_m, head_m, col, row_ok_m, col_ok, s_ot, s_oh)
 
     @triton.jit
     def _split_reduce_kernel(

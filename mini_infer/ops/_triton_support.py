@@ -43,8 +43,8 @@ except Exception:  # ImportError, or a broken install that fails on import
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "cluster_sync", "clusters_capable", "cuda_index",
-           "launch_in_clusters", "pdl_args", "triton", "tl", "use_triton", "next_pow2", "num_sms"]
+__all__ = ["HAS_TRITON", "WEIGHT_EVICTION", "await_producers", "cuda_index", "pdl_args", "triton", "tl", "use_triton",
+           "next_pow2", "num_sms"]
 
 # The L2 eviction policy of the weight loads of the one-row GEMV kernels (linear.py's `gemv_load`: every float, int8
 # and fp8 GEMV, lm_head's and the MoE decode path's included) and of the MoE GEMMs' decode-shaped launches
@@ -92,37 +92,6 @@ def _pdl_capable(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
-def clusters_capable(t: torch.Tensor) -> bool:
-    """Whether a launch on `t`'s device may group its programs into thread-block clusters (`launch_in_clusters`):
-    an sm_90+ NVIDIA GPU, Triton compiling (not the interpreter)."""
-    return (t.is_cuda and torch.version.hip is None and not os.environ.get("TRITON_INTERPRET")
-            and torch.cuda.get_device_capability(cuda_index(t.device))[0] >= 9)
-
-
-def launch_in_clusters(kernel, grid: tuple[int, int, int], cluster: int, args: tuple, kwargs: dict) -> None:
-    """`kernel[grid](*args, **kwargs)` with each of grid[0]'s programs as `cluster` CTAs of one thread-block cluster:
-    the launch runs grid[0] * cluster CTAs along x, and `tl.program_id(0)` in the kernel (compiled for one CTA a
-    program) is the CTA's index, so CTAs c * cluster .. c * cluster + cluster - 1 form cluster c; `cluster_sync`
-    synchronizes them. At most 8 CTAs (16 where the GPU allows it; Triton's launcher asks for that).
-
-    Triton launches a compiled kernel as clusters of its metadata's `num_ctas` CTAs (grid x times num_ctas); a
-    kernel compiled with num_ctas > 1 is one program spread over the cluster, so instead the kernel is compiled as
-    usual (warmup: the same specialization the launch picks) and its packed launch metadata (num_warps, num_ctas,
-    shared memory) is given the cluster size. That compiled kernel is then always launched as clusters: the kernel
-    must take a constexpr of its own in cluster launches, so that no other launch shares its compiled variant."""
-    if cluster < 1 or cluster > 16:
-        raise ValueError(f"launch_in_clusters: a cluster holds 1 to 16 CTAs, got {cluster}")
-    compiled = kernel.warmup(*args, grid=grid, **kwargs)
-    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile's future
-    meta = tuple(compiled.packed_metadata)
-    if meta[1] != cluster:
-        if len(meta) != 3 or meta[:2] != (compiled.metadata.num_warps, 1):
-            raise RuntimeError(f"launch_in_clusters: this Triton's launch metadata {meta} is not (num_warps, "
-                               f"num_ctas=1, shared memory); clusters need Triton 3.6-3.9's launcher")
-        compiled.packed_metadata = (meta[0], cluster, meta[2])
-    kernel[grid](*args, **kwargs)
-
-
 # Let the next kernel launch before this one's wait (module docstring); read at each launch.
 PDL_TRIGGER_FIRST = os.environ.get("MINI_INFER_PDL_TRIGGER_FIRST", "1") != "0"
 TRIGGER_FIRST = 2  # the USE_GDC value of a launch that triggers before its wait
@@ -157,12 +126,3 @@ if HAS_TRITON:
         elif USE_GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def cluster_sync():
-        """Every thread of every CTA in this CTA's thread-block cluster (`launch_in_clusters`) arrives, releasing
-        its earlier stores at cluster scope, and waits for the others, acquiring theirs: after it each CTA sees the
-        cluster's stores made before it (global memory; loads through L2). Called by all threads of all the
-        cluster's CTAs (none may exit before it); a launch without clusters is a cluster of one CTA."""
-        tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-                                  " // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)

@@ -94,8 +94,6 @@ from mini_infer.ops._prefill_sdpa import route_min_query_rows
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     await_producers,
-    clusters_capable,
-    launch_in_clusters,
     next_pow2,
     pdl_args,
     tl,
@@ -211,14 +209,6 @@ ROW_TILES = os.environ.get("MINI_INFER_ATTN_ROW_TILES", "1") != "0"
 # `bench/gpu_check.py` passed with it. On by default (MINI_INFER_ATTN_ROW_GUESS=0, or `--switch
 # paged_attention.ROW_GUESS=0`: the search alone). Read at launch.
 ROW_GUESS = os.environ.get("MINI_INFER_ATTN_ROW_GUESS", "1") != "0"
-# Split launches of one query row a tile (batch-1-ish decode) with their merge in the launch, on sm_90+, at most 8
-# splits: a tile's splits of a kv head run as one thread-block cluster (`_triton_support.launch_in_clusters`); the
-# non-empty ones store their partials, and after a cluster barrier every split of the cluster merges its share of the
-# columns (`_split_k.merge_share_in_cluster`), instead of each counting itself in an atomic and the last one merging
-# every column (`finish_rows`). The same bits. MINI_INFER_ATTN_CLUSTER_MERGE=0 (or `--switch
-# paged_attention.CLUSTER_MERGE=0`): the counted merge everywhere. Read at launch.
-CLUSTER_MERGE = os.environ.get("MINI_INFER_ATTN_CLUSTER_MERGE", "1") != "0"
-CLUSTER_MAX_SPLITS = 8  # the portable cluster size
 
 
 def _env_choice(name: str, default: str, choices: tuple[int, ...]) -> int:
@@ -789,15 +779,10 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0, ROW_GUESS: tl.constexpr = False,
-        CLUSTER: tl.constexpr = False,
     ):  # fmt: skip
-        if CLUSTER:  # (FUSED_MERGE, BLOCK_Q == 1) a tile's splits of a kv head are one cluster of consecutive CTAs
-            tile = tl.program_id(0) // NUM_SPLITS
-            split = tl.program_id(0) % NUM_SPLITS
-        else:
-            tile = tl.program_id(0)
-            split = tl.program_id(2)
+        tile = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         # Before the wait (module docstring, "Before the wait"): the step's lengths and block table are inputs no
         # kernel of the step writes, and with PRELOAD the first key tile's cached positions (older than the step's
         # keys) are loaded too; nothing is stored before the wait.
@@ -943,19 +928,12 @@ if HAS_TRITON:
                 _split_k.finish_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr + tile * tl.num_programs(1) + kvh, acc, m_i,
                     l_i, split, n_used, tok, head, dv, row_ok, dv_ok, tok_m, head_m, row_ok_m, s_ot, s_oh, s_wms,
-                    s_wmt, s_was, s_wat, s_wah, NUM_SPLITS, CLUSTER,
+                    s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
                 )  # fmt: skip
             else:
                 _split_k.store_rows(
                     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, acc, m_i, l_i, split, tok, head, dv, row_ok, dv_ok,
                     s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS,
-                )  # fmt: skip
-        if CLUSTER:  # every split of a live tile's cluster, the empty ones too, merges its share of the columns
-            if (q_off < qlen) & (n_used > 1):
-                gm = tl.arange(0, BLOCK_G)
-                _split_k.merge_share_in_cluster(
-                    out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, split, n_used, (q_beg + q_off).to(tl.int64) + gm * 0,
-                    kvh * G + gm, gm < G, head_dv, s_ot, s_oh, s_wms, s_wmt, s_was, s_wat, s_wah, NUM_SPLITS, BLOCK_DV,
                 )  # fmt: skip
 
 
@@ -1088,9 +1066,7 @@ def paged_attention_triton(
         of ceil(range / num_splits) keys, so a short context fills only the first few splits.
       * `fused_merge` (with num_splits > 1): True (default) -> splits past a tile's range exit at once, the
         last split to finish a tile merges the partials in split order (one launch; a range within one split
-        is written directly), or, in decode-shaped launches of at most 8 splits on sm_90+ (CLUSTER_MERGE), a
-        tile's splits of a kv head run as one thread-block cluster and each merges a share of the columns
-        after a cluster barrier; False -> every split writes partials and a reduce kernel merges them (a second
+        is written directly); False -> every split writes partials and a reduce kernel merges them (a second
         launch; what the bench compares against). Same merge arithmetic, same order.
     The first call for a new (dtype, head dims, kind) compiles, and may retry smaller launch shapes if
     one runs out of shared memory: make it before capturing a CUDA graph (warm-up), as usual.
@@ -1236,36 +1212,28 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         block_r = max(16, block_q * block_g)  # tl.dot needs >= 16 rows
         row_tiles = ROW_TILES and block_q == 1 and bool(_CONFIG[name].get("row_tiles", 1))
         tiles = t if row_tiles else t // block_q + n_seqs
-        cluster = (CLUSTER_MERGE and fused_merge and block_q == 1 and num_splits <= CLUSTER_MAX_SPLITS
-                   and clusters_capable(q))
-        counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge and not cluster else seq_lens  # unread
-        args = (
-            q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
-            block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens), k, v, slot_mapping,
-            *rot_args, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *rot_strides,
-        )  # fmt: skip
-        kwargs = dict(
-            WRITE_KV=write_kv, ROTARY=rotary is not None, HAS_Q_NORM=rotary is not None and rotary.q_weight is not None,
-            HAS_K_NORM=rotary is not None and rotary.k_weight is not None, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
-            BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
-            # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
-            # so batches of changing size do not each compile a new kernel
-            SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
-            USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-            ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, ROW_GUESS=ROW_GUESS,
-            V_TILES=V_KEYS_TILES if v_keys else 0, CLUSTER=cluster, num_warps=num_warps,
-            num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
-        )  # fmt: skip
+        counters = _split_k.split_counters(q.device, tiles * hkv) if fused_merge else seq_lens  # unread
         try:
-            if cluster:  # grid x counts clusters of num_splits CTAs (the kernel's CLUSTER mapping)
-                launch_in_clusters(_paged_attn_kernel, (tiles, hkv, 1), num_splits, args, {**kwargs, **pdl_args(q)})
-            else:
-                _paged_attn_kernel[(tiles, hkv, num_splits)](*args, **kwargs, **pdl_args(q))
+            _paged_attn_kernel[(tiles, hkv, num_splits)](
+                q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
+                block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens), k, v, slot_mapping,
+                *rot_args, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
+                q.stride(0), q.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+                out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *rot_strides,
+                WRITE_KV=write_kv, ROTARY=rotary is not None, HAS_Q_NORM=rotary is not None and rotary.q_weight is not None,
+                HAS_K_NORM=rotary is not None and rotary.k_weight is not None, G=g, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_R=block_r, BLOCK_N=block_n,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, FUSED_MERGE=fused_merge,
+                # rounded up to a multiple of 4 (extra steps are no-ops once lo == hi): few specializations,
+                # so batches of changing size do not each compile a new kernel
+                SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
+                USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
+                ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, ROW_GUESS=ROW_GUESS,
+                V_TILES=V_KEYS_TILES if v_keys else 0, num_warps=num_warps,
+                num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
+            )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue  # too much shared memory (fp32, big head dims): try the next smaller shape
         _LAUNCH_OK[key] = (rows, block_n, num_warps, *shape[3:])  # the kind's stages / cap (split launches: theirs)

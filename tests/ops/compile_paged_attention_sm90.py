@@ -12,14 +12,13 @@ an fp8 cache's tiles are loaded a byte at a time, each thread holding the row ad
 3.6 spills 1.3-6 KB there; with them it loads 16-byte vectors and keeps everything in registers.
 
 Cases: a bf16 cache with 8 splits and the fused merge (qwen3-0.6b's 16 / 8 heads at batch 1: the "decode_split" shape,
-its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`, and
-as a launch in thread-block clusters builds it, CLUSTER: the merge after a cluster barrier, no counter), an
+its first key tile loaded before the wait, PRELOAD; the rotary build also without it, `MINI_INFER_ATTN_PRELOAD=0`), an
 fp8 cache in one split under a sliding window (qwen2.5-7b's group of 7, batch 64), and nano-vllm's fp8 workload
 (qwen3-0.6b, group of 2, one split, no window, batch 256), the fp8 ones over the V layout the paged_attention pass
 declares (by default tokens-contiguous for full-attention layers: `_CONFIG["decode_fp8_vkeys"]` and `V_KEYS_TILES`;
 the usual layout under a window: `_CONFIG["decode_fp8"]`), and nano-vllm's again over the usual V layout. For each build:
 cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stays 0), from the PTX the barriers
-(`bar.sync` / `barrier.sync`), cluster barriers (`barrier.cluster.wait`), atomics and the loads through the non-coherent path (`ld.global.nc`, which need not see the
+(`bar.sync` / `barrier.sync`) and the loads through the non-coherent path (`ld.global.nc`, which need not see the
 CTA's own stores to the cache), and the launch shape.
 
 With the argument `loop`, each case's key loop instead (`key_loop`: its SASS instructions by class and per byte
@@ -91,13 +90,11 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
 
 
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-          rotary: bool = False, preload: bool = True, cluster: bool = False):
-    """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape).
-    `cluster`: as a launch in thread-block clusters builds it (CLUSTER: a GPU's, `paged_attention.CLUSTER_MERGE`)."""
+          rotary: bool = False, preload: bool = True):
+    """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
     args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
-    kwargs = dict(kwargs, CLUSTER=cluster)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
                  splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"],
@@ -107,19 +104,16 @@ def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_k
 
 def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
     out = {"name": name}
-    builds = [("no_write", False, False, True, False), ("write", True, False, True, False),
-              ("rotary", True, True, True, False)]
+    builds = [("no_write", False, False, True), ("write", True, False, True),
+              ("rotary", True, True, True)]
     if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
-        builds.append(("rotary_no_preload", True, True, False, False))
-        builds.append(("rotary_cluster", True, True, True, True))  # the merge over a cluster (on a GPU, sm_90+)
-    for key, write, rotary, preload, cluster in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, cluster)
+        builds.append(("rotary_no_preload", True, True, False))
+    for key, write, rotary, preload in builds:
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),
             "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
-            "cluster_barriers": len(re.findall(r"\bbarrier\.cluster\.wait\b", ptx)),
-            "atomics": len(re.findall(r"\batom\.", ptx)),
             "nc_loads": len(re.findall(r"\bld\.global\.nc\b", ptx)),
             "shape": shape,
         }
