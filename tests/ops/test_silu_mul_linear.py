@@ -22,6 +22,7 @@ from tests.ops.helpers import (  # plain_gemv_waits_first: autouse here (the unf
     plain_gemv_waits_first,  # noqa: F401
     record_gemv_launches,
     requires_triton,
+    without_preload,
 )
 
 mi = torch.ops.mini_infer
@@ -44,14 +45,18 @@ def _inputs(rows, n, k, dtype, bias, residual, residual_dtype=None, seed=0):
 
 def _unfused(gate, up, w, b, r, config=None):
     """silu_and_mul's kernel, then the one-row GEMV (+ linear_add's epilogue kernel), what the fused op replaces, at
-    the fused kernel's tile (`config`, None: its default): the same sums in the same order, on a GPU too."""
+    the fused kernel's tile (`config`, None: its default): the same sums in the same order, on a GPU too when
+    linear_add's weight preload is off (the `launches` fixture turns it off: its products are not contracted into
+    the K loop's FMAs)."""
     act, tile = silu_and_mul_triton(gate, up), config or silu_mul_gemv_config(w.shape[1])
     return gemv_triton(act, w, b, tile) if r is None else linear_add_triton(act, w, b, r, tile)
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The kernels the op launches through `launch_gemv`, recorded."""
+    """The kernels the op launches through `launch_gemv`, recorded; linear.py's weight preload off, so that the
+    unfused linear_add takes the K loop's sums as the fused kernel does (helpers.without_preload)."""
+    without_preload(monkeypatch)
     return record_gemv_launches(monkeypatch, mod)
 
 

@@ -107,7 +107,6 @@ def test_graph_validates_on_cuda_fakes():
     propagate_fake(copy_gm(gm), "cuda")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/gpu_check.py")
 def test_triton_kernels_in_the_graph():
     """The graph bound to the Triton launchers (the interpreter here): the one-launch kernel on the graph's real
     layouts (views of the merged qkv projection) gives eager HF's logits, prefill and a one-row step."""

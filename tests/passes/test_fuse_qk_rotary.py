@@ -116,7 +116,6 @@ def test_in_full_pipeline(name, tmp_path):
         assert "torch.ops.mini_infer.qk_rotary.default(" in dump and "q_rot" in dump and "k_rot" in dump
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/gpu_check.py")
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
 def test_triton_kernels_in_the_graph(name):
     """The recommended pipeline's graph bound to the Triton launchers (the interpreter here) gives eager HF's logits

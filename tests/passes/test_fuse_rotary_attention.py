@@ -91,7 +91,6 @@ def test_graph_validates_on_cuda_fakes():
     propagate_fake(copy_gm(gm), "cuda")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/gpu_check.py")
 def test_triton_kernels_in_the_graph_bitwise_as_unfused():
     """The graphs bound to the Triton launchers (the interpreter here), on the graph's real layouts: a prefill (the
     unfused kernels) and a decode step over its keys (one launch a layer) give the logits of the pipeline without

@@ -318,7 +318,6 @@ def test_engine_padded_graph_path():
     assert_no_leak(engine)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/gpu_check.py")
 @pytest.mark.parametrize("name", MLA)
 def test_triton_kernels_in_the_graph(name):
     """The graph bound to the Triton launchers (what a GPU runs; the interpreter here) gives the reference-bound

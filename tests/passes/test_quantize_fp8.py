@@ -256,7 +256,6 @@ def test_preflight_refuses_fp8_on_a_gpu_below_8_9(monkeypatch):
     preflight._check_fp8(EngineConfig(), torch.device("cuda"))  # nothing asked for fp8: nothing to refuse
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/fp8_gpu_check.py")
 def test_triton_kernels_in_the_graph():
     """fp8 weights and the fp8 KV cache with every op bound to its Triton launcher (what a GPU runs; the
     interpreter here) give the reference-bound graph's logits, for a prefill (M > 16) and a one-token step."""

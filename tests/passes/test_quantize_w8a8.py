@@ -197,7 +197,6 @@ def test_merged_equals_unmerged(name):
                        graph_logits(*alone(name)[:2], ids, pos, logits_indices=rows))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graph under the interpreter; on a GPU: bench/quant_quality.py")
 def test_triton_kernels_in_the_graph():
     """The full w8a8 graph bound to the Triton launchers (what a GPU runs; the interpreter here: int8_linear,
     rms_norm_quant, fused_add_rms_norm_quant, silu_and_mul_quant, quantize_per_token) gives the reference-bound
