@@ -84,6 +84,21 @@ __device__ __forceinline__ float merged_over_cluster(const float* m_own, const f
     return O / L;
 }
 
+// column d of q head g merged over the splits' partials in global memory, from base (this kv head's), through L2
+__device__ __forceinline__ float merged_from_l2(const float* base, int g, int d) {
+    float mx = NEG_INF;
+    for (int r = 0; r < SPLITS; r++) mx = fmaxf(mx, ld_l2(base + (r * G + g) * (D + 2) + D));
+    float L = 0.f, O = 0.f;
+    for (int r = 0; r < SPLITS; r++) {
+        const float* pr = base + (r * G + g) * (D + 2);
+        const float m = ld_l2(pr + D);
+        const float w = (m == NEG_INF) ? 0.f : __expf(m - mx);
+        L += w * ld_l2(pr + D + 1);
+        O += w * ld_l2(pr + d);
+    }
+    return O / L;
+}
+
 extern "C" __global__ void
 #if MODE >= 2
 __cluster_dims__(SPLITS, 1, 1)
@@ -158,17 +173,7 @@ attn(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc
     const float* base = ws + (long)h * SPLITS * G * (D + 2);
     for (int i = tid; i < G * D; i += NT) {
         const int g = i / D, d = i % D;
-        float mx = NEG_INF;
-        for (int r = 0; r < SPLITS; r++) mx = fmaxf(mx, ld_l2(base + (r * G + g) * (D + 2) + D));
-        float L = 0.f, O = 0.f;
-        for (int r = 0; r < SPLITS; r++) {
-            const float* pr = base + (r * G + g) * (D + 2);
-            const float m = ld_l2(pr + D);
-            const float w = (m == NEG_INF) ? 0.f : __expf(m - mx);
-            L += w * ld_l2(pr + D + 1);
-            O += w * ld_l2(pr + d);
-        }
-        out[(h * G + g) * D + d] = to_bf(O / L);
+        out[(h * G + g) * D + d] = to_bf(merged_from_l2(base, g, d));
     }
 #endif
 #if MODE == 2
@@ -201,17 +206,7 @@ attn(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc
         for (int i = tid; i < G * per; i += NT) {
             const int g = i / per, d = c0 + i % per;
             if (d >= D) continue;
-            float mx = NEG_INF;
-            for (int r = 0; r < SPLITS; r++) mx = fmaxf(mx, ld_l2(base + (r * G + g) * (D + 2) + D));
-            float L = 0.f, O = 0.f;
-            for (int r = 0; r < SPLITS; r++) {
-                const float* pr = base + (r * G + g) * (D + 2);
-                const float m = ld_l2(pr + D);
-                const float w = (m == NEG_INF) ? 0.f : __expf(m - mx);
-                L += w * ld_l2(pr + D + 1);
-                O += w * ld_l2(pr + d);
-            }
-            out[(h * G + g) * D + d] = to_bf(O / L);
+            out[(h * G + g) * D + d] = to_bf(merged_from_l2(base, g, d));
         }
     }
 #endif
