@@ -24,11 +24,13 @@ import re
 from dataclasses import dataclass
 
 # Plan styles this project implements. "replicated_with_grad_allreduce" (Qwen3's q/k norms) is a per-head
-# weight every rank keeps whole: nothing to do at inference.
+# weight every rank keeps whole: nothing to do at inference. "embedding_rowwise" (a vocab-sharded input embedding,
+# which transformers 5.17 adds to the plan of every config with tied word embeddings) is kept whole on every rank
+# too: the same answers, at the cost of the embedding's memory on each rank (its shards are not implemented).
 SHARDED_STYLES = ("colwise", "rowwise", "packed_colwise", "moe_tp_experts")
 STACKED_STYLES = ("packed_colwise", "rowwise")  # styles of stacked expert parameters ("...experts.down_proj")
 EXPERTS_STYLE = "moe_tp_experts"  # an experts module whose output each rank computes a share of
-REPLICATED_STYLES = ("replicated_with_grad_allreduce",)
+REPLICATED_STYLES = ("replicated_with_grad_allreduce", "embedding_rowwise")
 KV_PROJECTIONS = ("k_proj", "v_proj")  # the colwise linears whose rows are KV heads (may be replicated)
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # routed experts, by family
 

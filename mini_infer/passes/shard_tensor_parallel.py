@@ -353,12 +353,13 @@ class _Sharder:
                 continue
             sizes = list(node.args[1])
             mapping = maps[tag]
-            new = [mapping.get(s, s) if isinstance(s, int) else s for s in sizes]
+            # where head_dim equals a head count, the last size is the head dim (attention's views end in it:
+            # [b, s, -1, D], [b, H, s, D]) and any other is the heads'
+            last = len(sizes) - 1
+            new = [mapping[s] if isinstance(s, int) and s in mapping and not (tag != "col" and s == d and i == last)
+                   else s for i, s in enumerate(sizes)]
             if new == sizes:
                 continue
-            if tag != "col" and any(isinstance(s, int) and s in mapping and s == d for s in sizes):
-                raise ValueError(f"shard_tensor_parallel: cannot tell which size of {node.name} {sizes} counts heads "
-                                 f"(head_dim {d} equals a head count)")
             node.args = (node.args[0], new, *node.args[2:])
             self.counts["views"] += 1
 

@@ -40,6 +40,7 @@ from mini_infer.runtime.limits import fit_max_model_len, long_prefill_threshold
 from mini_infer.runtime.memory import (
     MemoryReport,
     activation_reserve,
+    gpu_budget_shortfall,
     gpu_cache_budget,
     profile_activations,
     release_host_memory,
@@ -354,6 +355,10 @@ class LLMEngine:
         if self.parallel is not None:  # every rank allocates the same blocks
             budget = self.parallel.agree_min(budget)
         num_blocks = num_blocks_for_budget(specs, cfg.block_size, budget)
+        if num_blocks == 0 and budget <= 0 and self.device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
+            raise ValueError("no GPU memory is left for the KV cache: " + gpu_budget_shortfall(
+                self.device, cfg.gpu_memory_utilization, self._activation_reserve) + ": raise gpu_memory_utilization, "
+                "free the GPU of other processes, or set kv_cache_memory_bytes")
         if num_blocks == 0:
             raise ValueError(f"the KV cache budget ({budget} bytes) cannot hold one block of block_size="
                              f"{cfg.block_size} tokens ({bytes_per_block(specs, cfg.block_size)} bytes): raise "

@@ -112,6 +112,16 @@ def gpu_cache_budget(device: torch.device, gpu_memory_utilization: float, reserv
     return int(total * gpu_memory_utilization - (total - free) - reserve_bytes)
 
 
+def gpu_budget_shortfall(device: torch.device, gpu_memory_utilization: float, reserve_bytes: int) -> str:
+    """Why `gpu_cache_budget` left nothing, in words: the share of the GPU allowed, what is in use, the activations'
+    need."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (f"gpu_memory_utilization={gpu_memory_utilization} of the GPU's {total / GB:.1f} GB allows "
+            f"{total * gpu_memory_utilization / GB:.2f} GB, {(total - free) / GB:.2f} GB of the GPU are in use already "
+            f"(this process's weights and CUDA context, and any other process's memory) and the activations need "
+            f"{reserve_bytes / GB:.2f} GB")
+
+
 @dataclass
 class MemoryReport:
     """What start-up allocated, for the log line and benchmarks."""

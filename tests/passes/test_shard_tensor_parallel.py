@@ -325,6 +325,11 @@ VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1,
 VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
 VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
 VARIANTS["tiny-qwen2-moe transformers 5.17 plans"] = ("tiny-qwen2-moe", PLANS_5_17)  # experts only in the ep plan
+# tied embeddings with the plan entry transformers 5.17 adds for them (kept whole on every rank), and as many
+# query heads as the head dim (16): the views' last size is the head dim, the others the heads
+VARIANTS["tiny-llama tied, 5.17 embedding plan, heads == head_dim"] = ("tiny-llama", dict(
+    tie_word_embeddings=True, num_attention_heads=16, num_key_value_heads=16,
+    base_model_tp_plan={**preset_config("tiny-llama").base_model_tp_plan, "embed_tokens": "embedding_rowwise"}))
 SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 

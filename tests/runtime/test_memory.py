@@ -74,3 +74,25 @@ def test_process_memory_after_load_is_the_checkpoint_once(checkpoint):
     assert m["weights"] == pytest.approx(ckpt_bytes, rel=0.01)  # the graph holds every weight exactly once
     ratio = (m["growth"] - m["kv"]) / ckpt_bytes
     assert ratio <= 1.15, f"process memory beyond the KV cache is {ratio:.2f}x the checkpoint"
+
+
+def test_gpu_budget_shortfall_names_the_share_the_use_and_the_activations(monkeypatch):
+    """What the engine's error says when gpu_memory_utilization leaves nothing for the KV cache: the share of the
+    GPU allowed, what is in use, the activations' need (not a negative byte count)."""
+    from mini_infer.runtime.memory import gpu_budget_shortfall, gpu_cache_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 10**9, 140 * 10**9))
+    assert gpu_cache_budget(torch.device("cuda"), 0.25, 2 * 10**9) == -7 * 10**9
+    note = gpu_budget_shortfall(torch.device("cuda"), 0.25, 2 * 10**9)
+    assert note == ("gpu_memory_utilization=0.25 of the GPU's 140.0 GB allows 35.00 GB, 40.00 GB of the GPU are in "
+                    "use already (this process's weights and CUDA context, and any other process's memory) and the "
+                    "activations need 2.00 GB")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory budget")
+def test_engine_with_no_gpu_memory_left_names_gpu_memory_utilization():
+    from mini_infer import LLM
+
+    with pytest.raises(ValueError, match=r"no GPU memory is left for the KV cache: gpu_memory_utilization=0\.001 of "
+                                         r"the GPU's .* raise gpu_memory_utilization"):
+        LLM("tiny-llama", device="cuda", gpu_memory_utilization=0.001, max_model_len=64)
