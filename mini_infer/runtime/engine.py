@@ -50,7 +50,7 @@ from mini_infer.runtime.output_processor import OutputProcessor, RequestState
 from mini_infer.runtime.preflight import check_before_load
 from mini_infer.runtime.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from mini_infer.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from mini_infer.runtime.sequence import Sequence
+from mini_infer.runtime.sequence import PLACEHOLDER, Sequence
 from mini_infer.runtime.transfer import HostCopy, to_device
 from mini_infer.runtime.warmup import LongRunWarmup, long_run_chunks, warm_long_runs
 from mini_infer.sampling_params import GENERATION_CONFIG_MODES, SamplingParams, check_context_length
@@ -152,7 +152,6 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
-PLACEHOLDER = -1  # a sampled token id not read back from the device yet
 # On CUDA a step sampling at most this many rows sends its sampled ids (and logprobs) to the host by copies on a
 # stream of their own, so that the next step's input copy and replay, queued on the compute stream while they run,
 # do not wait behind them (a batch-1 decode token otherwise spends the copy and its launch gap between two replays:

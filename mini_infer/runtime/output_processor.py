@@ -173,7 +173,7 @@ class OutputProcessor:
         for seq, detok in zip(req.seqs, req.detoks):
             outputs.append(CompletionOutput(
                 index=seq.index, text=detok.text if detok is not None else "",
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.known_output_token_ids,
                 cumulative_logprob=req.cumulative_logprob[seq.index] if req.params.logprobs is not None else None,
                 logprobs=req.logprobs[seq.index] if req.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))

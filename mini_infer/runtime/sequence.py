@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from mini_infer.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+PLACEHOLDER = -1  # async scheduling: an output id sampled by a step still in flight, not read back yet
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,12 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The output ids read back so far: without the placeholder of a step in flight (always the last)."""
+        ids = self.output_token_ids
+        return ids[:-1] if ids and ids[-1] == PLACEHOLDER else list(ids)
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,9 @@ class Collector:
     def step(self) -> list[RequestOutput]:
         outs = self.engine.step()
         for out in outs:
+            for c in out.outputs:  # every output so far, not only the final: only ids read back, one logprob each
+                assert all(t >= 0 for t in c.token_ids), f"an id not read back yet in {c.token_ids}"
+                assert c.logprobs is None or len(c.logprobs) == len(c.token_ids)
             acc = self.streamed.setdefault(out.request_id, [["", []] for _ in out.outputs])
             assert len(out.deltas) == len(out.outputs)
             for a, (text, toks) in zip(acc, out.deltas):

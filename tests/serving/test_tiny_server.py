@@ -2,9 +2,9 @@
 (400/401/404/405/413/503), none gets a 500, and the engine keeps serving. Then schemathesis fuzzes the
 whole OpenAPI schema looking for 5xx.
 
-One `tiny-llama` server (random weights, no tokenizer: token-id prompts only) with an API key, a 128-token
-context, at most 2 running sequences and 2 waiting ones (so overload is easy to reach), and a 64 KiB body
-limit.
+One `tiny-llama` server (random weights, no tokenizer: token-id prompts only, async scheduling as on a GPU) with
+an API key, a 128-token context, at most 2 running sequences and 2 waiting ones (so overload is easy to reach),
+and a 64 KiB body limit.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ BODY_LIMIT = 65536
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["tiny-llama", "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", "8000000",
+    # async scheduling, as on a GPU (its default there): outputs streamed while a step is in flight
+    srv = ServerProcess(["tiny-llama", "--async-scheduling", "--max-model-len", str(MAX_LEN),
+                         "--kv-cache-memory-bytes", "8000000",
                          "--max-num-seqs", "2", "--max-waiting-requests", "2",
                          "--max-request-body-bytes", str(BODY_LIMIT)], api_key=KEY)
     try:
