@@ -2,8 +2,9 @@
 lm-evaluation-harness's loglikelihood requests, against a real server of the embedded SmolLM2-135M-Instruct.
 
 The module starts the server process first and, while it compiles, builds the in-process reference `LLM`
-(same model, same options): greedy text through HTTP must equal `LLM.generate` / `LLM.chat`, and prompt
-logprobs must equal log_softmax of the HF model's logits.
+(same model, same options, but the server schedules asynchronously, as it does by default on a GPU, and the
+reference does not): greedy text through HTTP must equal `LLM.generate` / `LLM.chat`, and prompt logprobs must
+equal log_softmax of the HF model's logits.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack():
-    srv = ServerProcess(["--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(KV_BYTES)])
+    srv = ServerProcess(["--async-scheduling", "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes",
+                         str(KV_BYTES)])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # share the cores with the server fairly (see ServerProcess)
     mp = pytest.MonkeyPatch()
