@@ -159,6 +159,35 @@ def weights(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(n, device=device) * 2e-3 + 1e-4)
 
 
+def layer_weights(n_layers: int, device) -> list[dict]:
+    """Random int8 weights (per-row scales) and norm weights of n_layers qwen2.5-7b-shaped layers."""
+    return [dict(qkv=weights(QKV, HIDDEN, device), o=weights(HIDDEN, HIDDEN, device),
+                 gu=weights(2 * INTER, HIDDEN, device), down=weights(HIDDEN, INTER, device),
+                 nw1=(torch.rand(HIDDEN, device=device) + 0.5).to(torch.bfloat16),
+                 nw2=(torch.rand(HIDDEN, device=device) + 0.5).to(torch.bfloat16)) for _ in range(n_layers)]
+
+
+def engine_chain_of(layers: list[dict], residual0: torch.Tensor):
+    """The engine's ops as the w8a8 graph runs a layer's GEMVs at batch 1 (no attention: q/k/v's first columns
+    stand in for its output), chained over `layers`; returns the chain (a callable returning the last q/k/v row)."""
+    ops, i8 = torch.ops.mini_infer, torch.int8
+    x_q0, x_s0 = ops.quantize_per_token(residual0, i8)
+
+    def chain():
+        x_q, x_s, res = x_q0, x_s0, residual0
+        for w in layers:
+            qkv = ops.int8_linear(x_q, x_s, *w["qkv"], None, torch.bfloat16)
+            a_q, a_s = ops.quantize_per_token(qkv[:, :HIDDEN], i8)
+            h_q, h_s, res = ops.scaled_linear_add_rms_norm_quant(a_q, a_s, *w["o"], None, torch.bfloat16, res,
+                                                                w["nw2"], EPS, i8)
+            gu = ops.int8_linear(h_q, h_s, *w["gu"], None, torch.bfloat16)
+            m_q, m_s = ops.silu_and_mul_quant(gu[:, :INTER], gu[:, INTER:], i8)
+            x_q, x_s, res = ops.scaled_linear_add_rms_norm_quant(m_q, m_s, *w["down"], None, torch.bfloat16, res,
+                                                                w["nw1"], EPS, i8)
+        return qkv
+    return chain
+
+
 def check(device: str) -> int:
     """Both kernels on small shapes against torch (CPU under the interpreter, or a GPU)."""
     torch.manual_seed(0)
@@ -209,27 +238,9 @@ def main() -> int:
     dev = "cuda"
     torch.manual_seed(0)
     i8 = torch.int8
-    layers = []
-    for _ in range(args.layers):
-        layers.append(dict(qkv=weights(QKV, HIDDEN, dev), o=weights(HIDDEN, HIDDEN, dev),
-                           gu=weights(2 * INTER, HIDDEN, dev), down=weights(HIDDEN, INTER, dev),
-                           nw1=(torch.rand(HIDDEN, device=dev) + 0.5).to(torch.bfloat16),
-                           nw2=(torch.rand(HIDDEN, device=dev) + 0.5).to(torch.bfloat16)))
+    layers = layer_weights(args.layers, dev)
     residual0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
-    x_q0, x_s0 = ops.quantize_per_token(residual0, i8)
-
-    def engine_chain():
-        x_q, x_s, res = x_q0, x_s0, residual0
-        for w in layers:
-            qkv = ops.int8_linear(x_q, x_s, *w["qkv"], None, torch.bfloat16)
-            a_q, a_s = ops.quantize_per_token(qkv[:, :HIDDEN], i8)
-            h_q, h_s, res = ops.scaled_linear_add_rms_norm_quant(a_q, a_s, *w["o"], None, torch.bfloat16, res,
-                                                                w["nw2"], EPS, i8)
-            gu = ops.int8_linear(h_q, h_s, *w["gu"], None, torch.bfloat16)
-            m_q, m_s = ops.silu_and_mul_quant(gu[:, :INTER], gu[:, INTER:], i8)
-            x_q, x_s, res = ops.scaled_linear_add_rms_norm_quant(m_q, m_s, *w["down"], None, torch.bfloat16, res,
-                                                                w["nw1"], EPS, i8)
-        return qkv
+    engine_chain = engine_chain_of(layers, residual0)
 
     one_slot = torch.tensor([4.0, 3584.0], device=dev)  # --one-slot: (amax, sum s^2) as if reduced already
 
