@@ -68,10 +68,17 @@ def _sdpa_meta(q, k, v, *args, **kwargs):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-# Shape rules for composite ops whose fake kernels, in some torch versions, call numel() on symbolic sizes.
+def _in_place_meta(x, *args, **kwargs):
+    return x
+
+
+# Shape rules for composite ops whose fake kernels, in some torch versions, call numel() on symbolic sizes, and for
+# in-place ops whose decomposition copies on the device, which a CPU-only torch cannot fake for CUDA (transformers
+# 5.17's MoE routing clamps its expert ids in place).
 _SHAPE_RULES = {
     torch.ops.aten.linear.default: _linear_meta,
     torch.ops.aten.scaled_dot_product_attention.default: _sdpa_meta,
+    torch.ops.aten.clamp_.default: _in_place_meta,
 }
 
 
@@ -93,7 +100,8 @@ def propagate_fake(gm: fx.GraphModule, device: torch.device | str | None = None,
 
     Validation runs on the device the graph will run on (default: the device of its input values): an op's
     rules can differ by device (transformers' MoE path feeds `histc` int32 on CUDA, which has no CPU kernel).
-    Composite ops whose fake kernels reject symbolic sizes on some devices fall back to `_SHAPE_RULES`.
+    Composite ops whose fake kernels reject symbolic sizes on some devices, and in-place ops that a CPU-only torch
+    cannot fake for CUDA, fall back to `_SHAPE_RULES`.
     With `incremental`, a node is re-run only if it is new or its signature (op and the metadata of its
     inputs, updated in topological order) changed since it last ran; every node still ends up with a `val`
     derived from its current inputs, so the whole graph is validated at the cost of what a pass touched.

@@ -299,6 +299,25 @@ def test_validation_runs_on_the_target_device():
         propagate_fake(gm, "cpu")
 
 
+def test_in_place_ops_validate_on_cuda_fakes():
+    """transformers 5.17's MoE routing clamps its expert ids in place; with a symbolic size the in-place op's
+    decomposition copies on the device, which a CPU-only torch cannot fake for CUDA: its shape rule returns the
+    tensor it changes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    graph = fx.Graph()
+    x = graph.placeholder("expert_ids")
+    graph.output(graph.call_function(aten.clamp_.default, (x, 0, 7)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x.meta["val"] = mode.from_tensor(torch.empty(6, dtype=torch.int64),
+                                     symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC]))
+    propagate_fake(gm, "cuda")
+    out = next(n for n in gm.graph.nodes if n.op == "call_function").meta["val"]
+    assert out.device.type == "cuda" and out.dtype == torch.int64 and out.shape == x.meta["val"].shape
+
+
 def test_every_tiny_graph_validates_on_cuda_fakes():
     """CUDA fake kernels with a symbolic token count, on a machine without a GPU: what the GPU runs."""
     gm, _, _ = single_pass("tiny-qwen3-moe", "paged_attention")
