@@ -6,6 +6,8 @@ HF model's originals (1.24x here, ~1.6x reported on other checkpoints). The meas
 its baseline is taken after a tiny preset has been loaded, compiled and run once there (the libraries and the
 modules compilation imports lazily: a fixed cost of some tens of MB, not proportional to the checkpoint), so
 what is measured is what the checkpoint costs.
+
+Also the GPU's side: when `gpu_memory_utilization` leaves nothing for the KV cache, the error says why in words.
 """
 
 from __future__ import annotations
