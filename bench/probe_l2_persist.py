@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mini_infer.models.presets import preset_config  # noqa: E402
+from mini_infer.ops._triton_support import cuda_index  # noqa: E402
 from mini_infer.ops.linear import linear  # noqa: E402
 
 # The driver-API plumbing (ctypes on libcuda): the device's limits, the set-aside, a stream's window, a captured
@@ -75,7 +76,7 @@ def _check(result: int, what: str) -> None:
 
 def limits(device: torch.device) -> L2Limits:
     """The L2 limits of a CUDA device (its context must exist: any CUDA tensor made it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     values = []
     for attr in (_ATTR_L2_CACHE_SIZE, _ATTR_MAX_PERSISTING_L2, _ATTR_MAX_WINDOW):
         out = ctypes.c_int()
