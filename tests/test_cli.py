@@ -16,6 +16,7 @@ import pytest
 
 from mini_infer.cli import main
 from tests import _model_cache as mc
+from tests._gpu_memory import release_for_child_processes
 
 ANSWER = "The capital of France is Paris."
 
@@ -96,6 +97,7 @@ def test_unknown_pass_exits_2(tmp_path, capsys):
 def test_console_script():
     exe = shutil.which("mini-infer") or str(Path(sys.executable).with_name("mini-infer"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    release_for_child_processes()
     proc = subprocess.run([exe, "generate", "What is the capital of France?", "--max-model-len", "1024"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -172,6 +174,7 @@ def _as_from_a_terminal() -> None:
 
 def test_ctrl_c_during_generate_is_one_line(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    release_for_child_processes()
     proc = subprocess.Popen([sys.executable, "-m", "mini_infer.cli", "-v", "generate", "--model", "tiny-llama",
                              "--prompt-token-ids", "1,2,3", "--n", "32", "--max-tokens", "1000", "--ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

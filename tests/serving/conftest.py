@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from tests._gpu_memory import release_for_child_processes
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -41,6 +43,7 @@ class ServerProcess:
             # The test process and the server share the machine; on a small, busy one, torch's thread
             # pool oversubscribes the cores and CPU matmuls run ~10x slower than with one thread.
             env["OMP_NUM_THREADS"] = str(threads)
+        release_for_child_processes()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)
         self.health_statuses: list[int] = []
