@@ -134,6 +134,23 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """How to load `config`'s model for capture: "sdpa" where its class runs attention through torch's
+    scaled_dot_product_attention (the attention pass's pattern), else "eager" where it takes a registered
+    attention function (the capture then routes it through one of mini-infer's, passes/capture.py: Gemma 2's
+    soft-capped attention); a class with neither (ALiBi biases in BLOOM's own code) is refused, naming it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None or getattr(cls, "_supports_sdpa", False):
+        return "sdpa"  # (an unknown class: transformers says what it cannot build)
+    if getattr(cls, "_supports_attention_backend", False):
+        return "eager"
+    raise ModelLoadError(f"{cls.__name__}: its attention runs neither through torch's scaled_dot_product_attention "
+                         "nor through a registered attention function (transformers' AttentionInterface), so "
+                         "mini-infer cannot capture it")
+
+
 def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                        seed: int = 0) -> PreTrainedModel:
     """Build `config`'s model on the meta device, then materialize random weights on `device`.
@@ -143,7 +160,8 @@ def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: tor
     """
     check_causal_lm(config, f"preset {config.name_or_path}")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attention_implementation(config))
     model.to_empty(device=device)
     gen_state = torch.random.get_rng_state()
     cuda_state = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
@@ -238,9 +256,10 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
         model_kwargs, load_device = dict(kwargs, disable_mmap=True), device
     else:
         model_kwargs, load_device = kwargs, device
+    attn = attention_implementation(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation="sdpa", device_map=str(load_device), **model_kwargs
+            path, dtype=torch_dtype, attn_implementation=attn, device_map=str(load_device), **model_kwargs
         )
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # broken: one line naming it
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -300,6 +319,6 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     return LoadedModel(m, m.config, tok, source.kind, source.name)
 
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "ModelNotFoundError", "build_random_model",
-           "default_device", "host_weight", "load_embedded_tokenizer", "load_model", "place_for_tensor_parallel",
-           "resolve_dtype", "shard_placeholders"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "ModelNotFoundError", "attention_implementation",
+           "build_random_model", "default_device", "host_weight", "load_embedded_tokenizer", "load_model",
+           "place_for_tensor_parallel", "resolve_dtype", "shard_placeholders"]

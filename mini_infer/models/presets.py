@@ -75,6 +75,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                           beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
         bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16",
     ),
+    "gemma-2-2b": dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+        rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4096, query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
+    ),
 }
 
 _TINY_COMMON = dict(
@@ -84,7 +91,7 @@ _TINY_COMMON = dict(
 )
 
 # tiny-<family>: the same model_type with the smallest shapes that still exercise every feature (GQA,
-# q/k norm, sliding window, experts, latent attention).
+# q/k norm, sliding window, soft-capped logits, experts, latent attention).
 TINY_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY_COMMON, model_type="llama", rope_theta=10000.0),
     "tiny-qwen2": dict(_TINY_COMMON, model_type="qwen2", rope_theta=1000000.0, use_sliding_window=False),
@@ -107,6 +114,10 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
                              moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
                              num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
                              routed_scaling_factor=1.0, norm_topk_prob=True),
+    # soft caps below these random weights' logits (attention ~0.1, final ~0.7), so that they bend them
+    "tiny-gemma2": dict(_TINY_COMMON, model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                        attn_logit_softcapping=0.05, final_logit_softcapping=0.3,
+                        hidden_activation="gelu_pytorch_tanh"),
 }
 
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **TINY_PRESETS}

@@ -39,6 +39,10 @@ nothing from mini_infer outside this package.
 |                                                       |                     | GEMV's prologue for one row; the pair's roundings    |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
 |   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
+| attention(q, k, v, scale, softcap, sliding_window)    | Tensor [B,Hq,T,Dv]  | causal attention as HF's eager code: (q k^T) * scale, |
+|                                                       |                     | tanh softcap (>0), sliding window (>0), fp32 softmax; |
+|                                                       |                     | GQA; the capture's node where SDPA cannot serve (no   |
+|                                                       |                     | Triton kernel: paged_attention replaces it)           |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
 |   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
@@ -102,6 +106,7 @@ from mini_infer.ops import all_reduce as _all_reduce_mod
 from mini_infer.ops import apply_rotary as _apply_rotary_mod  # (importing a module registers its ops)
 from mini_infer.ops import apply_rotary_interleaved as _apply_rotary_interleaved_mod
 from mini_infer.ops import argmax as _argmax_mod
+from mini_infer.ops import attention as _attention_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
@@ -127,6 +132,7 @@ from mini_infer.ops._triton_support import HAS_TRITON
 
 # op name -> the module defining `<name>_reference` and `<name>_triton`
 _MODULE_OF = {
+    "attention": _attention_mod,
     "rms_norm": _rms_norm_mod,
     "fused_add_rms_norm": _fused_add_rms_norm_mod,
     "apply_rotary": _apply_rotary_mod,

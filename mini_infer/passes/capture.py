@@ -5,12 +5,17 @@ and returns `logits [1, T, vocab]`; transformers runs with `use_cache=False`, so
 of its own (the attention pass adds the paged one). We use torch.export in non-strict mode, the route of
 TensorRT-LLM's AutoDeploy: it traces the HF Python code as is, keeps aten-level ops such as
 `scaled_dot_product_attention` visible for pattern matching, and gives every node fake-tensor metadata with
-a symbolic T. This module captures only; rewriting is the passes' job.
+a symbolic T. A model whose class cannot run through SDPA but takes any registered attention function (Gemma 2:
+soft-capped attention logits) runs, for the export only, through `ATTENTION_FUNCTION`, which makes each attention one
+`mini_infer.attention` node (ops/attention.py) for the attention pass to find; the model's own setting is restored
+after. This module captures only; rewriting is the passes' job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -18,6 +23,9 @@ from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DEFAULT_MAX_TOKENS = 1 << 16
+ATTENTION_FUNCTION = "mini_infer"  # the name under which transformers' AttentionInterface knows _attention_node
+# keyword arguments of HF attention functions that change the math in ways mini_infer.attention does not model
+_UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks"}
 
 
 class CaptureError(RuntimeError):
@@ -33,6 +41,46 @@ class _PackedCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def _attention_node(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    softcap: float | None = None, sliding_window: int | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """An HF attention function (transformers' AttentionInterface signature): causal attention as one
+    `mini_infer.attention` node, output [B, T, H, Dv] as HF's attention functions return it. No mask arrives (the
+    name has no mask function registered, so HF builds none): causality and the window are the op's."""
+    name = type(module).__name__
+    for key_name, what in _UNSUPPORTED_ATTENTION_KWARGS.items():
+        if kwargs.get(key_name) is not None:
+            raise CaptureError(f"{name}: {what} ({key_name}=) are not supported")
+    if attention_mask is not None or not getattr(module, "is_causal", True):
+        raise CaptureError(f"{name}: only causal attention without an explicit mask can be captured")
+    if dropout:
+        raise CaptureError(f"{name}: attention dropout {dropout} (the model is in training mode)")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.mini_infer.attention(query, key, value, scale, float(softcap or 0.0), int(sliding_window or 0))
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _capturable_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` through `_attention_node` while the block runs when it is not set to SDPA (its class cannot take
+    it, or the user loaded it eager) and its class takes a registered attention function; else leave it as it is."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == "sdpa" or not getattr(type(model), "_supports_attention_backend", False):
+        yield
+        return
+    from transformers import AttentionInterface
+
+    import mini_infer.ops  # noqa: F401 - registers mini_infer.attention
+
+    AttentionInterface.register(ATTENTION_FUNCTION, _attention_node)
+    model.set_attn_implementation(ATTENTION_FUNCTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
 
 
 def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
@@ -90,7 +138,7 @@ def capture(model: torch.nn.Module, example_num_tokens: int = 8,
         try:
             # The math SDPA backend: CUDA's fused backends check alignment on T and would guard it away
             # (the attention pass replaces SDPA anyway).
-            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), _capturable_attention(model):
                 ep = torch.export.export(
                     _PackedCausalLM(model), (ids, pos),
                     dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, strict=False,

@@ -2,15 +2,15 @@
 (Qwen3's q_norm / k_norm), → one `mini_infer.qk_rotary` node: one launch per layer instead of two to four.
 
 Runs after fuse_rotary (whose `apply_rotary` nodes it pairs) and, to take the norms in, after fuse_rmsnorm. For each
-`scaled_dot_product_attention` (so before paged_attention replaces it), q must be an `apply_rotary` node and k one
-(read through HF's repeat_kv), both with the same cos and sin nodes, cos/sin 4-D with one head ([B, 1, T, D]), q and
-k 4-D sharing B, T and D (compared by expression). A norm is taken in when a rotary's input is `rms_norm(x, w, eps)`,
-seen through transposes that keep the last dim (HF's `.transpose(1, 2)`), with w of shape [D] and the norm and the
-transposes read by nothing else; the op then reads x through the same transposes. Two norms with different eps are
-both left out (the op takes one eps). Left alone, exact as they were: attentions whose q or k is not such a rotary
-(DeepSeek's MLA: q = cat(q_nope, q_pe), interleaved rotary), rotaries with other readers placed between the two, and
-cos/sin with a head dimension. The graph dump shows `qk_rotary(q, k, cos, sin, q_norm_w | None, k_norm_w | None,
-eps)` and its two outputs as `q_rot` / `k_rot`.
+`scaled_dot_product_attention` or the capture's `mini_infer.attention` (so before paged_attention replaces it), q
+must be an `apply_rotary` node and k one (read through HF's repeat_kv), both with the same cos and sin nodes,
+cos/sin 4-D with one head ([B, 1, T, D]), q and k 4-D sharing B, T and D (compared by expression). A norm is taken
+in when a rotary's input is `rms_norm(x, w, eps)`, seen through transposes that keep the last dim (HF's
+`.transpose(1, 2)`), with w of shape [D] and the norm and the transposes read by nothing else; the op then reads x
+through the same transposes. Two norms with different eps are both left out (the op takes one eps). Left alone,
+exact as they were: attentions whose q or k is not such a rotary (DeepSeek's MLA: q = cat(q_nope, q_pe), interleaved
+rotary), rotaries with other readers placed between the two, and cos/sin with a head dimension. The graph dump shows
+`qk_rotary(q, k, cos, sin, q_norm_w | None, k_norm_w | None, eps)` and its two outputs as `q_rot` / `k_rot`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_last_dim, is_op, ndim, repeat_kv_source, shape
+from mini_infer.passes.pattern import aten, attention_calls, is_last_dim, is_op, ndim, repeat_kv_source, shape
 
 ops = torch.ops.mini_infer
 
@@ -78,7 +78,7 @@ class FuseQKRotary(GraphPass):
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
         fused = with_norms = 0
-        for sdpa in [n for n in graph.nodes if is_op(n, aten.scaled_dot_product_attention.default)]:
+        for sdpa in attention_calls(graph):
             pair = _rotary_pair(sdpa)
             if pair is None:
                 continue

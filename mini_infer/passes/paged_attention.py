@@ -1,5 +1,9 @@
 """PagedAttention: each `scaled_dot_product_attention` → `mini_infer.paged_attention` over a paged KV cache.
 
+The capture's `mini_infer.attention` nodes (models that cannot run through SDPA, e.g. Gemma 2) are replaced the
+same way, with the scale, softcap and sliding window they carry (an SDPA node's softcap and window are the
+config's: `attn_logit_softcapping`, the layer's sliding window).
+
 The captured graph attends over its own T tokens with a mask built from position_ids; after this pass each
 attention writes the step's K/V into the layer's cache and attends over every sequence's cached plus new
 tokens, so one graph serves prefill, chunked prefill, decode, and any mix of sequences in one packed row.
@@ -48,7 +52,7 @@ from mini_infer.contract.inputs import ATTENTION_METADATA, UNCAPTURED_QUERY_ROWS
 from mini_infer.ops import paged_attention as paged_attention_op
 from mini_infer.ops.paged_attention import route_min_query_rows
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
-from mini_infer.passes.pattern import aten, is_op, kwarg_or_arg, repeat_kv_source, shape
+from mini_infer.passes.pattern import aten, attention_calls, attention_fields, repeat_kv_source, shape
 from mini_infer.passes.quantize_fp8 import require_fp8_device
 
 ops = torch.ops.mini_infer
@@ -125,9 +129,9 @@ class PagedAttention(GraphPass):
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
-        sdpas = [n for n in graph.nodes if is_op(n, aten.scaled_dot_product_attention.default)]
+        sdpas = attention_calls(graph)
         if not sdpas:
-            return PassResult(0, "no scaled_dot_product_attention in the graph")
+            return PassResult(0, "no scaled_dot_product_attention (or mini_infer.attention) in the graph")
         fp8 = self._check_cache_dtype(ctx)
         # an fp8 cache rounds K and V: verification then allows 10% of the logits' scale, as after quantize_fp8
         # (catching a broken graph; bench/fp8_quality.py measures the quality on real weights)
@@ -143,10 +147,12 @@ class PagedAttention(GraphPass):
             hq, hkv, d, dv = qs[1], ks[1], qs[3], vs[3]
             if hq % hkv:
                 raise ValueError(f"attention #{layer_idx}: {hq} query heads not a multiple of {hkv} KV heads")
-            scale = kwarg_or_arg(sdpa, 6, "scale")
-            scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-            window = layer_sliding_window(ctx.config, layer_idx)
-            softcap = float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
+            fields = attention_fields(sdpa)
+            scale = fields.scale if fields.scale is not None else 1.0 / math.sqrt(d)
+            window = fields.sliding_window if fields.sliding_window is not None \
+                else layer_sliding_window(ctx.config, layer_idx)
+            softcap = fields.softcap if fields.softcap is not None \
+                else float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
             v_keys = fp8 and fp8_v_keys_contiguous(window)
             hint = int(paged_attention_op.FP8_V_KEYS_BLOCK_SIZE) if v_keys else None

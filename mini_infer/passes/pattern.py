@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
+import mini_infer.ops  # noqa: F401 - registers torch.ops.mini_infer (attention_calls matches one of them)
+
 aten = torch.ops.aten
 # the ops that only re-view a tensor's elements (same values, same order)
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -97,6 +99,30 @@ def kwarg_or_arg(node: fx.Node, index: int, name: str, default: Any = None) -> A
     if name in node.kwargs:
         return node.kwargs[name]
     return node.args[index] if len(node.args) > index else default
+
+
+def attention_calls(graph: fx.Graph) -> list[fx.Node]:
+    """The captured attentions in graph order: `scaled_dot_product_attention` nodes and the capture's
+    `mini_infer.attention` ones (passes/capture.py); both take (q, k, v, ...) first, q [B, Hq, T, D]."""
+    return [n for n in graph.nodes if is_op(n, aten.scaled_dot_product_attention.default)
+            or is_op(n, torch.ops.mini_infer.attention.default)]
+
+
+class AttentionFields(NamedTuple):
+    """What an attention node says of its math; None where the node does not say (SDPA has no softcap or window)."""
+
+    scale: float | None  # None: 1 / sqrt(head dim)
+    softcap: float | None
+    sliding_window: int | None
+
+
+def attention_fields(node: fx.Node) -> AttentionFields:
+    """Scale, softcap and window of one of `attention_calls`' nodes."""
+    if is_op(node, aten.scaled_dot_product_attention.default):
+        scale = kwarg_or_arg(node, 6, "scale")
+        return AttentionFields(float(scale) if scale is not None else None, None, None)
+    scale, softcap, window = node.args[3:6]
+    return AttentionFields(float(scale), float(softcap), int(window))
 
 
 def module_chain(node: fx.Node) -> list[tuple[str, str]]:

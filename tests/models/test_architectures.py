@@ -35,6 +35,9 @@ CONFIGS = {
     "phi": lambda: hf.PhiConfig(**_SMALL),
     "phi3": lambda: hf.Phi3Config(**_GQA, pad_token_id=0),
     "gemma": lambda: hf.GemmaConfig(**_GQA, head_dim=16),
+    # soft caps low enough to bend these weights' logits (the published 50 / 30 would barely touch them)
+    "gemma2": lambda: hf.Gemma2Config(**_GQA, head_dim=16, sliding_window=8, tie_word_embeddings=False,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
     "gemma3_text": lambda: hf.Gemma3TextConfig(**_GQA, head_dim=16, sliding_window=8, tie_word_embeddings=False),
     "olmo": lambda: hf.OlmoConfig(**_SMALL),
     "olmo2": lambda: hf.Olmo2Config(**_GQA),

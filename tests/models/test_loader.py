@@ -7,12 +7,14 @@ import time
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, T5Config
+from transformers import BertConfig, BertForMaskedLM, BloomConfig, Gemma2Config, LlamaConfig, T5Config
 
 from mini_infer.compiler import compile_model
 from mini_infer.models.loader import (
     LoadedModel,
+    ModelLoadError,
     ModelNotFoundError,
+    attention_implementation,
     build_random_model,
     host_weight,
     load_model,
@@ -198,3 +200,10 @@ def test_tensor_parallel_load_leaves_sliced_weights_on_the_host(tmp_path):
     compiled = compile_model(model, passes=["cleanup", "shard_tensor_parallel"], world_size=2)  # rank 0, no group
     q = next(t for n, t in compiled.graph_module.named_buffers() if "q_proj" in n)
     torch.testing.assert_close(q, whole["model.layers.0.self_attn.q_proj.weight"][: q.shape[0]], rtol=0, atol=0)
+
+
+def test_attention_implementation_by_what_the_class_takes():
+    assert attention_implementation(LlamaConfig()) == "sdpa"
+    assert attention_implementation(Gemma2Config()) == "eager"  # no SDPA (soft caps); captured through our op
+    with pytest.raises(ModelLoadError, match="BloomForCausalLM: its attention runs neither through"):
+        attention_implementation(BloomConfig())

@@ -47,7 +47,7 @@ def test_unknown_preset_lists_valid_names():
 def test_tiny_presets_cover_every_family():
     types = {preset_config(n).model_type for n in TINY_PRESETS}
     assert types == {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                     "deepseek_v3"}
+                     "deepseek_v3", "gemma2"}
     for name in TINY_PRESETS:
         c = preset_config(name)
         assert c.num_hidden_layers == 2 and c.dtype == "float32" and c.vocab_size == 512

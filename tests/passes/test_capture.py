@@ -7,6 +7,7 @@ from hypothesis import given
 from transformers import PretrainedConfig
 
 from mini_infer.passes.capture import CaptureError, capture
+from mini_infer.passes.pattern import attention_calls
 from tests.passes.helpers import (
     ARCHS,
     FEW,
@@ -38,7 +39,7 @@ def test_captures_packed_signature(name):
     assert isinstance(t, torch.SymInt)
     assert str(out.meta["val"].shape[1]) == str(t)
     assert out.meta["val"].shape[0] == 1 and out.meta["val"].shape[2] == VOCAB
-    assert any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes)
+    assert len(attention_calls(gm.graph)) == loaded(name).config.num_hidden_layers  # SDPA or mini_infer.attention
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -83,3 +84,60 @@ def test_export_failure_is_a_capture_error():
     with pytest.raises(CaptureError, match="could not capture _DataDependent") as info:
         capture(_DataDependent())
     assert info.value.__cause__ is not None
+
+
+def _tiny(config_cls, **fields):
+    """A tiny model of `config_cls` loaded as mini-infer's loader loads it (attention_implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    from mini_infer.models.loader import attention_implementation
+
+    config = config_cls(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128, **fields)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config)).eval()
+
+
+def _attention_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.mini_infer.attention.default]
+
+
+def test_model_without_sdpa_is_captured_through_mini_infer_attention():
+    """Gemma 2 cannot run through SDPA (soft-capped logits): one mini_infer.attention node a layer carries its
+    scale, cap and window; the graph equals eager HF (HF's own eager attention), and the model keeps its setting."""
+    from transformers import Gemma2Config
+
+    model = _tiny(Gemma2Config, head_dim=16, sliding_window=4, attn_logit_softcapping=2.0, query_pre_attn_scalar=8)
+    assert model.config._attn_implementation == "eager"
+    gm = capture(model)
+    assert model.config._attn_implementation == "eager"
+    nodes = _attention_nodes(gm)
+    assert [n.args[3:] for n in nodes] == [(8 ** -0.5, 2.0, 4), (8 ** -0.5, 2.0, 0)]  # layer 0 slides
+    assert not any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes)
+    ids, pos = random_ids(11, seed=3), positions(2, 11)
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert_logits_close(run_graph(gm, {"input_ids": ids, "position_ids": pos}), expected, rel=1e-5)
+
+
+def test_a_model_a_user_loaded_eager_is_captured_the_same_way():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    gm = capture(model)
+    assert len(_attention_nodes(gm)) == 2 and model.config._attn_implementation == "eager"
+    ids, pos = random_ids(9, seed=4), positions(0, 9)
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert_logits_close(run_graph(gm, {"input_ids": ids, "position_ids": pos}), expected, rel=1e-5)
+
+
+def test_attention_sinks_are_refused_naming_the_module():
+    from transformers import GptOssConfig
+
+    model = _tiny(GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(CaptureError, match=r"GptOssAttention: attention sinks \(s_aux=\) are not supported"):
+        capture(model)
+    assert model.config._attn_implementation == "eager"

@@ -40,8 +40,12 @@ EXPECTED = {
     "tiny-deepseek-v2": (1 + L, 2 * L),
     # + kv_a_layernorm and q_a_layernorm per layer
     "tiny-deepseek-v3": (1 + 2 * L, 2 * L),
+    # Gemma's RMSNorm (x * (1 + w) in fp32) is not HF's Llama one: not matched
+    "tiny-gemma2": (0, 0),
 }
 assert set(EXPECTED) == set(ARCHS)
+# norms the pass leaves as captured (their rsqrt stays): Gemma 2's four a layer and the final one
+UNMATCHED = {"tiny-gemma2": 4 * L + 1}
 
 
 def _check_counts(name, gm, num_matches):
@@ -53,7 +57,7 @@ def _check_counts(name, gm, num_matches):
     head_norms = sum(w is not None for n in gm.graph.nodes if n.target is mi.qk_rotary.default for w in n.args[4:6])
     assert counts[mi.rms_norm.default] + counts[mi.rms_norm_linear.default] + head_norms == plain
     assert counts[mi.fused_add_rms_norm.default] + counts[mi.fused_add_rms_norm_linear.default] == fused
-    assert counts[aten.rsqrt.default] == 0  # no norm left behind
+    assert counts[aten.rsqrt.default] == UNMATCHED.get(name, 0)  # no norm left behind but the unmatched
     eps = loaded(name).config.rms_norm_eps
     for node in gm.graph.nodes:
         if node.target in (mi.rms_norm.default, mi.fused_add_rms_norm.default):

@@ -36,6 +36,7 @@ EXPECTED = {
     "tiny-qwen3-moe": L,
     "tiny-deepseek-v2": 1 + 2 * (L - 1),
     "tiny-deepseek-v3": 1 + 2 * (L - 1),
+    "tiny-gemma2": 0,  # GeLU (tanh) gate, not SiLU
 }
 assert set(EXPECTED) == set(ARCHS)
 MOE_LAYERS = {"tiny-mixtral": L, "tiny-qwen2-moe": L, "tiny-qwen3-moe": L, "tiny-deepseek-v2": L - 1,

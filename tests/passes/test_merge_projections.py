@@ -35,6 +35,7 @@ EXPECTED = {
     "tiny-qwen3-moe": (2, 4, 7),
     "tiny-deepseek-v2": (4, 4, 12),
     "tiny-deepseek-v3": (4, 4, 14),
+    "tiny-gemma2": (4, 6, 9),
 }
 assert set(EXPECTED) == set(ARCHS)
 

@@ -56,7 +56,10 @@ SPECS = {
     # MLA attends with decompressed K/V: 4 heads, K = nope 16 + rope 8, V = 16
     "tiny-deepseek-v2": (4, 24, 16, None),
     "tiny-deepseek-v3": (4, 24, 16, None),
+    # Gemma 2: every other layer slides (layer 0 does); captured through mini_infer.attention, soft-capped
+    "tiny-gemma2": (2, 16, 16, (8, None)),
 }
+SOFTCAP = {"tiny-gemma2": 0.05}  # the config's attn_logit_softcapping, carried by the captured node
 assert set(SPECS) == set(ARCHS)
 CACHE_INPUTS = [f"{kv}_cache_{i}" for i in range(L) for kv in ("k", "v")]
 # In the full pipeline DeepSeek's attention goes to mla_latent_cache instead (tests/passes/test_mla_latent_cache.py)
@@ -76,14 +79,15 @@ def _check_graph(name, gm, ctx, num_matches):
     specs = ctx.cache_specs
     assert [(s.layer_idx, s.k_input, s.v_input) for s in specs] == [
         (i, f"k_cache_{i}", f"v_cache_{i}") for i in range(L)]
+    windows = window if isinstance(window, tuple) else (window,) * L
     for s in specs:
-        assert (s.num_kv_heads, s.head_size, s.head_size_v, s.attention_window) == (hkv, d, dv, window)
+        assert (s.num_kv_heads, s.head_size, s.head_size_v, s.attention_window) == (hkv, d, dv, windows[s.layer_idx])
         assert s.dtype == torch.float32
         assert s.bytes_per_token() == hkv * (d + dv) * 4
     nodes = [n for n in gm.graph.nodes if n.target is mi.paged_attention.default]
-    for n in nodes:  # (q, k, v, k_cache, v_cache, 4 metadata, scale, sliding_window, softcap)
+    for i, n in enumerate(nodes):  # (q, k, v, k_cache, v_cache, 4 metadata, scale, sliding_window, softcap)
         assert n.args[9] == pytest.approx(d ** -0.5)
-        assert n.args[10] == (window or 0) and n.args[11] == 0.0
+        assert n.args[10] == (windows[i] or 0) and n.args[11] == SOFTCAP.get(name, 0.0)
     assert [n.args[3].name for n in nodes] == [f"k_cache_{i}" for i in range(L)]
 
 

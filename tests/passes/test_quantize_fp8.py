@@ -63,6 +63,7 @@ EXPECTED = {
     "tiny-qwen3-moe": (8, "moe gate x2, lm_head x1", 4),
     "tiny-deepseek-v2": (12, "mla kv_b_proj x2, moe gate x1, lm_head x1", 8),
     "tiny-deepseek-v3": (14, "mla kv_b_proj x2, moe gate x1, lm_head x1", 10),
+    "tiny-gemma2": (14, "lm_head x1", 8),
 }
 assert set(EXPECTED) == set(ARCHS)
 
