@@ -136,16 +136,23 @@ def default_device() -> torch.device:
 
 def attention_implementation(config: PretrainedConfig) -> str:
     """How to load `config`'s model for capture: "sdpa" where its class runs attention through torch's
-    scaled_dot_product_attention (the attention pass's pattern), else "eager" where it takes a registered
-    attention function (the capture then routes it through one of mini-infer's, passes/capture.py: Gemma 2's
-    soft-capped attention); a class with neither (ALiBi biases in BLOOM's own code) is refused, naming it."""
+    scaled_dot_product_attention (the attention pass's pattern) and the config has no attention logit soft cap
+    (SDPA cannot apply one: transformers 5.17 still let Gemma 2 run SDPA without it), else "eager" where it takes
+    a registered attention function (the capture then routes it through one of mini-infer's, passes/capture.py);
+    a class with neither (ALiBi biases in BLOOM's own code) is refused, naming it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if cls is None or getattr(cls, "_supports_sdpa", False):
+    if cls is None:
         return "sdpa"  # (an unknown class: transformers says what it cannot build)
+    capped = bool(getattr(config.get_text_config(), "attn_logit_softcapping", None))
+    if getattr(cls, "_supports_sdpa", False) and not capped:
+        return "sdpa"
     if getattr(cls, "_supports_attention_backend", False):
         return "eager"
+    if capped:  # (transformers before 5.2x let Gemma 2 run SDPA, which drops the cap)
+        raise ModelLoadError(f"{cls.__name__}: attn_logit_softcapping needs an attention function that applies "
+                             "it, and this class takes none but SDPA, which does not")
     raise ModelLoadError(f"{cls.__name__}: its attention runs neither through torch's scaled_dot_product_attention "
                          "nor through a registered attention function (transformers' AttentionInterface), so "
                          "mini-infer cannot capture it")

@@ -1,12 +1,12 @@
 """Capture: a transformers causal LM → a plain FX GraphModule in the packed token layout.
 
-The graph takes `input_ids [1, T]` and `position_ids [1, T]` (all tokens of a step in one row, T dynamic)
-and returns `logits [1, T, vocab]`; transformers runs with `use_cache=False`, so the graph holds no cache
-of its own (the attention pass adds the paged one). We use torch.export in non-strict mode, the route of
-TensorRT-LLM's AutoDeploy: it traces the HF Python code as is, keeps aten-level ops such as
-`scaled_dot_product_attention` visible for pattern matching, and gives every node fake-tensor metadata with
-a symbolic T. A model whose class cannot run through SDPA but takes any registered attention function (Gemma 2:
-soft-capped attention logits) runs, for the export only, through `ATTENTION_FUNCTION`, which makes each attention one
+The graph takes `input_ids [1, T]` and `position_ids [1, T]` (all tokens of a step in one row, T dynamic) and
+returns `logits [1, T, vocab]`; transformers runs with `use_cache=False`, so the graph holds no cache of its own
+(the attention pass adds the paged one). We use torch.export in non-strict mode, the route of TensorRT-LLM's
+AutoDeploy: it traces the HF Python code as is, keeps aten-level ops such as `scaled_dot_product_attention` visible
+for pattern matching, and gives every node fake-tensor metadata with a symbolic T. A model whose class cannot run
+through SDPA, or whose attention logits are soft-capped (which SDPA would drop), but that takes any registered
+attention function (Gemma 2) runs, for the export only, through `ATTENTION_FUNCTION`, which makes each attention one
 `mini_infer.attention` node (ops/attention.py) for the attention pass to find; the model's own setting is restored
 after. This module captures only; rewriting is the passes' job.
 """
@@ -65,10 +65,12 @@ def _attention_node(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 @contextlib.contextmanager
 def _capturable_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model` through `_attention_node` while the block runs when it is not set to SDPA (its class cannot take
-    it, or the user loaded it eager) and its class takes a registered attention function; else leave it as it is."""
+    """Run `model` through `_attention_node` while the block runs when its class takes a registered attention
+    function and it is not set to SDPA (its class cannot take it, or the user loaded it eager) or its config caps
+    the attention logits (SDPA would drop the cap); else leave it as it is."""
     current = getattr(model.config, "_attn_implementation", None)
-    if current == "sdpa" or not getattr(type(model), "_supports_attention_backend", False):
+    capped = bool(getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
+    if (current == "sdpa" and not capped) or not getattr(type(model), "_supports_attention_backend", False):
         yield
         return
     from transformers import AttentionInterface

@@ -202,8 +202,14 @@ def test_tensor_parallel_load_leaves_sliced_weights_on_the_host(tmp_path):
     torch.testing.assert_close(q, whole["model.layers.0.self_attn.q_proj.weight"][: q.shape[0]], rtol=0, atol=0)
 
 
-def test_attention_implementation_by_what_the_class_takes():
+def test_attention_implementation_by_what_the_class_takes(monkeypatch):
     assert attention_implementation(LlamaConfig()) == "sdpa"
     assert attention_implementation(Gemma2Config()) == "eager"  # no SDPA (soft caps); captured through our op
+    # transformers 5.17 (the oldest allowed) still let Gemma 2 run SDPA, which drops the cap: eager all the same
+    from transformers import Gemma2PreTrainedModel
+
+    monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", True)
+    assert attention_implementation(Gemma2Config()) == "eager"
+    assert attention_implementation(Gemma2Config(attn_logit_softcapping=None)) == "sdpa"
     with pytest.raises(ModelLoadError, match="BloomForCausalLM: its attention runs neither through"):
         attention_implementation(BloomConfig())

@@ -120,6 +120,20 @@ def test_model_without_sdpa_is_captured_through_mini_infer_attention():
     assert_logits_close(run_graph(gm, {"input_ids": ids, "position_ids": pos}), expected, rel=1e-5)
 
 
+def test_soft_capped_model_set_to_sdpa_is_captured_with_its_cap(monkeypatch):
+    """Under transformers 5.17 Gemma 2 could be set to SDPA, which drops the cap: capture still goes through
+    mini_infer.attention, with the cap, and leaves the model's setting as it was."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2PreTrainedModel
+
+    monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", True)
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, head_dim=16, attn_logit_softcapping=2.0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    gm = capture(model)
+    assert [n.args[4] for n in _attention_nodes(gm)] == [2.0, 2.0]
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_a_model_a_user_loaded_eager_is_captured_the_same_way():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
