@@ -139,7 +139,7 @@ def attention_implementation(config: PretrainedConfig) -> str:
     scaled_dot_product_attention (the attention pass's pattern) and the config has no attention logit soft cap
     (SDPA cannot apply one: transformers 5.17 still let Gemma 2 run SDPA without it), else "eager" where it takes
     a registered attention function (the capture then routes it through one of mini-infer's, passes/capture.py);
-    a class with neither (ALiBi biases in BLOOM's own code) is refused, naming it."""
+    a class with neither (ALiBi biases in BLOOM's own code, Mamba's state-space layers) is refused, naming it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -153,9 +153,10 @@ def attention_implementation(config: PretrainedConfig) -> str:
     if capped:  # (transformers before 5.2x let Gemma 2 run SDPA, which drops the cap)
         raise ModelLoadError(f"{cls.__name__}: attn_logit_softcapping needs an attention function that applies "
                              "it, and this class takes none but SDPA, which does not")
-    raise ModelLoadError(f"{cls.__name__}: its attention runs neither through torch's scaled_dot_product_attention "
-                         "nor through a registered attention function (transformers' AttentionInterface), so "
-                         "mini-infer cannot capture it")
+    raise ModelLoadError(f"{cls.__name__}: its layers attend neither through torch's scaled_dot_product_attention "
+                         "nor through a registered attention function (transformers' AttentionInterface), the two "
+                         "ways mini-infer captures attention: its attention is code of its own (e.g. ALiBi biases) "
+                         "or it has none (state-space and recurrent models)")
 
 
 def build_random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,

@@ -7,7 +7,15 @@ import time
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, BloomConfig, Gemma2Config, LlamaConfig, T5Config
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BloomConfig,
+    Gemma2Config,
+    LlamaConfig,
+    MambaConfig,
+    T5Config,
+)
 
 from mini_infer.compiler import compile_model
 from mini_infer.models.loader import (
@@ -211,5 +219,7 @@ def test_attention_implementation_by_what_the_class_takes(monkeypatch):
     monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", True)
     assert attention_implementation(Gemma2Config()) == "eager"
     assert attention_implementation(Gemma2Config(attn_logit_softcapping=None)) == "sdpa"
-    with pytest.raises(ModelLoadError, match="BloomForCausalLM: its attention runs neither through"):
+    with pytest.raises(ModelLoadError, match="BloomForCausalLM: its layers attend neither through"):
         attention_implementation(BloomConfig())
+    with pytest.raises(ModelLoadError, match=r"MambaForCausalLM: .* or it has none \(state-space"):
+        attention_implementation(MambaConfig())
