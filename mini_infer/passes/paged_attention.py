@@ -149,8 +149,8 @@ class PagedAttention(GraphPass):
                 raise ValueError(f"attention #{layer_idx}: {hq} query heads not a multiple of {hkv} KV heads")
             fields = attention_fields(sdpa)
             scale = fields.scale if fields.scale is not None else 1.0 / math.sqrt(d)
-            window = fields.sliding_window if fields.sliding_window is not None \
-                else layer_sliding_window(ctx.config, layer_idx)
+            # a node's window, else the config's (SDPA nodes say none; HF passes it to attention functions)
+            window = fields.sliding_window or layer_sliding_window(ctx.config, layer_idx)
             softcap = fields.softcap if fields.softcap is not None \
                 else float(getattr(ctx.config, "attn_logit_softcapping", None) or 0.0)
             scales = self._layer_scales(layer_idx) if fp8 else None
