@@ -12,6 +12,8 @@ nothing from mini_infer outside this package.
 |-------------------------------------------------------|---------------------|-------------------------------------------------------|
 | rms_norm(x, weight, eps)                              | Tensor              | HF LlamaRMSNorm over the last dim                     |
 | fused_add_rms_norm(x, residual, weight, eps)          | (Tensor, Tensor)    | s = x + residual; (rms_norm(s, weight, eps), s)       |
+| gemma_rms_norm(x, weight, eps)                        | Tensor              | HF Gemma2RMSNorm: (normed fp32 * (1 + weight)) cast   |
+| fused_add_gemma_rms_norm(x, residual, weight, eps)    | (Tensor, Tensor)    | s = x + residual; (gemma_rms_norm(s, weight, eps), s) |
 | apply_rotary(x, cos, sin)                             | Tensor (contiguous) | x * cos + rotate_half(x) * sin (HF neox-style)        |
 | apply_rotary_interleaved(x, cos, sin)                 | Tensor (contiguous) | GPT-J style: pairs (x[2i], x[2i+1]) turned by angle i;|
 |                                                       |                     | cos/sin [..., D/2]; fp32 math, x's dtype (DeepSeek)   |
@@ -111,6 +113,7 @@ from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
 from mini_infer.ops import gather_rows as _gather_rows_mod
+from mini_infer.ops import gemma_rms_norm as _gemma_rms_norm_mod
 from mini_infer.ops import gumbel_argmax as _gumbel_argmax_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
 from mini_infer.ops import linear as _linear_mod
@@ -135,6 +138,8 @@ _MODULE_OF = {
     "attention": _attention_mod,
     "rms_norm": _rms_norm_mod,
     "fused_add_rms_norm": _fused_add_rms_norm_mod,
+    "gemma_rms_norm": _gemma_rms_norm_mod,
+    "fused_add_gemma_rms_norm": _gemma_rms_norm_mod,
     "apply_rotary": _apply_rotary_mod,
     "apply_rotary_interleaved": _apply_rotary_interleaved_mod,
     "qk_rotary": _qk_rotary_mod,

@@ -117,7 +117,8 @@ def norm_tile(n_cols: int) -> tuple[int, int, int]:
     return max(1, min(16, 4096 // block_n)), block_n, 4 if block_n <= 4096 else 8
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, s, kernel=None) -> None:
+    """Launch `kernel` (default `_rms_norm_kernel`; gemma_rms_norm.py's has its signature) over x's rows."""
     n_cols = x.shape[-1]
     x2 = _rows(x, n_cols)
     n_rows = x2.shape[0]
@@ -129,7 +130,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, s) -> None:
     w = weight.contiguous()
     block_m, block_n, num_warps = norm_tile(n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
-    _rms_norm_kernel[grid](
+    (kernel or _rms_norm_kernel)[grid](
         x2, r2, w, out2, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(x2),

@@ -28,6 +28,28 @@ def _strip_f32_cast(node: fx.Node) -> fx.Node:
     return node
 
 
+def rms_normalized(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """`node` = h * rsqrt(mean(h**2, -1, keepdim) + eps), the rsqrt read by nothing else → (h, eps), or None.
+    The normalization both HF norm forms share (Llama's here, Gemma's in fuse_gemma_rmsnorm)."""
+    if not is_op(node, aten.mul.Tensor):
+        return None
+    for h, rs in (node.args, node.args[::-1]):
+        if not is_op(rs, aten.rsqrt.default) or not only_user(rs, node):
+            continue
+        add = rs.args[0]
+        if not is_op(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
+            continue
+        mean = add.args[0]
+        if not is_op(mean, aten.mean.dim) or not (len(mean.args) > 2 and mean.args[2]):
+            continue
+        if not is_last_dim(mean.args[1], ndim(mean)):
+            continue
+        sq = mean.args[0]
+        if is_op(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2 and sq.args[0] is h:
+            return h, float(add.args[1])
+    return None
+
+
 def match_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     """`out` = weight * normed → (x, weight get_attr, eps), or None."""
     if not is_op(out, aten.mul.Tensor) or len(out.args) != 2:
@@ -39,23 +61,9 @@ def match_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
         inner = normed
         if is_op(inner, aten.to.dtype) and only_user(inner, out):
             inner = inner.args[0]
-        if not is_op(inner, aten.mul.Tensor):
-            continue
-        for h, rs in (inner.args, inner.args[::-1]):
-            if not is_op(rs, aten.rsqrt.default) or not only_user(rs, inner):
-                continue
-            add = rs.args[0]
-            if not is_op(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
-                continue
-            mean = add.args[0]
-            if not is_op(mean, aten.mean.dim) or not (len(mean.args) > 2 and mean.args[2]):
-                continue
-            if not is_last_dim(mean.args[1], ndim(mean)):
-                continue
-            sq = mean.args[0]
-            if not is_op(sq, aten.pow.Tensor_Scalar) or sq.args[1] != 2 or sq.args[0] is not h:
-                continue
-            return _strip_f32_cast(h), weight, float(add.args[1])
+        found = rms_normalized(inner)
+        if found is not None:
+            return _strip_f32_cast(found[0]), weight, found[1]
     return None
 
 
@@ -77,24 +85,31 @@ class FuseRMSNorm(GraphPass):
             replace_with_call(gm, node, ops.rms_norm.default, (x, weight, eps))
             norms += 1
         graph.eliminate_dead_code()
-        fused = 0
-        for node in list(graph.nodes):
-            if not is_op(node, ops.rms_norm.default):
-                continue
-            s = node.args[0]
-            if not (is_op(s, aten.add.Tensor) and len(s.args) == 2 and all(isinstance(a, fx.Node) for a in s.args)
-                    and same_shape(s.args[0], s) and same_shape(s.args[1], s) and "alpha" not in s.kwargs):
-                continue
-            with graph.inserting_after(s):
-                pair = graph.call_function(ops.fused_add_rms_norm.default, (s.args[0], s.args[1], *node.args[1:]))
-            with graph.inserting_after(pair):
-                normed = graph.call_function(operator.getitem, (pair, 0))
-                total = graph.call_function(operator.getitem, (pair, 1))
-            normed.meta["val"], total.meta["val"] = node.meta.get("val"), s.meta.get("val")
-            pair.meta["val"] = (normed.meta["val"], total.meta["val"])
-            node.replace_all_uses_with(normed)
-            graph.erase_node(node)
-            s.replace_all_uses_with(total)
-            graph.erase_node(s)
-            fused += 1
+        fused = fuse_residual_adds(graph, ops.rms_norm.default, ops.fused_add_rms_norm.default)
         return PassResult(norms, f"{norms - fused} rms_norm, {fused} fused_add_rms_norm")
+
+
+def fuse_residual_adds(graph: fx.Graph, norm_op, fused_op) -> int:
+    """Each `norm_op(a + b, *rest)` (a, b and the sum of one shape) → `fused_op(a, b, *rest)` returning (normed,
+    sum), the sum's other readers reading it from there; returns how many."""
+    fused = 0
+    for node in list(graph.nodes):
+        if not is_op(node, norm_op):
+            continue
+        s = node.args[0]
+        if not (is_op(s, aten.add.Tensor) and len(s.args) == 2 and all(isinstance(a, fx.Node) for a in s.args)
+                and same_shape(s.args[0], s) and same_shape(s.args[1], s) and "alpha" not in s.kwargs):
+            continue
+        with graph.inserting_after(s):
+            pair = graph.call_function(fused_op, (s.args[0], s.args[1], *node.args[1:]))
+        with graph.inserting_after(pair):
+            normed = graph.call_function(operator.getitem, (pair, 0))
+            total = graph.call_function(operator.getitem, (pair, 1))
+        normed.meta["val"], total.meta["val"] = node.meta.get("val"), s.meta.get("val")
+        pair.meta["val"] = (normed.meta["val"], total.meta["val"])
+        node.replace_all_uses_with(normed)
+        graph.erase_node(node)
+        s.replace_all_uses_with(total)
+        graph.erase_node(s)
+        fused += 1
+    return fused
