@@ -16,7 +16,7 @@ import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
-from mini_infer.passes.fuse_rmsnorm import _strip_f32_cast, fuse_residual_adds, rms_normalized
+from mini_infer.passes.fuse_rmsnorm import fuse_residual_adds, rms_normalized, strip_f32_cast
 from mini_infer.passes.pattern import aten, dtype, is_op, ndim, only_user
 
 ops = torch.ops.mini_infer
@@ -28,7 +28,7 @@ def _one_plus_weight(node: fx.Node) -> fx.Node | None:
         return None
     for w, one in (node.args, node.args[::-1]):
         if one == 1 or one == 1.0:
-            w = _strip_f32_cast(w) if isinstance(w, fx.Node) else w
+            w = strip_f32_cast(w) if isinstance(w, fx.Node) else w
             if isinstance(w, fx.Node) and w.op == "get_attr" and ndim(w) == 1:
                 return w
     return None
@@ -52,7 +52,7 @@ def match_gemma_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node
         if found is None:
             continue
         h, eps = found
-        x = _strip_f32_cast(h)
+        x = strip_f32_cast(h)
         if node is out and dtype(x) != dtype(out):  # a 16-bit x needs its cast back: matched at the cast
             return None
         if node is not out and dtype(out) != dtype(x):

@@ -5,7 +5,8 @@ Matches `weight * (h * rsqrt(mean(h**2, -1, keepdim) + eps)).to(dtype)` with `h 
 gone after Cleanup when x is already fp32), the form of Llama/Qwen2/Qwen3/Mistral/Mixtral/DeepSeek norms,
 the q/k norms of Qwen3 included. Then a norm whose input is `a + b` of two same-shape tensors becomes one
 fused op returning (normed, sum), the sum serving the residual stream. It matches nothing else: variants
-such as Gemma's `(1 + weight)` are left as they are.
+such as Gemma's `(1 + weight)` are left to fuse_gemma_rmsnorm, which shares its normalization match
+(`rms_normalized`) and residual-add fusion (`fuse_residual_adds`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from mini_infer.passes.pattern import aten, dtype, is_last_dim, is_op, ndim, onl
 ops = torch.ops.mini_infer
 
 
-def _strip_f32_cast(node: fx.Node) -> fx.Node:
+def strip_f32_cast(node: fx.Node) -> fx.Node:
+    """`node`'s input when `node` is a cast to float32 (HF's `x.float()`), else `node`."""
     if is_op(node, aten.to.dtype, aten._to_copy.default) and dtype(node) == torch.float32:
         return node.args[0]
     return node
@@ -63,7 +65,7 @@ def match_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
             inner = inner.args[0]
         found = rms_normalized(inner)
         if found is not None:
-            return _strip_f32_cast(found[0]), weight, found[1]
+            return strip_f32_cast(found[0]), weight, found[1]
     return None
 
 
