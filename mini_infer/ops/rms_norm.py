@@ -130,7 +130,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, s, kernel=None) -> None:
     w = weight.contiguous()
     block_m, block_n, num_warps = norm_tile(n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
-    (kernel or _rms_norm_kernel)[grid](
+    kernel = _rms_norm_kernel if kernel is None else kernel
+    kernel[grid](
         x2, r2, w, out2, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(x2),
