@@ -2,7 +2,7 @@
 
 The capture's `mini_infer.attention` nodes (models that cannot run through SDPA, e.g. Gemma 2) are replaced the
 same way, with the scale, softcap and sliding window they carry (an SDPA node's softcap and window are the
-config's: `attn_logit_softcapping`, the layer's sliding window).
+config's: `attn_logit_softcapping`, the layer's sliding window; so is the window of a node that carries none).
 
 The captured graph attends over its own T tokens with a mask built from position_ids; after this pass each
 attention writes the step's K/V into the layer's cache and attends over every sequence's cached plus new
