@@ -322,6 +322,7 @@ def test_compile_refusals():
 
 VARIANTS = {name: (name, {}) for name in TP_PRESETS}
 VARIANTS["tiny-llama kv1 vocab511"] = ("tiny-llama", dict(num_key_value_heads=1, vocab_size=511))
+VARIANTS["tiny-gemma2"] = ("tiny-gemma2", {})  # attention captured as mini_infer.attention, soft caps, Gemma norms
 VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
 VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
 VARIANTS["tiny-qwen2-moe transformers 5.17 plans"] = ("tiny-qwen2-moe", PLANS_5_17)  # experts only in the ep plan
