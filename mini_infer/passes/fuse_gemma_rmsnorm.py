@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer)
-from mini_infer.passes.base import GraphPass, PassContext, PassResult, replace_with_call
-from mini_infer.passes.fuse_rmsnorm import fuse_residual_adds, rms_normalized, strip_f32_cast
+from mini_infer.passes.base import GraphPass, PassContext, PassResult
+from mini_infer.passes.fuse_rmsnorm import fuse_norms, rms_normalized, strip_f32_cast
 from mini_infer.passes.pattern import aten, dtype, is_op, ndim, only_user
 
 ops = torch.ops.mini_infer
@@ -34,9 +34,9 @@ def _one_plus_weight(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def match_gemma_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | None:
-    """`out` = the norm's last node (its cast back, or the weight multiply) → (x, weight, eps, the node to replace),
-    or None. A multiply followed by a cast is matched at the cast."""
+def match_gemma_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """`out` = the norm's last node (its cast back, or the weight multiply) → (x, weight, eps), or None. A multiply
+    followed by a cast is matched at the cast."""
     node = out
     if is_op(out, aten.to.dtype, aten._to_copy.default, aten.type_as.default):  # HF's `.type_as(x)`
         node = out.args[0]
@@ -57,7 +57,7 @@ def match_gemma_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node
             return None
         if node is not out and dtype(out) != dtype(x):
             return None
-        return x, weight, eps, out
+        return x, weight, eps
     return None
 
 
@@ -69,17 +69,8 @@ class FuseGemmaRMSNorm(GraphPass):
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        norms = 0
-        for node in list(graph.nodes):
-            m = match_gemma_rms_norm(node)
-            if m is None:
-                continue
-            x, weight, eps, out = m
-            replace_with_call(gm, out, ops.gemma_rms_norm.default, (x, weight, eps))
-            norms += 1
-        if not norms:
+        norms, fused = fuse_norms(gm, match_gemma_rms_norm, ops.gemma_rms_norm.default,
+                                  ops.fused_add_gemma_rms_norm.default)
+        if not norms and not fused:
             return PassResult(0, "no Gemma RMSNorm in the graph")
-        graph.eliminate_dead_code()
-        fused = fuse_residual_adds(graph, ops.gemma_rms_norm.default, ops.fused_add_gemma_rms_norm.default)
         return PassResult(norms, f"{norms - fused} gemma_rms_norm, {fused} fused_add_gemma_rms_norm")

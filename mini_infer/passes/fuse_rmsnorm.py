@@ -6,7 +6,7 @@ gone after Cleanup when x is already fp32), the form of Llama/Qwen2/Qwen3/Mistra
 the q/k norms of Qwen3 included. Then a norm whose input is `a + b` of two same-shape tensors becomes one
 fused op returning (normed, sum), the sum serving the residual stream. It matches nothing else: variants
 such as Gemma's `(1 + weight)` are left to fuse_gemma_rmsnorm, which shares its normalization match
-(`rms_normalized`) and residual-add fusion (`fuse_residual_adds`).
+(`rms_normalized`) and its rewrite (`fuse_norms`: the norms, then their residual adds).
 """
 
 from __future__ import annotations
@@ -77,21 +77,24 @@ class FuseRMSNorm(GraphPass):
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        norms = 0
-        for node in list(graph.nodes):
-            m = match_rms_norm(node)
-            if m is None:
-                continue
-            x, weight, eps = m
-            replace_with_call(gm, node, ops.rms_norm.default, (x, weight, eps))
-            norms += 1
-        graph.eliminate_dead_code()
-        fused = fuse_residual_adds(graph, ops.rms_norm.default, ops.fused_add_rms_norm.default)
+        norms, fused = fuse_norms(gm, match_rms_norm, ops.rms_norm.default, ops.fused_add_rms_norm.default)
         return PassResult(norms, f"{norms - fused} rms_norm, {fused} fused_add_rms_norm")
 
 
-def fuse_residual_adds(graph: fx.Graph, norm_op, fused_op) -> int:
+def fuse_norms(gm: fx.GraphModule, match, norm_op, fused_op) -> tuple[int, int]:
+    """Each node `match` recognizes (returning the norm's (x, weight, eps)) → `norm_op(x, weight, eps)`; then each
+    such norm of a residual add → `fused_op` (`_fuse_residual_adds`). Returns (norms, how many of them fused)."""
+    norms = 0
+    for node in list(gm.graph.nodes):
+        m = match(node)
+        if m is not None:
+            replace_with_call(gm, node, norm_op, m)
+            norms += 1
+    gm.graph.eliminate_dead_code()
+    return norms, _fuse_residual_adds(gm.graph, norm_op, fused_op)
+
+
+def _fuse_residual_adds(graph: fx.Graph, norm_op, fused_op) -> int:
     """Each `norm_op(a + b, *rest)` (a, b and the sum of one shape) → `fused_op(a, b, *rest)` returning (normed,
     sum), the sum's other readers reading it from there; returns how many."""
     fused = 0
