@@ -5,19 +5,16 @@ Inserted by the FuseGemmaRMSNorm pass in place of Gemma's norm sub-graph. Semant
 `h = x.float(); h = h * rsqrt(mean(h**2, -1) + eps); return (h * (1 + weight.float())).to(x.dtype)` — unlike
 Llama's norm (ops/rms_norm.py) the weight is `1 + weight` and multiplies in fp32, before the cast. The fused form
 first rounds `s = x + residual` to the sum's dtype, as torch's add stores it, and returns (norm(s), s). The Triton
-kernel reuses rms_norm.py's row steps (`norm_input`, `rms_inverse`) and launch (its tile), so a row sums in the same
-order. Imports nothing from mini_infer outside `mini_infer.ops`.
+kernel is rms_norm.py's, its row body's GEMMA weighting switched on, so a row sums in the same order. Imports
+nothing from mini_infer outside `mini_infer.ops`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mini_infer.ops._triton_support import HAS_TRITON, await_producers, tl, triton, use_triton
+from mini_infer.ops._triton_support import HAS_TRITON, use_triton
 from mini_infer.ops.rms_norm import _launch_rms_norm
-
-if HAS_TRITON:
-    from mini_infer.ops.rms_norm import norm_input, rms_inverse
 
 __all__ = ["fused_add_gemma_rms_norm", "fused_add_gemma_rms_norm_reference", "fused_add_gemma_rms_norm_triton",
            "gemma_rms_norm", "gemma_rms_norm_reference", "gemma_rms_norm_triton"]
@@ -36,30 +33,6 @@ def fused_add_gemma_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, 
     return gemma_rms_norm_reference(s, weight, eps), s
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _gemma_rms_norm_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, s_ptr,
-        n_rows, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
-    ):  # fmt: skip
-        await_producers(USE_GDC)
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
-        mask = (rows < n_rows)[:, None] & col_ok[None, :]
-        s_ptrs = s_ptr + rows[:, None] * stride_s + cols[None, :]
-        x = norm_input(x_ptr + rows[:, None] * stride_x + cols[None, :], r_ptr + rows[:, None] * stride_r
-                       + cols[None, :], s_ptrs, mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            tl.store(s_ptrs, x.to(s_ptr.dtype.element_ty), mask=mask)
-        inv_rms = rms_inverse(tl.sum(x * x, axis=1), n_cols, eps)
-        w = 1.0 + tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out = (x * inv_rms[:, None]) * w[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
             s: torch.Tensor | None) -> None:
     if not HAS_TRITON:
@@ -67,7 +40,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"gemma_rms_norm: weight {tuple(weight.shape)} does not match last dim of x "
                          f"{tuple(x.shape)}")
-    _launch_rms_norm(x, residual, weight, eps, out, s, kernel=_gemma_rms_norm_kernel)
+    _launch_rms_norm(x, residual, weight, eps, out, s, gemma=True)
 
 
 def gemma_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

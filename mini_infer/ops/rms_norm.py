@@ -61,19 +61,20 @@ if HAS_TRITON:
     @triton.jit
     def rms_norm_tile(
         x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr = False,
     ):  # fmt: skip
         """This program's BLOCK_M whole rows of `weight * rms_norm(x (+ residual))`, in fp32 before the output
         cast, the sum stored at `s_ptr` (HAS_RESIDUAL); with the rows, columns and mask for the caller's store.
-        The row body of `rms_norm`, `fused_add_rms_norm` and their quantizing variants (quant.py)."""
+        The row body of `rms_norm`, `fused_add_rms_norm`, their quantizing variants (quant.py) and, with GEMMA
+        (Gemma's weighting, gemma_rms_norm.py: `(normed * (1 + weight))` in fp32), of `gemma_rms_norm`."""
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         return rms_norm_rows(rows, x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
-                             HAS_RESIDUAL, BLOCK_N)
+                             HAS_RESIDUAL, BLOCK_N, GEMMA)
 
     @triton.jit
     def rms_norm_rows(
         rows, x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r, stride_s, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr = False,
     ):  # fmt: skip
         """`rms_norm_tile` for the given rows (int64 indices, those >= n_rows masked off), whichever program runs
         it (linear_add_rms_norm.py: the last program of a GEMV normalizes its output row)."""
@@ -90,6 +91,8 @@ if HAS_TRITON:
             h_dtype = x_ptr.dtype.element_ty
         inv_rms = rms_inverse(tl.sum(x * x, axis=1), n_cols, eps)
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GEMMA:  # HF Gemma2RMSNorm: the weight is 1 + w and multiplies before the cast
+            return (x * inv_rms[:, None]) * (1.0 + w[None, :]), rows, cols, mask
         return weighted_norm(x, inv_rms[:, None], w[None, :], h_dtype), rows, cols, mask
 
     @triton.jit
@@ -97,10 +100,11 @@ if HAS_TRITON:
         x_ptr, r_ptr, w_ptr, out_ptr, s_ptr,
         n_rows, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
+        GEMMA: tl.constexpr,
     ):  # fmt: skip
         await_producers(USE_GDC)
         out, rows, cols, mask = rms_norm_tile(x_ptr, r_ptr, w_ptr, s_ptr, n_rows, n_cols, stride_x, stride_r,
-                                              stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+                                              stride_s, eps, HAS_RESIDUAL, BLOCK_M, BLOCK_N, GEMMA)
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -117,8 +121,8 @@ def norm_tile(n_cols: int) -> tuple[int, int, int]:
     return max(1, min(16, 4096 // block_n)), block_n, 4 if block_n <= 4096 else 8
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, s, kernel=None) -> None:
-    """Launch `kernel` (default `_rms_norm_kernel`; gemma_rms_norm.py's has its signature) over x's rows."""
+def _launch_rms_norm(x, residual, weight, eps, out, s, gemma: bool = False) -> None:
+    """Launch `_rms_norm_kernel` over x's rows (with `gemma`, Gemma's weighting: gemma_rms_norm.py)."""
     n_cols = x.shape[-1]
     x2 = _rows(x, n_cols)
     n_rows = x2.shape[0]
@@ -130,11 +134,11 @@ def _launch_rms_norm(x, residual, weight, eps, out, s, kernel=None) -> None:
     w = weight.contiguous()
     block_m, block_n, num_warps = norm_tile(n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
-    kernel = _rms_norm_kernel if kernel is None else kernel
-    kernel[grid](
+    _rms_norm_kernel[grid](
         x2, r2, w, out2, s2,
         n_rows, n_cols, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl_args(x2),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=gemma, num_warps=num_warps,
+        **pdl_args(x2),
     )  # fmt: skip
 
 
