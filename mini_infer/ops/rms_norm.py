@@ -92,8 +92,10 @@ if HAS_TRITON:
         inv_rms = rms_inverse(tl.sum(x * x, axis=1), n_cols, eps)
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if GEMMA:  # HF Gemma2RMSNorm: the weight is 1 + w and multiplies before the cast
-            return (x * inv_rms[:, None]) * (1.0 + w[None, :]), rows, cols, mask
-        return weighted_norm(x, inv_rms[:, None], w[None, :], h_dtype), rows, cols, mask
+            out = (x * inv_rms[:, None]) * (1.0 + w[None, :])
+        else:
+            out = weighted_norm(x, inv_rms[:, None], w[None, :], h_dtype)
+        return out, rows, cols, mask
 
     @triton.jit
     def _rms_norm_kernel(
