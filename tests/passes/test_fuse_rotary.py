@@ -1,6 +1,6 @@
-"""FuseRotary: `x * cos + rotate_half(x) * sin` → mini_infer.apply_rotary, once for q and once for k per
-layer. DeepSeek's HF code applies rotary in its interleaved form (no rotate_half): documented as not matched,
-so 0 there, and the graph must still be exact.
+"""FuseRotary: `x * cos + rotate_half(x) * sin`, or the same rotation on chunked halves (GPT-OSS), →
+mini_infer.apply_rotary, once for q and once for k per layer. DeepSeek's HF code applies rotary in its interleaved
+form (no rotate_half): documented as not matched, so 0 there, and the graph must still be exact.
 """
 
 import pytest
@@ -82,3 +82,33 @@ def test_matches_rotate_half_only(swap):
     gm, stats, _ = run_toy(_Rotary(swap), ["fuse_rotary"])
     assert stats[0].num_matches == (0 if swap else 1)
     assert op_counts(gm)[mi.apply_rotary.default] == (0 if swap else 1)
+
+
+class _HalvesRotary(torch.nn.Module):
+    """GPT-OSS's form: cos / sin of half the head dim, x chunked into halves, cat([x1 c - x2 s, x2 c + x1 s]);
+    `wrong` pairs the halves the other way round (x2 c - x1 s first), a different rotation."""
+
+    def __init__(self, wrong=False, d=8):
+        super().__init__()
+        self.wrong = wrong
+        self.d = d
+        self.inv_freq = torch.nn.Buffer(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+
+    def forward(self, x, pos):
+        freqs = pos[..., None].float() * self.inv_freq  # [1, T, d/2]
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+        h = x.view(1, x.shape[1], 2, self.d).transpose(1, 2)  # [1, 2, T, d]
+        x1, x2 = torch.chunk(h, 2, dim=-1)
+        if self.wrong:
+            x1, x2 = x2, x1
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_matches_chunked_halves(wrong):
+    gm, stats, _ = run_toy(_HalvesRotary(wrong), ["fuse_rotary"])  # (run_toy checks the logits against eager)
+    assert stats[0].num_matches == (0 if wrong else 1)
+    counts = op_counts(gm)
+    assert counts[mi.apply_rotary.default] == (0 if wrong else 1)
+    assert counts[aten.chunk.default] == (1 if wrong else 0)
