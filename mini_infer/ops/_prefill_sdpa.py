@@ -11,7 +11,9 @@ at position C + j and sees every context key plus new keys 0..j (the bottom-righ
 GQA/MQA go to the kernels as they are (they take fewer kv heads) or, for a backend that refuses them, with the
 kv heads repeated. Which backends serve a (device, dtype, heads, head dims) is decided once, by running each
 on a small problem against a float32 computation (wrong log-sum-exp conventions or refused shapes drop a
-backend); none left means the caller keeps those rows on its own kernel.
+backend); none left means the caller keeps those rows on its own kernel. Sliding windows, softcap, fp8 caches and
+attention sinks (GPT-OSS's per-head extra logit) are not modelled here: `route_wanted` keeps such steps on the
+caller's kernel.
 
 cuDNN builds an execution plan per new shape (44-94 ms on an H200), so the query run is padded at its end from
 L rows to `bucket_length(L)` (a ladder of `BUCKET_STEPS` lengths per octave: 4,096, 4,608, ..., 8,192, 9,216, ...)
@@ -139,15 +141,16 @@ def route_min_query_rows(device: torch.device) -> int | None:
     return MIN_QUERY_ROWS
 
 
-def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool) -> bool:
+def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool,
+                 sinks: bool = False) -> bool:
     """Whether a step may send long runs here, from shapes and arguments alone (no device sync): the route is
-    on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap or fp8 cache (those
-    stay on the caller's kernel), the cache holds q's dtype (the new rows are read from k/v, not the cache), and
-    no CUDA graph is being captured."""
+    on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap, fp8 cache or
+    attention sinks (`sinks`: the layer has them; those stay on the caller's kernel), the cache holds q's dtype
+    (the new rows are read from k/v, not the cache), and no CUDA graph is being captured."""
     rows = route_min_query_rows(q.device)
     if rows is None or q.shape[0] < rows:
         return False
-    if sliding_window > 0 or softcap > 0 or kv_fp8 or k_cache.dtype != q.dtype:
+    if sliding_window > 0 or softcap > 0 or kv_fp8 or sinks or k_cache.dtype != q.dtype:
         return False
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 

@@ -9,8 +9,9 @@ that arrives last at its rows, counted in a counter per set of rows that it zero
 splits; a range that fits one split is written normalized at once). Here:
   * Triton helpers the kernels inline: which sequence a query tile belongs to, a program's split of its key
     range and how many splits are non-empty, a key tile's cache blocks (through the block table) and
-    causal/window mask, one online-softmax step, the merge of partials, and the end of a program (normalized
-    rows, its partials, or the fused merge);
+    causal/window mask, one online-softmax step, an attention sink folded into a running softmax (`fold_sink`:
+    the paged kernel folds it into split 0's state, so neither merge below changes), the merge of partials, and
+    the end of a program (normalized rows, its partials, or the fused merge);
   * the reduce kernel, and the launchers' side: the output + workspaces for a split count, the fused merge's
     counters, the reduce launch, and the default split count.
 Partials are fp32, laid out [num_splits, T, H] (m, l) and [num_splits, T, H, Dv] (acc). This module knows
@@ -152,6 +153,19 @@ if HAS_TRITON:
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         return p, alpha, m_new, l_i
+
+    @triton.jit
+    def fold_sink(m_i, l_i, acc, sink):
+        """Fold one more key of value zero and score `sink` [rows] (log2 units; an attention sink, GPT-OSS's s_aux)
+        into a running softmax (m_i, l_i, acc): (m, l, acc) with m = max(m_i, sink), l = l_i * 2^(m_i - m) +
+        2^(sink - m), acc * 2^(m_i - m). Folded into one split's state (the paged attention kernel: split 0's,
+        after its last tile), the merges below then give every row out = sum_j p_j v_j / (sum_j p_j + 2^sink), the
+        sink's probability dropped; a row that saw no key (m_i = -inf, l_i = 0) keeps acc = 0."""
+        m_new = tl.maximum(m_i, sink)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.exp2(sink - m_ref)
+        return m_new, l_i, acc * alpha[:, None]
 
     @triton.jit
     def _normalize(acc, l_sum):

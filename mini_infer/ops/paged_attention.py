@@ -3,8 +3,8 @@
 Inserted by the PagedAttention pass in place of the model's attention (packed token layout: all tokens
 of a step in one [T, H, D] batch). Handles prefill, chunked prefill (queries attending to blocks already
 cached plus the new ones), decode, and any mix, varlen via `query_start_loc`; GQA/MQA; sliding window;
-logit softcap. It mutates only `k_cache`/`v_cache` (declared), reads block-table entries only for blocks
-a sequence actually uses, and imports nothing from mini_infer outside `mini_infer.ops`.
+logit softcap; attention sinks. It mutates only `k_cache`/`v_cache` (declared), reads block-table entries
+only for blocks a sequence actually uses, and imports nothing from mini_infer outside `mini_infer.ops`.
 
 Layout (S sequences, T packed tokens):
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]
@@ -14,6 +14,16 @@ Layout (S sequences, T packed tokens):
 Query row j of sequence s sits at position `seq_lens[s] - qlen_s + j` and sees cache positions
 `p <= pos` (and `pos - p < sliding_window` when sliding_window > 0). Rows of q owned by no sequence
 produce zeros. Softmax in fp32; the output has q's dtype and shape [T, Hq, Dv].
+
+Attention sinks (GPT-OSS's `s_aux`; `sinks`, the op's last argument, None by default): [Hq], any float dtype,
+read as fp32. Head h's sink is one more logit in each of its rows' softmax whose probability is dropped (a key of
+value zero, never masked): out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink_h - m)), i.e. the output
+without it times sigmoid(lse - sink_h), lse the log-sum-exp of the row's visible scores (after scale and softcap;
+the sink is neither scaled nor capped). The reference appends it to the scores as GPT-OSS's eager code does; the
+Triton kernel (USE_SINKS, off when None: the kernel of a model without sinks is as before) folds it into split 0's
+running softmax after that split's last tile (`_split_k.fold_sink`), so the split merges (fused, or the reduce
+kernel) take it unchanged, exactly once. The long-run route (below) cannot apply it: steps with sinks stay on the
+implementation.
 
 FP8 KV cache: when both caches are float8_e4m3fn, `k_scale` and `v_scale` (fp32, shape [1], one per layer,
 required then) scale them: the write stores `k / k_scale` saturated to +-448 and rounded to nearest-even
@@ -53,8 +63,8 @@ attention kernels (cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over 
 plus its new k/v, and the other sequences through the implementation above, as a batch of those alone. That route is
 on for CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the
 engine warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is
-captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap and fp8
-caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
+captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap, fp8
+caches and attention sinks; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
 `paged_attention_<backend>_entry`, the op's body.
 
 `paged_attention_triton(..., rotary=Rotary(...))` is `rotary_paged_attention`'s decode launch
@@ -362,6 +372,7 @@ def _attend_reference(
     out: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32, or None
 ) -> None:
     """Attention for n sequences padded to max_q query rows and a common key length, written into out."""
     n = bt_rows.shape[0]
@@ -416,7 +427,13 @@ def _attend_reference(
         else:
             scores *= scale
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # padded query rows are all -inf -> NaN, never written out
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)  # padded query rows are all -inf -> NaN, never written out
+        else:  # each row's head's sink as one more logit (GPT-OSS's eager code), its probability dropped
+            sink = sinks[h * g : (h + 1) * g].repeat(max_q).view(1, max_q * g, 1).expand(n, -1, 1)
+            combined = torch.cat([scores, sink], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(combined, dim=-1)[..., :-1]
         o[:, :, h] = torch.bmm(probs, vv[:, :, h]).view(n, max_q, g, dv)
     o = o.view(n, max_q, hq, dv)
     out[rows[qvalid]] = o[qvalid].to(out.dtype)
@@ -501,17 +518,26 @@ def paged_attention_reference(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch paged attention (writes k/v into the caches first). See the module docstring."""
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                softcap, k_scale, v_scale)
+                                softcap, k_scale, v_scale, sinks)
+
+
+def check_sinks(sinks: torch.Tensor | None, hq: int) -> None:
+    """Raise unless `sinks` is None or a floating-point tensor of shape [hq] (one logit a query head)."""
+    if sinks is not None and (sinks.shape != (hq,) or not sinks.dtype.is_floating_point):
+        raise ValueError(f"paged_attention: sinks must be a float tensor of shape ({hq},) (one a query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                         sliding_window: int, softcap: float, k_scale, v_scale) -> torch.Tensor:
+                         sliding_window: int, softcap: float, k_scale, v_scale, sinks=None) -> torch.Tensor:
     """`paged_attention_reference` after its cache write: attention over what the caches hold."""
     t, hq, _ = q.shape
+    check_sinks(sinks, hq)
     out = q.new_zeros((t, hq, v_cache.shape[3]))
     n_seqs = seq_lens.shape[0]
     if n_seqs == 0 or t == 0:
@@ -521,10 +547,10 @@ def _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_star
     qlens = qsl[1:] - qsl[:-1]
     common = (k_cache, v_cache)
     opts = (scale, int(sliding_window), float(softcap), out)
-    scales = (k_scale, v_scale)
+    scales = (k_scale, v_scale, None if sinks is None else sinks.to(device=q.device, dtype=torch.float32))
 
-    # a pure decode step without softcap (the common case): one gather and one SDPA for all sequences
-    if softcap <= 0 and t == n_seqs and k_cache.is_contiguous() and v_cache.is_contiguous() \
+    # a pure decode step without softcap or sinks (the common case): one gather and one SDPA for all sequences
+    if softcap <= 0 and sinks is None and t == n_seqs and k_cache.is_contiguous() and v_cache.is_contiguous() \
             and bool((qlens == 1).all()):
         out[:] = _decode_sdpa_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, int(sliding_window),
                                         k_scale, v_scale)
@@ -770,7 +796,7 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, cnt_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-        n_tokens, n_seqs, scale, softcap, sliding_window, eps, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
+        sinks_ptr, n_tokens, n_seqs, scale, softcap, sliding_window, eps, BLOCK_SIZE: tl.constexpr, head_d, head_dv,
         s_qt, s_qh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, s_vcd, s_ot, s_oh, s_bt,
         s_wms, s_wmt, s_was, s_wat, s_wah, s_kt, s_kh, s_vt, s_vh, s_ct, s_cd, s_st, s_sd,
         WRITE_KV: tl.constexpr, ROTARY: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -779,6 +805,7 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
         FP8_DOT: tl.constexpr, ROUND_P_EXACTLY: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         ROW_TILES: tl.constexpr = False, V_TILES: tl.constexpr = 0, ROW_GUESS: tl.constexpr = False,
+        USE_SINKS: tl.constexpr = False,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -915,6 +942,10 @@ if HAS_TRITON:
                         s_vcd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, KV_FP8, FP8_DOT,
                         ROUND_P_EXACTLY, 0,
                     )  # fmt: skip
+            if USE_SINKS:  # each head's sink, one more key of value zero (log2 units as the scores), folded once: into
+                if split == 0:  # split 0's state, which every merge (fused or the reduce kernel) takes
+                    sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0).to(tl.float32) * _split_k.LOG2E
+                    m_i, l_i, acc = _split_k.fold_sink(m_i, l_i, acc, sink)
             if KV_FP8:  # the stored values are v / v_scale
                 acc = acc * v_scale
             if FUSED_MERGE:
@@ -1041,6 +1072,7 @@ def paged_attention_triton(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     decode_only: bool | None = None,
     num_splits: int | None = None,
@@ -1074,7 +1106,7 @@ def paged_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton")
     return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                             softcap, k_scale, v_scale, new_kv=(k, v, slot_mapping), decode_only=decode_only,
+                             softcap, k_scale, v_scale, sinks, new_kv=(k, v, slot_mapping), decode_only=decode_only,
                              num_splits=num_splits, fused_merge=fused_merge, rotary=rotary)
 
 
@@ -1137,19 +1169,23 @@ def rotary_in_kernel(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, se
 
 
 def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                      sliding_window: int, softcap: float, k_scale, v_scale, *, new_kv: tuple | None = None,
+                      sliding_window: int, softcap: float, k_scale, v_scale, sinks=None, *, new_kv: tuple | None = None,
                       decode_only: bool | None = None, num_splits: int | None = None,
                       fused_merge: bool = True, rotary: Rotary | None = None) -> torch.Tensor:
     """The unified attention kernel (and, with splits and not `fused_merge`, the split-K reduce kernel) over the
     caches. `new_kv` (k, v, slot_mapping): the step's keys to write first, by the attention kernel itself when the
     launch is decode-shaped (one query row per tile: no launch between the write and the reads), else by
     `write_kv_cache_triton` before it; None: the caches already hold them. `rotary`: q and new_kv's k unrotated,
-    rotated in the kernel (ROTARY; raises ValueError where `rotary_in_kernel` is False)."""
+    rotated in the kernel (ROTARY; raises ValueError where `rotary_in_kernel` is False). `sinks` [Hq] (any float
+    dtype) or None: the kernel's USE_SINKS, off (the kernel of a model without sinks) when None."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     dv = v_cache.shape[3]
     if hq % hkv:
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    check_sinks(sinks, hq)
+    if sinks is not None:
+        sinks = sinks.contiguous()
     n_seqs = seq_lens.shape[0]
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     check_cache_layout(k_cache, v_cache)
@@ -1217,7 +1253,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
             _paged_attn_kernel[(tiles, hkv, num_splits)](
                 q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, counters,
                 block_tables, seq_lens, query_start_loc, *_scale_args(k_scale, v_scale, seq_lens), k, v, slot_mapping,
-                *rot_args, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
+                *rot_args, sinks if sinks is not None else q, t, n_seqs, float(scale), float(softcap), int(sliding_window), eps, block_size, d, dv,
                 q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -1231,7 +1267,7 @@ def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                 SEARCH_STEPS=-(-max(1, n_seqs.bit_length()) // 4) * 4, USE_WINDOW=sliding_window > 0,
                 USE_SOFTCAP=softcap > 0, DOT_FP32=dot_fp32, KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
                 ROUND_P_EXACTLY=not q.is_cuda, PRELOAD=preload, ROW_TILES=row_tiles, ROW_GUESS=ROW_GUESS,
-                V_TILES=V_KEYS_TILES if v_keys else 0, num_warps=num_warps,
+                V_TILES=V_KEYS_TILES if v_keys else 0, USE_SINKS=sinks is not None, num_warps=num_warps,
                 num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(q),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -1280,7 +1316,7 @@ def _sub_batch(seqs: list[int], qsl: list[int], lens: list[int], block_tables: t
 
 def _paged_attention_routed(
     q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale: float,
-    sliding_window: int, softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool,
+    sliding_window: int, softcap: float, k_scale=None, v_scale=None, sinks=None, *, use_triton_kernel: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The registered ops' body: the cache write of `use_triton_kernel`'s implementation (Triton or the torch
     reference; a step the route leaves alone goes to `paged_attention_triton` / `_reference`, write and attention,
@@ -1290,13 +1326,15 @@ def _paged_attention_routed(
     only (no work twice). The route is decided by `_prefill_sdpa.route_wanted` (shapes and arguments; never during
     CUDA-graph capture); only a step it accepts reads its lengths on the host. k, v and slot_mapping None
     (`paged_attention_cached`): no write, the caches already hold the step's keys, and a long run's new k/v are read
-    from them with its context."""
+    from them with its context. `sinks` (the heads' attention sinks) keep the step off the route (which cannot
+    apply them): the implementation runs it whole."""
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
     attend = _triton_attention if use_triton_kernel else _reference_attention
-    opts = (scale, sliding_window, softcap, k_scale, v_scale)
+    opts = (scale, sliding_window, softcap, k_scale, v_scale, sinks)
     meta = (block_tables, seq_lens, query_start_loc)
-    if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8):
+    if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8,
+                                                                 sinks is not None):
         if k is None:
             return attend(q, k_cache, v_cache, *meta, *opts)
         whole = paged_attention_triton if use_triton_kernel else paged_attention_reference
@@ -1350,30 +1388,32 @@ def paged_attention_cached_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0,
     softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_attention_reference` without its write: attention over caches that already hold the step's keys."""
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return _reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                softcap, k_scale, v_scale)
+                                softcap, k_scale, v_scale, sinks)
 
 
 def paged_attention_cached_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0,
-    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, **knobs,
+    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, **knobs,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_attention_triton` without its write (same knobs): the attention kernel over the caches as they are."""
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_cached_triton needs triton")
     return _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                             softcap, k_scale, v_scale, **knobs)
+                             softcap, k_scale, v_scale, sinks, **knobs)
 
 
 def _cached_routed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float, sliding_window: int,
-                   softcap: float, k_scale=None, v_scale=None, *, use_triton_kernel: bool) -> torch.Tensor:
+                   softcap: float, k_scale=None, v_scale=None, sinks=None, *, use_triton_kernel: bool) -> torch.Tensor:
     """`paged_attention_cached`'s body: `_paged_attention_routed` with nothing to write."""
     return _paged_attention_routed(q, None, None, k_cache, v_cache, None, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, softcap, k_scale, v_scale,
+                                   scale, sliding_window, softcap, k_scale, v_scale, sinks,
                                    use_triton_kernel=use_triton_kernel)
 
 
@@ -1408,18 +1448,20 @@ def paged_attention(
     softcap: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the paged caches, then attend: Triton on CUDA when available, else the torch reference;
     long query runs through torch's fused attention kernels (see `_paged_attention_routed`)."""
     entry = paged_attention_triton_entry if use_triton(q) else paged_attention_reference_entry
     return entry(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                 sliding_window, softcap, k_scale, v_scale)
+                 sliding_window, softcap, k_scale, v_scale, sinks)
 
 
 @paged_attention.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-      k_scale=None, v_scale=None):
+      k_scale=None, v_scale=None, sinks=None):
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    check_sinks(sinks, q.shape[1])
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
 
 
@@ -1436,16 +1478,18 @@ def paged_attention_cached(
     softcap: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` over caches already holding this step's keys (written by `qk_rotary_kv_write`): the same
     attention and long-run route, no write; it mutates nothing."""
     entry = paged_attention_cached_triton_entry if use_triton(q) else paged_attention_cached_reference_entry
     return entry(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-                 k_scale, v_scale)
+                 k_scale, v_scale, sinks)
 
 
 @paged_attention_cached.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, k_scale=None,
-      v_scale=None):
+      v_scale=None, sinks=None):
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    check_sinks(sinks, q.shape[1])
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))

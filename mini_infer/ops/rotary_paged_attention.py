@@ -6,10 +6,11 @@ outputs. Semantics (must not change), with `pack(x) = x.select(0, 0).transpose(0
 [1, H, T, D] -> [T, H, D] view):
     q2, k2 = qk_rotary(q, k, cos, sin, q_weight, k_weight, eps)
     out = paged_attention(pack(q2), pack(k2), pack(v), k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                          query_start_loc, scale, sliding_window, softcap, k_scale, v_scale)
+                          query_start_loc, scale, sliding_window, softcap, k_scale, v_scale, sinks)
 Layouts: q [1, Hq, T, D], k [1, Hk, T, D], v [1, Hk, T, Dv] (any strides: views of the merged projection), cos/sin
 as qk_rotary takes them (broadcastable to [1, 1, T, D]: packed token r takes cos row r), the rest as paged_attention
-takes it (its module docstring). Returns [T, Hq, Dv]; mutates only k_cache / v_cache.
+takes it (its module docstring; `sinks`, the attention sinks [Hq] or None, is its last argument here too).
+Returns [T, Hq, Dv]; mutates only k_cache / v_cache.
 
 Implementations: the reference is the two references in sequence (`qk_rotary_reference`, then paged_attention's,
 its long-run route included in the registered op's body). The Triton path runs ONE kernel, paged_attention's
@@ -69,10 +70,10 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_args(q2, k2, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                 sliding_window, softcap, k_scale, v_scale) -> tuple:  # fmt: skip
+                 sliding_window, softcap, k_scale, v_scale, sinks=None) -> tuple:  # fmt: skip
     """paged_attention's arguments for the rotated q2 / k2 (4-D)."""
     return (_pack(q2), _pack(k2), _pack(v), k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-            scale, sliding_window, softcap, k_scale, v_scale)
+            scale, sliding_window, softcap, k_scale, v_scale, sinks)
 
 
 def rotary_paged_attention_reference(
@@ -80,13 +81,13 @@ def rotary_paged_attention_reference(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Plain torch: `qk_rotary_reference`, then `paged_attention_reference` of the packed rotated q and k."""
     q2, k2 = qk_rotary_reference(q, k, cos, sin, q_weight, k_weight, eps)
     return pa.paged_attention_reference(*_packed_args(q2, k2, v, k_cache, v_cache, slot_mapping, block_tables,
                                                       seq_lens, query_start_loc, scale, sliding_window, softcap,
-                                                      k_scale, v_scale))
+                                                      k_scale, v_scale, sinks))
 
 
 def max_group(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, num_splits: int | None) -> int:
@@ -124,7 +125,8 @@ def rotary_paged_attention_triton(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, **knobs,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    **knobs,
 ) -> torch.Tensor:  # fmt: skip
     """Triton: one attention launch applying the rotary where it can (module docstring), else `qk_rotary_triton`
     then `paged_attention_triton`. `knobs`: paged_attention_triton's (decode_only, num_splits, fused_merge)."""
@@ -132,7 +134,7 @@ def rotary_paged_attention_triton(
         raise RuntimeError("rotary_paged_attention_triton needs triton")
     _check(q, k, q_weight, k_weight)
     meta = (k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-            k_scale, v_scale)
+            k_scale, v_scale, sinks)
     if _in_kernel(q, k, v, cos, sin, q_weight, k_weight, k_cache, v_cache, seq_lens, k_scale, v_scale,
                   knobs.get("decode_only"), knobs.get("num_splits")):
         return pa.paged_attention_triton(*_packed_args(q, k, v, *meta), **knobs,
@@ -142,16 +144,17 @@ def rotary_paged_attention_triton(
 
 
 def _routed(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-            query_start_loc, scale, sliding_window, softcap, k_scale=None, v_scale=None, *, use_triton_kernel: bool):
+            query_start_loc, scale, sliding_window, softcap, k_scale=None, v_scale=None, sinks=None, *,
+            use_triton_kernel: bool):
     """The registered op's body: where paged_attention's body would run its whole Triton implementation (the
     long-run route declines the step), `rotary_paged_attention_triton`; else qk_rotary (Triton or reference), then
     paged_attention's body (`pa.paged_attention_<backend>_entry`), route included."""
     meta = (k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-            k_scale, v_scale)
+            k_scale, v_scale, sinks)
     if use_triton_kernel:
         kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(_pack(q), k_cache, sliding_window, softcap,
-                                                                     kv_fp8):
+                                                                     kv_fp8, sinks is not None):
             return rotary_paged_attention_triton(q, k, v, cos, sin, q_weight, k_weight, eps, *meta)
     rotate = qk_rotary_triton if use_triton_kernel else qk_rotary_reference
     entry = pa.paged_attention_triton_entry if use_triton_kernel else pa.paged_attention_reference_entry
@@ -175,17 +178,18 @@ def rotary_paged_attention(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, sliding_window: int, softcap: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """qk_rotary then paged_attention of its packed outputs: Triton on CUDA when available (one launch for decode
     steps), else the torch references."""
     entry = rotary_paged_attention_triton_entry if use_triton(q) else rotary_paged_attention_reference_entry
     return entry(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                 query_start_loc, scale, sliding_window, softcap, k_scale, v_scale)
+                 query_start_loc, scale, sliding_window, softcap, k_scale, v_scale, sinks)
 
 
 @rotary_paged_attention.register_fake
 def _(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-      query_start_loc, scale, sliding_window, softcap, k_scale=None, v_scale=None):
+      query_start_loc, scale, sliding_window, softcap, k_scale=None, v_scale=None, sinks=None):
     pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    pa.check_sinks(sinks, q.shape[1])
     return q.new_empty((q.shape[2], q.shape[1], v_cache.shape[3]), dtype=_out_dtype(q, q_weight, cos, sin))

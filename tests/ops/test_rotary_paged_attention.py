@@ -214,3 +214,35 @@ def test_registered_op_fake_and_opcheck():
         out = torch.ops.mini_infer.rotary_paged_attention(*fake)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16
     torch.library.opcheck(torch.ops.mini_infer.rotary_paged_attention.default, args)
+
+
+@requires_triton
+@pytest.mark.usefixtures("small_key_tiles")
+@pytest.mark.parametrize("name,dtype", [("qlen2_splits", torch.float32), ("qlen2_splits_reduce", torch.bfloat16),
+                                        ("window_qlen3", torch.float32)])
+def test_sinks_in_the_decode_launch_are_the_unfused_pair_bitwise(launches, monkeypatch, name, dtype):
+    """Attention sinks (GPT-OSS), the op's last argument: the one launch applying the rotary takes them as
+    paged_attention_triton does (same bits), and the reference entry as the references do."""
+    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP", 64)
+    monkeypatch.setattr(rpa, "ROTARY_MAX_GROUP_SPLIT", 64)
+    case, _, knobs = fused_write_case(name, dtype, False)
+    sinks = (torch.randn(case.q.shape[1], generator=torch.Generator().manual_seed(9)) * 2).to(case.q.device)
+    rot = rotary_args(case, norms=True)
+    args = case.args()
+    out = rotary_paged_attention_triton(*rot, *args[3:], None, None, sinks, **knobs)
+    assert launches == ["_paged_attn_kernel"]
+    want_args = case.args()
+    want = unfused_triton(rot, (*want_args[3:], None, None, sinks), **knobs)
+    if out.is_cuda:
+        _assert_gpu_close(out, want, args[3:5], want_args[3:5], dtype)
+    else:
+        assert torch.equal(out, want)
+    cpu = lambda xs: [x.cpu() if torch.is_tensor(x) else x for x in xs]  # noqa: E731
+    ref = rotary_paged_attention_reference_entry(*cpu(rot), *cpu(case.args()[3:]), None, None, sinks.cpu())
+    assert_close(out, ref.to(out.device))
+    without = rotary_paged_attention_reference_entry(*cpu(rot), *cpu(case.args()[3:]))
+    assert not torch.allclose(ref.float(), without.float(), atol=1e-2)  # the sinks matter
+    q2, k2 = qk_rotary_reference(*cpu(rot[:2]), *cpu(rot[3:]))
+    packed = [x.select(0, 0).transpose(0, 1) for x in (q2, k2, rot[2].cpu())]
+    assert torch.equal(ref, pa.paged_attention_reference_entry(*packed, *cpu(case.args()[3:]), None, None,
+                                                                sinks.cpu()))
