@@ -6,9 +6,11 @@ returns `logits [1, T, vocab]`; transformers runs with `use_cache=False`, so the
 AutoDeploy: it traces the HF Python code as is, keeps aten-level ops such as `scaled_dot_product_attention` visible
 for pattern matching, and gives every node fake-tensor metadata with a symbolic T. A model whose class cannot run
 through SDPA, or whose attention logits are soft-capped (which SDPA would drop), but that takes any registered
-attention function (Gemma 2) runs, for the export only, through `ATTENTION_FUNCTION`, which makes each attention one
-`mini_infer.attention` node (ops/attention.py) for the attention pass to find; the model's own setting is restored
-after. This module captures only; rewriting is the passes' job.
+attention function (Gemma 2; GPT-OSS, whose attention sinks, HF's `s_aux`, become the node's `sinks`) runs, for the
+export only, through `ATTENTION_FUNCTION`, which makes each attention one `mini_infer.attention` node
+(ops/attention.py) for the attention pass to find; the model's own setting is restored after. An explicit mask, a
+non-causal module and dropout are refused naming the module. This module captures only; rewriting is the passes'
+job.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DEFAULT_MAX_TOKENS = 1 << 16
 ATTENTION_FUNCTION = "mini_infer"  # the name under which transformers' AttentionInterface knows _attention_node
-# keyword arguments of HF attention functions that change the math in ways mini_infer.attention does not model
-_UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks"}
 
 
 class CaptureError(RuntimeError):
@@ -49,17 +49,18 @@ def _attention_node(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs) -> tuple[torch.Tensor, None]:
     """An HF attention function (transformers' AttentionInterface signature): causal attention as one
     `mini_infer.attention` node, output [B, T, H, Dv] as HF's attention functions return it. No mask arrives (the
-    name has no mask function registered, so HF builds none): causality and the window are the op's."""
+    name has no mask function registered, so HF builds none): causality and the window are the op's. GPT-OSS's
+    attention sinks (`s_aux`, one logit a query head) are the op's last argument, given only when the model has
+    them (the node of a model without is as before)."""
     name = type(module).__name__
-    for key_name, what in _UNSUPPORTED_ATTENTION_KWARGS.items():
-        if kwargs.get(key_name) is not None:
-            raise CaptureError(f"{name}: {what} ({key_name}=) are not supported")
     if attention_mask is not None or not getattr(module, "is_causal", True):
         raise CaptureError(f"{name}: only causal attention without an explicit mask can be captured")
     if dropout:
         raise CaptureError(f"{name}: attention dropout {dropout} (the model is in training mode)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.mini_infer.attention(query, key, value, scale, float(softcap or 0.0), int(sliding_window or 0))
+    sinks = kwargs.get("s_aux")
+    args = (query, key, value, scale, float(softcap or 0.0), int(sliding_window or 0))
+    out = torch.ops.mini_infer.attention(*args, *(() if sinks is None else (sinks,)))
     return out.transpose(1, 2).contiguous(), None
 
 

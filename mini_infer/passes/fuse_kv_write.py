@@ -4,9 +4,10 @@ caches) + `paged_attention_cached` (the attention without its cache write): one 
 
     q_rot, k_rot = qk_rotary(q, k, cos, sin, qw, kw, eps)
     paged_attention(pack(q_rot), pack(k_rot), pack(v), k_cache, v_cache, slot_mapping, meta..., scale, window,
-                    softcap[, k_scale, v_scale])
+                    softcap[, k_scale, v_scale[, sinks]])
   → q_rot = qk_rotary_kv_write(q, k, v, cos, sin, qw, kw, eps, k_cache, v_cache, slot_mapping[, k_scale, v_scale])
-    paged_attention_cached(pack(q_rot), k_cache, v_cache, meta..., scale, window, softcap[, k_scale, v_scale])
+    paged_attention_cached(pack(q_rot), k_cache, v_cache, meta..., scale, window, softcap[, k_scale, v_scale
+                           [, sinks]])
 
 `pack(x)` is `transpose(select(x, 0, 0), 0, 1)`, the [1, H, T, D] -> [T, H, D] views the paged_attention pass puts
 before the op; k_rot must reach the attention's k argument through exactly those two views, each read by nothing
@@ -18,7 +19,8 @@ Left alone: MLA (mla_latent_cache's `mla_attention`), attentions whose k is no q
 alone, interleaved rotary, no rotary), a k_rot or its views with another reader, any other layout. Runs after
 paged_attention (whose nodes it matches) and, to find anything, fuse_qk_rotary. The graph dump shows
 `qk_rotary_kv_write(...)` and `paged_attention_cached(...)`. The runtime sees no difference: the caches,
-slot_mapping and scales are the inputs paged_attention declared.
+slot_mapping and scales are the inputs paged_attention declared. Attention sinks (GPT-OSS) are an argument of the
+attention alone: they go to `paged_attention_cached` as they came (the write does not read them).
 
 Default: off (opt-in by name in `passes=[...]`). It removes the KV-write launch before each attention (210 -> 182
 kernels a step for qwen3-0.6b), but on an H200 (2026-11-24, bf16, batch 1, same process) it gained nothing:
@@ -64,7 +66,8 @@ class FuseKVWrite(GraphPass):
             rot, q_rot, v, anchor = match.rot, match.q_rot, match.v, match.anchor
             q, k, cos, sin, q_w, k_w, eps = rot.args
             k_cache, v_cache, slot_mapping, block_tables, seq_lens, qsl, scale, window, softcap = attn.args[3:12]
-            scales = tuple(attn.args[12:14])
+            scales = tuple(attn.args[12:14])  # (k_scale, v_scale) (None, None without an fp8 cache but with sinks)
+            rest = tuple(attn.args[12:])  # the scales, then the attention sinks where the layer has them
             with graph.inserting_after(anchor):
                 write = graph.call_function(ops.qk_rotary_kv_write.default, (
                     q, k, v, cos, sin, q_w, k_w, eps, k_cache, v_cache, slot_mapping, *scales))
@@ -72,7 +75,7 @@ class FuseKVWrite(GraphPass):
             q_rot.replace_all_uses_with(write)
             with graph.inserting_before(attn):
                 cached = graph.call_function(ops.paged_attention_cached.default, (
-                    attn.args[0], k_cache, v_cache, block_tables, seq_lens, qsl, scale, window, softcap, *scales))
+                    attn.args[0], k_cache, v_cache, block_tables, seq_lens, qsl, scale, window, softcap, *rest))
             cached.meta["val"] = attn.meta.get("val")
             attn.replace_all_uses_with(cached)
             graph.erase_node(attn)  # it mutates the caches: dead-code elimination would keep it

@@ -4,9 +4,9 @@ itself (ops/rotary_paged_attention.py), so no qk_rotary launch is left.
 
     q_rot, k_rot = qk_rotary(q, k, cos, sin, qw, kw, eps)
     out = paged_attention(pack(q_rot), pack(k_rot), pack(v), k_cache, v_cache, slot_mapping, meta..., scale,
-                          window, softcap[, k_scale, v_scale])
+                          window, softcap[, k_scale, v_scale[, sinks]])
   → out = rotary_paged_attention(q, k, v, cos, sin, qw, kw, eps, k_cache, v_cache, slot_mapping, meta..., scale,
-                                 window, softcap[, k_scale, v_scale])
+                                 window, softcap[, k_scale, v_scale[, sinks]])
 
 `pack(x)` is `transpose(select(x, 0, 0), 0, 1)`, the [1, H, T, D] -> [T, H, D] views the paged_attention pass puts
 before the op. The match is FuseKVWrite's (`pattern.rotary_attention`: k_rot reaches the attention's k through
@@ -19,7 +19,8 @@ interleaved rotary, no rotary), a q_rot / k_rot or their views with another read
 layout. Runs after paged_attention (whose nodes it matches) and, to find anything, fuse_qk_rotary; registered
 before fuse_kv_write, which then finds nothing where this pass matched. The graph dump shows
 `rotary_paged_attention(...)`. The runtime sees no difference: the caches, slot_mapping and scales are the inputs
-paged_attention declared.
+paged_attention declared. Attention sinks (GPT-OSS), the attention's last argument, are the new op's last argument
+too (every argument after q, k, v moves over as it is).
 
 Default: on for CUDA targets, where a decode step's attention launch absorbs the qk_rotary launch (1.2 to 1.5 us a
 layer on the critical path by bench/kernel_layer_chain.py on an H200: the gain this pass is for). End to end on an

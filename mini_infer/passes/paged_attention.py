@@ -1,8 +1,12 @@
 """PagedAttention: each `scaled_dot_product_attention` → `mini_infer.paged_attention` over a paged KV cache.
 
-The capture's `mini_infer.attention` nodes (models that cannot run through SDPA, e.g. Gemma 2) are replaced the
-same way, with the scale, softcap and sliding window they carry (an SDPA node's softcap and window are the
-config's: `attn_logit_softcapping`, the layer's sliding window; so is the window of a node that carries none).
+The capture's `mini_infer.attention` nodes (models that cannot run through SDPA, e.g. Gemma 2, GPT-OSS) are replaced
+the same way, with the scale, softcap, sliding window and attention sinks they carry (an SDPA node's softcap and
+window are the config's: `attn_logit_softcapping`, the layer's sliding window; so is the window of a node that
+carries none; SDPA nodes have no sinks). A layer's sinks ([Hq] parameter node, GPT-OSS's `s_aux`) become the op's
+last argument, after its k_scale / v_scale (None for a cache that takes none); a layer without sinks gets the
+op's arguments as before. The op's long-prefill route (UNCAPTURED_QUERY_ROWS) is declared only when some layer
+has no sinks: it never takes a layer with them.
 
 The captured graph attends over its own T tokens with a mask built from position_ids; after this pass each
 attention writes the step's K/V into the layer's cache and attends over every sequence's cached plus new
@@ -137,6 +141,7 @@ class PagedAttention(GraphPass):
         # (catching a broken graph; bench/fp8_quality.py measures the quality on real weights)
         self.approximation = 0.1 if fp8 else 0.0
         meta = [ctx.add_input(gm, spec) for spec in ATTENTION_METADATA]
+        with_sinks = 0
 
         for layer_idx, sdpa in enumerate(sdpas):
             q, k, v = sdpa.args[:3]
@@ -162,6 +167,9 @@ class PagedAttention(GraphPass):
                 if window else FullAttentionSpec(layer_idx, hkv, d, dv, ctx.cache_dtype, scales, v_keys, hint, outer)
             caches = ctx.add_cache(gm, spec)
             kv_scales = tuple(caches[name] for name in spec.fixed_tensors())  # (k_scale_i, v_scale_i) or ()
+            if fields.sinks is not None:  # the op's last argument, after the (possibly None) scales
+                kv_scales = (*(kv_scales or (None, None)), fields.sinks)
+                with_sinks += 1
             with graph.inserting_before(sdpa):
                 packed = []
                 for x in (q, k, v):  # [1, H, T, D] → [T, H, D]
@@ -175,10 +183,13 @@ class PagedAttention(GraphPass):
             sdpa.replace_all_uses_with(out)
             graph.erase_node(sdpa)
         ctx.info["attention_layers"] = len(sdpas)
-        if sdpas and (rows := route_min_query_rows(ctx.device)) is not None:
-            ctx.info[UNCAPTURED_QUERY_ROWS] = rows  # the op's long-prefill route reads lengths on the host
+        # the op's long-prefill route reads lengths on the host; it never takes a layer with sinks
+        if with_sinks < len(sdpas) and (rows := route_min_query_rows(ctx.device)) is not None:
+            ctx.info[UNCAPTURED_QUERY_ROWS] = rows
         windows = sorted({s.attention_window for s in ctx.cache_specs if s.attention_window})
         note = f"{len(sdpas)} layers" + (f", sliding window {windows}" if windows else "")
+        if with_sinks:
+            note += f", attention sinks in {with_sinks}"
         if fp8:
             note += ", fp8 KV cache " + ("(k/v scales 1.0)" if self.kv_scales == (1.0, 1.0) else "(given k/v scales)")
         return PassResult(len(sdpas), note)

@@ -109,20 +109,22 @@ def attention_calls(graph: fx.Graph) -> list[fx.Node]:
 
 
 class AttentionFields(NamedTuple):
-    """What an attention node says of its math; None where the node does not say (SDPA has no softcap or window)."""
+    """What an attention node says of its math; None where the node does not say (SDPA has no softcap, window or
+    sinks)."""
 
     scale: float | None  # None: 1 / sqrt(head dim)
     softcap: float | None
     sliding_window: int | None
+    sinks: fx.Node | None = None  # the [Hq] attention sinks (GPT-OSS's s_aux), or None: none
 
 
 def attention_fields(node: fx.Node) -> AttentionFields:
-    """Scale, softcap and window of one of `attention_calls`' nodes."""
+    """Scale, softcap, window and sinks of one of `attention_calls`' nodes."""
     if is_op(node, aten.scaled_dot_product_attention.default):
         scale = kwarg_or_arg(node, 6, "scale")
         return AttentionFields(float(scale) if scale is not None else None, None, None)
     scale, softcap, window = node.args[3:6]
-    return AttentionFields(float(scale), float(softcap), int(window))
+    return AttentionFields(float(scale), float(softcap), int(window), kwarg_or_arg(node, 6, "sinks"))
 
 
 def module_chain(node: fx.Node) -> list[tuple[str, str]]:

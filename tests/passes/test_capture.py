@@ -148,10 +148,32 @@ def test_a_model_a_user_loaded_eager_is_captured_the_same_way():
     assert_logits_close(run_graph(gm, {"input_ids": ids, "position_ids": pos}), expected, rel=1e-5)
 
 
-def test_attention_sinks_are_refused_naming_the_module():
+def test_attention_sinks_are_captured_on_the_attention_node():
+    """GPT-OSS (no SDPA path): each layer's sinks (HF's s_aux) are its mini_infer.attention node's last argument, the
+    model's own parameter; the graph equals eager HF (GPT-OSS's eager attention), and the model keeps its setting."""
     from transformers import GptOssConfig
 
-    model = _tiny(GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(CaptureError, match=r"GptOssAttention: attention sinks \(s_aux=\) are not supported"):
+    model = _tiny(GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the initializer's sinks are close to zero: make them count
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4, generator=gen))
+    gm = capture(model)
+    assert model.config._attn_implementation == "eager"
+    nodes = _attention_nodes(gm)
+    params = dict(gm.named_parameters())
+    assert [params[n.args[6].target] for n in nodes] == [layer.self_attn.sinks for layer in model.model.layers]
+    ids, pos = random_ids(11, seed=3), positions(2, 11)
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert_logits_close(run_graph(gm, {"input_ids": ids, "position_ids": pos}), expected, rel=1e-5)
+
+
+def test_attention_dropout_in_training_is_refused_naming_the_module():
+    from transformers import GptOssConfig
+
+    model = _tiny(GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.1)
+    model.train()
+    with pytest.raises(CaptureError, match=r"GptOssAttention: attention dropout 0.1 \(the model is in training mode\)"):
         capture(model)
     assert model.config._attn_implementation == "eager"
