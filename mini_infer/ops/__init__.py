@@ -41,21 +41,26 @@ nothing from mini_infer outside this package.
 |                                                       |                     | GEMV's prologue for one row; the pair's roundings    |
 | linear_add_rms_norm(x, weight, bias, residual,        | (Tensor, Tensor)    | fused_add_rms_norm(linear(x, weight, bias), residual, |
 |   norm_weight, eps)                                   |                     | norm_weight, eps); the norm in the GEMV's launch      |
-| attention(q, k, v, scale, softcap, sliding_window)    | Tensor [B,Hq,T,Dv]  | causal attention as HF's eager code: (q k^T) * scale, |
-|                                                       |                     | tanh softcap (>0), sliding window (>0), fp32 softmax; |
-|                                                       |                     | GQA; the capture's node where SDPA cannot serve (no   |
-|                                                       |                     | Triton kernel: paged_attention replaces it)           |
+| attention(q, k, v, scale, softcap, sliding_window,    | Tensor [B,Hq,T,Dv]  | causal attention as HF's eager code: (q k^T) * scale, |
+|   sinks=None)                                         |                     | tanh softcap (>0), sliding window (>0), fp32 softmax, |
+|                                                       |                     | a per-head sink logit in it (GPT-OSS); GQA; the       |
+|                                                       |                     | capture's node where SDPA cannot serve (no Triton     |
+|                                                       |                     | kernel: paged_attention replaces it)                  |
 | paged_attention(q, k, v, k_cache!, v_cache!,          | Tensor [T, Hq, Dv]  | write k/v at slot_mapping (negative: skip), then      |
 |   slot_mapping, block_tables, seq_lens,               |                     | causal varlen attention over the paged cache; GQA,    |
-|   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0); mutates the caches;|
-|   k_scale=None, v_scale=None)                         |                     | fp8 caches store k / k_scale, reads multiply it back  |
+|   query_start_loc, scale, sliding_window, softcap,    |                     | sliding window (>0), softcap (>0), sinks [Hq] (one    |
+|   k_scale=None, v_scale=None, sinks=None)             |                     | logit a head in every softmax, its value zero);       |
+|                                                       |                     | mutates the caches; fp8 caches store k / k_scale,     |
+|                                                       |                     | reads multiply it back                                |
 | paged_attention_cached(q, k_cache, v_cache,           | Tensor [T, Hq, Dv]  | paged_attention's attention without its write, over   |
 |   block_tables, seq_lens, query_start_loc, scale,     |                     | caches already holding the step's keys (written by    |
-|   sliding_window, softcap, k_scale=None, v_scale=None)|                     | qk_rotary_kv_write); mutates nothing                  |
+|   sliding_window, softcap, k_scale=None, v_scale=None,|                     | qk_rotary_kv_write); mutates nothing                  |
+|   sinks=None)                                         |                     |                                                       |
 | rotary_paged_attention(q, k, v, cos, sin, q_weight,   | Tensor [T, Hq, Dv]  | q2, k2 = qk_rotary(q, k, cos, sin, q_weight, k_weight,|
 |   k_weight, eps, k_cache!, v_cache!, slot_mapping,    |                     | eps); paged_attention(pack(q2), pack(k2), pack(v),    |
 |   block_tables, seq_lens, query_start_loc, scale,     |                     | ...), pack = [1, H, T, D] -> [T, H, D]; a decode      |
-|   sliding_window, softcap, k_scale=None, v_scale=None)|                     | step: one launch; mutates the caches                  |
+|   sliding_window, softcap, k_scale=None, v_scale=None,|                     | step: one launch; mutates the caches                  |
+|   sinks=None)                                         |                     |                                                       |
 | mla_attention(q_nope, q_pe, c_kv, k_pe,               | Tensor [T, H, Dv]   | DeepSeek MLA: write cat(c_kv, k_pe) at slot_mapping   |
 |   latent_cache!, slot_mapping, block_tables,          |                     | into the latent cache, then causal attention with     |
 |   seq_lens, query_start_loc, w_uk, w_uv, scale)       |                     | k_h = cat(W_UK_h c, k_pe), v_h = W_UV_h c (absorbed   |
