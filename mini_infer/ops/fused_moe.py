@@ -1,15 +1,26 @@
 """`mini_infer::fused_moe`: the routed experts of a mixture-of-experts block, given the routing.
 
-    out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(W1[e] @ x[t]) * (W3[e] @ x[t])),   e = topk_ids[t, j]
+    out[t] = sum_j topk_weights[t, j] * (W2[e] @ act(W1[e] @ x[t] + b1[e], W3[e] @ x[t] + b3[e]) + b2[e]),
+    e = topk_ids[t, j]
 
 Shapes (T tokens, H hidden, I expert intermediate size, E experts, k slots per token):
     hidden [T, H] (bf16, fp16 or fp32), topk_weights [T, k] (float; fp32 from `mini_infer::moe_topk`),
-    topk_ids [T, k] (int32 or int64), w13 [E, 2*I, H], w2 [E, H, I] (hidden's dtype) -> [T, H] (hidden's dtype).
+    topk_ids [T, k] (int32 or int64), w13 [E, 2*I, H], w2 [E, H, I] (hidden's dtype) -> [T, H] (hidden's dtype);
+    optional w13_bias [E, 2*I] = [b1 | b3] and w2_bias [E, H] = b2 (hidden's dtype; absent: zero).
 w13 stacks, for each expert, the gate projection W1 (rows 0 .. I-1) on top of the up projection W3 (rows I ..
 2I-1): exactly HF's `experts.gate_up_proj` in transformers 5.x (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), and
 `torch.cat([gate_proj.weight, up_proj.weight])` per expert for checkpoints that keep them apart; w2 is
-`experts.down_proj` (`down_proj.weight` per expert). A slot whose id is outside [0, E) contributes nothing (HF
-uses id E to mean "no expert"). Only activation="silu" is defined.
+`experts.down_proj` (`down_proj.weight` per expert). GPT-OSS stores its experts transposed with gate and up
+interleaved (`gate_up_proj` [E, H, 2I], gate = [..., ::2]) and with biases: route_moe re-lays them into this
+layout once, at compile time. A slot whose id is outside [0, E) contributes nothing, bias included (HF uses id E to
+mean "no expert"). The down bias b2 is added per (token, slot) before the routing weight, as HF does.
+`activation`:
+  * "silu" (the default): act(g, u) = silu(g) * u;
+  * "swigluoai" (GPT-OSS, vLLM's name): g' = min(g, swiglu_limit), u' = clamp(u, -swiglu_limit, swiglu_limit),
+    act(g, u) = (u' + 1) * g' * sigmoid(swiglu_alpha * g') (HF's `GptOssExperts._apply_gate`; alpha 1.702 and
+    limit 7.0 in every GPT-OSS config). swiglu_alpha / swiglu_limit are read only with this activation.
+A call with neither bias and activation="silu" launches the same kernels as before these arguments existed (the
+kernels' bias pointers are then None, which Triton specializes away, and their switches keep their defaults).
 
 Expert parallelism (`expert_map`, vLLM's name and convention): with it, w13 / w2 hold only this rank's E_local
 experts and topk_ids stay the router's global ids; expert_map [E_global] (int32 or int64) gives the local index
@@ -19,8 +30,9 @@ output is its share of the routed sum, for the caller to all-reduce. The map is 
 pairs are counted and placed, so the GEMMs see only this rank's pairs: its work is its tokens-for-its-experts,
 not all T*k slots. Its entries must be -1 or in [0, E_local) (not checked on the device).
 
-Numerics: matmuls accumulate in fp32; the silu(gate) * up product is rounded to hidden's dtype before the down
-projection (as HF does, and as the kernel's second GEMM needs); the k slots are summed in fp32. The Triton
+Numerics: matmuls accumulate in fp32, biases are added to the fp32 accumulators; the activation's output is
+rounded to hidden's dtype before the down projection (as HF does, and as the kernel's second GEMM needs); the k
+slots are summed in fp32. The Triton
 grouped-GEMM path also rounds each slot's down-projection output to hidden's dtype before that sum (when k > 1);
 its decode path does not.
 
@@ -42,10 +54,10 @@ Two implementations:
          for bit, as the sorted path; tokens that share an expert read its weights once per pair. On an H200
          (bit-equal to the sorted path there too): qwen3-30b-a3b T=1 26.1 us per MoE call against 29.5,
          T=2 43.8 against 45.7; deepseek-v2-lite T=1 33.2 against 36.8 (PAIR_BLOCKS_BY_DEFAULT).
-      2. one grouped-GEMM launch over all experts for gate and up (two accumulators), silu(gate) * up in its
-         epilogue: intermediate [T*k, I];
-      3. one grouped-GEMM launch for down, the routing weight applied in its epilogue: [T*k, H] (or the output
-         directly when k == 1);
+      2. one grouped-GEMM launch over all experts for gate and up (two accumulators), the biases and the
+         activation in its epilogue: intermediate [T*k, I];
+      3. one grouped-GEMM launch for down, the bias and then the routing weight applied in its epilogue: [T*k, H]
+         (or the output directly when k == 1);
       4. the sum over the k slots (skipping slots with no expert); in pair-per-block mode (MOE_MERGE_SLOTS, on
          by default) inside the down GEMM's launch instead: the last of a token's k blocks to finish a column tile
          sums that tile (`_merge_slot_tiles`, the same bits).
@@ -69,7 +81,8 @@ contiguous copies made before the gate/up GEMM), the pair rows, block experts an
 (align's, launched before the gate/up GEMM) or of pair-per-block mode (the constant `pair_block_rows`), and the
 expert map (a constant). So with MOE_PRELOAD, at "decode" tiles whose B tile has at most _PRELOAD_MAX_TILE
 elements, each down-GEMM program loads these before its wait: the padded count, its block's pair rows and expert
-(mapped and checked in pair-per-block mode), its rows' routing weights, and its last K step's B tile. A block that
+(mapped and checked in pair-per-block mode), its rows' routing weights, and its last K step's B tile (a w2_bias row,
+a weight too, is loaded after the K loop). A block that
 will exit masks those loads off, and the exits come after the wait, which every program reaches. After the wait
 the program loads the last step's A tile, runs the K loop over the other steps, then does the last step on the
 preloaded tile. The dots are the same and in the same order, so the output is the same to the bit. The peeled step
@@ -86,13 +99,20 @@ Must not import anything from mini_infer outside `mini_infer.ops`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from mini_infer.ops._moe_gemv import MoeGemvConfig, moe_gemv_config, moe_gemv_triton
+from mini_infer.ops._moe_gemv import (
+    ACTIVATION_IDS,
+    MoeGemvConfig,
+    epilogue_args,
+    moe_gemv_config,
+    moe_gemv_triton,
+)
 from mini_infer.ops._split_k import split_counters
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
@@ -106,7 +126,7 @@ from mini_infer.ops._triton_support import (
 )
 
 if HAS_TRITON:
-    from mini_infer.ops._moe_gemv import map_expert
+    from mini_infer.ops._moe_gemv import gate_activation, map_expert
     from mini_infer.ops._split_k import arrives_last
 
 __all__ = [
@@ -124,7 +144,7 @@ __all__ = [
     "uses_pair_blocks",
 ]
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = tuple(ACTIVATION_IDS)  # ("silu", "swigluoai")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -216,11 +236,18 @@ def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, activation: str,
-                expert_map: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
+                w2: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None,
+                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> tuple[int, int, int, int, int]:
     """Validate shapes and dtypes (ValueError naming the argument); returns (T, H, E, I, k)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "swigluoai":
+        for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"fused_moe: {name} must be a finite float, got {value!r}")
+        if swiglu_limit <= 0:
+            raise ValueError(f"fused_moe: swiglu_limit must be > 0, got {swiglu_limit!r}")
     if hidden.dim() != 2 or hidden.dtype not in _DTYPES:
         raise ValueError(f"fused_moe: hidden must be a [T, H] bf16/fp16/fp32 tensor, got {hidden.dtype} "
                          f"{tuple(hidden.shape)}")
@@ -243,6 +270,10 @@ def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                                    or expert_map.shape[0] < e):
         raise ValueError(f"fused_moe: expert_map must be an int32/int64 [E_global >= E={e}] tensor (local index of "
                          f"each global expert, -1 elsewhere), got {expert_map.dtype} {tuple(expert_map.shape)}")
+    for name, bias, size in (("w13_bias", w13_bias, two_i), ("w2_bias", w2_bias, h)):
+        if bias is not None and (tuple(bias.shape) != (e, size) or bias.dtype != hidden.dtype):
+            raise ValueError(f"fused_moe: {name} must be a [E={e}, {size}] tensor of hidden's dtype {hidden.dtype}, "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
     return t, h, e, two_i // 2, topk_ids.shape[1]
 
 
@@ -260,12 +291,25 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) ->
 # Reference (plain torch): the CPU path and the oracle.
 
 
+def _gate_activation_reference(gate_up: torch.Tensor, inter: int, activation: str, swiglu_alpha: float,
+                               swiglu_limit: float) -> torch.Tensor:
+    """The gated activation of fp32 [rows, 2I] gate | up rows (module docstring)."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if activation == "swigluoai":
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+    return F.silu(gate) * up
+
+
 def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, activation: str = "silu",
-                        expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch: for each (local) expert in use, its rows through gate/up, silu * up (rounded to hidden's
-    dtype), down, times the routing weight, added into an fp32 [T, H] accumulator."""
-    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+                        w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                        w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """Plain torch: for each (local) expert in use, its rows through gate/up (+ bias), the activation (rounded to
+    hidden's dtype), down (+ bias), times the routing weight, added into an fp32 [T, H] accumulator."""
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias,
+                                    w2_bias, swiglu_alpha, swiglu_limit)
     out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
     flat_ids = local_expert_ids(topk_ids, expert_map).reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
@@ -274,9 +318,12 @@ def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_i
             continue
         pairs = torch.nonzero(flat_ids == expert).squeeze(1)
         tokens = pairs // k
-        gate_up = F.linear(hidden.index_select(0, tokens).float(), w13[expert].float())
-        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
-        out.index_add_(0, tokens, F.linear(act, w2[expert].float()) * flat_w[pairs, None])
+        gate_up = F.linear(hidden.index_select(0, tokens).float(), w13[expert].float(),
+                           None if w13_bias is None else w13_bias[expert].float())
+        act = _gate_activation_reference(gate_up, inter, activation, swiglu_alpha, swiglu_limit)
+        act = act.to(hidden.dtype).float()
+        down = F.linear(act, w2[expert].float(), None if w2_bias is None else w2_bias[expert].float())
+        out.index_add_(0, tokens, down * flat_w[pairs, None])
     return out.to(hidden.dtype)
 
 
@@ -417,8 +464,9 @@ if HAS_TRITON:
         (pair: its rows' (token, slot) pairs, the sentinel num_pairs in padding rows; row_ok: pair < num_pairs;
         live: whether the block runs, that is lies before the padded end `padded_end` and (PAIR_BLOCKS) its router id,
         mapped through expert_map when HAS_MAP, names one of the num_experts local experts; b_ptrs: its expert's B
-        pointers at K offset 0). MASKED (PRELOAD, before the wait): a block past the padded end loads nothing (its
-        pairs read as the sentinel), and a block that will not run takes expert 0. Without it the caller has exited
+        pointers at K offset 0; expert: that (local) expert, int64). MASKED (PRELOAD, before the wait): a block
+        past the padded end loads nothing (its pairs read as the sentinel), and a block that will not run takes
+        expert 0. Without it the caller has exited
         already for a block past the padded end (whose rows may lie past the buffers). Either way the caller exits
         where `live` is False, after the wait."""
         live = pid_m * BLOCK_M < padded_end  # a multiple of BLOCK_M: a block's rows are all before it or none
@@ -437,18 +485,19 @@ if HAS_TRITON:
             row_ok = pair < num_pairs  # here, and right after the load without MASKED: each path's own order
         expert = expert.to(tl.int64)
         b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
-        return pair, row_ok, live, b_ptrs
+        return pair, row_ok, live, b_ptrs, expert
 
     @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om,
+        num_experts, map_ptr, num_global, out_ptr, cnt_ptr, stride_om, bias_ptr,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
-        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0,
+        B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+        ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -465,7 +514,10 @@ if HAS_TRITON:
         B_EVICT: the L2 eviction policy of the B (expert weight) loads (_triton_support.WEIGHT_EVICTION for
         decode-shaped launches). MERGE_SLOTS (top_k, PAIR_BLOCKS only; 0: off): the slot sum in this launch
         (`_merge_slot_tiles`): every block, stored or exiting, counts at its token's counter (cnt_ptr) for its column
-        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om)."""
+        tile, and the last one sums the token's slot rows of C into out_ptr (row stride stride_om).
+        HAS_BIAS: the block's expert's bias row (bias_ptr, contiguous: [E, 2 n_out] gate | up when GATED, else
+        [E, n_out]; None without a bias) added to the fp32 accumulator(s) after the K loop, before the activation
+        and before MUL_WEIGHT. ACTIVATION / ALPHA / LIMIT (GATED): `gate_activation`'s (0: silu(gate) * up)."""
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
         in_group = GROUP_M * num_pid_n
@@ -479,7 +531,7 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         k_end = k_in  # the K loop's end
         if PRELOAD:  # nothing here was written by the kernel just before this one (module docstring)
-            pair, row_ok, live, b_ptrs = _block_operands(
+            pair, row_ok, live, b_ptrs, expert = _block_operands(
                 pid_m, rows, cols, ks, tl.load(num_padded_ptr), sorted_ptr, block_expert_ptr, b_ptr, map_ptr,
                 num_pairs, num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP,
                 MASKED=True)  # fmt: skip
@@ -499,7 +551,7 @@ if HAS_TRITON:
             padded_end = tl.load(num_padded_ptr)
             if pid_m * BLOCK_M >= padded_end:
                 return  # past the padded end (this launch was sized for the worst case): nothing of it is loaded
-            pair, row_ok, live, b_ptrs = _block_operands(
+            pair, row_ok, live, b_ptrs, expert = _block_operands(
                 pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, b_ptr, map_ptr, num_pairs,
                 num_experts, num_global, stride_be, stride_bn, stride_bk, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)
         if not live:
@@ -525,8 +577,15 @@ if HAS_TRITON:
             acc = _dot_step(a_last, b_last, acc, DOT_FP32)
             if GATED:
                 acc_up = _dot_step(a_last, b_up_last, acc_up, DOT_FP32)
+        if HAS_BIAS:  # the expert's bias (after the loop: a weight, so nothing here waits on the kernel before)
+            if GATED:
+                bias_row = bias_ptr + expert * (2 * n_out) + cols
+                acc += tl.load(bias_row, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_row + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                acc += tl.load(bias_ptr + expert * n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = acc * tl.sigmoid(acc) * acc_up
+            acc = gate_activation(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
         if MUL_WEIGHT:
             if not PRELOAD:
                 row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
@@ -664,17 +723,20 @@ class _RawIds:
 
 def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated, block_m,
                   tile: GemmTile, raw_ids: _RawIds | None = None, preload: bool = False, evict: str = "",
-                  merge_into: torch.Tensor | None = None, top_k: int = 0) -> None:
+                  merge_into: torch.Tensor | None = None, top_k: int = 0, bias: torch.Tensor | None = None,
+                  epilogue: dict | None = None) -> None:
     """Launch `_moe_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
     mode, one block per pair). `preload`: the kernel's PRELOAD, for a launch whose kernel just before it in the
     stream writes none of its arguments but `a` (module docstring, "Before the wait"). `evict`: its B_EVICT.
     `merge_into` (pair-per-block mode): the [T, n_out] output that the launch's slot sum writes (MERGE_SLOTS =
-    top_k), C then holding the per-slot rows it reads."""
+    top_k), C then holding the per-slot rows it reads. `bias` (contiguous, or None) and `epilogue` (the kernel's
+    HAS_BIAS / ACTIVATION / ALPHA / LIMIT switches where they differ from its defaults: `epilogue_args`)."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     merge = top_k if merge_into is not None else 0
-    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge)
+    epilogue = epilogue or {}
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, tuple(sorted(epilogue.items())))
     for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
         grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
         out, cnt, s_om = c, c, 0
@@ -687,12 +749,12 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
                 a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
                 *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
-                out, cnt, s_om,
+                out, cnt, s_om, bias,
                 GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
                 DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
                 PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
-                **pdl_args(a, trigger_first=False),
+                **epilogue, **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
@@ -759,6 +821,8 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
 
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
                      pair_blocks: bool | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
@@ -767,9 +831,11 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     step) when `pair_blocks`, or, when it is None, as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_triton needs triton")
-    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+    t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias,
+                                    w2_bias, swiglu_alpha, swiglu_limit)
     if t == 0:
         return hidden.new_empty(0, h)
+    b13, b2 = (b if b is None or b.is_contiguous() else b.contiguous() for b in (w13_bias, w2_bias))
     num_global = e if expert_map is None else expert_map.shape[0]
     if config is None and w13.stride(2) == 1 and w2.stride(2) == 1:
         config = moe_gemv_config(t, k, h, inter)
@@ -781,7 +847,9 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if isinstance(config, MoeGemvConfig):
         emap, n_global = _map_args(ids, expert_map)
         w13, w2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13, w2))  # only with a given config
-        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config)
+        return moe_gemv_triton(x, weights, ids, w13, w2, emap, n_global, expert_map is not None, config,
+                               w13_bias=b13, w2_bias=b2, activation=activation, swiglu_alpha=swiglu_alpha,
+                               swiglu_limit=swiglu_limit)
     cfg = config or moe_tile_config(t, num_global, k, h, inter, local_experts=e)
     # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
@@ -798,7 +866,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
     _grouped_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
-                  cfg.gate_up, raw_ids, evict=evict)
+                  cfg.gate_up, raw_ids, evict=evict, bias=b13,
+                  epilogue=epilogue_args(b13, activation, swiglu_alpha, swiglu_limit))
     # Nothing is launched between the two GEMMs (per_slot is an empty buffer, or `out`, zero-filled before align):
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
@@ -808,7 +877,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
                   preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
-                  out if merge else None, k)
+                  out if merge else None, k, bias=b2, epilogue=epilogue_args(b2))
     if k > 1 and not merge:
         block = min(1024, next_pow2(h))
         emap, n_global = _map_args(ids, expert_map)
@@ -825,15 +894,23 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 
 @torch.library.custom_op("mini_infer::fused_moe", mutates_args=())
 def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """The routed experts (module docstring): Triton on CUDA when available, else the torch reference."""
+              w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """The routed experts (module docstring): Triton on CUDA when available, else the torch reference. The
+    arguments after expert_map (biases, SwiGLU constants) are optional, so the five- and seven-argument calls of
+    the families without them are unchanged."""
+    args = (hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias, w2_bias, swiglu_alpha,
+            swiglu_limit)
     if use_triton(hidden):
-        return fused_moe_triton(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
-    return fused_moe_reference(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+        return fused_moe_triton(*args)
+    return fused_moe_reference(*args)
 
 
 @fused_moe.register_fake
 def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-      activation: str = "silu", expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map)
+      activation: str = "silu", expert_map: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+      w2_bias: torch.Tensor | None = None, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias, w2_bias, swiglu_alpha,
+                swiglu_limit)
     return hidden.new_empty(hidden.shape)

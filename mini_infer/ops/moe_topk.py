@@ -10,6 +10,7 @@ Meant for the pass that replaces Hugging Face MoE blocks: it feeds the router's 
 | DeepSeek-V2 `greedy`                  | softmax  | False           | 1 / 1                | -    | yes     |
 | DeepSeek-V2 `group_limited_greedy`    | softmax  | False           | n_group / topk_group | -    | yes     |
 | DeepSeek-V3 (`noaux_tc`)              | sigmoid  | norm_topk_prob  | n_group / topk_group | yes  | yes     |
+| GPT-OSS (`GptOssTopKRouter`)          | softmax  | True            | 1 / 1                | -    | 1.0     |
 
 Rules, for router_logits [T, E] of any float dtype (computed in fp32 throughout, as HF does):
   * softmax: weights = softmax(logits) over all E experts. Experts are chosen by the logits themselves (softmax
@@ -19,6 +20,10 @@ Rules, for router_logits [T, E] of any float dtype (computed in fp32 throughout,
     the bias). Grouped: a group's score is the sum of its two largest s + bias.
   * then, if renormalize: w / (sum of the top_k w + eps), eps = 0 for softmax (Mixtral, Qwen) and 1e-20 for
     sigmoid (DeepSeek-V3); then w * routed_scaling_factor (normalize first, then scale, as HF).
+GPT-OSS's router ranks the logits first and takes the softmax of the k top values: the softmax rule renormalized,
+the same experts, weights equal up to fp32 rounding (exp(l - max) / Z, renormalized over the top k, against
+exp(l - max) over its sum on the top k: a few ulp apart, not bit for bit). Its router linear's bias (not a correction bias) is part of the
+logits given here; its weights are rounded to the logits' dtype (`weights_dtype`), as Qwen's.
 Outputs: topk_weights [T, top_k] float32 (or rounded to `weights_dtype`: HF's Qwen routers cast the weights to
 the logits' dtype, and the kernel's store does that cast instead of a kernel of its own) and topk_ids [T, top_k]
 int32, slots in decreasing order of the choice score. DeepSeek-V2/V3 return them in any order (topk

@@ -178,9 +178,9 @@ def test_gemv_path_is_picked_by_shape(monkeypatch):
         return
     launch, calls = fused_moe_mod.moe_gemv_triton, []
 
-    def spy(*args):  # records the config the launcher ran with, and runs it
+    def spy(*args, **kwargs):  # records the config the launcher ran with, and runs it
         calls.append(args[-1])
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     monkeypatch.setattr(fused_moe_mod, "moe_gemv_triton", spy)
     torch.manual_seed(12)

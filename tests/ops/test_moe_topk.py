@@ -134,6 +134,8 @@ def _hf_router(family: str, num_experts: int, top_k: int, **cfg):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
     from transformers.models.mixtral.configuration_mixtral import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
@@ -145,7 +147,8 @@ def _hf_router(family: str, num_experts: int, top_k: int, **cfg):
                "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeTopKRouter, "num_experts"),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeTopKRouter, "num_experts"),
                "deepseek_v2": (DeepseekV2Config, DeepseekV2TopkRouter, "n_routed_experts"),
-               "deepseek_v3": (DeepseekV3Config, DeepseekV3TopkRouter, "n_routed_experts")}
+               "deepseek_v3": (DeepseekV3Config, DeepseekV3TopkRouter, "n_routed_experts"),
+               "gpt_oss": (GptOssConfig, GptOssTopKRouter, "num_local_experts")}
     config_cls, router_cls, experts_key = classes[family]
     config = config_cls(hidden_size=32, num_experts_per_tok=top_k, **{experts_key: num_experts}, **cfg)
     router = router_cls(config)
@@ -153,6 +156,8 @@ def _hf_router(family: str, num_experts: int, top_k: int, **cfg):
         router.weight.normal_()
         if family == "deepseek_v3":
             router.e_score_correction_bias.normal_(0.0, 0.2)
+        if family == "gpt_oss":  # the router linear's own bias: part of the logits moe_topk is given
+            router.bias.normal_()
     return router
 
 
@@ -195,6 +200,9 @@ HF_CASES = [
      ("sigmoid", True, 2.5, 8, 4)),
     ("deepseek_v3", 64, 6, {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
      ("sigmoid", False, 1.0, 4, 2)),
+    # GPT-OSS ranks the logits and softmaxes the k top values: Mixtral's rule (softmax over all, renormalized)
+    ("gpt_oss", 32, 4, {}, ("softmax", True, 1.0, 1, 1)),
+    ("gpt_oss", 128, 4, {}, ("softmax", True, 1.0, 1, 1)),
 ]
 
 
@@ -211,6 +219,27 @@ def test_reference_matches_hf_router(family, num_experts, top_k, hf_cfg, ours):
     assert w.dtype == torch.float32 and ids.dtype == torch.int32
     differing = _assert_same_routing(w, ids, hf_w, hf_ids, _hf_choice_scores(family, router, logits))
     assert differing <= 1  # fp32 logits: exact ties are rare
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_rule_is_mixtrals_up_to_rounding(dtype):
+    """GPT-OSS's router (top-k of the logits, then a softmax of the k values, in the logits' dtype) is moe_topk's
+    softmax rule renormalized (softmax over all E, the top k renormalized), as route_moe routes it: the same
+    experts, and weights equal up to fp32 rounding (a few ulp: exp(l - max) / Z / sum instead of exp(l - max) /
+    sum), in bf16 up to the one bf16 rounding both end with (weights_dtype, as route_moe passes it)."""
+    torch.manual_seed(7)
+    router = _hf_router("gpt_oss", 32, 4).to(dtype)
+    with torch.no_grad():
+        logits, hf_w, hf_ids = router(torch.randn(256, 32, dtype=dtype))
+    assert hf_w.dtype == dtype
+    w, ids = moe_topk_reference(logits, 4, "softmax", True, weights_dtype=None if dtype == torch.float32 else dtype)
+    assert w.dtype == dtype
+    same = (ids.long() == hf_ids).all(1)  # HF's order is ours (larger first) but where bf16 logits tie
+    assert same.all() if dtype == torch.float32 else same.float().mean() > 0.9
+    # fp32: a few ulp apart; bf16: the fp32 values' roundings agree or are one bf16 ulp apart
+    rtol = 4 * torch.finfo(torch.float32).eps if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(w[same].float(), hf_w[same].float(), rtol=rtol, atol=0.0)
+    _assert_same_routing(w.float(), ids, hf_w.float(), hf_ids, logits.float())  # other rows: swapped ties only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
