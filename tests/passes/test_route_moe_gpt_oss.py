@@ -7,18 +7,14 @@ activation arguments, the experts re-laid into fused_moe's layout with HF's orig
 bytes), logits against the captured graph without the pass and against eager HF (fp32, a config variant with
 other SwiGLU constants and top-3, bf16 through aten._grouped_mm, the graph bound to the Triton kernels under the
 interpreter), and the refusals (tensor / expert parallelism, SwiGLU constants, a router or experts that are not
-GPT-OSS's).
-
-Attention sinks: until capture supports them (`capture._UNSUPPORTED_ATTENTION_KWARGS` names "s_aux"), the model's
-sinks are set to -1e4 (exp(sink) vanishes: eager HF's attention equals the unsinked one) and capture is let through
-without them; once it supports them the model keeps random sinks and nothing is patched.
+GPT-OSS's). The model keeps its random attention sinks (capture passes them to the attention op).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from unittest import mock
 
 import pytest
@@ -27,7 +23,7 @@ import torch.fx as fx
 
 from mini_infer.compiler import compile_model, logits_tolerance
 from mini_infer.passes import PassContext, resolve_passes
-from mini_infer.passes import capture as capture_mod
+from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassError, PassManager
 from mini_infer.passes.pattern import module_chain
 from mini_infer.passes.route_moe import RouteMoe
@@ -48,7 +44,6 @@ from tests.passes.helpers import (
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
               max_position_embeddings=1024, layer_types=["sliding_attention", "full_attention"])
-SINKS_CAPTURED = "s_aux" not in getattr(capture_mod, "_UNSUPPORTED_ATTENTION_KWARGS", {})
 HF_ROUTING_OPS = (aten.topk.default, aten.sort.default, aten.histc.default, aten._grouped_mm.default)
 CASES = ((1, 0), (19, 40), (13, 3))  # (tokens, first position): decode-sized, past the sliding window, prefill
 
@@ -60,8 +55,7 @@ def _config(**fields):
 
 
 def _model(dtype=torch.float32, seed=0, **fields):
-    """The tiny GPT-OSS with random expert biases (gate/up std 4: both clamps bite) and, while capture drops
-    sinks, sinks of -1e4."""
+    """The tiny GPT-OSS with random router and expert biases (gate/up std 4: both clamps bite) and sinks."""
     from mini_infer.models.loader import build_random_model
 
     model = build_random_model(_config(**fields), dtype, CPU, seed=seed)
@@ -72,27 +66,19 @@ def _model(dtype=torch.float32, seed=0, **fields):
             experts.gate_up_proj_bias.copy_(torch.randn(experts.gate_up_proj_bias.shape, generator=g) * 4)
             experts.down_proj_bias.copy_(torch.randn(experts.down_proj_bias.shape, generator=g) * 0.5)
             layer.mlp.router.bias.copy_(torch.randn(layer.mlp.router.bias.shape, generator=g))
-            if not SINKS_CAPTURED:
-                layer.self_attn.sinks.fill_(-1e4)
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g))
     return model
 
 
-def _sinks_let_through():
-    """Capture without refusing the sinks (-1e4: they change nothing), until capture supports them."""
-    return nullcontext() if SINKS_CAPTURED else mock.patch.object(capture_mod, "_UNSUPPORTED_ATTENTION_KWARGS", {})
-
-
 def _compile(model, passes):
-    with _sinks_let_through():
-        return compile_model(model, passes=list(passes), device=CPU)
+    return compile_model(model, passes=list(passes), device=CPU)
 
 
 @functools.cache
 def _base():
     """(model, cleaned graph, its context): the fp32 model, captured once for the file."""
     model = _model()
-    with _sinks_let_through():
-        gm = capture_mod.capture(model)
+    gm = capture(model)
     ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32)
     PassManager(resolve_passes(["cleanup"])).run(gm, ctx)
     return model, gm, ctx
