@@ -5,7 +5,8 @@ one row of each per token). A MoE model routed by `route_moe` reads, per `fused_
 slices of the stacked w13 / w2 (at batch 1, k distinct experts), beside everything else: attention, router, shared
 experts, dense layers, lm_head. So
 
-    active = all graph tensors except the embedding and position tables  -  sum over fused_moe nodes of (w13 + w2 bytes) * (E - k) / E
+    active = all graph tensors except the embedding and position tables  -  sum over fused_moe nodes of (w13 + w2
+             [+ their biases] bytes) * (E - k) / E
 
 Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config. Stacked
 expert weights feeding any other op are an error, not a dense count. Used by bench/latency.py; runs on any device
@@ -59,8 +60,10 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
         if not _runs(node, fused_moe):
             continue
         w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
+        # per-expert biases (GPT-OSS): fused_moe's w13_bias and w2_bias, read like their experts' weights
+        biases = [PassContext.tensor_of(gm, a) for a in node.args[7:9] if isinstance(a, fx.Node)]
         experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
-        idle += tensor_bytes([w13, w2]) * (experts - min(top_k, experts)) / experts
+        idle += tensor_bytes([w13, w2, *biases]) * (experts - min(top_k, experts)) / experts
         layers += 1
     _check_experts_counted(gm, fused_moe)
     return TokenBytes(total, round(total - idle), layers, experts, top_k)
@@ -78,7 +81,7 @@ def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
     from mini_infer.passes import PassContext
 
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or "experts" not in str(node.target).split("."):
+        if node.op != "get_attr" or "experts" not in str(node.target):  # (re-laid ones: "..._experts_..._relaid")
             continue
         if PassContext.tensor_of(gm, node).dim() != 3:
             continue

@@ -82,6 +82,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
     ),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096),
+        rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False, eos_token_id=200002,
+        pad_token_id=199999, torch_dtype="bfloat16",
+    ),
 }
 
 _TINY_COMMON = dict(
@@ -91,7 +100,7 @@ _TINY_COMMON = dict(
 )
 
 # tiny-<family>: the same model_type with the smallest shapes that still exercise every feature (GQA,
-# q/k norm, sliding window, soft-capped logits, experts, latent attention).
+# q/k norm, sliding window, soft-capped logits, experts, latent attention, attention sinks).
 TINY_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY_COMMON, model_type="llama", rope_theta=10000.0),
     "tiny-qwen2": dict(_TINY_COMMON, model_type="qwen2", rope_theta=1000000.0, use_sliding_window=False),
@@ -118,6 +127,12 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-gemma2": dict(_TINY_COMMON, model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                         attn_logit_softcapping=0.05, final_logit_softcapping=0.3,
                         hidden_activation="gelu_pytorch_tanh"),
+    # attention sinks, every other layer a sliding window, YaRN rotary on half-dim cos / sin, biased experts with
+    # the clamped SwiGLU
+    "tiny-gpt-oss": dict(_TINY_COMMON, model_type="gpt_oss", head_dim=16, intermediate_size=32, num_local_experts=4,
+                         num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                         rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                           truncate=False, original_max_position_embeddings=256)),
 }
 
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **TINY_PRESETS}

@@ -3,7 +3,9 @@
 
 Matches `weight * (h * rsqrt(mean(h**2, -1, keepdim) + eps)).to(dtype)` with `h = x.to(float32)` (the cast is
 gone after Cleanup when x is already fp32), the form of Llama/Qwen2/Qwen3/Mistral/Mixtral/DeepSeek norms,
-the q/k norms of Qwen3 included. Then a norm whose input is `a + b` of two same-shape tensors becomes one
+the q/k norms of Qwen3 included. GPT-OSS's norm, `(weight * h * rsqrt(...)).to(dtype)`, is the same where x is fp32
+and is matched there; on a lower-precision x its weight multiplies in fp32 before the cast, which `rms_norm` does
+not round alike, so it is left as captured. Then a norm whose input is `a + b` of two same-shape tensors becomes one
 fused op returning (normed, sum), the sum serving the residual stream. It matches nothing else: variants
 such as Gemma's `(1 + weight)` are left to fuse_gemma_rmsnorm, which shares its normalization match
 (`rms_normalized`) and its rewrite (`fuse_norms`: the norms, then their residual adds).
@@ -64,8 +66,12 @@ def match_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
         if is_op(inner, aten.to.dtype) and only_user(inner, out):
             inner = inner.args[0]
         found = rms_normalized(inner)
-        if found is not None:
-            return strip_f32_cast(found[0]), weight, found[1]
+        if found is None:
+            continue
+        x = strip_f32_cast(found[0])
+        if inner is normed and dtype(out) == torch.float32 and dtype(x) != torch.float32:
+            return None  # the weight multiplies in fp32 before the cast back (GPT-OSS): another rounding
+        return x, weight, found[1]
     return None
 
 

@@ -47,7 +47,7 @@ def test_unknown_preset_lists_valid_names():
 def test_tiny_presets_cover_every_family():
     types = {preset_config(n).model_type for n in TINY_PRESETS}
     assert types == {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                     "deepseek_v3", "gemma2"}
+                     "deepseek_v3", "gemma2", "gpt_oss"}
     for name in TINY_PRESETS:
         c = preset_config(name)
         assert c.num_hidden_layers == 2 and c.dtype == "float32" and c.vocab_size == 512
@@ -62,9 +62,16 @@ def test_tiny_features():
         c = preset_config(name)
         assert c.num_key_value_heads < c.num_attention_heads  # GQA
     assert preset_config("tiny-mixtral").num_local_experts == 4
+    oss = preset_config("tiny-gpt-oss")  # sliding and full layers alternate, YaRN, biased q/k/v/o
+    assert oss.layer_types == ["sliding_attention", "full_attention"] and oss.sliding_window == 8
+    assert oss.rope_parameters["rope_type"] == "yarn" and oss.attention_bias
 
 
 def test_real_shapes_keep_rope_scaling():
+    oss = preset_config("gpt-oss-20b")
+    assert oss.rope_parameters == dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                       original_max_position_embeddings=4096, rope_theta=150000.0)
+    assert oss.layer_types[:2] == ["sliding_attention", "full_attention"] and len(oss.layer_types) == 24
     llama = preset_config("llama-3.1-8b")
     assert llama.rope_parameters["rope_type"] == "llama3" and llama.rope_parameters["factor"] == 8.0
     assert llama.rope_parameters["rope_theta"] == 500000.0

@@ -42,6 +42,8 @@ EXPECTED = {
     "tiny-deepseek-v3": (1 + 2 * L, 2 * L),
     # Gemma's RMSNorm (x * (1 + w) in fp32) is not HF's Llama one: not matched
     "tiny-gemma2": (0, 0),
+    # GPT-OSS: as Llama (in fp32; its weight multiplies before the cast back, as Gemma's does)
+    "tiny-gpt-oss": (1, 2 * L),
 }
 assert set(EXPECTED) == set(ARCHS)
 # norms the pass leaves as captured (their rsqrt stays when it runs alone; fuse_gemma_rmsnorm takes them in the
@@ -127,3 +129,17 @@ def test_residual_fusion_needs_same_shape_operands(broadcast):
     assert stats[0].num_matches == 1
     assert counts[mi.fused_add_rms_norm.default] == (0 if broadcast else 1)
     assert counts[mi.rms_norm.default] == (1 if broadcast else 0)
+
+
+@pytest.mark.parametrize("name, norms", [("tiny-llama", 1 + 2 * L), ("tiny-gpt-oss", 0)])
+def test_bf16_norm_rounding_decides_the_match(name, norms):
+    """In bf16 Llama's norm casts the normalized row before the weight multiplies (rms_norm's rounding); GPT-OSS's
+    multiplies the weight in fp32 and casts after, a different rounding: left as captured."""
+    from mini_infer.compiler import compile_model
+    from mini_infer.models.loader import load_model
+
+    model = load_model(name, dtype="bf16", device="cpu").model
+    cm = compile_model(model, passes=["cleanup", "fuse_rmsnorm"], device=torch.device("cpu"))
+    (row,) = [s for s in cm.stats if s.name == "fuse_rmsnorm"]
+    assert row.num_matches == norms
+    assert op_counts(cm.graph_module)[aten.rsqrt.default] == 1 + 2 * L - norms

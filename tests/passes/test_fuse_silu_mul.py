@@ -37,6 +37,7 @@ EXPECTED = {
     "tiny-deepseek-v2": 1 + 2 * (L - 1),
     "tiny-deepseek-v3": 1 + 2 * (L - 1),
     "tiny-gemma2": 0,  # GeLU (tanh) gate, not SiLU
+    "tiny-gpt-oss": 0,  # experts only, their gate a clamped x * sigmoid(alpha x) (route_moe's), not SiLU
 }
 assert set(EXPECTED) == set(ARCHS)
 MOE_LAYERS = {"tiny-mixtral": L, "tiny-qwen2-moe": L, "tiny-qwen3-moe": L, "tiny-deepseek-v2": L - 1,

@@ -36,6 +36,7 @@ EXPECTED = {
     "tiny-deepseek-v2": (4, 4, 12),
     "tiny-deepseek-v3": (4, 4, 14),
     "tiny-gemma2": (4, 6, 9),
+    "tiny-gpt-oss": (2, 4, 7),  # q/k/v with their biases; no dense MLP (experts only); the router stays
 }
 assert set(EXPECTED) == set(ARCHS)
 

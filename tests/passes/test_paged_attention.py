@@ -58,6 +58,8 @@ SPECS = {
     "tiny-deepseek-v3": (4, 24, 16, None),
     # Gemma 2: every other layer slides (layer 0 does); captured through mini_infer.attention, soft-capped
     "tiny-gemma2": (2, 16, 16, (8, None)),
+    # GPT-OSS: the same alternation (layer 0 slides), captured through mini_infer.attention with its sinks
+    "tiny-gpt-oss": (2, 16, 16, (8, None)),
 }
 SOFTCAP = {"tiny-gemma2": 0.05}  # the config's attn_logit_softcapping, carried by the captured node
 assert set(SPECS) == set(ARCHS)

@@ -64,6 +64,7 @@ EXPECTED = {
     "tiny-deepseek-v2": (12, "mla kv_b_proj x2, moe gate x1, lm_head x1", 8),
     "tiny-deepseek-v3": (14, "mla kv_b_proj x2, moe gate x1, lm_head x1", 10),
     "tiny-gemma2": (14, "lm_head x1", 8),
+    "tiny-gpt-oss": (8, "moe gate x2, lm_head x1", 4),  # the biased experts are fused_moe's, not linears
 }
 assert set(EXPECTED) == set(ARCHS)
 

@@ -36,6 +36,7 @@ from tests.passes.helpers import (
     eager_logits,
     full_pipeline,
     loaded,
+    mi,
     new_context,
     num_tokens,
     op_counts,
@@ -53,13 +54,20 @@ P = 1024  # every tiny preset's max_position_embeddings: the table length
 MASK = (aten.sub.Tensor, aten.diff.default, aten.ne.Scalar, aten.cumsum.default)  # HF's packed-sequence mask
 
 
-def _expected(name):
-    """(nodes replaced, tables, row width, dtype) of a tiny preset."""
+# cos / sin of half the head dim, the rotation written on the halves (no cat); in the pipeline fuse_rotary has
+# doubled each (a cat of its own), which the tables then take in
+HALF_WIDTH = ("tiny-gpt-oss",)
+
+
+def _expected(name, in_pipeline=False):
+    """(nodes replaced, tables, row width, dtype, cats the tables take in) of a tiny preset."""
     cfg = TINY_PRESETS[name]
     if name == "tiny-deepseek-v2":  # HF's complex freqs (polar), cos and sin read from one complex table
-        return 1, 1, cfg["qk_rope_head_dim"] // 2, torch.complex64
+        return 1, 1, cfg["qk_rope_head_dim"] // 2, torch.complex64, 0
     width = cfg.get("qk_rope_head_dim") or cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2, 2, width, torch.float32
+    if name in HALF_WIDTH:
+        return (2, 2, width, torch.float32, 2) if in_pipeline else (2, 2, width // 2, torch.float32, 0)
+    return 2, 2, width, torch.float32, 1  # HF's cat((freqs, freqs), -1), which cos and sin share
 
 
 def _row(stats):
@@ -74,8 +82,8 @@ def _without(name):
     return run_passes(name, passes)
 
 
-def _check_rewritten(name, gm, row, ref_gm):
-    matches, tables, width, dtype = _expected(name)
+def _check_rewritten(name, gm, row, ref_gm, in_pipeline=False):
+    matches, tables, width, dtype, cats = _expected(name, in_pipeline)
     assert row.num_matches == matches
     kind = f"[{P}, {width}] {str(dtype).removeprefix('torch.')}"
     assert row.note.startswith(f"{tables} table{'s' if tables > 1 else ''} {kind}, "), row.note
@@ -87,7 +95,7 @@ def _check_rewritten(name, gm, row, ref_gm):
     assert counts[aten.cos.default] == counts[aten.sin.default] == counts[aten.polar.default] == 0
     assert before[aten.cos.default] + before[aten.polar.default] > 0
     # the rotary's cat((freqs, freqs), -1) is gone (DeepSeek-V2 has none); every other cat stays
-    assert counts[aten.cat.default] == before[aten.cat.default] - (dtype is torch.float32)
+    assert counts[aten.cat.default] == before[aten.cat.default] - cats
     assert counts[aten.embedding.default] == before[aten.embedding.default] + tables
     # what is still computed from position_ids alone: the lookups and views of them (and, before paged_attention,
     # HF's packed-sequence mask, which is not per position)
@@ -103,11 +111,11 @@ def test_alone(name):
     gm, ctx, stats = single_pass(name, "rotary_table")
     _check_rewritten(name, gm, stats[0], _cleaned(name))
     # HF's packed-sequence mask (diff / cumsum of the positions) is position-only too, but not per position;
-    # attention captured through mini_infer.attention (Gemma 2) has no mask
-    if any(n.target is aten.cumsum.default for n in _cleaned(name).graph.nodes):
-        assert stats[0].note.endswith("left cumsum (not per position)")
+    # attention captured through mini_infer.attention (Gemma 2, GPT-OSS) has no mask
+    if any(n.target is mi.attention.default for n in _cleaned(name).graph.nodes):
+        assert name in ("tiny-gemma2", "tiny-gpt-oss") and "left" not in stats[0].note
     else:
-        assert name == "tiny-gemma2" and "left" not in stats[0].note
+        assert stats[0].note.endswith("left cumsum (not per position)")
     assert ctx.info[MAX_POSITIONS] == P
 
 
@@ -115,7 +123,7 @@ def test_alone(name):
 def test_in_full_pipeline(name):
     gm, ctx, stats = full_pipeline(name)
     row = _row(stats)
-    _check_rewritten(name, gm, row, _without(name)[0])
+    _check_rewritten(name, gm, row, _without(name)[0], in_pipeline=True)
     assert "left" not in row.note  # after paged_attention / mla_latent_cache the mask's position math is gone
     # the rotary fusions consume the cos/sin values, not their producers: they matched before this pass
     matches = {s.name: s.num_matches for s in stats}

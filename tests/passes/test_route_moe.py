@@ -297,6 +297,19 @@ def test_bench_active_bytes_counts_top_k_experts(monkeypatch):
             if name in MOE else 0
         assert counted.active == counted.total - experts // 2  # top-2 of 4 experts
         assert counted.moe_layers == (2 if experts else 0)
+    # GPT-OSS: its experts re-laid by the pass, their biases read with them
+    gm = mc.compiled("tiny-gpt-oss").graph_module
+    counted, experts = module.token_bytes(gm), mc.loaded("tiny-gpt-oss").model.model.layers[0].mlp.experts
+    per_layer = sum(t.numel() * 4 for t in (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj,
+                                             experts.down_proj_bias))
+    assert (counted.moe_layers, counted.experts, counted.top_k) == (2, 4, 2)
+    assert counted.active == counted.total - 2 * per_layer // 2
+    gm = copy_gm(gm)
+    relaid = next(n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).endswith("gate_up_proj_relaid"))
+    with gm.graph.inserting_after(relaid):
+        gm.graph.call_function(torch.ops.aten.sum.default, (relaid,))
+    with pytest.raises(ValueError, match=f"stacked expert weights {relaid.target} feed"):
+        module.token_bytes(gm)
     # stacked expert weights read by an op it does not count: an error naming the weights, not a dense floor
     gm = copy_gm(mc.compiled("tiny-qwen3-moe").graph_module)
     moe = next(n for n in gm.graph.nodes if n.op == "call_function" and torch.ops.mini_infer.fused_moe.default in
@@ -414,7 +427,7 @@ NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "tiny-gpt-oss"])  # GPT-OSS's graph checks: test_route_moe_gpt_oss.py
 def test_engine_greedy_with_prefix_cache_and_chunked_prefill(name):
     common = random_prompts(1, [16])[0]  # 4 whole blocks of 4
     prompts = [common + s for s in random_prompts(2, (0, 5, 11))] + random_prompts(3, (3, 26))
