@@ -68,9 +68,12 @@ nothing from mini_infer outside this package.
 | moe_topk(router_logits, top_k, scoring, renormalize,  | (Tensor fp32 or     | MoE routing of HF's Mixtral / Qwen-MoE / DeepSeek-V2  |
 |   routed_scaling_factor, n_group, topk_group,         |  weights_dtype,     | / V3 routers: softmax or sigmoid+bias, grouped top-k, |
 |   correction_bias, weights_dtype=None)                |  Tensor int32)      | renormalize, scale; ties: lower expert index          |
-| fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * W2[e] (silu(W1[e] x) * W3[e] x),       |
-|   activation, expert_map=None)                        |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
-|                                                       |                     | expert_map: e = map[ids[t,j]], -1 = another rank's    |
+| fused_moe(hidden, topk_weights, topk_ids, w13, w2,    | Tensor [T, H]       | sum_j w[t,j] * (W2[e] act(W13[e] x + b13[e]) + b2[e]),|
+|   activation="silu", expert_map=None, w13_bias=None,  |                     | e = ids[t,j]; w13 = [gate; up] per expert [E, 2I, H]; |
+|   w2_bias=None, swiglu_alpha=1.702,                   |                     | act: silu(g) * u, or "swigluoai" (GPT-OSS): g, u      |
+|   swiglu_limit=7.0)                                   |                     | clamped, (u + 1) * g * sigmoid(alpha g); biases       |
+|                                                       |                     | optional; expert_map: e = map[ids[t,j]], -1 = another |
+|                                                       |                     | rank's                                                |
 | quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
 | rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
 | fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |
