@@ -45,7 +45,7 @@ L = NUM_LAYERS
 PREREQUISITES = ["fuse_rmsnorm", "fuse_rotary", "fuse_qk_rotary", "paged_attention"]
 # preset -> layers fused (DeepSeek's MLA has no qk_rotary nor paged_attention: left alone)
 EXPECTED = {"tiny-llama": L, "tiny-qwen2": L, "tiny-qwen3": L, "tiny-mistral": L, "tiny-qwen3-moe": L,
-            "tiny-deepseek-v2": 0}
+            "tiny-deepseek-v2": 0, "tiny-gpt-oss": L}  # (GPT-OSS: with its sinks)
 
 
 def with_fuse_kv_write(name: str) -> list[str]:
