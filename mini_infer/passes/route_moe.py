@@ -186,7 +186,9 @@ def activation_for(config, family: MoeFamily) -> Activation:
             raise ValueError(f"route_moe: config.hidden_act={act!r} is not supported (fused_moe implements silu)")
         return Activation("silu")
     values = {}
-    for field, default in (("swiglu_alpha", 1.702), ("swiglu_limit", None)):  # HF's GptOssExperts reads both
+    # HF's GptOssExperts reads both from the config; transformers 5.17 has neither field and hard-codes these
+    # defaults in the module. Either way _check_swiglu finds the same constants in the graph, or refuses.
+    for field, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
         v = getattr(config, field, default)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"route_moe: config.{field}={v!r}; expected a finite float")
@@ -252,6 +254,14 @@ def routing_for(config, family: MoeFamily) -> Routing:
 def _uncast(node):
     while is_op(node, *_CASTS):
         node = node.args[0]
+    return node
+
+
+def _unmasked(node):
+    """x when `node` is `x.masked_fill(mask, 0)`: transformers 5.17's grouped-mm path zeroes the rows of slots
+    whose expert is out of range (none on one rank: the router's ids are all < E) after each bias add."""
+    while is_op(node, aten.masked_fill.Scalar) and node.args[2] == 0:
+        node = _uncast(node.args[0])
     return node
 
 
@@ -514,8 +524,8 @@ def _check_swiglu(where: str, b13: fx.Node, experts: list[fx.Node], activation: 
     def operands(n: fx.Node) -> list:
         return [_uncast(a) if isinstance(a, fx.Node) else a for a in n.args[:2]]
 
-    def reads(n: fx.Node, node: fx.Node) -> bool:  # n's first argument is `node` (casts aside)
-        return bool(n.args) and isinstance(n.args[0], fx.Node) and _uncast(n.args[0]) is node
+    def reads(n: fx.Node, node: fx.Node) -> bool:  # n's first argument is `node` (casts and row masks aside)
+        return bool(n.args) and isinstance(n.args[0], fx.Node) and _unmasked(_uncast(n.args[0])) is node
 
     def half(start: int):  # gate_up[:, start::2]
         return lambda n: (is_op(n, aten.slice.Tensor) and reads(n, gate_up) and len(shape(gate_up)) == 2

@@ -168,13 +168,15 @@ def test_logits_equal_the_captured_graph_and_eager(num, start):
     gate_up = []
     assert_logits_close(got, _eager(model, ids, pos, record=gate_up))
     gate_up = torch.cat(gate_up)
-    limit = model.config.swiglu_limit
+    limit = model.model.layers[0].mlp.experts.limit  # (the config's swiglu_limit; transformers 5.17 hard-codes 7)
     assert (gate_up[:, ::2] > limit).any() and (gate_up[:, 1::2].abs() > limit).any()  # both clamps bite
 
 
 def test_config_variant_equals_eager():
     """Other SwiGLU constants (read from the config, checked against the graph) and top-3 of 4 experts."""
     model = _model(seed=3, swiglu_limit=2.5, swiglu_alpha=1.25, num_experts_per_tok=3)
+    if model.model.layers[0].mlp.experts.limit != 2.5:
+        pytest.skip("this transformers hard-codes GptOssExperts' constants (5.17: alpha 1.702, limit 7)")
     cm = _compile(model, ["cleanup", "route_moe"])
     (fused,) = {tuple(n.args[5:6] + n.args[9:]) for n in cm.graph_module.graph.nodes
                 if n.meta.get("op") is mi.fused_moe.default}
