@@ -7,6 +7,11 @@ models (four a Gemma 2 layer and the final one). Then a norm whose input is `a +
 one fused op returning (normed, sum), the sum serving the residual stream (Gemma 2's pre-feedforward and next input
 norms). Llama's norm (`weight * normed.to(dtype)`, fuse_rmsnorm's) is not matched here, nor is this one there: the two
 round differently in 16-bit dtypes.
+
+The norm of GPT-OSS and OLMo 2, `(weight * (h * rsqrt(...))).to(dtype)`, rounds as Gemma's does where x is 16-bit
+(the weight multiplies in fp32, before the cast; fuse_rmsnorm takes it where x is fp32 and the two forms agree): it
+becomes the same ops over an fp32 buffer `weight - 1`, since the kernel's `1 + (weight - 1)` is `weight` again,
+checked bit for bit per weight at compile time (a weight that does not round-trip leaves its norm as captured).
 """
 
 from __future__ import annotations
@@ -61,6 +66,40 @@ def match_gemma_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     return None
 
 
+def match_fp32_weighted_rms_norm(out: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """`out` = (weight * normed).to(dtype) with normed the fp32 normalization of a 16-bit x, weight a 1-D get_attr
+    (GPT-OSS's, OLMo 2's norm) → (x, weight, eps), or None."""
+    if not is_op(out, aten.to.dtype, aten._to_copy.default):
+        return None
+    node = out.args[0]
+    if not (is_op(node, aten.mul.Tensor) and len(node.args) == 2 and only_user(node, out)):
+        return None
+    for weight, normed in (node.args, node.args[::-1]):
+        weight = strip_f32_cast(weight) if isinstance(weight, fx.Node) else weight
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and ndim(weight) == 1
+                and isinstance(normed, fx.Node) and only_user(normed, node)):
+            continue
+        found = rms_normalized(normed)
+        if found is None:
+            continue
+        x = strip_f32_cast(found[0])
+        if dtype(normed) == torch.float32 and dtype(x) in (torch.bfloat16, torch.float16) and dtype(out) == dtype(x):
+            return x, weight, found[1]
+    return None
+
+
+def _minus_one(gm: fx.GraphModule, weight: fx.Node, made: dict) -> fx.Node | None:
+    """A get_attr of the fp32 buffer `weight - 1` (one per weight, at the graph's top: the residual fusion may move
+    its norm up), or None when `1 + (weight - 1)` is not `weight` bit for bit in fp32."""
+    if weight not in made:
+        w = PassContext.tensor_of(gm, weight).float()
+        shifted = w - 1.0
+        exact = torch.equal(shifted + 1.0, w)
+        first = next(iter(gm.graph.nodes))
+        made[weight] = PassContext.add_tensor(gm, f"{weight.target}_minus_one", shifted, first) if exact else None
+    return made[weight]
+
+
 class FuseGemmaRMSNorm(GraphPass):
     """Gemma RMSNorm sub-graphs → gemma_rms_norm; residual add + it → fused_add_gemma_rms_norm."""
 
@@ -69,8 +108,30 @@ class FuseGemmaRMSNorm(GraphPass):
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        norms, fused = fuse_norms(gm, match_gemma_rms_norm, ops.gemma_rms_norm.default,
-                                  ops.fused_add_gemma_rms_norm.default)
+        made: dict[fx.Node, fx.Node | None] = {}
+        shifted = 0
+
+        def match(node: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+            nonlocal shifted
+            found = match_gemma_rms_norm(node)
+            if found is not None:
+                return found
+            found = match_fp32_weighted_rms_norm(node)
+            if found is None:
+                return None
+            x, weight, eps = found
+            w1 = _minus_one(gm, weight, made)
+            if w1 is None:
+                return None
+            shifted += 1
+            return x, w1, eps
+
+        norms, fused = fuse_norms(gm, match, ops.gemma_rms_norm.default, ops.fused_add_gemma_rms_norm.default)
         if not norms and not fused:
             return PassResult(0, "no Gemma RMSNorm in the graph")
-        return PassResult(norms, f"{norms - fused} gemma_rms_norm, {fused} fused_add_gemma_rms_norm")
+        note = f"{norms - fused} gemma_rms_norm, {fused} fused_add_gemma_rms_norm"
+        unmatched = sum(1 for w in made.values() if w is None)
+        if shifted or unmatched:
+            note += f" ({shifted} of them fp32-weighted norms over weight - 1"
+            note += f"; {unmatched} weights left, not exact as weight - 1)" if unmatched else ")"
+        return PassResult(norms, note)

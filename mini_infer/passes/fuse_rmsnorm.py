@@ -5,7 +5,7 @@ Matches `weight * (h * rsqrt(mean(h**2, -1, keepdim) + eps)).to(dtype)` with `h 
 gone after Cleanup when x is already fp32), the form of Llama/Qwen2/Qwen3/Mistral/Mixtral/DeepSeek norms,
 the q/k norms of Qwen3 included. GPT-OSS's norm, `(weight * h * rsqrt(...)).to(dtype)`, is the same where x is fp32
 and is matched there; on a lower-precision x its weight multiplies in fp32 before the cast, which `rms_norm` does
-not round alike, so it is left as captured. Then a norm whose input is `a + b` of two same-shape tensors becomes one
+not round alike: it is left to fuse_gemma_rmsnorm, whose op rounds so. Then a norm whose input is `a + b` of two same-shape tensors becomes one
 fused op returning (normed, sum), the sum serving the residual stream. It matches nothing else: variants
 such as Gemma's `(1 + weight)` are left to fuse_gemma_rmsnorm, which shares its normalization match
 (`rms_normalized`) and its rewrite (`fuse_norms`: the norms, then their residual adds).

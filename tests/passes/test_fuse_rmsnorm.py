@@ -134,7 +134,7 @@ def test_residual_fusion_needs_same_shape_operands(broadcast):
 @pytest.mark.parametrize("name, norms", [("tiny-llama", 1 + 2 * L), ("tiny-gpt-oss", 0)])
 def test_bf16_norm_rounding_decides_the_match(name, norms):
     """In bf16 Llama's norm casts the normalized row before the weight multiplies (rms_norm's rounding); GPT-OSS's
-    multiplies the weight in fp32 and casts after, a different rounding: left as captured."""
+    multiplies the weight in fp32 and casts after, a different rounding: left (to fuse_gemma_rmsnorm)."""
     from mini_infer.compiler import compile_model
     from mini_infer.models.loader import load_model
 
