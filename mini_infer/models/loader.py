@@ -10,6 +10,11 @@ For one rank of a tensor-parallel group (`tensor_parallel_size > 1`, checkpoints
 sharding pass slices are not put on the device whole: the model is loaded on the host (safetensors stay memory
 maps) and each such weight is a one-element placeholder of its shape on the device that carries the host tensor
 (`host_weight`); the pass copies only the rank's slice to the device. Every other weight goes to the device.
+
+Pre-quantized checkpoints (a `quantization_config` in config.json): MXFP4 ones (GPT-OSS as OpenAI publishes it,
+its experts' `*_blocks` / `*_scales`) always load dequantized to the target dtype, so the experts are the plain
+`GptOssExperts` the capture and route_moe read (never transformers' Triton MXFP4 kernels, which would replace their
+forward); any other `quant_method` is refused at start-up with a ModelLoadError naming it (`_quantization_kwargs`).
 This module must not capture or rewrite graphs and never touches the network.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,6 +250,59 @@ def place_for_tensor_parallel(model: PreTrainedModel, plan: TensorParallelPlan, 
     return on_host
 
 
+@contextmanager
+def _muted(name: str) -> Iterator[None]:
+    """Drop every record of logger `name` for the length of the `with`."""
+    log = logging.getLogger(name)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+# transformers' MXFP4 quantizer: its warnings are about whether its kernels can run, which mini-infer never lets them
+_MXFP4_QUANTIZER_LOGGER = "transformers.quantizers.quantizer_mxfp4"
+
+
+def _quantization_kwargs(config: PretrainedConfig, path: str, dtype: torch.dtype) -> dict:
+    """from_pretrained kwargs for `config`'s quantization: none for a plain checkpoint; for an MXFP4 one
+    (`quantization_config.quant_method == "mxfp4"`), `Mxfp4Config(dequantize=True)`, whatever packages are installed
+    (with transformers' `kernels` package and a GPU it would otherwise keep the experts packed and run them through
+    its Triton kernels, a forward the capture cannot see through). Any other quant_method: ModelLoadError naming it
+    (checked here, before transformers imports the method's own package)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method)  # (transformers' QuantizationMethod enum)
+    if method == "mxfp4":
+        from transformers import Mxfp4Config
+
+        logger.info("%s: MXFP4 checkpoint (quantization_config.quant_method 'mxfp4'): its experts are dequantized to "
+                    "%s at load and run as plain GptOssExperts math", path, str(dtype).removeprefix("torch."))
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    what = f"quantization_config.quant_method is {method!r}" if method is not None else \
+        "its quantization_config has no quant_method"
+    raise ModelLoadError(f"{path} is a pre-quantized checkpoint ({what}): mini-infer reads no pre-quantized weights "
+                         "but MXFP4 experts (quant_method 'mxfp4', dequantized at load). Load the unquantized "
+                         "checkpoint instead (mini-infer quantizes it itself with quantization='w8a8' or 'fp8')")
+
+
+def _cast_dequantized_experts(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Put MXFP4-dequantized expert weights in the model's dtype: transformers 5.17 dequantizes them to bf16
+    whatever dtype the model loads in (5.2x: in the parameter's dtype); values of FP4 x 2^scale fit either."""
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj"):
+            p = module._parameters.get(name)
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+
+
 def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype, device: torch.device,
                      tensor_parallel_size: int = 1):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,9 +311,10 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
 
     config = AutoConfig.from_pretrained(path, **kwargs)
     check_causal_lm(config, path)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    quant_kwargs = {} if gguf_file else _quantization_kwargs(config, path, torch_dtype)
     if not gguf_file:
         checkpoint_numel(Path(path))  # missing, corrupt or truncated weight files: one line naming the file
-    torch_dtype = resolve_dtype(dtype, config, device)
     plan = tensor_parallel_plan(config, tensor_parallel_size) if tensor_parallel_size > 1 else None
     if plan is not None:  # the whole model on the host, files mapped; the rank's part goes to the device below
         model_kwargs, load_device = kwargs, torch.device("cpu")
@@ -266,13 +327,17 @@ def _load_pretrained(path: str, gguf_file: str | None, dtype: str | torch.dtype,
         model_kwargs, load_device = kwargs, device
     attn = attention_implementation(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn, device_map=str(load_device), **model_kwargs
-        )
+        with _muted(_MXFP4_QUANTIZER_LOGGER):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attn, device_map=str(load_device), **model_kwargs,
+                **quant_kwargs
+            )
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # broken: one line naming it
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load the weights in {Path(path) / (gguf_file or '')}: "
                              f"{type(exc).__name__}: {first}") from None
+    if quant_kwargs:
+        _cast_dequantized_experts(model, torch_dtype)
     if plan is not None:
         on_host = place_for_tensor_parallel(model, plan, device)
         logger.info("tensor parallel over %d ranks: %.3f GB of weights left on the host, sliced per rank",
@@ -302,6 +367,9 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     With `tensor_parallel_size > 1`, weights read from files (not presets or dummy ones, which are built whole
     on the device) that the sharding pass slices are shard placeholders (`place_for_tensor_parallel`): the
     model only runs once compiled with that pass, and its device memory is the replicated weights alone.
+
+    A checkpoint with MXFP4 experts (GPT-OSS as published) loads them dequantized to the target dtype; one of any
+    other pre-quantized method raises ModelLoadError naming its `quantization_config.quant_method`.
 
     Raises ModelNotFoundError for anything else, at once: mini-infer never downloads from a hub.
     """
