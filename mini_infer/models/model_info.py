@@ -163,7 +163,9 @@ def resolve_source(model: str | None, load_format: str = "auto") -> ModelSource:
 
 # ----------------------------------------------------------------------------------------------- weight files
 def safetensors_numel(path: Path) -> int:
-    """Parameters in a safetensors file, from its header; ModelLoadError if the file is not one or is cut short."""
+    """Parameters in a safetensors file, from its header; ModelLoadError if the file is not one or is cut short.
+    MXFP4 tensors (GPT-OSS's experts: uint8 `*_blocks` holding two 4-bit values a byte, uint8 `*_scales`, one
+    exponent for 32 of them) count as the values they dequantize to: two a block byte, none for the scales."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -184,7 +186,10 @@ def safetensors_numel(path: Path) -> int:
         if name == "__metadata__":
             continue
         try:
-            numel += math.prod(t["shape"])
+            count = math.prod(t["shape"])
+            if t.get("dtype") == "U8" and name.endswith(("_blocks", "_scales")):
+                count = 2 * count if name.endswith("_blocks") else 0
+            numel += count
             end = max(end, int(t["data_offsets"][1]))
         except (TypeError, KeyError, IndexError, ValueError):
             raise ModelLoadError(f"{path} is not a valid safetensors file: bad entry {name!r}") from None

@@ -229,3 +229,12 @@ def test_dummy_load_of_an_mxfp4_config_builds_the_plain_architecture(checkpoint)
     lm = load_model(str(checkpoint), device="cpu", load_format="dummy")  # random weights: nothing to dequantize
     assert all(type(m) is GptOssExperts for m in lm.model.modules() if "Experts" in type(m).__name__)
     assert lm.model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)
+
+
+def test_checkpoint_numel_counts_the_dequantized_values(checkpoint):
+    """The start-up memory check reads the parameter count from the files' headers: the packed blocks count two
+    values a byte and the scales none, so the count is the dequantized model's."""
+    from mini_infer.models.model_info import checkpoint_numel
+
+    model = load_model(str(checkpoint), dtype="bf16", device="cpu").model
+    assert checkpoint_numel(checkpoint) == sum(p.numel() for p in model.parameters())
