@@ -23,6 +23,9 @@ nothing from mini_infer outside this package.
 |   k_weight, eps, k_cache!, v_cache!, slot_mapping,    |                     | slot_mapping as paged_attention writes them (negative:|
 |   k_scale=None, v_scale=None)                         |                     | skip; fp8 scaled); one launch; mutates the caches     |
 | silu_and_mul(gate, up)                                | Tensor              | silu(gate) * up                                       |
+| gelu_tanh_and_mul(gate, up)                           | Tensor              | gelu(gate, approximate='tanh') * up (HF's             |
+|                                                       |                     | gelu_pytorch_tanh gate): the gelu in fp32 rounded to  |
+|                                                       |                     | gate's dtype, then the product (the captured pair's)  |
 | linear(x, weight, bias)                               | Tensor              | F.linear; a Triton GEMV for one row on CUDA           |
 | linear_add(x, weight, bias, residual)                 | Tensor              | linear(x, weight, bias) + residual; the add in the    |
 |                                                       |                     | GEMV's epilogue for one row                           |
@@ -121,6 +124,7 @@ from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
 from mini_infer.ops import gather_rows as _gather_rows_mod
+from mini_infer.ops import gelu_tanh_and_mul as _gelu_tanh_and_mul_mod
 from mini_infer.ops import gemma_rms_norm as _gemma_rms_norm_mod
 from mini_infer.ops import gumbel_argmax as _gumbel_argmax_mod
 from mini_infer.ops import int8_linear as _int8_linear_mod
@@ -153,6 +157,7 @@ _MODULE_OF = {
     "qk_rotary": _qk_rotary_mod,
     "qk_rotary_kv_write": _qk_rotary_kv_write_mod,
     "silu_and_mul": _silu_and_mul_mod,
+    "gelu_tanh_and_mul": _gelu_tanh_and_mul_mod,
     "paged_attention": _paged_attention_mod,
     "paged_attention_cached": _paged_attention_mod,
     "rotary_paged_attention": _rotary_paged_attention_mod,

@@ -8,6 +8,7 @@ from mini_infer.passes.base import STAGES, GraphPass, PassConfigError, PassConte
 from mini_infer.passes.cleanup import Cleanup
 from mini_infer.passes.fuse_act_quant import FuseActQuant
 from mini_infer.passes.fuse_gate_up_silu import FuseGateUpSilu
+from mini_infer.passes.fuse_gelu_mul import FuseGeluMul
 from mini_infer.passes.fuse_gemma_rmsnorm import FuseGemmaRMSNorm
 from mini_infer.passes.fuse_gemv_norm import FuseGemvNorm
 from mini_infer.passes.fuse_kv_write import FuseKVWrite
@@ -34,7 +35,7 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm,
                         FuseGemmaRMSNorm, FuseRotary, FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul,
-                        FuseActQuant, MlaLatentCache, PagedAttention, RotaryTable, FuseLookups, FuseRotaryAttention, FuseKVWrite, GemvLinear,
+                        FuseGeluMul, FuseActQuant, MlaLatentCache, PagedAttention, RotaryTable, FuseLookups, FuseRotaryAttention, FuseKVWrite, GemvLinear,
                         FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }
 

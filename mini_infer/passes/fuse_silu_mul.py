@@ -1,10 +1,13 @@
 """FuseSiluMul: the SwiGLU gate `silu(gate) * up` → `mini_infer.silu_and_mul(gate, up)`.
 
 Matches only an elementwise product of two same-shape tensors where one side is `aten.silu`; other
-activations (GELU-tanh gates etc.) are left alone.
+activations are left alone (GeLU-tanh gates are fuse_gelu_mul's, which shares this file's `fuse_gated_products`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -16,6 +19,22 @@ from mini_infer.passes.pattern import aten, is_op, only_user, same_shape
 ops = torch.ops.mini_infer
 
 
+def fuse_gated_products(gm: fx.GraphModule, is_activation: Callable[[fx.Node], bool], fused: Any) -> int:
+    """Replace each `mul(act(a), b)` (either operand order) of two same-shape tensors, where `is_activation(act)` and
+    nothing but the product reads act, by `fused(a, b)`; the number replaced (also fuse_gelu_mul's matcher)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if not is_op(node, aten.mul.Tensor) or len(node.args) != 2:
+            continue
+        for act, up in (node.args, node.args[::-1]):
+            if (isinstance(act, fx.Node) and is_activation(act) and only_user(act, node) and isinstance(up, fx.Node)
+                    and same_shape(act, up)):
+                replace_with_call(gm, node, fused, (act.args[0], up))
+                n += 1
+                break
+    return n
+
+
 class FuseSiluMul(GraphPass):
     """mul(silu(a), b) → silu_and_mul(a, b)."""
 
@@ -24,15 +43,4 @@ class FuseSiluMul(GraphPass):
     requires = ("cleanup",)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        n = 0
-        for node in list(graph.nodes):
-            if not is_op(node, aten.mul.Tensor) or len(node.args) != 2:
-                continue
-            for act, up in (node.args, node.args[::-1]):
-                if (is_op(act, aten.silu.default) and only_user(act, node) and isinstance(up, fx.Node)
-                        and same_shape(act, up)):
-                    replace_with_call(gm, node, ops.silu_and_mul.default, (act.args[0], up))
-                    n += 1
-                    break
-        return PassResult(n)
+        return PassResult(fuse_gated_products(gm, lambda act: is_op(act, aten.silu.default), ops.silu_and_mul.default))
