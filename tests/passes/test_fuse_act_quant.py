@@ -85,6 +85,4 @@ def test_default_pipeline_only_with_a_quantization_mode():
         names = [p.name for p in recommended_passes(ctx)]
         assert ("fuse_act_quant" in names) is (mode is not None)
         if mode:
-            # right after the gate fusions, whose silu_and_mul it fuses with the quantization
-            i = names.index("fuse_silu_mul")
-            assert names[i:i + 3] == ["fuse_silu_mul", "fuse_gelu_mul", "fuse_act_quant"]
+            assert names.index("fuse_act_quant") == names.index("fuse_silu_mul") + 1
