@@ -22,7 +22,8 @@ cuobjdump's resource line (STACK: where ptxas puts spilled registers; LOCAL stay
 CTA's own stores to the cache), and the launch shape.
 
 With the argument `loop`, each case's key loop instead (`key_loop`: its SASS instructions by class and per byte
-of K and V a step reads).
+of K and V a step reads). With `sinks`, the cases' write and rotary builds with attention sinks (USE_SINKS: GPT-OSS's
+per-head logit, folded into split 0's softmax state after its last tile), a bf16 [Hq] sinks tensor passed.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_paged_attention_sm90`. Exits
 NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test_paged_attention.py. Builds only.
@@ -45,7 +46,7 @@ HEAD_DIM, BLOCK_SIZE, CONTEXT = 128, 16, 1024  # CONTEXT: the block table's capa
 
 
 def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-           rotary: bool, preload: bool = True) -> tuple[tuple, dict]:
+           rotary: bool, preload: bool = True, sinks: bool = False) -> tuple[tuple, dict]:
     """(args, kwargs) of the `_paged_attn_kernel` launch `_triton_attention` makes for a decode step of `seqs`
     sequences (one new token each) over caches holding CONTEXT keys a sequence: the step's k / v written in the kernel
     (`write`; else caches already holding them), q / k rotated in it (`rotary`, with both norms); an fp8 V cache
@@ -80,7 +81,8 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
     config = {**pa._CONFIG, wkind: {**pa._CONFIG[wkind], "write_one_split": 1}} if write else pa._CONFIG
     with record_launches(pa, "_paged_attn_kernel", ATTN_PRELOAD=preload, _CONFIG=config) as calls:
         pa._triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5, window, 0.0,
-                             *scales, new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
+                             *scales, torch.empty(hq, dtype=torch.bfloat16) if sinks else None,
+                             new_kv=(k, v, slots) if write else None, decode_only=True, num_splits=splits,
                              rotary=rot)
     (args, kwargs), = calls["_paged_attn_kernel"]
     # what a CUDA launch on sm_90 takes where the CPU call differs: 16-bit dots for a 16-bit q (the CPU's are fp32,
@@ -90,26 +92,29 @@ def launch(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_
 
 
 def build(fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None, write: bool,
-          rotary: bool = False, preload: bool = True):
+          rotary: bool = False, preload: bool = True, sinks: bool = False):
     """The kernel compiled for sm_90 as `launch` launches it; returns (the compiled kernel, the launch shape)."""
     from mini_infer.ops import paged_attention as pa
 
-    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
+    args, kwargs = launch(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, sinks)
     compiled, constexprs = build_launch(pa._paged_attn_kernel, args, kwargs)
     shape = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"], block_n=constexprs["BLOCK_N"],
                  splits=constexprs["NUM_SPLITS"], preload=constexprs["PRELOAD"], fp8_dot=constexprs["FP8_DOT"],
-                 v_tiles=constexprs["V_TILES"], maxnreg=kwargs.get("maxnreg"))
+                 v_tiles=constexprs["V_TILES"], maxnreg=kwargs.get("maxnreg"), sinks=constexprs["USE_SINKS"])
     return compiled, shape
 
 
-def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None) -> dict:
+def report(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, window: int, v_keys: bool | None,
+           sinks: bool = False) -> dict:
     out = {"name": name}
     builds = [("no_write", False, False, True), ("write", True, False, True),
               ("rotary", True, True, True)]
-    if not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
+    if sinks:  # the launches a GPT-OSS decode step makes (its q/k / v written in the kernel, with or without rotary)
+        builds = builds[1:]
+    elif not fp8 and splits > 1:  # the launches that preload (module docstring of paged_attention, "Before the wait")
         builds.append(("rotary_no_preload", True, True, False))
     for key, write, rotary, preload in builds:
-        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload)
+        compiled, shape = build(fp8, hq, hkv, seqs, splits, window, v_keys, write, rotary, preload, sinks)
         ptx = compiled.asm["ptx"]
         out[key] = {
             "usage": resource_usage(compiled.asm["cubin"]),
@@ -137,6 +142,6 @@ def key_loop(name: str, fp8: bool, hq: int, hkv: int, seqs: int, splits: int, wi
 
 
 if __name__ == "__main__":
-    loop = sys.argv[1:] == ["loop"]
-    sys.exit(report_main(lambda: [key_loop(*case) for case in LOOP_CASES] if loop else
-                         [report(*case) for case in CASES]))
+    mode = sys.argv[1] if sys.argv[1:] else ""
+    sys.exit(report_main(lambda: [key_loop(*case) for case in LOOP_CASES] if mode == "loop" else
+                         [report(*case, sinks=mode == "sinks") for case in CASES]))

@@ -9,6 +9,8 @@ positionally after the (None) scales, as the attention pass emits them. Cases ar
 block tables, NaN in every slot the op must not read).
 """
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -231,3 +233,25 @@ def test_sinks_of_another_shape_or_dtype_are_refused(bad):
     case = make_case(**CASES["decode_gqa"], device="cpu")  # 4 query heads
     with pytest.raises(ValueError, match=r"sinks must be a float tensor of shape \(4,\)"):
         paged_attention_reference(*with_sinks(case, bad))
+
+
+@requires_triton
+def test_decode_kernel_with_sinks_compiles_sm90():
+    """The decode launches with sinks (the write in the kernel, with and without the rotary) compiled for sm_90 (no GPU
+    needed; `python -m tests.ops.compile_paged_attention_sm90 sinks`) for every shape of the kernel's compile test:
+    USE_SINKS on, the write's barrier there, nothing read through the non-coherent path, no spill beyond that test's
+    allowance. (The interpreter shows no compile error of the sink's fold under `if split == 0`.)"""
+    from tests.ops.helpers import run_uninterpreted
+    from tests.ops.test_paged_attention import STACK_ALLOWED
+
+    report = run_uninterpreted(["-m", "tests.ops.compile_paged_attention_sm90", "sinks"])
+    assert {case["name"] for case in report["cases"]} == {"bf16_splits", "fp8_window_g7", "fp8_g2", "fp8_g2_usual_v"}
+    for case in report["cases"]:
+        assert set(case) == {"name", "write", "rotary"}, case
+        for key in ("write", "rotary"):
+            built = case[key]
+            stack = re.search(r"\bSTACK:(\d+) ", built["usage"])
+            assert built["shape"]["sinks"] and stack and "LOCAL:0 " in built["usage"], (case["name"], key, built)
+            allowed = STACK_ALLOWED.get((case["name"], key), STACK_ALLOWED.get(case["name"], 0))
+            assert int(stack[1]) <= allowed, (report["triton"], case["name"], key, built)
+            assert built["nc_loads"] == 0, (case["name"], key, built)
