@@ -19,6 +19,10 @@ columns: a B tile past fused_moe's _PRELOAD_MAX_TILE, so its launches do not pre
 pair-per-block cases' down GEMM with the slot sum in its launch (fused_moe.MOE_MERGE_SLOTS, `merge`). The
 interpreter shows no compile error (an early return the GPU compiler rejects, a register spill): this build does.
 
+With the argument `gpt_oss`: every kernel launch `fused_moe_triton` makes for gpt-oss-20b's experts (E 32, top-4,
+H = I = 2,880, bf16; the "swigluoai" activation and both biases) at 1, 8 and 512 tokens, each with its resource line
+and its epilogue switches (HAS_BIAS, ACTIVATION).
+
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
 NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test_fused_moe_preload.py. Builds only.
 """
@@ -106,5 +110,37 @@ def cases() -> list[dict]:
     return out + [{"kernel": "slot_sum", "name": "qwen3_t1", "preload": p, **slot_sum(p)} for p in (True, False)]
 
 
+GPT_OSS = dict(num_experts=32, top_k=4, hidden=2880, inter=2880)
+
+
+def gpt_oss_cases() -> list[dict]:
+    """Every launch of fused_moe_triton for gpt-oss-20b's experts (module docstring), built for sm_90."""
+    import torch
+
+    from mini_infer.ops import _moe_gemv as mg
+    from mini_infer.ops import fused_moe as fm
+
+    e, k, h, inter = (GPT_OSS[key] for key in ("num_experts", "top_k", "hidden", "inter"))
+    gemv = ("_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel")
+    out = []
+    for tokens in (1, 8, 512):
+        hidden, weights = torch.empty(tokens, h, dtype=torch.bfloat16), torch.empty(tokens, k, dtype=torch.bfloat16)
+        ids = torch.zeros(tokens, k, dtype=torch.int32)
+        w13, w2 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), torch.empty(e, h, inter, dtype=torch.bfloat16)
+        b13, b2 = torch.empty(e, 2 * inter, dtype=torch.bfloat16), torch.empty(e, h, dtype=torch.bfloat16)
+        with record_launches(fm, *KERNELS) as calls, record_launches(mg, *gemv) as gemv_calls:
+            fm.fused_moe_triton(hidden, weights, ids, w13, w2, "swigluoai", None, b13, b2, 1.702, 7.0)
+        for module, launched in ((fm, calls), (mg, gemv_calls)):
+            for kernel, launches in launched.items():
+                for args, kwargs in launches:
+                    kwargs = dict(kwargs, **({"DOT_FP32": False} if "DOT_FP32" in kwargs else {}))  # 16-bit dots
+                    built, constexprs = build_launch(getattr(module, kernel), args, kwargs)
+                    out.append({"tokens": tokens, "kernel": kernel, "gated": bool(constexprs.get("GATED", False)),
+                                "has_bias": bool(constexprs.get("HAS_BIAS", False)),
+                                "activation": int(constexprs.get("ACTIVATION", 0)),
+                                "resources": resource_usage(built.asm["cubin"])})
+    return out
+
+
 if __name__ == "__main__":
-    sys.exit(report_main(cases))
+    sys.exit(report_main(gpt_oss_cases if sys.argv[1:] == ["gpt_oss"] else cases))

@@ -234,3 +234,23 @@ def test_registered_op_fake_and_opcheck():
             torch.empty(8, 96, 64, dtype=torch.bfloat16), torch.empty(8, 64, 48, dtype=torch.bfloat16), "swigluoai",
             None, torch.empty(8, 96, dtype=torch.bfloat16), torch.empty(8, 64, dtype=torch.bfloat16), ALPHA, LIMIT)
     assert out.shape == (7, 64) and out.dtype == torch.bfloat16
+
+
+@requires_triton
+def test_gpt_oss_launches_compile_sm90_without_spills():
+    """Every kernel fused_moe_triton launches for gpt-oss-20b's experts at 1, 8 and 512 tokens, built for sm_90 (no
+    GPU needed; `python -m tests.ops.compile_fused_moe_sm90 gpt_oss`): the grouped GEMMs with both biases and the
+    swigluoai epilogue on the gate/up one, and no build spills. (The interpreter shows no compile error.)"""
+    from tests.ops.helpers import run_uninterpreted
+
+    report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90", "gpt_oss"])
+    for case in report["cases"]:
+        assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], (report["triton"], case)
+    gemms = [c for c in report["cases"] if c["kernel"] in ("_moe_gemm_kernel", "_moe_gemv_gate_up_kernel",
+                                                           "_moe_gemv_down_kernel")]
+    assert {c["tokens"] for c in gemms} == {1, 8, 512}
+    for c in gemms:
+        gate_up = c["gated"] or c["kernel"] == "_moe_gemv_gate_up_kernel"
+        assert c["has_bias"] and c["activation"] == (1 if gate_up else 0), c
+    for tokens in (1, 8, 512):  # a gate/up and a down launch at each size
+        assert sorted(c["gated"] or "gate_up" in c["kernel"] for c in gemms if c["tokens"] == tokens) == [False, True]
