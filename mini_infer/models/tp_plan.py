@@ -13,7 +13,22 @@ experts the ranks do not divide under expert parallelism, is a ValueError naming
 transformers' own metadata: a config whose `base_model_tp_plan` names no experts module (transformers 5.17's
 Qwen2-MoE) but whose `base_model_ep_plan` marks one "moe_tp_experts" with its stacked `gate_up_proj` and
 `down_proj` gets those three entries (packed_colwise, rowwise, moe_tp_experts: the stacked layout every 5.x MoE
-family shares); a model with routed experts that neither plan names is refused. The sharding pass
+family shares); a model with routed experts that neither plan names is refused.
+
+Where transformers' plan splits no attention for a model type (no colwise `self_attn.q_proj` entry), this
+project's own plan for that type is used instead, written out below in `PROJECT_PLANS`: today GPT-OSS only
+(transformers 5.24's `base_model_tp_plan` for gpt_oss names only `embed_tokens`, 5.17's has none, and both
+`base_model_ep_plan`s mark the expert tensors "grouped_gemm"). Its entries use four styles of this project for
+tensors transformers' styles do not describe: "transposed_colwise" (stacked [E, in, out] weights and [E, out]
+biases whose output features are the last dim: each rank keeps a contiguous 1/N of the last dim; GPT-OSS's
+`gate_up_proj` [E, H, 2I] and `gate_up_proj_bias` [E, 2I] interleave gate j at column 2j and up j at 2j+1, so
+columns [2rI/N, 2(r+1)I/N) are the rank's I/N gate/up pairs), "transposed_rowwise" (stacked [E, in, out]
+weights split on dim 1, the input features: `down_proj` [E, I, H]), "bias_once" (a bias added to a partial sum:
+rank 0 keeps it, the other ranks hold zeros, so the sum over ranks adds it once: `down_proj_bias` [E, H], added
+per (token, slot) before the routing weight) and "query_heads" (a per-query-head tensor [Hq] split like the
+query heads: `self_attn.sinks`). Expert parallelism is not implemented for these styles: refused here, before
+any weight loads. A model type
+with neither a plan that splits attention nor a project plan stays refused: nothing is guessed. The sharding pass
 and the start-up checks both read the plan from here, so a model is refused before any weight loads. This module
 reads configs only: it never touches a graph, a tensor or a process group.
 """
@@ -29,10 +44,40 @@ from dataclasses import dataclass
 # too: the same answers, at the cost of the embedding's memory on each rank (its shards are not implemented).
 SHARDED_STYLES = ("colwise", "rowwise", "packed_colwise", "moe_tp_experts")
 STACKED_STYLES = ("packed_colwise", "rowwise")  # styles of stacked expert parameters ("...experts.down_proj")
+# this project's styles, used by PROJECT_PLANS only (see the module docstring): stacked expert tensors stored
+# transposed ([E, in, out]) with their biases, and a per-query-head tensor
+TRANSPOSED_STYLES = ("transposed_colwise", "transposed_rowwise", "bias_once")
+HEADS_STYLE = "query_heads"
+PROJECT_STYLES = (*TRANSPOSED_STYLES, HEADS_STYLE)
+PARAMETER_STYLES = (*STACKED_STYLES, *PROJECT_STYLES)  # styles of a module's tensor, not of a linear module
 EXPERTS_STYLE = "moe_tp_experts"  # an experts module whose output each rank computes a share of
 REPLICATED_STYLES = ("replicated_with_grad_allreduce", "embedding_rowwise")
 KV_PROJECTIONS = ("k_proj", "v_proj")  # the colwise linears whose rows are KV heads (may be replicated)
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # routed experts, by family
+
+
+# This project's plans, per model_type, used only when transformers' plan splits no attention for it
+# (`_splits_attention`). Entries not named are replicated (the router, norms, the embedding); lm_head is split
+# over the vocabulary as for every model.
+PROJECT_PLANS: dict[str, dict[str, str]] = {
+    "gpt_oss": {
+        "layers.*.self_attn.q_proj": "colwise",  # weight and bias: this rank's query heads
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",  # its bias added once, after the all-reduce
+        "layers.*.self_attn.sinks": HEADS_STYLE,  # [Hq]: rank r keeps heads r*Hq/N .. (r+1)*Hq/N - 1
+        "layers.*.mlp.experts.gate_up_proj": "transposed_colwise",  # [E, H, 2I] -> [E, H, 2I/N]
+        "layers.*.mlp.experts.gate_up_proj_bias": "transposed_colwise",  # [E, 2I] -> [E, 2I/N]
+        "layers.*.mlp.experts.down_proj": "transposed_rowwise",  # [E, I, H] -> [E, I/N, H]
+        "layers.*.mlp.experts.down_proj_bias": "bias_once",  # [E, H]: rank 0's, zeros elsewhere
+        "layers.*.mlp.experts": EXPERTS_STYLE,
+    },
+}
+
+
+def _splits_attention(plan: dict[str, str]) -> bool:
+    """Whether a plan splits attention: a colwise entry for a `self_attn.q_proj`."""
+    return any(k.endswith("self_attn.q_proj") and v == "colwise" for k, v in plan.items())
 
 
 def num_routed_experts(config) -> tuple[str, int] | None:
@@ -92,12 +137,14 @@ class TensorParallelPlan:
     def slices(self, module_path: str, tensor_name: str, is_lm_head: bool = False) -> bool:
         """Whether the sharding pass keeps only a slice of `module_path`'s tensor `tensor_name` ("weight",
         "bias", or a stacked expert parameter's name): colwise weights and biases, rowwise weights (a rowwise
-        bias is added whole, once), the lm_head's weight and bias (split over the vocabulary), and stacked
-        expert parameters whose own path has a packed_colwise or rowwise entry. Every other tensor is
+        bias is added whole, once), the lm_head's weight and bias (split over the vocabulary), and tensors other
+        than a weight or bias whose own path has a stacked-expert or project style (a "bias_once" tensor is
+        kept whole on rank 0 and zeroed on the others: the pass reads it too). Every other tensor is
         replicated."""
         if is_lm_head:
             return tensor_name in ("weight", "bias")
-        if tensor_name not in ("weight", "bias") and self.style_of(f"{module_path}.{tensor_name}") in STACKED_STYLES:
+        if tensor_name not in ("weight", "bias") and \
+                self.style_of(f"{module_path}.{tensor_name}") in PARAMETER_STYLES:
             return True
         style = self.style_of(module_path)
         if style == "colwise":
@@ -140,6 +187,8 @@ def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False)
     text = config.get_text_config()
     model_type = getattr(text, "model_type", type(text).__name__)
     plan = getattr(text, "base_model_tp_plan", None)
+    if model_type in PROJECT_PLANS and not _splits_attention(plan or {}):
+        plan = PROJECT_PLANS[model_type]  # transformers' plan splits no attention for it: this project's
     if not plan:
         raise ValueError(f"tensor_parallel_size={world_size}: the {model_type!r} config has no base_model_tp_plan "
                          "(transformers' tensor-parallel plan), so mini-infer cannot tell how to split it; run it "
@@ -149,13 +198,20 @@ def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False)
                          f"kv_lora_rank={text.kv_lora_rank}), which the shard_tensor_parallel pass does not split "
                          "(its experts would shard; the latent attention and its cache do not yet): run it with "
                          "tensor_parallel_size=1")
-    unsupported = {k: v for k, v in plan.items() if v not in SHARDED_STYLES + REPLICATED_STYLES}
+    own = plan is PROJECT_PLANS.get(model_type)  # the project's styles are valid in its own plans only
+    known = SHARDED_STYLES + REPLICATED_STYLES + (PROJECT_STYLES if own else ())
+    unsupported = {k: v for k, v in plan.items() if v not in known}
     if unsupported:
         key, style = next(iter(unsupported.items()))
         raise ValueError(f"tensor_parallel_size={world_size}: config.base_model_tp_plan[{key!r}] = {style!r} is "
                          f"not supported (the shard_tensor_parallel pass implements {', '.join(SHARDED_STYLES)}; "
                          "expert parallelism and other styles are not sharded): run this model with "
                          "tensor_parallel_size=1")
+    if expert_parallel and own and any(v in TRANSPOSED_STYLES for v in plan.values()):
+        raise ValueError(f"enable_expert_parallel: model_type {model_type!r} is not supported with expert "
+                         "parallelism (its experts' biases and interleaved gate/up layout are not split along the "
+                         "experts; this project's plan splits each expert's intermediate size): leave expert "
+                         "parallelism off, or run it with tensor_parallel_size=1")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -176,7 +232,7 @@ def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False)
         value = getattr(text, field, None)
         if isinstance(value, int) and value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} does not divide {field}={value}")
-    styles = {k: v for k, v in plan.items() if v in SHARDED_STYLES}
+    styles = {k: v for k, v in plan.items() if v in SHARDED_STYLES + PROJECT_STYLES}
     if experts is not None and EXPERTS_STYLE not in styles.values():
         styles |= experts_from_ep_plan(text)  # from base_model_ep_plan, where the tp plan leaves the experts out
     if experts is not None and EXPERTS_STYLE not in styles.values():

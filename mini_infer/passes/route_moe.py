@@ -35,9 +35,11 @@ Per block, found by `node.meta["nn_module_stack"]` (the block, its router and it
     buffers (`PassContext.add_tensor`) that replace HF's in the graph, whose originals then have no graph use and
     are dropped from the graph module by the pass manager (freed once the HF model is released, as every replaced
     weight is; until then both copies are alive). fused_moe then runs with activation="swigluoai" and the biases.
-    Tensor and expert parallelism are refused for it (before capture too): shard_tensor_parallel splits the
-    stacked [E, 2I, H] layout only and has no rule for the biases (a row-parallel down bias must be added once, not
-    on every rank), and transformers' own plans do not mark GPT-OSS's experts "moe_tp_experts";
+    Under tensor parallelism shard_tensor_parallel (this project's GPT-OSS plan, `tp_plan.PROJECT_PLANS`) has
+    left each rank the contiguous columns [2rI/N, 2(r+1)I/N) of gate_up_proj and its bias (whole gate/up pairs),
+    rows [rI/N, (r+1)I/N) of down_proj, and down_proj_bias on rank 0 only (zeros elsewhere: added once by the
+    all-reduce); the re-lay is the same on those I/N slices. Expert parallelism is refused for it (before capture
+    too): its transposed, biased experts are not split along the experts;
   * shared experts (Qwen2-MoE's `shared_expert` with its sigmoid `shared_expert_gate`, DeepSeek's
     `shared_experts`) and dense layers (DeepSeek's `first_k_dense_replace`, Qwen2-MoE's `mlp_only_layers`) are
     left as ordinary graph nodes, which merge_projections and fuse_silu_mul (after this pass) then fuse.
@@ -61,7 +63,7 @@ Refused with a ValueError naming the field or module (never a wrong answer): a M
 know (a class named *Moe / *MoE / *MoeBlock / *Experts / *Router, or a top-k / grouped-mm op outside a known
 block), `num_experts_per_tok` outside [1, number of experts], a DeepSeek `topk_method` or `scoring_func` other
 than HF's, groups that do not divide the experts, an activation other than silu (GPT-OSS: SwiGLU constants that
-are not finite, or a limit <= 0), GPT-OSS under tensor or expert parallelism, a known block whose router or
+are not finite, or a limit <= 0), GPT-OSS under expert parallelism, a known block whose router or
 experts do not look as expected (other scoring op, no top-k of top_k, a softmax before GPT-OSS's top-k or after
 another family's, no GPT-OSS router bias, expert biases outside GPT-OSS or not where GPT-OSS adds them, another
 activation than the family's or other SwiGLU constants than the config's, weights of other shapes or dtypes).
@@ -199,13 +201,13 @@ def activation_for(config, family: MoeFamily) -> Activation:
 
 
 def check_parallelism(family: MoeFamily, ctx: PassContext) -> None:
-    """ValueError, naming the model type, for a family this pass cannot route on several ranks (GPT-OSS)."""
-    if family.experts_layout == "gpt_oss" and ctx.world_size > 1:
-        how = "expert parallelism" if ctx.expert_parallel else "tensor parallelism"
+    """ValueError, naming the model type, for a family this pass cannot route under expert parallelism (GPT-OSS;
+    tensor parallelism inside its experts is supported: shard_tensor_parallel slices them by this project's plan)."""
+    if family.experts_layout == "gpt_oss" and ctx.world_size > 1 and ctx.expert_parallel:
         raise ValueError(f"route_moe: model_type {family.model_type!r} ({family.block}) is not supported with "
-                         f"{how} (world_size={ctx.world_size}): its experts' biases and interleaved gate/up layout "
-                         "are not sharded (a row-parallel down_proj_bias must be added once, not on every rank); "
-                         "run it with tensor_parallel_size=1")
+                         f"expert parallelism (world_size={ctx.world_size}): its experts' biases and interleaved "
+                         "gate/up layout are not split along the experts; run it without enable_expert_parallel "
+                         "(tensor parallelism inside the experts is supported) or with tensor_parallel_size=1")
 
 
 def routing_for(config, family: MoeFamily) -> Routing:

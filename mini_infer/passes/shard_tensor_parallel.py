@@ -23,6 +23,15 @@ For rank `ctx.rank`:
     rewrite to those blocks itself: moe_topk (every rank routes identically) + fused_moe over the rank's experts
     with the map of global ids to them; the graph it leaves runs and gives the model's logits, and the route_moe
     pass later finds those blocks routed;
+  * GPT-OSS, under this project's plan (`tp_plan.PROJECT_PLANS`): its experts store their weights transposed,
+    `gate_up_proj` [E, H, 2I] with gate and up interleaved on the last dim and `down_proj` [E, I, H], with biases
+    `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]. "transposed_colwise" keeps the contiguous columns
+    [2rI/N, 2(r+1)I/N) of gate_up_proj's last dim and of its bias (the rank's I/N gate/up pairs),
+    "transposed_rowwise" the rows [rI/N, (r+1)I/N) of down_proj's dim 1, and "bias_once" keeps down_proj_bias on
+    rank 0 and zeros on the others: GptOssExperts adds it to each (token, slot) row before the routing weight
+    multiplies it, so it is part of the share, and the all-reduce of the shares adds it exactly once (as
+    o_proj's bias is added once, after its all-reduce). Expert parallelism is refused for these styles. The
+    per-head attention sinks ("query_heads", `self_attn.sinks` [Hq]) keep this rank's query heads;
   * lm_head is column-parallel over the vocabulary (padded to a multiple of the world size) and its selected
     logits rows are all-gathered, so every rank returns the full [1, rows, vocab]; the token embedding stays
     replicated (one full table per rank: simpler than a vocabulary-parallel lookup, which would need a mask
@@ -50,7 +59,9 @@ import mini_infer.ops.all_reduce  # noqa: F401  (registers torch.ops.mini_infer.
 from mini_infer.models.loader import host_weight
 from mini_infer.models.tp_plan import (
     EXPERTS_STYLE,
+    HEADS_STYLE,
     KV_PROJECTIONS,
+    PARAMETER_STYLES,
     STACKED_STYLES,
     TensorParallelPlan,
     local_experts,
@@ -103,7 +114,8 @@ class _Sharder:
         self.rank, self.ws = ctx.rank, ctx.world_size
         self.region: dict[fx.Node, str] = {}  # node -> "q" / "kv" / "col": downstream of a colwise linear
         self.col_sizes: dict[int, int] = {}  # out features of non-attention colwise linears -> per rank
-        self.counts = {"colwise": 0, "rowwise": 0, "views": 0, "experts": 0, "all_reduce": 0}
+        self.counts = {"colwise": 0, "rowwise": 0, "views": 0, "experts": 0, "expert_biases": 0, "heads": 0,
+                       "all_reduce": 0}
         self.rewritten: set[fx.Node] = set()  # shape nodes already given this rank's sizes
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -211,6 +223,50 @@ class _Sharder:
             new = PassContext.add_tensor(self.gm, f"{path}_tp{self.rank}", self._slice_to(value, device), before=node)
         node.replace_all_uses_with(new)
         self.counts["experts"] += 1
+
+    def transposed_expert_tensor(self, node: fx.Node, style: str) -> None:
+        """A stacked experts tensor stored transposed (GPT-OSS): "transposed_colwise" keeps the contiguous 1/N of
+        the last dim of a weight [E, in, out] or a bias [E, out] (whole gate/up pairs when they are interleaved
+        there), "transposed_rowwise" the rows r*I/N .. (r+1)*I/N - 1 of dim 1 of a weight [E, I, out], and
+        "bias_once" keeps a bias of a partial sum whole on rank 0 and zeros on the other ranks (the all-reduce of
+        the shares adds it once). ValueError under expert parallelism, which these styles do not implement."""
+        tensor, device = self._whole(node)
+        path = str(node.target)
+        if self.plan.expert_parallel:
+            raise ValueError(f"{path}: expert parallelism is not implemented for the {style!r} style (GPT-OSS's "
+                             "transposed, biased experts): run it without enable_expert_parallel")
+        if tensor.dim() not in ((3,) if style == "transposed_rowwise" else (2, 3)):
+            raise ValueError(f"{path}: {style} is supported on stacked expert weights [experts, in, out] "
+                             f"{'' if style == 'transposed_rowwise' else 'and biases [experts, out] '}"
+                             f"only, this one is {tuple(tensor.shape)}")
+        with torch.no_grad():
+            if style == "bias_once":
+                value = tensor if self.rank == 0 else torch.zeros(tensor.shape, dtype=tensor.dtype)
+            else:
+                dim = 1 if style == "transposed_rowwise" else tensor.dim() - 1
+                size, parts = tensor.shape[dim], 1 if style == "transposed_rowwise" else 2  # gate/up pairs whole
+                if size % (parts * self.ws):
+                    raise ValueError(f"{path}: tensor_parallel_size={self.ws} does not divide its expert "
+                                     f"intermediate size {size // parts}")
+                n = size // self.ws
+                value = tensor.narrow(dim, self.rank * n, n)
+            new = PassContext.add_tensor(self.gm, f"{path}_tp{self.rank}", self._slice_to(value, device), before=node)
+        node.replace_all_uses_with(new)
+        self.counts["experts" if tensor.dim() == 3 else "expert_biases"] += 1
+
+    def query_heads(self, node: fx.Node) -> None:
+        """A per-query-head tensor [Hq] (GPT-OSS's attention sinks): this rank's heads r*Hq/N .. (r+1)*Hq/N - 1."""
+        tensor, device = self._whole(node)
+        p, path = self.plan, str(node.target)
+        if tensor.dim() != 1 or tensor.shape[0] != p.num_heads:
+            raise ValueError(f"{path}: {HEADS_STYLE} expects one value per query head [{p.num_heads}], this tensor "
+                             f"is {tuple(tensor.shape)}")
+        hl = p.heads_per_rank
+        with torch.no_grad():
+            value = self._slice_to(tensor[self.rank * hl:(self.rank + 1) * hl], device)
+            new = PassContext.add_tensor(self.gm, f"{path}_tp{self.rank}", value, before=node)
+        node.replace_all_uses_with(new)
+        self.counts["heads"] += 1
 
     def _local_experts(self, node: fx.Node, path: str, weight: torch.Tensor, device: torch.device) -> None:
         """Expert parallelism: this rank's experts of a stacked [E, out, in] weight, whole."""
@@ -406,9 +462,16 @@ class ShardTensorParallel(GraphPass):
         experts = sharder.experts_outputs()
         rowwise = []
         for node in list(gm.graph.nodes):
-            if node.op == "get_attr" and plan.style_of(str(node.target)) in STACKED_STYLES:
+            tensor_style = plan.style_of(str(node.target)) if node.op == "get_attr" else None
+            if tensor_style == HEADS_STYLE:
+                sharder.query_heads(node)
+                continue
+            if tensor_style in PARAMETER_STYLES:
                 self._check_inside_experts(node, experts)
-                sharder.stacked_expert_weight(node, plan.style_of(str(node.target)))
+                if tensor_style in STACKED_STYLES:
+                    sharder.stacked_expert_weight(node, tensor_style)
+                else:
+                    sharder.transposed_expert_tensor(node, tensor_style)
                 continue
             if node is head or not is_op(node, aten.linear.default):
                 continue
@@ -428,8 +491,7 @@ class ShardTensorParallel(GraphPass):
                              f"{sharder.counts['colwise']} colwise and {len(rowwise)} rowwise linears of the graph")
         if experts and sharder.counts["experts"] != 2 * len(experts):
             raise ValueError(f"shard_tensor_parallel: {len(experts)} experts modules but {sharder.counts['experts']} "
-                             "stacked expert weights split (expected a packed_colwise gate_up_proj and a rowwise "
-                             "down_proj each)")
+                             "stacked expert weights split (expected a gate_up_proj and a down_proj each)")
         sharder.tag_regions(set(rowwise) | {head})
         unfed = [n.name for n in rowwise if n.args[0] not in sharder.region]
         if unfed:
@@ -442,11 +504,13 @@ class ShardTensorParallel(GraphPass):
             routed = f"; {RouteMoe().apply(gm, ctx).num_matches} MoE blocks routed over this rank's experts"
         head_note = sharder.lm_head(head)
         c = sharder.counts
-        moe = f", {len(experts)} MoE experts modules ({c['experts']} stacked weights{self._split(plan, ctx)})" \
-            if experts else ""
-        note = (f"{c['colwise']} colwise, {c['rowwise']} rowwise{moe}, {c['all_reduce']} all_reduce, {c['views']} "
+        biases = f", {c['expert_biases']} expert biases" if c["expert_biases"] else ""
+        moe = f", {len(experts)} MoE experts modules ({c['experts']} stacked weights{biases}" \
+              f"{self._split(plan, ctx)})" if experts else ""
+        heads = f", {c['heads']} per-head tensors" if c["heads"] else ""
+        note = (f"{c['colwise']} colwise, {c['rowwise']} rowwise{moe}{heads}, {c['all_reduce']} all_reduce, {c['views']} "
                 f"shape args{routed}; {head_note}")
-        return PassResult(c["colwise"] + c["rowwise"] + c["experts"] + 1, note)
+        return PassResult(c["colwise"] + c["rowwise"] + c["experts"] + c["expert_biases"] + c["heads"] + 1, note)
 
     @staticmethod
     def _split(plan: TensorParallelPlan, ctx: PassContext) -> str:

@@ -9,6 +9,9 @@
   the same presets; rank 0 compiled from a checkpoint holds experts 0 .. E/2-1 whole and nothing of the others
   (the checkpoint's bytes of those experts exactly); `dump-graph -tp 2 --enable-expert-parallel` shows them, the
   expert map and the same collectives; a size that does not divide the experts is refused at start-up.
+* GPT-OSS (this project's tp plan) from a checkpoint, rank 1 of 2: the loader leaves on the host exactly what the
+  pass slices, and the compiled graph reads its heads' sinks, its half of every expert's intermediate size and a
+  zero down bias (rank 0 adds it once).
 """
 
 from __future__ import annotations
@@ -146,3 +149,40 @@ def test_dump_graph_shows_the_experts_shard_and_the_collectives(mixtral_checkpoi
     assert final.count("mini_infer.all_reduce_sum.default(") == 2 * layers  # attention + MoE block
     assert final.count("_c10d_functional.all_gather_into_tensor.default(") == 1
     assert final.count("mini_infer.fused_moe.default(") == layers
+
+
+def test_gpt_oss_rank_loads_and_compiles_its_slices(tmp_path):
+    """GPT-OSS (this project's tp plan) from a checkpoint with large biases and sinks, rank 1 of 2: the loader
+    leaves on the host exactly what the pass slices (q/k/v weights and biases, o_proj's weight, the sinks, the
+    four expert tensors, lm_head), and the compiled graph reads heads 2, 3 of the sinks, the second half of every
+    expert's intermediate size (whole gate/up pairs of the interleaved gate_up_proj) and a zero down bias (rank 0
+    adds it, once)."""
+    from mini_infer.models.loader import build_random_model
+    from tests.passes.test_shard_tensor_parallel import _large_gpt_oss_biases
+
+    src = build_random_model(preset_config("tiny-gpt-oss"), torch.float32, torch.device("cpu"), seed=0)
+    _large_gpt_oss_biases(src)
+    src.save_pretrained(tmp_path)
+    whole = dict(src.named_parameters())
+    loaded = load_model(str(tmp_path), device="cpu", tensor_parallel_size=2)
+    sliced = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+              "o_proj.weight", "self_attn.sinks", "experts.gate_up_proj", "experts.gate_up_proj_bias",
+              "experts.down_proj", "experts.down_proj_bias")
+    assert sorted(shard_placeholders(loaded.model)) == sorted(
+        n for n in whole if n.endswith(sliced) or n == "lm_head.weight")
+    gm = compile_model(loaded.model, rank=1, world_size=2).graph_module
+    moe = [n for n in gm.graph.nodes if n.meta.get("op") is torch.ops.mini_infer.fused_moe.default]
+    assert len(moe) == loaded.model.config.num_hidden_layers
+    sinks = [PassContext.tensor_of(gm, a) for n in gm.graph.nodes for a in n.args
+             if isinstance(a, torch.fx.Node) and a.op == "get_attr" and "sinks" in str(a.target)]
+    assert len(sinks) == len(moe)
+    for i, (n, s) in enumerate(zip(moe, sinks, strict=True)):
+        p = f"model.layers.{i}.mlp.experts."
+        assert torch.equal(s, whole[f"model.layers.{i}.self_attn.sinks"][2:])
+        two_i = whole[p + "gate_up_proj"].shape[2]
+        gate_up, bias = whole[p + "gate_up_proj"][..., two_i // 2:], whole[p + "gate_up_proj_bias"][:, two_i // 2:]
+        w13, w2, b13, b2 = (PassContext.tensor_of(gm, n.args[j]) for j in (3, 4, 7, 8))
+        assert torch.equal(w13, torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], 2).transpose(1, 2))
+        assert torch.equal(b13, torch.cat([bias[:, ::2], bias[:, 1::2]], 1))
+        assert torch.equal(w2, whole[p + "down_proj"][:, two_i // 4:].transpose(1, 2))
+        assert not b2.any() and whole[p + "down_proj_bias"].abs().max() > 1

@@ -6,7 +6,7 @@ SwiGLU clamps bite: the graph (one match per layer, HF's routing and grouped-mm 
 activation arguments, the experts re-laid into fused_moe's layout with HF's originals dropped and the same weight
 bytes), logits against the captured graph without the pass and against eager HF (fp32, a config variant with
 other SwiGLU constants and top-3, bf16 through aten._grouped_mm, the graph bound to the Triton kernels under the
-interpreter), and the refusals (tensor / expert parallelism, SwiGLU constants, a router or experts that are not
+interpreter), and the refusals (expert parallelism, SwiGLU constants, a router or experts that are not
 GPT-OSS's). The model keeps its random attention sinks (capture passes them to the attention op).
 """
 
@@ -144,15 +144,19 @@ def test_weight_bytes_are_the_captured_graphs():
     assert _compile(model, ["cleanup", "route_moe"]).weight_bytes == _compile(model, ["cleanup"]).weight_bytes
 
 
-def test_refused_before_capture_under_tensor_and_expert_parallelism():
+def test_refused_before_capture_under_expert_parallelism():
+    """Expert parallelism is refused (before capture too); tensor parallelism inside the experts is not (its
+    numbers: tests/passes/test_shard_tensor_parallel.py, on two gloo ranks)."""
     config = _base()[0].config
-    for expert_parallel, how in ((False, "tensor parallelism"), (True, "expert parallelism")):
-        ctx = PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2, expert_parallel=expert_parallel,
-                          applied=["cleanup"])
-        with pytest.raises(ValueError, match=rf"model_type 'gpt_oss' \(GptOssMLP\) is not supported with {how}"):
-            RouteMoe().check_context(ctx)
-        with pytest.raises(PassError, match="'gpt_oss'.*tensor_parallel_size=1"):
-            PassManager([RouteMoe()]).run(copy_gm(_base()[1]), ctx)
+    ctx = PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2, expert_parallel=True,
+                      applied=["cleanup"])
+    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' \(GptOssMLP\) is not supported with expert "
+                                         r"parallelism"):
+        RouteMoe().check_context(ctx)
+    with pytest.raises(PassError, match="'gpt_oss'.*without enable_expert_parallel"):
+        PassManager([RouteMoe()]).run(copy_gm(_base()[1]), ctx)
+    RouteMoe().check_context(PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2,
+                                         applied=["cleanup"]))
 
 
 # -- logits ---------------------------------------------------------------------------------------------------

@@ -10,15 +10,19 @@ block whose output is a sum of shares gets one all-reduce of that output (tiny-q
 sharded too), and one whose output adds a replicated value to a share all-reduces the share (tiny-qwen2-moe with
 transformers' plan, which leaves the shared expert replicated). With expert parallelism rank 1 keeps experts
 E/2 .. E-1 whole (half the expert bytes), fused_moe maps the router's ids to them, and the pass routes the blocks.
-Refusals name the field: no tp plan, heads or KV heads that do not split, latent attention, expert-parallel
+GPT-OSS (this project's plan, tp_plan.PROJECT_PLANS, since transformers' splits no attention): each rank's attention op
+reads its heads' sinks, fused_moe its contiguous columns of the interleaved gate_up_proj and its bias (whole
+gate/up pairs), its rows of down_proj, and down_proj_bias on rank 0 only (zeros on rank 1); expert parallelism is
+refused. Refusals name the field: no tp plan, heads or KV heads that do not split, latent attention, expert-parallel
 styles, more ranks than GPUs, a world size > 1 without a sharding pass, experts that do not split over the ranks
 under expert parallelism.
 
 On two gloo ranks (tests/distributed/helpers.py `run_ranks`), for every dense and MoE tiny preset (DeepSeek's
 latent attention is refused) plus a llama with one KV head (replicated on both ranks) and a vocabulary of 511
 (padded to 512), tiny-qwen2-moe with its shared expert sharded, and tiny-qwen3-moe with a dense first layer
-(`mlp_only_layers`): the pass alone and the full pipeline give eager HF's logits on both ranks, and the same as the
-TP=1 pipeline; the same for the MoE ones with expert parallelism.
+(`mlp_only_layers`), and tiny-gpt-oss as initialized and with large random biases and sinks (a down bias added on
+every rank, or sinks not split by head, is far off): the pass alone and the full pipeline give eager HF's logits on
+both ranks, and the same as the TP=1 pipeline; the same for the MoE ones (not GPT-OSS) with expert parallelism.
 """
 
 from __future__ import annotations
@@ -202,6 +206,86 @@ def test_moe_block_all_reduce_placement(plan, reduced):
         assert shared and all(PassContext.tensor_of(gm, n).shape[-1] == 32 for n in shared)  # 64 / 2
 
 
+def _gpt_oss_rank_graph(rank: int):
+    """(model with large biases and sinks, rank `rank` of 2's graph through the recommended pipeline, its stats)."""
+    model = build_random_model(preset_config("tiny-gpt-oss"), torch.float32, CPU, seed=0)
+    _large_gpt_oss_biases(model)
+    ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank, world_size=2)
+    gm = capture(model)
+    stats = PassManager(recommended_passes(ctx)).run(gm, ctx)
+    return model, gm, stats
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpt_oss_rank_keeps_its_heads_sinks_and_expert_slices(rank):
+    """GPT-OSS under the project's plan, rank r of 2: the attention op reads sinks of heads 2r, 2r+1; fused_moe reads
+    columns [2rI/2, 2(r+1)I/2) of gate_up_proj [E, H, 2I] and of its bias (whole gate/up pairs, de-interleaved),
+    rows [rI/2, (r+1)I/2) of down_proj [E, I, H], and down_proj_bias whole on rank 0, zeros on rank 1 (added once
+    by the all-reduce); one all-reduce per attention and per MoE block."""
+    model, gm, stats = _gpt_oss_rank_graph(rank)
+    counts = op_counts(gm)
+    assert counts[mi.all_reduce_sum.default] == 2 * L and counts[mi.fused_moe.default] == L
+    note = next(s.note for s in stats if s.name == "shard_tensor_parallel")
+    assert f"{L} MoE experts modules ({2 * L} stacked weights, {2 * L} expert biases" in note
+    assert f"{L} per-head tensors" in note
+    attention = [n for n in gm.graph.nodes if "attention" in str(n.target) and n.op == "call_function"
+                 and n.args and isinstance(n.args[-1], torch.fx.Node) and "sinks" in str(n.args[-1].target)]
+    fused = [n for n in gm.graph.nodes if n.target is mi.fused_moe.default]
+    assert len(attention) == len(fused) == L
+    for layer, attn, moe in zip(model.model.layers, attention, fused, strict=True):
+        sinks = PassContext.tensor_of(gm, attn.args[-1])
+        assert torch.equal(sinks, layer.self_attn.sinks[2 * rank:2 * rank + 2])
+        experts = layer.mlp.experts
+        two_i = experts.gate_up_proj.shape[2]
+        n, inter = two_i // 2, two_i // 4  # this rank's columns of the interleaved 2I, its I/2
+        gate_up = experts.gate_up_proj[..., rank * n:(rank + 1) * n]
+        bias = experts.gate_up_proj_bias[:, rank * n:(rank + 1) * n]
+        w13, w2, b13, b2 = (PassContext.tensor_of(gm, moe.args[i]) for i in (3, 4, 7, 8))
+        assert torch.equal(w13, torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], 2).transpose(1, 2))
+        assert torch.equal(b13, torch.cat([bias[:, ::2], bias[:, 1::2]], 1))
+        assert torch.equal(w2, experts.down_proj[:, rank * inter:(rank + 1) * inter].transpose(1, 2))
+        down_bias = experts.down_proj_bias
+        assert down_bias.abs().max() > 1
+        assert torch.equal(b2, down_bias if rank == 0 else torch.zeros_like(down_bias))
+
+
+def test_gpt_oss_project_plan():
+    """transformers' gpt_oss plans split no attention (5.24: embed_tokens only; 5.17: none), so the project's plan
+    is used; a gpt_oss config whose plan splits attention keeps its own; the project's styles are refused in a
+    config's plan; expert parallelism is refused (at start-up by the plan, before capture by route_moe, and by
+    the shard pass)."""
+    from mini_infer.models.tp_plan import PROJECT_PLANS
+    from mini_infer.passes.route_moe import RouteMoe
+
+    for plan in ({"embed_tokens": "embedding_rowwise"}, None):
+        tp = tensor_parallel_plan(_config("tiny-gpt-oss", base_model_tp_plan=plan), 2)
+        assert tp.styles == PROJECT_PLANS["gpt_oss"]
+        assert tp.slices("model.layers.0.self_attn", "sinks") and tp.slices("model.layers.1.mlp.experts",
+                                                                             "down_proj_bias")
+        assert not tp.slices("model.layers.0.mlp.router", "weight")  # the router is replicated
+    own = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+           "layers.*.mlp.experts": "moe_tp_experts"}
+    assert tensor_parallel_plan(_config("tiny-gpt-oss", base_model_tp_plan=own), 2).styles == own
+    with pytest.raises(ValueError, match=r"\['layers.\*.self_attn.sinks'\] = 'query_heads' is not supported"):
+        tensor_parallel_plan(_config("tiny-llama", base_model_tp_plan={
+            **preset_config("tiny-llama").base_model_tp_plan, "layers.*.self_attn.sinks": "query_heads"}), 2)
+    config = preset_config("tiny-gpt-oss")
+    ctx = PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2, expert_parallel=True)
+    with pytest.raises(ValueError, match="not supported with expert parallelism"):
+        RouteMoe().check_context(ctx)
+    RouteMoe().check_context(PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2))
+    refused = r"enable_expert_parallel: model_type 'gpt_oss' is not supported with expert parallelism"
+    with pytest.raises(ValueError, match=refused):
+        tensor_parallel_plan(config, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match=refused):  # at start-up, before loading
+        check_before_load(EngineConfig(model="tiny-gpt-oss", device="cpu", tensor_parallel_size=2,
+                                       enable_expert_parallel=True))
+    check_before_load(EngineConfig(model="tiny-gpt-oss", device="cpu", tensor_parallel_size=2))
+    model = build_random_model(config, torch.float32, CPU, seed=0)
+    with pytest.raises(PassError, match=refused):
+        PassManager(resolve_passes(SHARD_ALONE)).run(capture(model), ctx)
+
+
 # -- refusals --------------------------------------------------------------------------------------------------
 
 
@@ -326,6 +410,12 @@ VARIANTS["tiny-gemma2"] = ("tiny-gemma2", {})  # attention captured as mini_infe
 VARIANTS["tiny-qwen2-moe shared expert sharded"] = ("tiny-qwen2-moe", dict(base_model_tp_plan=SHARED_SHARDED))
 VARIANTS["tiny-qwen3-moe dense layer 0"] = ("tiny-qwen3-moe", dict(mlp_only_layers=[0]))  # a dense MLP, then MoE
 VARIANTS["tiny-qwen2-moe transformers 5.17 plans"] = ("tiny-qwen2-moe", PLANS_5_17)  # experts only in the ep plan
+# GPT-OSS under this project's plan (tp_plan.PROJECT_PLANS): attention with biases and sinks, transposed experts
+# with biases; once as initialized, once with large router / expert biases and sinks (`_large_gpt_oss_biases`:
+# a down bias added on every rank, or sinks not sliced per rank, would be far off)
+VARIANTS["tiny-gpt-oss"] = ("tiny-gpt-oss", {})
+VARIANTS["tiny-gpt-oss large biases and sinks"] = ("tiny-gpt-oss", {})
+LARGE_BIASES = {"tiny-gpt-oss large biases and sinks"}
 # tied embeddings with the plan entry transformers 5.17 adds for them (kept whole on every rank), and as many
 # query heads as the head dim (16): the views' last size is the head dim, the others the heads
 VARIANTS["tiny-llama tied, 5.17 embedding plan, heads == head_dim"] = ("tiny-llama", dict(
@@ -346,6 +436,8 @@ def _errors(rank: int, world_size: int) -> dict:
     out: dict = {"tp": {}, "ep": {}}
     for label, (preset, fields) in VARIANTS.items():
         model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
+        if label in LARGE_BIASES:
+            _large_gpt_oss_biases(model)
         captured = capture(model)
         num, start = 11, 5
         ids = random_ids(num, seed=1) % model.config.vocab_size
@@ -366,6 +458,25 @@ def _errors(rank: int, world_size: int) -> dict:
             row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
             out[key][label] = row
     return out
+
+
+def _large_gpt_oss_biases(model, seed: int = 1) -> None:
+    """GPT-OSS's biases and sinks set to large random values (seeded): attention q/k/v/o biases, the router's
+    bias, gate_up_proj_bias (std 4: both SwiGLU clamps bite), down_proj_bias (std 2) and the sinks (std 2)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fill(t: torch.Tensor, std: float) -> None:
+        t.copy_(torch.randn(t.shape, generator=g) * std)
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, experts = layer.self_attn, layer.mlp.experts
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                fill(proj.bias, 1.0)
+            fill(attn.sinks, 2.0)
+            fill(layer.mlp.router.bias, 1.0)
+            fill(experts.gate_up_proj_bias, 4.0)
+            fill(experts.down_proj_bias, 2.0)
 
 
 def _pipeline_logits(model, captured, ids, pos, kind: str, rank: int, size: int, expert_parallel: bool):
