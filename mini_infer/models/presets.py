@@ -7,9 +7,20 @@ describes configs; building and materializing models is loader.py's job.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
+
+# what gpt-oss-20b's and gpt-oss-120b's published configs share
+_GPT_OSS = dict(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+    rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                           truncate=False, original_max_position_embeddings=4096),
+    rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False, eos_token_id=200002,
+    pad_token_id=199999, torch_dtype="bfloat16",
+)
 
 # model_type, then config fields as in each model's published config.json.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -82,15 +93,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
     ),
-    "gpt-oss-20b": dict(
-        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-        sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0,
-        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                          original_max_position_embeddings=4096),
-        rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False, eos_token_id=200002,
-        pad_token_id=199999, torch_dtype="bfloat16",
-    ),
+    # GPT-OSS: about 21B and 117B parameters (42 and 234 GB in bf16; the 120b needs -tp 2 on H200s)
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }
 
 _TINY_COMMON = dict(
@@ -151,7 +156,7 @@ def preset_config(name: str) -> PretrainedConfig:
     """Return the transformers config for preset `name`; ValueError listing valid names if unknown."""
     if name not in ALL_PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(preset_names())}")
-    fields = dict(ALL_PRESETS[name])
+    fields = copy.deepcopy(ALL_PRESETS[name])  # (transformers writes rope_theta into a rope_scaling dict it is given)
     model_type = fields.pop("model_type")
     dtype = fields.pop("torch_dtype")
     config = AutoConfig.for_model(model_type, **fields)

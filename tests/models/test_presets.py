@@ -1,6 +1,8 @@
 """Presets: every named config builds with its model_type and published fields; tiny presets keep the
 features the passes must handle; unknown names list the valid ones. Only configs are built here."""
 
+import copy
+
 import pytest
 import torch
 
@@ -99,3 +101,12 @@ def test_build_random_model_rejects_non_causal_config():
     config = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
     with pytest.raises(ValueError, match="not a causal language model"):
         build_random_model(config, torch.float32, torch.device("cpu"))
+
+
+def test_building_a_config_leaves_the_presets_as_written():
+    """transformers writes rope_theta into the rope_scaling dict it is given: each config gets a copy, so the table
+    (and the gpt-oss presets' shared YaRN dict) stays as written."""
+    before = copy.deepcopy(ALL_PRESETS)
+    for name in ("llama-3.1-8b", "gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"):
+        preset_config(name)
+    assert ALL_PRESETS == before
