@@ -37,13 +37,15 @@ from mini_infer.ops._triton_support import HAS_TRITON, await_producers, pdl_args
 if HAS_TRITON:
     from mini_infer.ops.linear import gemv_step
 
-__all__ = ["ACTIVATION_IDS", "MOE_GEMV_MAX_PAIRS", "GemvTile", "MoeGemvConfig", "epilogue_args", "moe_gemv_config",
-           "moe_gemv_tiles", "moe_gemv_triton"]
+__all__ = ["ACTIVATION_IDS", "MOE_GEMV_MAX_PAIRS", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "GemvTile", "MoeGemvConfig",
+           "epilogue_args", "moe_gemv_config", "moe_gemv_tiles", "moe_gemv_triton"]
 
 
 # The kernels' ACTIVATION switch (a constexpr) for fused_moe's `activation` argument; 0 (silu) is the default of
 # every kernel, whose code is then the same as before the switch existed.
 ACTIVATION_IDS = {"silu": 0, "swigluoai": 1}
+# "swigluoai"'s constants where none are given: GPT-OSS's (every published config; transformers 5.17 hard-codes them)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ if HAS_TRITON:
         x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
         stride_xm, stride_we, stride_wn, bias_ptr,
         HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-        HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702,
-        LIMIT: tl.constexpr = 7.0,
+        HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = SWIGLU_ALPHA,
+        LIMIT: tl.constexpr = SWIGLU_LIMIT,
     ):  # fmt: skip
         """act[p, n-tile] = silu(W1[e] x[t]) * (W3[e] x[t]) for pair p = program_id(0), t = p // top_k: the
         tile's BLOCK_N gate rows and BLOCK_N up rows (I further down) as one [2 BLOCK_N] stack. HAS_BIAS: the
@@ -212,7 +214,8 @@ if HAS_TRITON:
 def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     map_ptr: torch.Tensor, num_global: int, has_map: bool, config: MoeGemvConfig,
                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                    activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+                    activation: str = "silu", swiglu_alpha: float = SWIGLU_ALPHA,
+                    swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """The decode path (module docstring) for validated arguments: x [T, H] with unit column stride, weights and
     ids flat [T*k] contiguous, w13 [E, 2I, H] and w2 [E, H, I] with unit last stride, the optional biases
     [E, 2I] / [E, H] contiguous; `map_ptr` / `num_global` / `has_map` as fused_moe.py's `_map_args` gives them;
@@ -237,8 +240,8 @@ def moe_gemv_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     return out
 
 
-def epilogue_args(bias: torch.Tensor | None, activation: str = "silu", swiglu_alpha: float = 1.702,
-                   swiglu_limit: float = 7.0) -> dict:
+def epilogue_args(bias: torch.Tensor | None, activation: str = "silu", swiglu_alpha: float = SWIGLU_ALPHA,
+                   swiglu_limit: float = SWIGLU_LIMIT) -> dict:
     """The kernels' constexpr switches for a bias (None: none; the kernel then gets None for its pointer, which
     Triton specializes away) and, for a gate/up kernel, an activation: only those that differ from the kernels'
     defaults, so that a call without bias with silu launches exactly the kernels it launched before they existed."""

@@ -108,6 +108,8 @@ import torch.nn.functional as F
 
 from mini_infer.ops._moe_gemv import (
     ACTIVATION_IDS,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
     MoeGemvConfig,
     epilogue_args,
     moe_gemv_config,
@@ -238,7 +240,8 @@ def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None,
                 w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> tuple[int, int, int, int, int]:
+                swiglu_alpha: float = SWIGLU_ALPHA,
+                swiglu_limit: float = SWIGLU_LIMIT) -> tuple[int, int, int, int, int]:
     """Validate shapes and dtypes (ValueError naming the argument); returns (T, H, E, I, k)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -305,7 +308,7 @@ def _gate_activation_reference(gate_up: torch.Tensor, inter: int, activation: st
 def fused_moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                         w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                         w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+                        swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """Plain torch: for each (local) expert in use, its rows through gate/up (+ bias), the activation (rounded to
     hidden's dtype), down (+ bias), times the routing weight, added into an fp32 [T, H] accumulator."""
     t, h, e, inter, k = _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias,
@@ -497,7 +500,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, PRELOAD: tl.constexpr, USE_GDC: tl.constexpr,
         B_EVICT: tl.constexpr = "", MERGE_SLOTS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
-        ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0,
+        ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = SWIGLU_ALPHA, LIMIT: tl.constexpr = SWIGLU_LIMIT,
     ):  # fmt: skip
         """C[pair] = A[pair // rows_per_a] @ B[expert].T for the BLOCK_M expert-sorted pairs of one block.
         GATED: B holds gate rows [0, n_out) and up rows [n_out, 2 n_out) (up_offset = n_out * stride_bn);
@@ -822,7 +825,7 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                     swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
                      config: MoeTileConfig | MoeGemvConfig | None = None,
                      pair_blocks: bool | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync (module docstring). A `MoeGemvConfig` runs
@@ -896,7 +899,7 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+              swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """The routed experts (module docstring): Triton on CUDA when available, else the torch reference. The
     arguments after expert_map (biases, SwiGLU constants) are optional, so the five- and seven-argument calls of
     the families without them are unchanged."""
@@ -910,7 +913,8 @@ def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 @fused_moe.register_fake
 def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
       activation: str = "silu", expert_map: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
-      w2_bias: torch.Tensor | None = None, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+      w2_bias: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
+      swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     _check_args(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias, w2_bias, swiglu_alpha,
                 swiglu_limit)
     return hidden.new_empty(hidden.shape)

@@ -84,6 +84,7 @@ import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401
 from mini_infer.models.tp_plan import local_experts, num_routed_experts
+from mini_infer.ops._moe_gemv import SWIGLU_ALPHA, SWIGLU_LIMIT
 from mini_infer.ops.moe_topk import check_moe_topk_args
 from mini_infer.passes.base import GraphPass, PassContext, PassResult, erase_dead
 from mini_infer.passes.pattern import aten, dtype, is_op, module_chain, same_shape, shape
@@ -176,8 +177,8 @@ class Activation:
     """fused_moe's activation arguments for one model."""
 
     name: str  # "silu" or "swigluoai"
-    alpha: float = 1.702  # SwiGLU constants (read by fused_moe only with "swigluoai")
-    limit: float = 7.0
+    alpha: float = SWIGLU_ALPHA  # SwiGLU constants (read by fused_moe only with "swigluoai")
+    limit: float = SWIGLU_LIMIT
 
 
 def activation_for(config, family: MoeFamily) -> Activation:
@@ -190,7 +191,7 @@ def activation_for(config, family: MoeFamily) -> Activation:
     values = {}
     # HF's GptOssExperts reads both from the config; transformers 5.17 has neither field and hard-codes these
     # defaults in the module. Either way _check_swiglu finds the same constants in the graph, or refuses.
-    for field, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+    for field, default in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
         v = getattr(config, field, default)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"route_moe: config.{field}={v!r}; expected a finite float")
