@@ -63,10 +63,10 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t = time.perf_counter()
     if with_:  # the recommended pipeline (compile_model's for this model), then the opt-in passes named
-        from mini_infer.passes import PassContext, recommended_passes
+        from mini_infer.passes import PassContext, add_passes, recommended_passes
 
         ctx = PassContext(config=loaded.model.config, device=torch.device("cuda"), dtype=torch.float32)
-        passes = [*recommended_passes(ctx), *with_]
+        passes = add_passes(recommended_passes(ctx), with_)
     compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
     if reference_ops:

@@ -185,13 +185,15 @@ def variant_runs(first_passes: list, without: str | None, with_: str | None, swi
     """The engines built after the first one, in order, as (tag, passes or None for the first engine's, switch or
     None): each round (the first engine again from the second round on) then every variant (`--without`, `--with`,
     each `--switch`); nothing when there is no variant."""
+    from mini_infer.passes import add_passes
+
     variants = []
     if without:
         off = without.split(",")
         variants.append((f",without={'+'.join(off)}", [p for p in first_passes if p not in off], None))
     if with_:
         on = with_.split(",")
-        variants.append((f",with={'+'.join(on)}", [*first_passes, *on], None))
+        variants.append((f",with={'+'.join(on)}", add_passes(first_passes, on), None))
     variants += [(f",{switch}", None, switch) for switch in switches]
     runs = []
     for rnd in range(rounds if variants else 0):

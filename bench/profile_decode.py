@@ -59,14 +59,14 @@ def profile(args: argparse.Namespace) -> None:
         # --without's, plus --with's
         from mini_infer.models.loader import resolve_dtype
         from mini_infer.models.model_info import inspect_model
-        from mini_infer.passes import PassContext, recommended_passes
+        from mini_infer.passes import PassContext, add_passes, recommended_passes
 
         off = set(args.without.split(",")) if args.without else set()
         config, device = inspect_model(args.model, count_weights=False).config, torch.device("cuda")
         ctx = PassContext(config=config, device=device, dtype=resolve_dtype("auto", config, device),
                           quantization=args.quantization)
         passes = [p.name for p in recommended_passes(ctx) if p.name not in off]
-        passes += args.with_.split(",") if args.with_ else []
+        passes = add_passes(passes, args.with_.split(",") if args.with_ else [])
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + args.steps + 64,
               quantization=args.quantization, passes=passes, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine

@@ -109,14 +109,16 @@ def test_rounds_alternate_every_variant(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import latency
 
-    first = ["a", "b", "c"]
-    runs = latency.variant_runs(first, "b", "d", ["linear.X=0"], 2)
-    assert runs == [(",without=b", ["a", "c"], None), (",with=d", ["a", "b", "c", "d"], None),
-                    (",linear.X=0", None, "linear.X=0"), (",round=2", None, None),
-                    (",without=b,round=2", ["a", "c"], None), (",with=d,round=2", ["a", "b", "c", "d"], None),
-                    (",linear.X=0,round=2", None, "linear.X=0")]
+    first = ["cleanup", "fuse_silu_mul", "paged_attention"]
+    added = ["cleanup", "fuse_silu_mul", "fuse_gelu_mul", "paged_attention"]  # --with places a pass by its stage
+    runs = latency.variant_runs(first, "fuse_silu_mul", "fuse_gelu_mul", ["linear.X=0"], 2)
+    assert runs == [(",without=fuse_silu_mul", ["cleanup", "paged_attention"], None),
+                    (",with=fuse_gelu_mul", added, None), (",linear.X=0", None, "linear.X=0"), (",round=2", None, None),
+                    (",without=fuse_silu_mul,round=2", ["cleanup", "paged_attention"], None),
+                    (",with=fuse_gelu_mul,round=2", added, None), (",linear.X=0,round=2", None, "linear.X=0")]
     assert latency.variant_runs(first, None, None, [], 3) == []
-    assert latency.variant_runs(first, "a,c", None, [], 1) == [(",without=a+c", ["b"], None)]
+    assert latency.variant_runs(first, "cleanup,paged_attention", None, [], 1) == [
+        (",without=cleanup+paged_attention", ["fuse_silu_mul"], None)]
 
 
 def test_each_engine_is_reported_as_soon_as_it_is_timed(monkeypatch, capsys):

@@ -9,7 +9,7 @@ from hypothesis import given
 
 import mini_infer.compiler as compiler
 from mini_infer.compiler import CompiledModel, compile_model, logits_tolerance
-from mini_infer.passes import GraphPass, PassContext, PassResult, recommended_passes
+from mini_infer.passes import STAGES, GraphPass, PassContext, PassResult, add_passes, recommended_passes
 from mini_infer.passes.manager import PassError
 from mini_infer.passes.route_moe import is_moe_config
 from tests.passes.helpers import (
@@ -57,6 +57,19 @@ def cached_capture(monkeypatch):
 def test_recommended_pipeline():
     ctx = PassContext(config=loaded("tiny-llama").config, device=CPU, dtype=torch.float32)
     assert [p.name for p in recommended_passes(ctx)] == PIPELINE
+
+
+def test_add_passes_places_each_by_stage():
+    """An opt-in pass joins a pipeline after the passes of its own and earlier stages, names and instances kept."""
+    ctx = PassContext(config=loaded("tiny-llama").config, device=CPU, dtype=torch.float32)
+    pipeline = recommended_passes(ctx)
+    added = add_passes(pipeline, ["fuse_gelu_mul"])
+    fusion_end = max(i for i, p in enumerate(pipeline) if STAGES.index(p.stage) <= STAGES.index("fusion"))
+    assert added[:fusion_end + 1] == pipeline[:fusion_end + 1]
+    assert added[fusion_end + 1] == "fuse_gelu_mul" and added[fusion_end + 2:] == pipeline[fusion_end + 1:]
+    assert add_passes(["paged_attention"], ["cleanup"]) == ["cleanup", "paged_attention"]
+    with pytest.raises(ValueError, match="unknown pass 'fuse_everything'"):
+        add_passes(pipeline, ["fuse_everything"])
 
 
 def test_logits_tolerance():

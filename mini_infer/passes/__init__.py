@@ -68,5 +68,15 @@ def recommended_passes(ctx: PassContext) -> list[GraphPass]:
     return sorted(chosen, key=lambda p: STAGES.index(p.stage))  # stable: registration order within a stage
 
 
-__all__ = ["PASSES", "STAGES", "GraphPass", "PassConfigError", "PassContext", "PassResult", "recommended_passes",
-           "register_pass", "resolve_passes"]
+def add_passes(pipeline, extra) -> list:
+    """`pipeline` (names or instances, in stage order) with the `extra` passes (names or instances) added, each
+    placed after the pipeline's passes of its own and earlier stages: how an opt-in pass joins the recommended
+    pipeline. Items come back as given; ValueError naming an unknown pass."""
+    def stage(p) -> int:
+        return STAGES.index(resolve_passes([p])[0].stage if isinstance(p, str) else p.stage)
+
+    return sorted([*pipeline, *extra], key=stage)  # stable: the given order within a stage
+
+
+__all__ = ["PASSES", "STAGES", "GraphPass", "PassConfigError", "PassContext", "PassResult", "add_passes",
+           "recommended_passes", "register_pass", "resolve_passes"]

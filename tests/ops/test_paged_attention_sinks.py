@@ -185,7 +185,7 @@ def test_long_run_route_not_taken_with_sinks(monkeypatch, impl):
     runs = []
     real = _prefill_sdpa.attend_run
     monkeypatch.setattr(_prefill_sdpa, "attend_run", lambda q, *a: runs.append(q.shape[0]) or real(q, *a))
-    case = make_case([(5, 1), (13, 20), (0, 3)], device="cpu")
+    case = make_case([(5, 1), (13, 20), (0, 3)], device="cpu" if impl == "reference" else DEVICE)
     sinks = sinks_for(case)
     body = pa.paged_attention_triton_entry if impl == "triton" else pa.paged_attention_reference_entry
     whole = paged_attention_triton if impl == "triton" else paged_attention_reference
