@@ -32,11 +32,11 @@ from tests.passes.helpers import (
 )
 
 PIPELINE = ["cleanup", "select_logits", "fuse_rmsnorm", "fuse_gemma_rmsnorm", "fuse_rotary", "fuse_qk_rotary",
-            "merge_projections", "fuse_silu_mul", "paged_attention", "rotary_table", "gemv_linear"]
+            "merge_projections", "fuse_silu_mul", "fuse_gelu_mul", "paged_attention", "rotary_table", "gemv_linear"]
 # MoE models route their experts (route_moe, before merge_projections); DeepSeek's latent attention gets its own
 # attention pass, before paged_attention (which then matches nothing)
 MOE_PIPELINE = [*PIPELINE[:6], "route_moe", *PIPELINE[6:]]
-MLA_PIPELINE = [*MOE_PIPELINE[:9], "mla_latent_cache", *MOE_PIPELINE[9:]]
+MLA_PIPELINE = [*MOE_PIPELINE[:10], "mla_latent_cache", *MOE_PIPELINE[10:]]  # the attention stage's first
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,9 @@ def test_dump_dir(compiled):
     assert {p.name for p in dump.iterdir()} == expected
     rows = (dump / "summary.txt").read_text().splitlines()[2:]
     assert [r.split()[0] for r in rows] == PIPELINE
-    assert "scaled_dot_product_attention" in (dump / "09_paged_attention.before.txt").read_text()
-    assert "scaled_dot_product_attention" not in (dump / "09_paged_attention.after.txt").read_text()
+    paged = f"{PIPELINE.index('paged_attention') + 1:02d}_paged_attention"
+    assert "scaled_dot_product_attention" in (dump / f"{paged}.before.txt").read_text()
+    assert "scaled_dot_product_attention" not in (dump / f"{paged}.after.txt").read_text()
 
 
 def test_inputs_and_cache_specs(compiled):

@@ -36,11 +36,5 @@ class FuseGeluMul(GraphPass):
     stage = "fusion"
     requires = ("cleanup",)
 
-    @classmethod
-    def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        # opt-in until a GPU run shows it wins (docs/writing-a-pass.md): its kernel has not run on a GPU yet.
-        # Named in `passes=[...]` (after fuse_silu_mul's place) it runs.
-        return None
-
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(fuse_gated_products(gm, _is_gelu_tanh, ops.gelu_tanh_and_mul.default))

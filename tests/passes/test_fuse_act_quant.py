@@ -85,4 +85,4 @@ def test_default_pipeline_only_with_a_quantization_mode():
         names = [p.name for p in recommended_passes(ctx)]
         assert ("fuse_act_quant" in names) is (mode is not None)
         if mode:
-            assert names.index("fuse_act_quant") == names.index("fuse_silu_mul") + 1
+            assert names.index("fuse_act_quant") == names.index("fuse_gelu_mul") + 1 == names.index("fuse_silu_mul") + 2
