@@ -185,9 +185,12 @@ _MID_MAX_ROWS_PER_EXPERT = 64
 # instead of 32 columns, 512) +1.3-1.8% in the engine in three H200 runs (thirty-sixth and -seventh sessions), though
 # the isolated kernel (bench/kernel_moe.py, no PDL overlap) read 8% slower; at two tokens (down 128 columns) the
 # isolated kernel read 21% slower and no engine run has timed it, so more tokens keep 264. 16-column gate/up tiles
-# (_DECODE_MIN_BLOCK_N) lost 3% at one token.
+# (_DECODE_MIN_BLOCK_N) lost 3% at one token. 180 since the forty-seventh session: gpt-oss-20b's four experts then
+# take 64-column tiles (180 programs each GEMM) instead of 32 (360): 416.3 against 409.9 tok/s (H200, same run), while
+# qwen3-30b-a3b keeps its tiles (at a target of 100 its down took 128 columns, 128 programs: 372.7 against 394.1).
+# deepseek-v2-lite's down also moves from 32 columns (384 programs) to 64 (192): not yet timed.
 _DECODE_TARGET_PROGRAMS = 264
-_DECODE_TARGET_PROGRAMS_ONE_TOKEN = 200
+_DECODE_TARGET_PROGRAMS_ONE_TOKEN = 180
 _DECODE_MIN_BLOCK_N = 32  # the narrowest decode tile
 # (block_k, num_warps, num_stages) of the decode tiles' gate/up and down GEMMs. One token's gate/up GEMM keeps four
 # K steps in flight: qwen3-30b-a3b batch 1 389.8 / 389.3 against 384.9 / 384.8 tok/s (H200, thirty-seventh session;

@@ -294,11 +294,13 @@ def test_tile_config_by_regime():
             cfg = moe_tile_config(tokens, **shapes)
             assert cfg.block_m == block_m, (name, tokens, cfg)
             assert cfg.kind == ("decode" if block_m <= 32 else "prefill")
-    # one token: narrower output tiles, so that the few used experts' weights still spread over ~200 programs
+    # one token: narrower output tiles, so that the few used experts' weights still spread over ~180+ programs
     one = moe_tile_config(1, **qwen3)
     assert (one.gate_up.block_n, one.down.block_n) == (32, 64)  # 192 and 256 programs
     assert (one.gate_up.num_stages, one.down.num_stages) == (4, 3)  # one token: four gate/up K steps in flight
     assert moe_tile_config(1, **mixtral).down.block_n == 32
+    gpt_oss = moe_tile_config(1, num_experts=32, top_k=4, hidden=2880, inter=2880)
+    assert (gpt_oss.gate_up.block_n, gpt_oss.down.block_n) == (64, 64)  # 4 x 45 = 180 programs each, not 360
     two = moe_tile_config(2, **qwen3)
     assert (two.gate_up.block_n, two.down.block_n) == (32, 64)  # 384 and 512 programs: more tokens aim at ~264
     assert (two.gate_up.num_stages, two.down.num_stages) == (3, 3)
