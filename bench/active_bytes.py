@@ -8,6 +8,8 @@ experts, dense layers, lm_head. So
     active = all graph tensors except the embedding and position tables  -  sum over fused_moe nodes of (w13 + w2
              [+ their biases] bytes) * (E - k) / E
 
+(`fused_moe_mxfp4`, `quantization="mxfp4"`: the same with its packed blocks and scales for w13 and w2.)
+
 Read from the graph as it runs (ops bound to kernels keep the op in `node.meta["op"]`), not from the config. Stacked
 expert weights feeding any other op are an error, not a dense count. Used by bench/latency.py; runs on any device
 (no GPU needed to count).
@@ -52,21 +54,28 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     from mini_infer.passes import PassContext
     from mini_infer.passes.rotary_table import TABLE_PREFIX
 
-    fused_moe = torch.ops.mini_infer.fused_moe.default
     total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
                           if "embed_tokens" not in n and not n.startswith(TABLE_PREFIX)])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
     for node in gm.graph.nodes:
-        if not _runs(node, fused_moe):
+        op = next((op for op in _moe_ops() if _runs(node, op)), None)
+        if op is None:
             continue
-        w13, w2 = (PassContext.tensor_of(gm, node.args[i]) for i in (3, 4))
-        # per-expert biases (GPT-OSS): fused_moe's w13_bias and w2_bias, read like their experts' weights
-        biases = [PassContext.tensor_of(gm, a) for a in node.args[7:9] if isinstance(a, fx.Node)]
-        experts, top_k = w13.shape[0], node.args[2].meta["val"].shape[1]
-        idle += tensor_bytes([w13, w2, *biases]) * (experts - min(top_k, experts)) / experts
+        weight_args, bias_args = _moe_ops()[op]
+        weights = [PassContext.tensor_of(gm, node.args[i]) for i in weight_args]
+        # per-expert biases (GPT-OSS): w13_bias and w2_bias, read like their experts' weights
+        biases = [PassContext.tensor_of(gm, a) for a in node.args[bias_args] if isinstance(a, fx.Node)]
+        experts, top_k = weights[0].shape[0], node.args[2].meta["val"].shape[1]
+        idle += tensor_bytes([*weights, *biases]) * (experts - min(top_k, experts)) / experts
         layers += 1
-    _check_experts_counted(gm, fused_moe)
+    _check_experts_counted(gm)
     return TokenBytes(total, round(total - idle), layers, experts, top_k)
+
+
+def _moe_ops() -> dict:
+    """The MoE ops: {op: (arguments holding per-expert weights, slice of its per-expert bias arguments)}."""
+    ops = torch.ops.mini_infer
+    return {ops.fused_moe.default: ((3, 4), slice(7, 9)), ops.fused_moe_mxfp4.default: ((3, 4, 5, 6), slice(9, 11))}
 
 
 def _runs(node: fx.Node, op) -> bool:
@@ -74,9 +83,9 @@ def _runs(node: fx.Node, op) -> bool:
     return node.op == "call_function" and op in (node.target, node.meta.get("op"))
 
 
-def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
+def _check_experts_counted(gm: fx.GraphModule) -> None:
     """ValueError when stacked expert weights (a 3-D tensor under an `experts` module) feed a node other than
-    fused_moe: a token would read all of them by this count, and the floor would silently be a dense one's (an
+    a MoE op (`_moe_ops`): a token would read all of them by this count, and the floor would silently be a dense one's (an
     MoE op that replaced fused_moe did this once: 1 of 48 layers counted)."""
     from mini_infer.passes import PassContext
 
@@ -86,7 +95,7 @@ def _check_experts_counted(gm: fx.GraphModule, fused_moe) -> None:
         if PassContext.tensor_of(gm, node).dim() != 3:
             continue
         for user in node.users:
-            if not _runs(user, fused_moe):
+            if not any(_runs(user, op) for op in _moe_ops()):
                 raise ValueError(f"active_bytes: the stacked expert weights {node.target} feed {user.format_node()}, "
                                  "which token_bytes counts as read whole: teach it that op before trusting the floor")
 

@@ -160,7 +160,7 @@ def test_bad_setups_are_one_line_and_status_2_before_loading(no_loading, tmp_pat
                 "max-model-len too big": "max_model_len=4096", "kv-cache-memory-bytes 1": "kv_cache_memory_bytes=1",
                 "device cuda": "device='cuda'", "only config.json": "no weights",
                 "random safetensors": "model.safetensors", "missing absolute path": "no such file or directory",
-                "kv-cache-dtype fp4": "kv_cache_dtype must be one of", "quantization int4": "quantization must be one of w8a8, fp8 or None; got 'int4'"}
+                "kv-cache-dtype fp4": "kv_cache_dtype must be one of", "quantization int4": "quantization must be one of w8a8, fp8, mxfp4 or None; got 'int4'"}
     assert expected[case] in err
 
 

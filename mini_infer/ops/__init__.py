@@ -77,6 +77,10 @@ nothing from mini_infer outside this package.
 |   swiglu_limit=7.0)                                   |                     | clamped, (u + 1) * g * sigmoid(alpha g); biases       |
 |                                                       |                     | optional; expert_map: e = map[ids[t,j]], -1 = another |
 |                                                       |                     | rank's                                                |
+| fused_moe_mxfp4(hidden, topk_weights, topk_ids,       | Tensor [T, H]       | fused_moe over MXFP4 experts: w13 / w2 as uint8       |
+|   w13_blocks, w13_scales, w2_blocks, w2_scales, ...)  |                     | blocks [E, N, K/2] (two FP4 values a byte) and scales |
+|                                                       |                     | [E, N, K/32] (2^(s-127) per 32 along K); the rest as  |
+|                                                       |                     | fused_moe's                                           |
 | quantize_per_token(x, dtype)                          | (x_q, scale)        | symmetric per-row int8 / float8_e4m3fn, scale [.., 1] |
 | rms_norm_quant(x, weight, eps, dtype)                 | (x_q, scale)        | quantize_per_token(rms_norm(x, weight, eps), dtype)   |
 | fused_add_rms_norm_quant(x, residual, weight, eps,    | (x_q, scale, s)     | s = x + residual; quantize_per_token(rms_norm(s))     |
@@ -123,6 +127,7 @@ from mini_infer.ops import attention as _attention_mod
 from mini_infer.ops import fp8_linear as _fp8_linear_mod
 from mini_infer.ops import fused_add_rms_norm as _fused_add_rms_norm_mod
 from mini_infer.ops import fused_moe as _fused_moe_mod
+from mini_infer.ops import fused_moe_mxfp4 as _fused_moe_mxfp4_mod
 from mini_infer.ops import gather_rows as _gather_rows_mod
 from mini_infer.ops import gelu_tanh_and_mul as _gelu_tanh_and_mul_mod
 from mini_infer.ops import gemma_rms_norm as _gemma_rms_norm_mod
@@ -173,6 +178,7 @@ _MODULE_OF = {
     "mla_attention": _mla_attention_mod,
     "moe_topk": _moe_topk_mod,
     "fused_moe": _fused_moe_mod,
+    "fused_moe_mxfp4": _fused_moe_mxfp4_mod,
     "quantize_per_token": _quant_mod,
     "rms_norm_quant": _quant_mod,
     "fused_add_rms_norm_quant": _quant_mod,

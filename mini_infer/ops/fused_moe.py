@@ -494,6 +494,34 @@ if HAS_TRITON:
         return pair, row_ok, live, b_ptrs, expert
 
     @triton.jit
+    def _tile_of(pid, num_pid_m, n_out, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """A grouped GEMM's program -> (pid_m, pid_n): its row block and column tile, GROUP_M row blocks swizzled
+        over each column tile (neighbouring programs share B tiles in L2)."""
+        num_pid_n = tl.cdiv(n_out, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (pid % in_group) % group_rows, (pid % in_group) // group_rows
+
+    @triton.jit
+    def _bias_and_activation(acc, acc_up, expert, cols, col_ok, n_out, bias_ptr, GATED: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr,
+                             LIMIT: tl.constexpr):  # fmt: skip
+        """A grouped GEMM's epilogue before the routing weight: the block's expert's bias row(s) added to the fp32
+        accumulator(s) (HAS_BIAS; bias_ptr [E, 2 n_out] gate | up when GATED, else [E, n_out]), then, GATED, the
+        gate activation (`gate_activation`) of gate and up."""
+        if HAS_BIAS:  # a weight, so nothing here waits on the kernel before
+            if GATED:
+                bias_row = bias_ptr + expert * (2 * n_out) + cols
+                acc += tl.load(bias_row, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_row + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                acc += tl.load(bias_ptr + expert * n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc = gate_activation(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+        return acc
+
+    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
         num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_offset,
@@ -524,13 +552,8 @@ if HAS_TRITON:
         HAS_BIAS: the block's expert's bias row (bias_ptr, contiguous: [E, 2 n_out] gate | up when GATED, else
         [E, n_out]; None without a bias) added to the fp32 accumulator(s) after the K loop, before the activation
         and before MUL_WEIGHT. ACTIVATION / ALPHA / LIMIT (GATED): `gate_activation`'s (0: silu(gate) * up)."""
-        pid = tl.program_id(0)
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, n_out, BLOCK_N, GROUP_M)
         num_pid_n = tl.cdiv(n_out, BLOCK_N)
-        in_group = GROUP_M * num_pid_n
-        first_m = (pid // in_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % group_rows
-        pid_n = (pid % in_group) // group_rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_out
@@ -583,15 +606,8 @@ if HAS_TRITON:
             acc = _dot_step(a_last, b_last, acc, DOT_FP32)
             if GATED:
                 acc_up = _dot_step(a_last, b_up_last, acc_up, DOT_FP32)
-        if HAS_BIAS:  # the expert's bias (after the loop: a weight, so nothing here waits on the kernel before)
-            if GATED:
-                bias_row = bias_ptr + expert * (2 * n_out) + cols
-                acc += tl.load(bias_row, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                acc_up += tl.load(bias_row + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            else:
-                acc += tl.load(bias_ptr + expert * n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc = gate_activation(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+        acc = _bias_and_activation(acc, acc_up, expert, cols, col_ok, n_out, bias_ptr, GATED, HAS_BIAS, ACTIVATION,
+                                   ALPHA, LIMIT)  # the bias after the loop
         if MUL_WEIGHT:
             if not PRELOAD:
                 row_weight = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)

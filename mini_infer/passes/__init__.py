@@ -26,6 +26,7 @@ from mini_infer.passes.merge_projections import MergeProjections
 from mini_infer.passes.mla_latent_cache import MlaLatentCache
 from mini_infer.passes.paged_attention import PagedAttention
 from mini_infer.passes.quantize_fp8 import QuantizeFP8
+from mini_infer.passes.quantize_moe_mxfp4 import QuantizeMoeMxfp4
 from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
 from mini_infer.passes.rotary_table import RotaryTable
 from mini_infer.passes.route_moe import RouteMoe
@@ -34,7 +35,7 @@ from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 
 PASSES: dict[str, type[GraphPass]] = {
     p.name: p for p in (Cleanup, SelectLogits, ShardTensorParallel, QuantizeW8A8, QuantizeFP8, FuseRMSNorm,
-                        FuseGemmaRMSNorm, FuseRotary, FuseQKRotary, RouteMoe, MergeProjections, FuseSiluMul,
+                        FuseGemmaRMSNorm, FuseRotary, FuseQKRotary, RouteMoe, QuantizeMoeMxfp4, MergeProjections, FuseSiluMul,
                         FuseGeluMul, FuseActQuant, MlaLatentCache, PagedAttention, RotaryTable, FuseLookups, FuseRotaryAttention, FuseKVWrite, GemvLinear,
                         FuseResidualGemvs, FuseGemvNorm, FuseGateUpSilu, FuseSiluGemv, FuseNormGemv)
 }

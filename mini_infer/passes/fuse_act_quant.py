@@ -49,7 +49,7 @@ class FuseActQuant(GraphPass):
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        return cls() if ctx.quantization is not None else None
+        return cls() if ctx.quantization in ("w8a8", "fp8") else None  # the per-token activation quantizations
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph

@@ -71,7 +71,7 @@ def _is_int(v) -> bool:
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
                    "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
                    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-QUANTIZATION_MODES = ("w8a8", "fp8")
+QUANTIZATION_MODES = ("w8a8", "fp8", "mxfp4")
 
 
 def resolve_kv_cache_dtype(name: str) -> torch.dtype | None:
@@ -100,7 +100,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: the cache budget (default 1 GiB); GPU: overrides utilization
     num_kv_blocks: int | None = None  # exact block count (tests force preemption with a tiny cache)
     passes: list | None = None  # pass names and/or GraphPass instances; None: the recommended pipeline
-    quantization: str | None = None  # "w8a8" / "fp8" (vLLM's name), through the quantization passes
+    quantization: str | None = None  # "w8a8" / "fp8" / "mxfp4" (vLLM's names), through the quantization passes
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16", "float16", "float32", "fp8"
     scheduling_policy: str = "fcfs"
     seed: int = 0

@@ -8,7 +8,8 @@ two + 127), the rest in bf16, and the published config's `quantization_config`. 
 behind its `kernels` package (`quantize_to_mxfp4` calls triton_kernels' `downcast_to_mxfp_torch`, fetched from the
 hub), so `_pack_mxfp4` here is checked against its dequantizer, `convert_moe_packed_tensors`, and the packed shapes
 against its `Mxfp4GptOssExperts`. Oracles: the loaded experts equal `convert_moe_packed_tensors` of the file's
-tensors exactly, and the engine's greedy tokens equal HF `generate` on the loaded model.
+tensors exactly, and the engine's greedy tokens equal HF `generate` on the loaded model (also with the experts packed
+back to MXFP4 by quantization="mxfp4").
 """
 
 from __future__ import annotations
@@ -168,10 +169,15 @@ def test_dequantization_is_asked_for_not_left_to_the_environment(checkpoint, mon
 NEW = 8
 
 
-def test_engine_greedy_on_the_mxfp4_checkpoint_matches_hf(checkpoint):
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_engine_greedy_on_the_mxfp4_checkpoint_matches_hf(checkpoint, quantization):
+    """Dequantized, or (quantization="mxfp4") packed again at compile time, which gives the checkpoint's own values
+    back: either way HF's greedy tokens on the dequantized model."""
     engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", async_scheduling=False, num_kv_blocks=64,
-                                    block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True))
+                                    block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True,
+                                    quantization=quantization))
     assert "route_moe" in engine.compiled.context.applied
+    assert ("quantize_moe_mxfp4" in engine.compiled.context.applied) is (quantization == "mxfp4")
     prompts = random_prompts(5, (3, 13, 21))
     outs = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     hf = load_model(str(checkpoint), device="cpu").model  # (the engine lets go of the eager model it compiled)

@@ -387,7 +387,7 @@ def test_smoothing_folds():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="quantization='int4': no pass in the pipeline implements it.*'w8a8'"):
         compile_model(loaded("tiny-llama").model, quantization="int4")
-    with pytest.raises(ValueError, match="quantization must be one of w8a8, fp8 or None; got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of w8a8, fp8, mxfp4 or None; got 'int4'"):
         EngineConfig(quantization="int4")
 
 

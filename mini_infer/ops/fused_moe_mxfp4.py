@@ -1,0 +1,369 @@
+"""`mini_infer::fused_moe_mxfp4`: `mini_infer::fused_moe` with MXFP4 expert weights (weight-only, bf16/fp16/fp32
+activations): the experts read a quarter of a 16-bit expert's bytes (4.25 bits a weight).
+
+MXFP4 (OCP microscaling, the format OpenAI publishes gpt-oss in): each run of 32 consecutive weights along the
+reduction dimension K shares one power-of-two scale 2^(s - 127), s an unsigned byte (E8M0); each weight is an FP4
+E2M1 value: sign, 2 exponent bits, 1 mantissa bit, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}. A weight is
+value(nibble) * 2^(s - 127). Two weights a byte, the lower K index in the low nibble (transformers'
+`convert_moe_packed_tensors` reads gpt-oss checkpoints the same way). Shapes, for fused_moe's w13 [E, 2I, H] and
+w2 [E, H, I]:
+    w13_blocks [E, 2I, H/2] uint8, w13_scales [E, 2I, H/32] uint8, w2_blocks [E, H, I/2], w2_scales [E, H, I/32];
+H and I multiples of 32. Everything else (routing, biases, activations, expert_map, numerics) is fused_moe's
+(fused_moe.py's docstring): the result is fused_moe's on the dequantized weights, which are exact in every dtype
+whose exponent range holds 2^(s - 127) * 6 (bf16 and fp32 always; fp16 for scales near 127 only).
+
+`quantize_mxfp4` makes the blocks and scales from float weights: the scale is the smallest power of two that
+brings the group's largest magnitude to at most 6 (no value is clipped), each weight rounded to the nearest FP4
+value (ties toward zero). Weights that were MXFP4 to begin with (a gpt-oss checkpoint, dequantized at load) come
+back exactly: their values, over the new scale, are FP4 values again. `dequantize_mxfp4` is the inverse.
+
+Two implementations:
+  * `fused_moe_mxfp4_reference`: dequantizes the weights to hidden's dtype and runs `fused_moe_reference`
+    (the CPU path and the oracle; it holds a 16-bit copy of every expert while it runs).
+  * `fused_moe_mxfp4_triton`: fused_moe's grouped-GEMM path (its align step or pair-per-block mode, its tiles,
+    its slot-sum kernel) with this module's GEMM kernel, which loads each K step's packed bytes and scales and
+    decodes them to hidden's dtype in registers before the dot: the same per-pair products as fused_moe_triton
+    on the dequantized weights at the same tiles, so the same output bits. No decode GEMVs, no loads before the
+    PDL wait, no slot sum inside the down GEMM (fused_moe's MOE_PRELOAD and MOE_MERGE_SLOTS are its own), and
+    the tiles are fused_moe's bf16 ones narrowed to what builds without spills (`mxfp4_tiles`): not yet tuned
+    for this format or run on a GPU.
+
+Must not import anything from mini_infer outside `mini_infer.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from mini_infer.ops._moe_gemv import SWIGLU_ALPHA, SWIGLU_LIMIT, epilogue_args
+from mini_infer.ops._triton_support import (
+    HAS_TRITON,
+    WEIGHT_EVICTION,
+    await_producers,
+    next_pow2,
+    pdl_args,
+    tl,
+    triton,
+    use_triton,
+)
+from mini_infer.ops.fused_moe import (
+    PAIR_BLOCKS_BY_DEFAULT,
+    GemmTile,
+    MoeTileConfig,
+    _check_args,
+    _map_args,
+    _smaller_tiles,
+    fused_moe_reference,
+    moe_align_triton,
+    moe_tile_config,
+    pair_block_rows,
+    uses_pair_blocks,
+)
+
+if HAS_TRITON:
+    from mini_infer.ops.fused_moe import (
+        _a_tile,
+        _bias_and_activation,
+        _block_operands,
+        _dot_step,
+        _moe_sum_kernel,
+        _tile_of,
+    )
+
+__all__ = ["GROUP", "dequantize_mxfp4", "fused_moe_mxfp4", "fused_moe_mxfp4_reference", "fused_moe_mxfp4_triton",
+           "mxfp4_tiles", "quantize_mxfp4"]
+
+GROUP = 32  # weights a scale
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # nibble & 7 -> |value|; bit 3 is the sign
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # rounding boundaries between neighbouring magnitudes
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights [..., K] (K a multiple of 32) -> (blocks [..., K/2] uint8, scales [..., K/32] uint8): each
+    group of 32 along K scaled by the smallest power of two that brings its largest magnitude to at most 6, each
+    weight rounded to the nearest FP4 value (ties toward zero). Exact for weights that are MXFP4 values already."""
+    if w.shape[-1] % GROUP or not w.dtype.is_floating_point:
+        raise ValueError(f"quantize_mxfp4: weights must be float [..., K] with K a multiple of {GROUP}, got "
+                         f"{w.dtype} {tuple(w.shape)}")
+    groups = w.float().reshape(*w.shape[:-1], -1, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # exponent e with amax / 2^e <= 6, the smallest such (frexp: amax / 6 = m * 2^x, m in [0.5, 1): e = x, or x - 1
+    # when m == 0.5 exactly); an all-zero group takes scale 1
+    mant, expo = torch.frexp(amax / 6)
+    expo = torch.where(mant == 0.5, expo - 1, expo)
+    expo = torch.where(amax > 0, expo, torch.zeros_like(expo)).clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(groups[..., :1]), expo)
+    mag = torch.bucketize(scaled.abs().contiguous(), torch.tensor(_MIDPOINTS, device=w.device))  # 0..7; a tie goes down
+    nibble = (mag | torch.where(scaled < 0, 8, 0)).to(torch.uint8).reshape(*w.shape[:-1], -1)
+    blocks = nibble[..., 0::2] | (nibble[..., 1::2] << 4)
+    return blocks.contiguous(), (expo + 127).to(torch.uint8).squeeze(-1).contiguous()
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(blocks [..., K/2] uint8, scales [..., K/32] uint8) -> weights [..., K] of `dtype`."""
+    lut = torch.tensor(FP4_MAGNITUDES + tuple(-m for m in FP4_MAGNITUDES), dtype=torch.float32, device=blocks.device)
+    values = torch.stack((lut[(blocks & 15).long()], lut[(blocks >> 4).long()]), -1).flatten(-2)
+    groups = values.reshape(*values.shape[:-1], -1, GROUP)
+    out = torch.ldexp(groups, scales.to(torch.int32)[..., None] - 127)
+    return out.reshape(values.shape).to(dtype)
+
+
+def _check_mxfp4(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                 w2_scales: torch.Tensor) -> tuple[int, int, int]:
+    """The packed weights' shapes and dtypes (ValueError naming the argument); returns (E, H, I)."""
+    for name, x in (("w13_blocks", w13_blocks), ("w13_scales", w13_scales), ("w2_blocks", w2_blocks),
+                    ("w2_scales", w2_scales)):
+        if x.dtype != torch.uint8 or x.dim() != 3:
+            raise ValueError(f"fused_moe_mxfp4: {name} must be a 3-d uint8 tensor, got {x.dtype} {tuple(x.shape)}")
+    h = hidden.shape[-1]
+    e, two_i = w13_blocks.shape[0], w13_blocks.shape[1]
+    if h % GROUP or two_i % (2 * GROUP):
+        raise ValueError(f"fused_moe_mxfp4: H={h} and I={two_i // 2} must be multiples of {GROUP}")
+    inter = two_i // 2
+    want = {"w13_blocks": (e, two_i, h // 2), "w13_scales": (e, two_i, h // GROUP),
+            "w2_blocks": (e, h, inter // 2), "w2_scales": (e, h, inter // GROUP)}
+    for name, x in (("w13_blocks", w13_blocks), ("w13_scales", w13_scales), ("w2_blocks", w2_blocks),
+                    ("w2_scales", w2_scales)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"fused_moe_mxfp4: {name} must be {list(want[name])} (E, rows, K/2 bytes or K/{GROUP} "
+                             f"scales for H={h}, I={inter}), got {list(x.shape)}")
+    return e, h, inter
+
+
+def _stand_ins(hidden: torch.Tensor, e: int, h: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors shaped as the dequantized w13 / w2, for fused_moe's own argument checks."""
+    return (torch.empty(e, 2 * inter, h, dtype=hidden.dtype, device="meta"),
+            torch.empty(e, h, inter, dtype=hidden.dtype, device="meta"))
+
+
+def fused_moe_mxfp4_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                              w2_scales: torch.Tensor, activation: str = "silu",
+                              expert_map: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+                              w2_bias: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
+                              swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """`fused_moe_reference` on the dequantized weights."""
+    _check_mxfp4(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales)
+    w13 = dequantize_mxfp4(w13_blocks, w13_scales, hidden.dtype)
+    w2 = dequantize_mxfp4(w2_blocks, w2_scales, hidden.dtype)
+    return fused_moe_reference(hidden, topk_weights, topk_ids, w13, w2, activation, expert_map, w13_bias, w2_bias,
+                               swiglu_alpha, swiglu_limit)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp4_values(nibble):
+        """E2M1 nibbles (int32, 0..15) -> fp32 values: the magnitude's bits built directly (1.m * 2^(e-1), or
+        0.5 * m for e == 0), bit 3 to the sign bit."""
+        mag = nibble & 7
+        e = mag >> 1
+        m = mag & 1
+        bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+        return (bits | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mx_b_tile(q_ptrs, s_ptrs, col_ok, half_ok, group_ok, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+        """One K step's B tile [BLOCK_K, BLOCK_N] in OUT_DTYPE from its packed bytes (q_ptrs [BLOCK_K/2, BLOCK_N]:
+        byte i holds K rows 2i, low nibble, and 2i + 1) and scales (s_ptrs [BLOCK_K/32, BLOCK_N]); rows past K
+        (half_ok / group_ok false) read as zero."""
+        q = tl.load(q_ptrs, mask=half_ok[:, None] & col_ok[None, :], other=0, eviction_policy=EVICT).to(tl.int32)
+        s = tl.load(s_ptrs, mask=group_ok[:, None] & col_ok[None, :], other=127, eviction_policy=EVICT)
+        pairs = tl.join(_fp4_values(q & 15), _fp4_values(q >> 4))  # [BLOCK_K/2, BLOCK_N, 2]
+        values = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        return (values * scale).to(OUT_DTYPE)
+
+    @triton.jit
+    def _moe_mxfp4_gemm_kernel(
+        a_ptr, q_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weight_ptr,
+        num_pairs, n_out, k_in, rows_per_a, num_pid_m, up_rows,
+        stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_cm,
+        num_experts, map_ptr, num_global, bias_ptr,
+        GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, USE_GDC: tl.constexpr, B_EVICT: tl.constexpr = "",
+        HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = SWIGLU_ALPHA,
+        LIMIT: tl.constexpr = SWIGLU_LIMIT,
+    ):  # fmt: skip
+        """fused_moe's `_moe_gemm_kernel` (C[pair] = A[pair // rows_per_a] @ B[expert].T over one block's
+        expert-sorted pairs; GATED: B's up rows start `up_rows` rows down, C = act(gate, up); MUL_WEIGHT; bias;
+        PAIR_BLOCKS / HAS_MAP) with B in MXFP4: q_ptr the packed bytes [E, N, K/2], s_ptr the scales [E, N, K/32]."""
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, n_out, BLOCK_N, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        ks = tl.arange(0, BLOCK_K)
+        await_producers(USE_GDC)
+        padded_end = tl.load(num_padded_ptr)
+        if pid_m * BLOCK_M >= padded_end:
+            return  # past the padded end (this launch was sized for the worst case)
+        pair, row_ok, live, _, expert = _block_operands(
+            pid_m, rows, cols, ks, padded_end, sorted_ptr, block_expert_ptr, q_ptr, map_ptr, num_pairs, num_experts,
+            num_global, 0, 0, 0, BLOCK_M, PAIR_BLOCKS, HAS_MAP, MASKED=False)  # fmt: skip
+        if not live:
+            return  # (PAIR_BLOCKS) a slot with no (local) expert: its rows stay unwritten
+        a_row = (pair // rows_per_a).to(tl.int64)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
+        halves = tl.arange(0, BLOCK_K // 2)
+        groups = tl.arange(0, BLOCK_K // 32)
+        n64 = cols[None, :].to(tl.int64)
+        q_ptrs = q_ptr + expert * stride_qe + n64 * stride_qn + halves[:, None]
+        s_ptrs = s_ptr + expert * stride_se + n64 * stride_sn + groups[:, None]
+        b_dtype = a_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            k_left = k_in - k0
+            half_ok = halves * 2 < k_left
+            group_ok = groups * 32 < k_left
+            a = _a_tile(a_ptrs, row_ok, ks < k_left, False, DOT_FP32)
+            b = _mx_b_tile(q_ptrs, s_ptrs, col_ok, half_ok, group_ok, BLOCK_K, BLOCK_N, b_dtype, B_EVICT)
+            acc = _dot_step(a, b, acc, DOT_FP32)
+            if GATED:
+                b_up = _mx_b_tile(q_ptrs + up_rows * stride_qn, s_ptrs + up_rows * stride_sn, col_ok, half_ok,
+                                  group_ok, BLOCK_K, BLOCK_N, b_dtype, B_EVICT)
+                acc_up = _dot_step(a, b_up, acc_up, DOT_FP32)
+            a_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
+        acc = _bias_and_activation(acc, acc_up, expert, cols, col_ok, n_out, bias_ptr, GATED, HAS_BIAS, ACTIVATION,
+                                   ALPHA, LIMIT)
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+_TILE_OK: dict[tuple, GemmTile] = {}  # launch shapes that compiled, per (dtype, gemm, tile) key
+# The B tile is decoded in registers: fused_moe's tiles (up to 128 x 128 at 4 warps, 256 x 64 at 8) spill on sm_90
+# here (gpt-oss-20b's gate/up at T = 8: 255 registers and 1,000 bytes of stack at 128 x 128 / 4 warps). At most 64 K
+# rows, 128 columns and 8 warps they build without spills (tests/ops/compile_fused_moe_sm90.py mxfp4: 80-183
+# registers at gpt-oss's shapes, Triton 3.6). Not timed on a GPU.
+_MAX_BLOCK_K, _MAX_BLOCK_N, _NUM_WARPS = 64, 128, 8
+
+
+def mxfp4_tiles(cfg: MoeTileConfig) -> MoeTileConfig:
+    """fused_moe's tiles for a call, narrowed to what this kernel builds without spills."""
+    def narrow(tile: GemmTile) -> GemmTile:
+        return replace(tile, block_k=min(tile.block_k, _MAX_BLOCK_K), block_n=min(tile.block_n, _MAX_BLOCK_N),
+                       num_warps=_NUM_WARPS)
+
+    return replace(cfg, gate_up=narrow(cfg.gate_up), down=narrow(cfg.down))
+
+
+def _mx_grouped_gemm(a, q, s, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated,
+                     block_m, tile: GemmTile, raw_ids: tuple | None, evict: str, bias, epilogue: dict) -> None:
+    """Launch `_moe_mxfp4_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
+    mode's (local experts, map pointer, E_global, has_map)); a tile that does not fit is retried smaller."""
+    n_out = q.shape[1] // 2 if gated else q.shape[1]
+    k_in = q.shape[2] * 2
+    num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
+    key = (a.dtype, gated, n_out, k_in, block_m, tile, evict, tuple(sorted(epilogue.items())))
+    for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
+        if t.block_k < 32:
+            break
+        try:
+            _moe_mxfp4_gemm_kernel[(num_pid_m * triton.cdiv(n_out, t.block_n),)](
+                a, q, s, c, sorted_pairs, block_expert, num_padded, weights,
+                num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out,
+                a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), c.stride(0),
+                *(raw_ids[:3] if raw_ids else (0, block_expert, 0)), bias,
+                GATED=gated, MUL_WEIGHT=weights is not None, DOT_FP32=a.dtype == torch.float32 or not a.is_cuda,
+                BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids[3], B_EVICT=evict,
+                num_warps=t.num_warps, num_stages=t.num_stages, **epilogue, **pdl_args(a, trigger_first=False),
+            )  # fmt: skip
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _TILE_OK[key] = t
+        return
+    raise RuntimeError(f"fused_moe_mxfp4_triton: no tile fits for {key}")
+
+
+def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                           w2_scales: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                           w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                           swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+                           config: MoeTileConfig | None = None, pair_blocks: bool | None = None) -> torch.Tensor:
+    """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync: fused_moe_triton's grouped-GEMM path with
+    MXFP4 weights (module docstring). `config` / `pair_blocks` as fused_moe_triton takes them (None: by shape,
+    `mxfp4_tiles` of `moe_tile_config`'s)."""
+    if not HAS_TRITON:
+        raise RuntimeError("fused_moe_mxfp4_triton needs triton")
+    e, h, inter = _check_mxfp4(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales)
+    t, _, _, _, k = _check_args(hidden, topk_weights, topk_ids, *_stand_ins(hidden, e, h, inter), activation,
+                                expert_map, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    if t == 0:
+        return hidden.new_empty(0, h)
+    q13, s13, q2, s2 = (w if w.stride(2) == 1 else w.contiguous() for w in (w13_blocks, w13_scales, w2_blocks,
+                                                                              w2_scales))
+    b13, b2 = (b if b is None or b.is_contiguous() else b.contiguous() for b in (w13_bias, w2_bias))
+    num_global = e if expert_map is None else expert_map.shape[0]
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    cfg = config or mxfp4_tiles(moe_tile_config(t, num_global, k, h, inter, local_experts=e))
+    num_pairs = t * k
+    if pair_blocks is None:
+        pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(t, k, num_global)
+    if pair_blocks:
+        sorted_pairs, num_padded = pair_block_rows(num_pairs, cfg.block_m, ids.device)
+        block_expert, raw_ids = ids, (e, *_map_args(ids, expert_map), expert_map is not None)
+    else:
+        sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
+        raw_ids = None
+    evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    _mx_grouped_gemm(x, q13, s13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
+                     cfg.gate_up, raw_ids, evict, b13, epilogue_args(b13, activation, swiglu_alpha, swiglu_limit))
+    out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
+    per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
+    _mx_grouped_gemm(act, q2, s2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
+                     cfg.block_m, cfg.down, raw_ids, evict, b2, epilogue_args(b2))
+    if k > 1:
+        block = min(1024, next_pow2(h))
+        emap, n_global = _map_args(ids, expert_map)
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](
+            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
+            HAS_MAP=expert_map is not None, PRELOAD=False, num_warps=4, **pdl_args(per_slot, trigger_first=False))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The registered op.
+
+
+@torch.library.custom_op("mini_infer::fused_moe_mxfp4", mutates_args=())
+def fused_moe_mxfp4(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                    w2_scales: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """The routed experts with MXFP4 weights (module docstring): Triton on CUDA when available, else the torch
+    reference."""
+    args = (hidden, topk_weights, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, activation, expert_map,
+            w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    if use_triton(hidden):
+        return fused_moe_mxfp4_triton(*args)
+    return fused_moe_mxfp4_reference(*args)
+
+
+@fused_moe_mxfp4.register_fake
+def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_blocks: torch.Tensor,
+      w13_scales: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor, activation: str = "silu",
+      expert_map: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+      w2_bias: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
+      swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    e, h, inter = _check_mxfp4(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales)
+    _check_args(hidden, topk_weights, topk_ids, *_stand_ins(hidden, e, h, inter), activation, expert_map, w13_bias,
+                w2_bias, swiglu_alpha, swiglu_limit)
+    return hidden.new_empty(hidden.shape)
