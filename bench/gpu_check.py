@@ -14,6 +14,10 @@ exits 1 on any mismatch or error (an architecture that fails to compile is a fai
     python bench/gpu_check.py --readme              # plus the README's GPU examples, run as written
     python bench/gpu_check.py --only tiny-qwen2-moe --reference-ops fused_moe   # bisect a mismatch to one op
     python bench/gpu_check.py --only tiny-qwen2-moe --passes paged_attention,route_moe   # ... or to a pass
+    python bench/gpu_check.py --quantization mxfp4  # the MoE presets, experts packed to MXFP4 (fused_moe_mxfp4)
+
+`--quantization mxfp4` checks the MoE tiny presets only, each with its expert weights first rounded to MXFP4 values
+(as a gpt-oss checkpoint's are), which the packing then keeps exactly: HF on the rounded model is still the oracle.
 """
 
 from __future__ import annotations
@@ -45,8 +49,23 @@ def use_reference_kernels(compiled, names: set[str]) -> int:
     return n
 
 
+def round_experts_to_mxfp4(model) -> int:
+    """Round every routed-expert weight of an HF MoE model to its MXFP4 values in place (along the reduction
+    dimension: GPT-OSS stores its experts transposed); returns how many tensors."""
+    from mini_infer.ops.fused_moe_mxfp4 import round_to_mxfp4
+
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(round_to_mxfp4(p, 1 if model.config.model_type == "gpt_oss" else 2))
+                n += 1
+    return n
+
+
 def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset(),
-                passes: list[str] | None = None, with_: tuple[str, ...] | list[str] = ()) -> tuple[bool, str]:
+                passes: list[str] | None = None, with_: tuple[str, ...] | list[str] = (),
+                quantization: str | None = None) -> tuple[bool, str]:
     from transformers import GenerationConfig
 
     from mini_infer.compiler import compile_model
@@ -56,6 +75,8 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     from mini_infer.sampling_params import SamplingParams
 
     loaded = load_model(name, dtype="float32", device="cuda")
+    if quantization == "mxfp4":
+        print(f"[{name}] {round_experts_to_mxfp4(loaded.model)} expert weights rounded to MXFP4 values")
     vocab = loaded.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
     lengths = (5, 17, 64, 130, 1) if max_len < 1024 else (5, 17, 64, 130, 300, 1)
@@ -65,9 +86,10 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     if with_:  # the recommended pipeline (compile_model's for this model), then the opt-in passes named
         from mini_infer.passes import PassContext, add_passes, recommended_passes
 
-        ctx = PassContext(config=loaded.model.config, device=torch.device("cuda"), dtype=torch.float32)
+        ctx = PassContext(config=loaded.model.config, device=torch.device("cuda"), dtype=torch.float32,
+                          quantization=quantization)
         passes = add_passes(recommended_passes(ctx), with_)
-    compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes)
+    compiled = compile_model(loaded.model, device="cuda", model_name=name, passes=passes, quantization=quantization)
     print(f"[{name}] compiled in {time.perf_counter() - t:.1f}s")
     if reference_ops:
         print(f"[{name}] {use_reference_kernels(compiled, reference_ops)} nodes of {sorted(reference_ops)} run their "
@@ -79,7 +101,7 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
     results = {}
     for cname, kw in configs.items():
         t = time.perf_counter()
-        eng = LLMEngine(EngineConfig(model=name, max_num_seqs=8, max_model_len=max_len,
+        eng = LLMEngine(EngineConfig(model=name, max_num_seqs=8, max_model_len=max_len, quantization=quantization,
                                      kv_cache_memory_bytes=256 << 20, **kw), loaded=loaded, compiled=compiled)
         llm = LLM.__new__(LLM)
         llm.engine, llm._counter = eng, 0
@@ -178,6 +200,8 @@ def main() -> int:
     ap.add_argument("--with", dest="with_", default=None,
                     help="comma list of opt-in passes appended to the recommended pipeline (checking one before it "
                          "becomes a default, e.g. fuse_kv_write)")
+    ap.add_argument("--quantization", choices=["mxfp4"], default=None,
+                    help="mxfp4: the MoE tiny presets with their experts rounded to MXFP4 values, then packed")
     ap.add_argument("--readme", action="store_true",
                     help="also run the README's GPU examples as written (<!-- example: gpu --> blocks)")
     ap.add_argument("--readme-only", action="store_true", help="run only the README's GPU examples")
@@ -188,13 +212,18 @@ def main() -> int:
     from mini_infer.models.presets import TINY_PRESETS
 
     names = [] if args.readme_only else args.only or [*TINY_PRESETS, *args.model]
+    if args.quantization == "mxfp4" and not args.only:
+        from mini_infer.models.model_info import inspect_model
+        from mini_infer.passes.route_moe import is_moe_config
+
+        names = [n for n in names if is_moe_config(inspect_model(n, count_weights=False).config)]
     rows = []
     for name in names:
         try:
             ok, note = check_model(name, args.new_tokens, 512 if name.startswith("tiny-") else 1024,
                                    set(args.reference_ops.split(",")) if args.reference_ops else set(),
                                    args.passes.split(",") if args.passes else None,
-                                   args.with_.split(",") if args.with_ else ())
+                                   args.with_.split(",") if args.with_ else (), args.quantization)
         except Exception as exc:  # one architecture's failure must not hide the others'
             traceback.print_exc()
             ok, note = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -73,7 +73,7 @@ if HAS_TRITON:
     )
 
 __all__ = ["GROUP", "dequantize_mxfp4", "fused_moe_mxfp4", "fused_moe_mxfp4_reference", "fused_moe_mxfp4_triton",
-           "mxfp4_tiles", "quantize_mxfp4"]
+           "mxfp4_tiles", "quantize_mxfp4", "round_to_mxfp4"]
 
 GROUP = 32  # weights a scale
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # nibble & 7 -> |value|; bit 3 is the sign
@@ -108,6 +108,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     groups = values.reshape(*values.shape[:-1], -1, GROUP)
     out = torch.ldexp(groups, scales.to(torch.int32)[..., None] - 127)
     return out.reshape(values.shape).to(dtype)
+
+
+def round_to_mxfp4(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """`w` with every value replaced by its MXFP4 value (groups of 32 along `dim`), in w's dtype: weights that a
+    quantization to MXFP4 keeps exactly (what a gpt-oss checkpoint's experts are once dequantized)."""
+    rows = w.transpose(dim, -1)
+    return dequantize_mxfp4(*quantize_mxfp4(rows), w.dtype).transpose(dim, -1)
 
 
 def _check_mxfp4(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
