@@ -23,6 +23,8 @@ latent attention is refused) plus a llama with one KV head (replicated on both r
 (`mlp_only_layers`), and tiny-gpt-oss as initialized and with large random biases and sinks (a down bias added on
 every rank, or sinks not split by head, is far off): the pass alone and the full pipeline give eager HF's logits on
 both ranks, and the same as the TP=1 pipeline; the same for the MoE ones (not GPT-OSS) with expert parallelism.
+Also with quantization="mxfp4" (tiny-qwen3-moe, TP and EP, and tiny-gpt-oss, each with I = 64 and experts rounded
+to MXFP4 values): every rank's share of the experts packed (fused_moe_mxfp4), the logits still eager HF's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mini_infer.compiler import compile_model
 from mini_infer.models.loader import build_random_model
 from mini_infer.models.presets import TINY_DENSE_PRESETS, preset_config
 from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_parallel_plan
+from mini_infer.ops.fused_moe_mxfp4 import round_to_mxfp4
 from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassError, PassManager
@@ -416,6 +419,11 @@ VARIANTS["tiny-qwen2-moe transformers 5.17 plans"] = ("tiny-qwen2-moe", PLANS_5_
 VARIANTS["tiny-gpt-oss"] = ("tiny-gpt-oss", {})
 VARIANTS["tiny-gpt-oss large biases and sinks"] = ("tiny-gpt-oss", {})
 LARGE_BIASES = {"tiny-gpt-oss large biases and sinks"}
+# quantization="mxfp4" on the sharded experts (I = 64: 32 a rank, one MXFP4 group; the experts rounded to MXFP4 values
+# first, so that the packing is exact and eager HF stays the oracle)
+VARIANTS["tiny-qwen3-moe mxfp4"] = ("tiny-qwen3-moe", dict(moe_intermediate_size=64))
+VARIANTS["tiny-gpt-oss mxfp4"] = ("tiny-gpt-oss", dict(intermediate_size=64))
+MXFP4 = {"tiny-qwen3-moe mxfp4", "tiny-gpt-oss mxfp4"}
 # tied embeddings with the plan entry transformers 5.17 adds for them (kept whole on every rank), and as many
 # query heads as the head dim (16): the views' last size is the head dim, the others the heads
 VARIANTS["tiny-llama tied, 5.17 embedding plan, heads == head_dim"] = ("tiny-llama", dict(
@@ -425,7 +433,7 @@ SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
 EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0",
-               "tiny-qwen2-moe transformers 5.17 plans"]
+               "tiny-qwen2-moe transformers 5.17 plans", "tiny-qwen3-moe mxfp4"]
 
 
 def _errors(rank: int, world_size: int) -> dict:
@@ -438,13 +446,19 @@ def _errors(rank: int, world_size: int) -> dict:
         model = build_random_model(_config(preset, **fields), torch.float32, CPU, seed=0)
         if label in LARGE_BIASES:
             _large_gpt_oss_biases(model)
+        quantization = "mxfp4" if label in MXFP4 else None
+        if quantization:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                        p.copy_(round_to_mxfp4(p, 1 if preset == "tiny-gpt-oss" else 2))
         captured = capture(model)
         num, start = 11, 5
         ids = random_ids(num, seed=1) % model.config.vocab_size
         pos = positions(start, num)
         with torch.no_grad():
             ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        tp1 = _pipeline_logits(model, captured, ids, pos, "tp1", 0, 1, False)
+        tp1 = _pipeline_logits(model, captured, ids, pos, "tp1", 0, 1, False, quantization)
         for key, expert_parallel in (("tp", False), ("ep", True)):
             if expert_parallel and label not in EP_VARIANTS:
                 continue
@@ -452,7 +466,7 @@ def _errors(rank: int, world_size: int) -> dict:
             logits = {"tp1": tp1[0]}
             for kind in ("alone", "full"):
                 logits[kind], row[f"{kind}_all_reduces"] = _pipeline_logits(model, captured, ids, pos, kind, rank,
-                                                                            world_size, expert_parallel)
+                                                                            world_size, expert_parallel, quantization)
             row["alone"] = (logits["alone"] - ref).abs().max().item()
             row["full"] = (logits["full"] - ref).abs().max().item()
             row["vs_tp1"] = (logits["full"] - logits["tp1"]).abs().max().item()
@@ -479,17 +493,21 @@ def _large_gpt_oss_biases(model, seed: int = 1) -> None:
             fill(experts.down_proj_bias, 2.0)
 
 
-def _pipeline_logits(model, captured, ids, pos, kind: str, rank: int, size: int, expert_parallel: bool):
-    """(logits, all-reduce count) of the shard pass alone ("alone") or the recommended pipeline ("full", "tp1") for
-    rank `rank` of `size`, run on a copy of the captured graph."""
+def _pipeline_logits(model, captured, ids, pos, kind: str, rank: int, size: int, expert_parallel: bool,
+                     quantization: str | None = None):
+    """(logits, all-reduce count) of the shard pass alone ("alone") or the recommended pipeline ("full", "tp1", with
+    `quantization`'s passes) for rank `rank` of `size`, run on a copy of the captured graph."""
     ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank, world_size=size,
-                      expert_parallel=expert_parallel)
+                      expert_parallel=expert_parallel, quantization=quantization)
     passes = resolve_passes(SHARD_ALONE) if kind == "alone" else recommended_passes(ctx)
     gm = copy_gm(captured)
     PassManager(passes).run(gm, ctx)
     inputs = ctx.example_inputs(ids, pos)
     inputs["logits_indices"] = torch.arange(ids.shape[-1])
-    return run_graph(gm, inputs), op_counts(gm)[mi.all_reduce_sum.default]
+    counts = op_counts(gm)
+    if kind != "alone":  # the experts packed where asked (the pass alone leaves fused_moe to route_moe)
+        assert counts[mi.fused_moe_mxfp4.default] == (L if quantization else 0), (kind, quantization)
+    return run_graph(gm, inputs), counts[mi.all_reduce_sum.default]
 
 
 @pytest.fixture(scope="module")
