@@ -11,9 +11,10 @@ at position C + j and sees every context key plus new keys 0..j (the bottom-righ
 GQA/MQA go to the kernels as they are (they take fewer kv heads) or, for a backend that refuses them, with the
 kv heads repeated. Which backends serve a (device, dtype, heads, head dims) is decided once, by running each
 on a small problem against a float32 computation (wrong log-sum-exp conventions or refused shapes drop a
-backend); none left means the caller keeps those rows on its own kernel. Sliding windows, softcap, fp8 caches and
-attention sinks (GPT-OSS's per-head extra logit) are not modelled here: `route_wanted` keeps such steps on the
-caller's kernel.
+backend); none left means the caller keeps those rows on its own kernel. Sliding windows, softcap and fp8 caches
+are not modelled here: `route_wanted` keeps such steps on the caller's kernel. Attention sinks (GPT-OSS's per-head
+extra logit s_h, in the denominator only) are applied after the kernels: with the run's log-sum-exp lse (of the
+merged parts when there is a context), out * sigmoid(lse - s_h), in fp32.
 
 cuDNN builds an execution plan per new shape (44-94 ms on an H200), so the query run is padded at its end from
 L rows to `bucket_length(L)` (a ladder of `BUCKET_STEPS` lengths per octave: 4,096, 4,608, ..., 8,192, 9,216, ...)
@@ -141,16 +142,14 @@ def route_min_query_rows(device: torch.device) -> int | None:
     return MIN_QUERY_ROWS
 
 
-def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool,
-                 sinks: bool = False) -> bool:
+def route_wanted(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float, kv_fp8: bool) -> bool:
     """Whether a step may send long runs here, from shapes and arguments alone (no device sync): the route is
-    on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap, fp8 cache or
-    attention sinks (`sinks`: the layer has them; those stay on the caller's kernel), the cache holds q's dtype
-    (the new rows are read from k/v, not the cache), and no CUDA graph is being captured."""
+    on for q's device, the step has MIN_QUERY_ROWS rows or more, no sliding window, softcap or fp8 cache, the
+    cache holds q's dtype (the new rows are read from k/v, not the cache), and no CUDA graph is being captured."""
     rows = route_min_query_rows(q.device)
     if rows is None or q.shape[0] < rows:
         return False
-    if sliding_window > 0 or softcap > 0 or kv_fp8 or sinks or k_cache.dtype != q.dtype:
+    if sliding_window > 0 or softcap > 0 or kv_fp8 or k_cache.dtype != q.dtype:
         return False
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -228,12 +227,19 @@ def usable_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[B
     return _USABLE[key]
 
 
-def _merge(o_ctx, lse_ctx, o_new, lse_new, out_dtype: torch.dtype) -> torch.Tensor:
+def _merge(o_ctx, lse_ctx, o_new, lse_new) -> torch.Tensor:
     """Attention over context + new keys from the two parts (outputs [1, Hq, L, Dv], log-sum-exps [Hq, L]):
     weights exp(lse) / (exp(lse_ctx) + exp(lse_new)), i.e. the context part's weight is
-    sigmoid(lse_ctx - lse_new). Out [L, Hq, Dv]."""
+    sigmoid(lse_ctx - lse_new). Out [L, Hq, Dv] in fp32."""
     w_ctx = torch.sigmoid(lse_ctx.float() - lse_new.float()).t()[:, :, None]
-    return _tokens_first(o_new).float().lerp_(_tokens_first(o_ctx).float(), w_ctx).to(out_dtype)
+    return _tokens_first(o_new).float().lerp_(_tokens_first(o_ctx).float(), w_ctx)
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention out [L, Hq, Dv] with log-sum-exp lse [Hq, L] of its keys, given one more logit a head (the sink,
+    [Hq]) that adds to the denominator only: out * sigmoid(lse - sink), in fp32."""
+    keep = torch.sigmoid(lse.float() - sinks.float().to(lse.device)[:, None]).t()[:, :, None]
+    return out.float() * keep
 
 
 def _real_rows(o: torch.Tensor, lse: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -244,23 +250,29 @@ def _real_rows(o: torch.Tensor, lse: torch.Tensor | None, n: int) -> tuple[torch
 
 
 def attend_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-               scale: float) -> torch.Tensor | None:
+               scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of one sequence's query run: q [L, Hq, D] at positions C .. C+L-1 over the context keys/values
-    k_ctx, v_ctx [C, Hkv, D|Dv] (C may be 0) and the run's own k, v [L, Hkv, D|Dv], causal. Returns [L, Hq, Dv]
-    in q's dtype, or None when no backend serves these shapes (the caller computes the run itself). The kernels
-    see the run padded to `bucket_length(L)` rows (see the module docstring)."""
+    k_ctx, v_ctx [C, Hkv, D|Dv] (C may be 0) and the run's own k, v [L, Hkv, D|Dv], causal; with `sinks` [Hq],
+    each head's sink logit in the softmax's denominator. Returns [L, Hq, Dv] in q's dtype, or None when no backend
+    serves these shapes (the caller computes the run itself). The kernels see the run padded to
+    `bucket_length(L)` rows (see the module docstring)."""
     n = q.shape[0]
     rows = bucket_length(n)
     q4, k4, v4 = (_heads_first(_padded(x, rows)) for x in (q, k, v))  # contiguous rows: the BSHD layout
     with_ctx = k_ctx.shape[0] > 0
     for backend in usable_backends(q, k, v):
         try:
-            o_new, lse_new = _real_rows(*backend.run(q4, k4, v4, True, scale, with_ctx), n)
+            o_new, lse_new = _real_rows(*backend.run(q4, k4, v4, True, scale, with_ctx or sinks is not None), n)
             if not with_ctx:
-                return _tokens_first(o_new)
+                if sinks is None:
+                    return _tokens_first(o_new)
+                return _with_sinks(_tokens_first(o_new), lse_new, sinks).to(q.dtype)
             o_ctx, lse_ctx = _real_rows(*backend.run(q4, _heads_first(k_ctx.contiguous()),
                                                      _heads_first(v_ctx.contiguous()), False, scale, True), n)
         except _REFUSALS:  # a shape this backend refuses: the next one
             continue
-        return _merge(o_ctx, lse_ctx, o_new, lse_new, q.dtype)
+        out = _merge(o_ctx, lse_ctx, o_new, lse_new)
+        if sinks is not None:
+            out = _with_sinks(out, torch.logaddexp(lse_ctx.float(), lse_new.float()), sinks)
+        return out.to(q.dtype)
     return None

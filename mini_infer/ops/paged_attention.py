@@ -22,8 +22,8 @@ without it times sigmoid(lse - sink_h), lse the log-sum-exp of the row's visible
 the sink is neither scaled nor capped). The reference appends it to the scores as GPT-OSS's eager code does; the
 Triton kernel (USE_SINKS, off when None: the kernel of a model without sinks is as before) folds it into split 0's
 running softmax after that split's last tile (`_split_k.fold_sink`), so the split merges (fused, or the reduce
-kernel) take it unchanged, exactly once. The long-run route (below) cannot apply it: steps with sinks stay on the
-implementation.
+kernel) take it unchanged, exactly once. The long-run route (below) applies it after the fused kernels, from their
+log-sum-exps (ops/_prefill_sdpa.py).
 
 FP8 KV cache: when both caches are float8_e4m3fn, `k_scale` and `v_scale` (fp32, shape [1], one per layer,
 required then) scale them: the write stores `k / k_scale` saturated to +-448 and rounded to nearest-even
@@ -63,8 +63,8 @@ attention kernels (cuDNN first, FlashAttention next; ops/_prefill_sdpa.py) over 
 plus its new k/v, and the other sequences through the implementation above, as a batch of those alone. That route is
 on for CUDA tensors by default (`_prefill_sdpa.ROUTE` "auto"; `MINI_INFER_PREFILL_ROUTE=off` turns it off; the
 engine warms it at start-up, runtime/warmup.py), off on a CPU unless forced ("on"), off while a CUDA graph is
-captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap, fp8
-caches and attention sinks; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
+captured (the route reads the step's lengths on the host, once per step) and for sliding windows, softcap and fp8
+caches; `paged_attention_triton` and `paged_attention_reference` called directly never take it; compiled graphs call
 `paged_attention_<backend>_entry`, the op's body.
 
 `paged_attention_triton(..., rotary=Rotary(...))` is `rotary_paged_attention`'s decode launch
@@ -1326,15 +1326,14 @@ def _paged_attention_routed(
     only (no work twice). The route is decided by `_prefill_sdpa.route_wanted` (shapes and arguments; never during
     CUDA-graph capture); only a step it accepts reads its lengths on the host. k, v and slot_mapping None
     (`paged_attention_cached`): no write, the caches already hold the step's keys, and a long run's new k/v are read
-    from them with its context. `sinks` (the heads' attention sinks) keep the step off the route (which cannot
-    apply them): the implementation runs it whole."""
+    from them with its context. `sinks` (the heads' attention sinks) go to the route too, which applies them to the
+    fused kernels' outputs through their log-sum-exps."""
     kv_fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     write = write_kv_cache_triton if use_triton_kernel else write_kv_cache_reference
     attend = _triton_attention if use_triton_kernel else _reference_attention
     opts = (scale, sliding_window, softcap, k_scale, v_scale, sinks)
     meta = (block_tables, seq_lens, query_start_loc)
-    if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8,
-                                                                 sinks is not None):
+    if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(q, k_cache, sliding_window, softcap, kv_fp8):
         if k is None:
             return attend(q, k_cache, v_cache, *meta, *opts)
         whole = paged_attention_triton if use_triton_kernel else paged_attention_reference
@@ -1356,7 +1355,7 @@ def _paged_attention_routed(
             else:
                 k_ctx, v_ctx = (_gather_context(c, block_tables[s], cached) for c in (k_cache, v_cache))
                 k_new, v_new = k[rows], v[rows]
-            run = _prefill_sdpa.attend_run(q[rows], k_new, v_new, k_ctx, v_ctx, scale)
+            run = _prefill_sdpa.attend_run(q[rows], k_new, v_new, k_ctx, v_ctx, scale, sinks)
         if run is None:
             rest.append(s)
         elif qlen == t:  # the step is this one run: its output as it is

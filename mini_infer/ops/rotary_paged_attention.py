@@ -154,7 +154,7 @@ def _routed(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_m
     if use_triton_kernel:
         kv_fp8 = pa.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         if seq_lens.shape[0] == 0 or not _prefill_sdpa.route_wanted(_pack(q), k_cache, sliding_window, softcap,
-                                                                     kv_fp8, sinks is not None):
+                                                                     kv_fp8):
             return rotary_paged_attention_triton(q, k, v, cos, sin, q_weight, k_weight, eps, *meta)
     rotate = qk_rotary_triton if use_triton_kernel else qk_rotary_reference
     entry = pa.paged_attention_triton_entry if use_triton_kernel else pa.paged_attention_reference_entry

@@ -5,8 +5,8 @@ the same way, with the scale, softcap, sliding window and attention sinks they c
 window are the config's: `attn_logit_softcapping`, the layer's sliding window; so is the window of a node that
 carries none; SDPA nodes have no sinks). A layer's sinks ([Hq] parameter node, GPT-OSS's `s_aux`) become the op's
 last argument, after its k_scale / v_scale (None for a cache that takes none); a layer without sinks gets the
-op's arguments as before. The op's long-prefill route (UNCAPTURED_QUERY_ROWS) is declared only when some layer
-has no sinks: it never takes a layer with them.
+op's arguments as before. The op's long-prefill route's row count (UNCAPTURED_QUERY_ROWS) is declared on CUDA
+(the route applies sinks too).
 
 The captured graph attends over its own T tokens with a mask built from position_ids; after this pass each
 attention writes the step's K/V into the layer's cache and attends over every sequence's cached plus new
@@ -183,8 +183,8 @@ class PagedAttention(GraphPass):
             sdpa.replace_all_uses_with(out)
             graph.erase_node(sdpa)
         ctx.info["attention_layers"] = len(sdpas)
-        # the op's long-prefill route reads lengths on the host; it never takes a layer with sinks
-        if with_sinks < len(sdpas) and (rows := route_min_query_rows(ctx.device)) is not None:
+        # the op's long-prefill route reads lengths on the host (steps with such runs run uncaptured)
+        if (rows := route_min_query_rows(ctx.device)) is not None:
             ctx.info[UNCAPTURED_QUERY_ROWS] = rows
         windows = sorted({s.attention_window for s in ctx.cache_specs if s.attention_window})
         note = f"{len(sdpas)} layers" + (f", sliding window {windows}" if windows else "")

@@ -4,7 +4,7 @@ concatenated to each row's scores, softmax, the sink's column dropped), the Trit
 reference for decode (the write in the kernel), split-K decode (the fused merge and the reduce kernel), prefill,
 chunked prefill and mixed steps, sliding windows, GQA groups, fp32 / bf16 and an fp8 cache; sinks of -inf leave the
 output without sinks (the kernel: bit for bit), a launch without sinks is the kernel without the switch, the
-long-run route is never taken with sinks, `paged_attention_cached` takes them too, and the registered op takes them
+long-run route applies them (with and without a context), `paged_attention_cached` takes them too, and the registered op takes them
 positionally after the (None) scales, as the attention pass emits them. Cases are test_paged_attention's (shuffled
 block tables, NaN in every slot the op must not read).
 """
@@ -175,9 +175,12 @@ def test_launch_without_sinks_is_the_kernel_without_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_long_run_route_not_taken_with_sinks(monkeypatch, impl):
-    """The torch-SDPA route (forced on, 8 rows) cannot apply sinks: a step with them runs the implementation whole
-    (the same output as the implementation called directly); without sinks the same step takes the route."""
+@pytest.mark.parametrize("seqs", [[(5, 1), (13, 20), (0, 3)], [(0, 24)]], ids=["with_context", "no_context"])
+def test_long_run_route_applies_sinks(monkeypatch, impl, seqs):
+    """The torch-SDPA route (forced on, 8 rows) takes a long run with sinks too, applying them from the fused
+    kernels' log-sum-exp (merged with the context's when there is one): GPT-OSS's eager attention, and the
+    implementation's output for the whole step, within the fp32 tolerance; sinks of -inf leave the route's output
+    without sinks."""
     if impl == "triton" and not pa.HAS_TRITON:
         pytest.skip("triton is not installed")
     monkeypatch.setattr(_prefill_sdpa, "ROUTE", "on")
@@ -185,16 +188,18 @@ def test_long_run_route_not_taken_with_sinks(monkeypatch, impl):
     runs = []
     real = _prefill_sdpa.attend_run
     monkeypatch.setattr(_prefill_sdpa, "attend_run", lambda q, *a: runs.append(q.shape[0]) or real(q, *a))
-    case = make_case([(5, 1), (13, 20), (0, 3)], device="cpu" if impl == "reference" else DEVICE)
+    case = make_case(seqs, device="cpu" if impl == "reference" else DEVICE)
     sinks = sinks_for(case)
     body = pa.paged_attention_triton_entry if impl == "triton" else pa.paged_attention_reference_entry
     whole = paged_attention_triton if impl == "triton" else paged_attention_reference
     out = body(*with_sinks(case, sinks))
-    assert runs == []
-    assert torch.equal(out, whole(*with_sinks(case, sinks)))
+    long_run = max(new for _, new in seqs)
+    assert runs == [long_run]
     assert_close(out, eager_oracle(case, sinks))
-    body(*case.args())
-    assert runs == [20]
+    assert_close(out, whole(*with_sinks(case, sinks)))
+    runs.clear()
+    assert_close(body(*with_sinks(case, torch.full_like(sinks, float("-inf")))), body(*case.args()))
+    assert runs == [long_run, long_run]
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

@@ -47,9 +47,9 @@ def attended(monkeypatch):
     seen: list[tuple[int, int]] = []
     attend_run = _prefill_sdpa.attend_run
 
-    def spy(q, k, v, k_ctx, v_ctx, scale):
+    def spy(q, k, v, k_ctx, v_ctx, *rest):
         seen.append((q.shape[0], k_ctx.shape[0]))
-        return attend_run(q, k, v, k_ctx, v_ctx, scale)
+        return attend_run(q, k, v, k_ctx, v_ctx, *rest)
 
     monkeypatch.setattr(_prefill_sdpa, "attend_run", spy)
     return seen
