@@ -240,7 +240,7 @@ def test_pdl_is_off_on_the_cpu(monkeypatch, env):
 # them a kernel may load, before its wait, what a kernel two or more back wrote (PRE_WAIT_POINTERS: the down GEMM
 # and the slot sum load the routing's outputs), which is safe only while the kernel just before it lets it launch
 # after its own wait (_triton_support's docstring); the kernels just before those loaders are MoE kernels.
-NO_TRIGGER_FIRST = {"fused_moe.py", "_moe_gemv.py", "moe_topk.py"}
+NO_TRIGGER_FIRST = {"fused_moe.py", "fused_moe_mxfp4.py", "_moe_gemv.py", "moe_topk.py"}
 STEP_WRITTEN_PRE_WAIT = {"_moe_gemm_kernel", "_moe_sum_kernel"}  # of PRE_WAIT_POINTERS: loads the step writes
 
 
