@@ -143,6 +143,8 @@ __all__ = [
     "moe_tile_config",
     "padded_rows",
     "pair_block_rows",
+    "pair_rows",
+    "sum_slots",
     "uses_pair_blocks",
 ]
 
@@ -841,6 +843,34 @@ def pair_block_rows(num_pairs: int, block_m: int, device: torch.device) -> tuple
     return rows[:-1], rows[-1:]
 
 
+def pair_rows(ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, num_global: int, top_k: int,
+              block_m: int, pair_blocks: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _RawIds | None]:
+    """The grouped GEMMs' row lists for the flattened ids [T * k]: (sorted_pairs, block_expert, num_padded, raw_ids)
+    in pair-per-block mode (`raw_ids` then says how blocks map their router ids) when `pair_blocks`, or when it is
+    None as `uses_pair_blocks` picks by shape if PAIR_BLOCKS_BY_DEFAULT; else after `moe_align_triton` (raw_ids
+    None)."""
+    num_pairs = ids.numel()
+    if pair_blocks is None:
+        pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(num_pairs // top_k, top_k, num_global)
+    if pair_blocks:
+        sorted_pairs, num_padded = pair_block_rows(num_pairs, block_m, ids.device)
+        return sorted_pairs, ids, num_padded, _RawIds(num_local, *_map_args(ids, expert_map), expert_map is not None)
+    return (*moe_align_triton(ids, num_local, block_m, expert_map), None)
+
+
+def sum_slots(per_slot: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_local: int, top_k: int,
+              expert_map: torch.Tensor | None, preload: bool) -> None:
+    """out [T, H] = each token's top_k rows of per_slot [T * k, H] summed in fp32, slots with no (local) expert
+    skipped (`_moe_sum_kernel`; `preload`: its loads before the PDL wait, up to _SUM_PRELOAD_MAX_SLOTS slots)."""
+    t, h = out.shape
+    block = min(1024, next_pow2(h))
+    emap, n_global = _map_args(ids, expert_map)
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](
+        per_slot, ids, out, h, num_local, emap, n_global, TOP_K=top_k, BLOCK=block, BLOCK_K=next_pow2(top_k),
+        HAS_MAP=expert_map is not None, PRELOAD=preload and top_k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
+        **pdl_args(per_slot, trigger_first=False))
+
+
 def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
@@ -876,14 +906,8 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # k == 1: the down GEMM writes the output rows itself, except those of dropped slots (no local expert)
     out = (torch.zeros if k == 1 else torch.empty)(t, h, dtype=hidden.dtype, device=hidden.device)
     num_pairs = t * k
-    if pair_blocks is None:
-        pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(t, k, num_global)
-    if pair_blocks:
-        sorted_pairs, num_padded = pair_block_rows(num_pairs, cfg.block_m, ids.device)
-        block_expert, raw_ids = ids, _RawIds(e, *_map_args(ids, expert_map), expert_map is not None)
-    else:
-        sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
-        raw_ids = None
+    sorted_pairs, block_expert, num_padded, raw_ids = pair_rows(ids, expert_map, e, num_global, k, cfg.block_m,
+                                                                pair_blocks)
     # padding rows are never stored: unused rows of these buffers keep whatever they held
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""  # the experts' weights stream once a step there
@@ -894,19 +918,14 @@ def fused_moe_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     # the gate/up GEMM, which writes `act` alone, is the kernel just before the down GEMM, so the down GEMM's other
     # inputs are two kernels back or more, and the slot sum's ids three ("Before the wait", module docstring).
     preload = MOE_PRELOAD and cfg.kind == "decode"  # read at each call: benchmarks toggle it
-    merge = MOE_MERGE_SLOTS and pair_blocks and k > 1  # read at each call, likewise
+    merge = MOE_MERGE_SLOTS and raw_ids is not None and k > 1  # pair-per-block mode; read at each call, likewise
     per_slot = out if k == 1 else torch.empty(num_pairs, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                   cfg.block_m, cfg.down, raw_ids,
                   preload and inter > 0 and cfg.down.block_n * cfg.down.block_k <= _PRELOAD_MAX_TILE, evict,
                   out if merge else None, k, bias=b2, epilogue=epilogue_args(b2))
     if k > 1 and not merge:
-        block = min(1024, next_pow2(h))
-        emap, n_global = _map_args(ids, expert_map)
-        _moe_sum_kernel[(t, triton.cdiv(h, block))](
-            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
-            HAS_MAP=expert_map is not None, PRELOAD=preload and k <= _SUM_PRELOAD_MAX_SLOTS, num_warps=4,
-            **pdl_args(per_slot, trigger_first=False))
+        sum_slots(per_slot, ids, out, e, k, expert_map, preload)
     return out
 
 

@@ -42,24 +42,21 @@ from mini_infer.ops._triton_support import (
     HAS_TRITON,
     WEIGHT_EVICTION,
     await_producers,
-    next_pow2,
     pdl_args,
     tl,
     triton,
     use_triton,
 )
 from mini_infer.ops.fused_moe import (
-    PAIR_BLOCKS_BY_DEFAULT,
     GemmTile,
     MoeTileConfig,
     _check_args,
-    _map_args,
+    _RawIds,
     _smaller_tiles,
     fused_moe_reference,
-    moe_align_triton,
     moe_tile_config,
-    pair_block_rows,
-    uses_pair_blocks,
+    pair_rows,
+    sum_slots,
 )
 
 if HAS_TRITON:
@@ -68,7 +65,6 @@ if HAS_TRITON:
         _bias_and_activation,
         _block_operands,
         _dot_step,
-        _moe_sum_kernel,
         _tile_of,
     )
 
@@ -267,9 +263,9 @@ def mxfp4_tiles(cfg: MoeTileConfig) -> MoeTileConfig:
 
 
 def _mx_grouped_gemm(a, q, s, c, sorted_pairs, block_expert, num_padded, weights, num_pairs, rows_per_a, gated,
-                     block_m, tile: GemmTile, raw_ids: tuple | None, evict: str, bias, epilogue: dict) -> None:
+                     block_m, tile: GemmTile, raw_ids: _RawIds | None, evict: str, bias, epilogue: dict) -> None:
     """Launch `_moe_mxfp4_gemm_kernel` over every block of the worst-case padded row list (raw_ids: pair-per-block
-    mode's (local experts, map pointer, E_global, has_map)); a tile that does not fit is retried smaller."""
+    mode, `pair_rows`'); a tile that does not fit is retried smaller."""
     n_out = q.shape[1] // 2 if gated else q.shape[1]
     k_in = q.shape[2] * 2
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
@@ -282,10 +278,10 @@ def _mx_grouped_gemm(a, q, s, c, sorted_pairs, block_expert, num_padded, weights
                 a, q, s, c, sorted_pairs, block_expert, num_padded, weights,
                 num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out,
                 a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), c.stride(0),
-                *(raw_ids[:3] if raw_ids else (0, block_expert, 0)), bias,
+                *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)), bias,
                 GATED=gated, MUL_WEIGHT=weights is not None, DOT_FP32=a.dtype == torch.float32 or not a.is_cuda,
                 BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids[3], B_EVICT=evict,
+                PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map, B_EVICT=evict,
                 num_warps=t.num_warps, num_stages=t.num_stages, **epilogue, **pdl_args(a, trigger_first=False),
             )  # fmt: skip
         except triton.runtime.errors.OutOfResources:
@@ -320,14 +316,8 @@ def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     ids = topk_ids.reshape(-1).contiguous()
     cfg = config or mxfp4_tiles(moe_tile_config(t, num_global, k, h, inter, local_experts=e))
     num_pairs = t * k
-    if pair_blocks is None:
-        pair_blocks = PAIR_BLOCKS_BY_DEFAULT and uses_pair_blocks(t, k, num_global)
-    if pair_blocks:
-        sorted_pairs, num_padded = pair_block_rows(num_pairs, cfg.block_m, ids.device)
-        block_expert, raw_ids = ids, (e, *_map_args(ids, expert_map), expert_map is not None)
-    else:
-        sorted_pairs, block_expert, num_padded = moe_align_triton(ids, e, cfg.block_m, expert_map)
-        raw_ids = None
+    sorted_pairs, block_expert, num_padded, raw_ids = pair_rows(ids, expert_map, e, num_global, k, cfg.block_m,
+                                                                pair_blocks)
     evict = WEIGHT_EVICTION if cfg.kind == "decode" else ""
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _mx_grouped_gemm(x, q13, s13, act, sorted_pairs, block_expert, num_padded, None, num_pairs, k, True, cfg.block_m,
@@ -337,11 +327,7 @@ def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     _mx_grouped_gemm(act, q2, s2, per_slot, sorted_pairs, block_expert, num_padded, weights, num_pairs, 1, False,
                      cfg.block_m, cfg.down, raw_ids, evict, b2, epilogue_args(b2))
     if k > 1:
-        block = min(1024, next_pow2(h))
-        emap, n_global = _map_args(ids, expert_map)
-        _moe_sum_kernel[(t, triton.cdiv(h, block))](
-            per_slot, ids, out, h, e, emap, n_global, TOP_K=k, BLOCK=block, BLOCK_K=next_pow2(k),
-            HAS_MAP=expert_map is not None, PRELOAD=False, num_warps=4, **pdl_args(per_slot, trigger_first=False))
+        sum_slots(per_slot, ids, out, e, k, expert_map, preload=False)
     return out
 
 

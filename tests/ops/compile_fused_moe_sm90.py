@@ -159,13 +159,14 @@ def mxfp4_cases() -> list[dict]:
         packed = [torch.empty(e, rows, cols, dtype=torch.uint8)
                   for rows, cols in ((2 * inter, h // 2), (2 * inter, h // 32), (h, inter // 2), (h, inter // 32))]
         b13, b2 = torch.empty(e, 2 * inter, dtype=torch.bfloat16), torch.empty(e, h, dtype=torch.bfloat16)
-        with (record_launches(fx4, "_moe_mxfp4_gemm_kernel", "_moe_sum_kernel", _TILE_OK={}) as calls,
-              record_launches(fm, *KERNELS[2:])):
+        with (record_launches(fx4, "_moe_mxfp4_gemm_kernel", _TILE_OK={}) as calls,
+              record_launches(fm, *KERNELS[1:]) as fm_calls):
             fx4.fused_moe_mxfp4_triton(hidden, weights, ids, *packed, "swigluoai", None, b13, b2, 1.702, 7.0)
-        for kernel, launches in calls.items():
+        for module, kernel, launches in [*((fx4, *c) for c in calls.items()),
+                                         (fm, "_moe_sum_kernel", fm_calls["_moe_sum_kernel"])]:
             for args, kwargs in launches:
                 kwargs = dict(kwargs, **({"DOT_FP32": False} if "DOT_FP32" in kwargs else {}))  # 16-bit dots
-                built, constexprs = build_launch(getattr(fx4, kernel), args, kwargs)
+                built, constexprs = build_launch(getattr(module, kernel), args, kwargs)
                 out.append({"tokens": tokens, "kernel": kernel, "gated": bool(constexprs.get("GATED", False)),
                             "block_n": constexprs.get("BLOCK_N"), "block_k": constexprs.get("BLOCK_K"),
                             "resources": resource_usage(built.asm["cubin"])})
