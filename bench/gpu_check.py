@@ -49,20 +49,6 @@ def use_reference_kernels(compiled, names: set[str]) -> int:
     return n
 
 
-def round_experts_to_mxfp4(model) -> int:
-    """Round every routed-expert weight of an HF MoE model to its MXFP4 values in place (along the reduction
-    dimension: GPT-OSS stores its experts transposed); returns how many tensors."""
-    from mini_infer.ops.fused_moe_mxfp4 import round_to_mxfp4
-
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(round_to_mxfp4(p, 1 if model.config.model_type == "gpt_oss" else 2))
-                n += 1
-    return n
-
-
 def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str] = frozenset(),
                 passes: list[str] | None = None, with_: tuple[str, ...] | list[str] = (),
                 quantization: str | None = None) -> tuple[bool, str]:
@@ -76,6 +62,8 @@ def check_model(name: str, new_tokens: int, max_len: int, reference_ops: set[str
 
     loaded = load_model(name, dtype="float32", device="cuda")
     if quantization == "mxfp4":
+        from mini_infer.passes.quantize_moe_mxfp4 import round_experts_to_mxfp4
+
         print(f"[{name}] {round_experts_to_mxfp4(loaded.model)} expert weights rounded to MXFP4 values")
     vocab = loaded.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)

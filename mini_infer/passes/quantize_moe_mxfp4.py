@@ -23,11 +23,26 @@ import torch
 import torch.fx as fx
 
 import mini_infer.ops  # noqa: F401
-from mini_infer.ops.fused_moe_mxfp4 import GROUP, quantize_mxfp4
+from mini_infer.ops.fused_moe_mxfp4 import GROUP, quantize_mxfp4, round_to_mxfp4
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import is_op
 
 ops = torch.ops.mini_infer
+
+
+def round_experts_to_mxfp4(model: torch.nn.Module) -> int:
+    """Round every routed-expert weight of an HF MoE model (transformers 5.x's stacked `experts.gate_up_proj` /
+    `experts.down_proj`) to its MXFP4 values in place, along the reduction dimension (GPT-OSS stores its experts
+    transposed): a model on which this pass is exact, as on a gpt-oss checkpoint (for checks); returns how many
+    tensors."""
+    dim = 1 if getattr(model.config, "model_type", None) == "gpt_oss" else 2
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(round_to_mxfp4(p, dim))
+                n += 1
+    return n
 
 
 class QuantizeMoeMxfp4(GraphPass):

@@ -18,23 +18,19 @@ import torch
 from mini_infer.compiler import compile_model
 from mini_infer.models.loader import build_random_model
 from mini_infer.models.presets import preset_config
-from mini_infer.ops.fused_moe_mxfp4 import round_to_mxfp4
 from mini_infer.passes import PassContext, recommended_passes
+from mini_infer.passes.quantize_moe_mxfp4 import round_experts_to_mxfp4
 from mini_infer.passes.route_moe import is_moe_config
 from tests.passes.helpers import ARCHS, CPU, assert_logits_close, loaded, op_counts, positions, random_ids
 
 MOE_ARCHS = [name for name in ARCHS if is_moe_config(loaded(name).config)]
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _mxfp4_valued(name: str) -> torch.nn.Module:
     """A copy of `name`'s model whose expert weights are rounded through MXFP4 along their reduction dimension
     (GPT-OSS stores its experts transposed: [E, in, out])."""
     model = copy.deepcopy(loaded(name).model)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith(EXPERT_WEIGHTS):
-                p.copy_(round_to_mxfp4(p, 1 if name == "tiny-gpt-oss" else 2))
+    assert round_experts_to_mxfp4(model) > 0
     return model
 
 

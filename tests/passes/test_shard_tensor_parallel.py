@@ -38,11 +38,11 @@ from mini_infer.compiler import compile_model
 from mini_infer.models.loader import build_random_model
 from mini_infer.models.presets import TINY_DENSE_PRESETS, preset_config
 from mini_infer.models.tp_plan import check_tensor_parallel_devices, tensor_parallel_plan
-from mini_infer.ops.fused_moe_mxfp4 import round_to_mxfp4
 from mini_infer.passes import PassContext, recommended_passes, resolve_passes
 from mini_infer.passes.capture import capture
 from mini_infer.passes.manager import PassError, PassManager
 from mini_infer.passes.pattern import module_chain
+from mini_infer.passes.quantize_moe_mxfp4 import round_experts_to_mxfp4
 from mini_infer.passes.shard_tensor_parallel import ShardTensorParallel
 from mini_infer.runtime.engine import EngineConfig
 from mini_infer.runtime.preflight import check_before_load
@@ -448,10 +448,7 @@ def _errors(rank: int, world_size: int) -> dict:
             _large_gpt_oss_biases(model)
         quantization = "mxfp4" if label in MXFP4 else None
         if quantization:
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                        p.copy_(round_to_mxfp4(p, 1 if preset == "tiny-gpt-oss" else 2))
+            round_experts_to_mxfp4(model)
         captured = capture(model)
         num, start = 11, 5
         ids = random_ids(num, seed=1) % model.config.vocab_size
