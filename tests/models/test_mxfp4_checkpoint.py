@@ -6,7 +6,8 @@ The checkpoint is fabricated: the tiny-gpt-oss preset with seeded random weights
 low nibble first, 16 bytes per block of 32 values along the input dimension; `*_scales`: uint8, the block's power of
 two + 127), the rest in bf16, and the published config's `quantization_config`. transformers only has the packer
 behind its `kernels` package (`quantize_to_mxfp4` calls triton_kernels' `downcast_to_mxfp_torch`, fetched from the
-hub), so `_pack_mxfp4` here is checked against its dequantizer, `convert_moe_packed_tensors`, and the packed shapes
+hub), so the packer (`_pack_mxfp4`: mini-infer's own `quantize_mxfp4` in the checkpoint's layout) is checked against
+its dequantizer, `convert_moe_packed_tensors`, and the packed shapes
 against its `Mxfp4GptOssExperts`. Oracles: the loaded experts equal `convert_moe_packed_tensors` of the file's
 tensors exactly, and the engine's greedy tokens equal HF `generate` on the loaded model (also with the experts packed
 back to MXFP4 by quantization="mxfp4").
@@ -27,6 +28,7 @@ from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
 
 from mini_infer.models.loader import ModelLoadError, build_random_model, load_model
 from mini_infer.models.presets import preset_config
+from mini_infer.ops.fused_moe_mxfp4 import quantize_mxfp4
 from mini_infer.runtime.engine import EngineConfig, LLMEngine
 from mini_infer.sampling_params import SamplingParams
 from tests import _model_cache as mc
@@ -37,21 +39,16 @@ PROJS = ("gate_up_proj", "down_proj")
 # gpt-oss-20b's config.json, as published
 QUANTIZATION_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                   "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
-_FP4_MAGNITUDES = torch.tensor(FP4_VALUES[:8])  # codes 0-7; 8-15 are the same with the sign bit (code 8: -0.0)
 
 
 def _pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GptOssExperts' [experts, in, out] weight → (blocks [experts, out, in / 32, 16], scales [experts, out, in / 32]),
-    uint8: each block of 32 inputs scaled by the power of two that brings its largest magnitude to at most 6 (FP4's
-    largest), every value rounded to the nearest FP4 value."""
+    uint8, in the checkpoint's layout: mini-infer's `quantize_mxfp4` (each block of 32 inputs scaled by the power of
+    two that brings its largest magnitude to at most 6, FP4's largest; every value rounded to the nearest FP4 value)
+    of the [experts, out, in] rows."""
     e, n_in, n_out = w.shape
-    rows = w.float().transpose(1, 2).reshape(e, n_out, n_in // 32, 32)
-    amax = rows.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127.0)).clamp(-127, 128)
-    scaled = rows / torch.exp2(exp)[..., None]
-    magnitude = (scaled.abs()[..., None] - _FP4_MAGNITUDES).abs().argmin(-1)
-    codes = (magnitude | (torch.signbit(scaled).long() << 3)).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+    blocks, scales = quantize_mxfp4(w.transpose(1, 2))
+    return blocks.reshape(e, n_out, n_in // 32, 16), scales
 
 
 def _write_checkpoint(where: Path, seed: int = 0) -> dict[str, torch.Tensor]:
