@@ -57,11 +57,12 @@ def token_bytes(gm: fx.GraphModule) -> TokenBytes:
     total = tensor_bytes([t for n, t in [*gm.named_parameters(), *gm.named_buffers()]
                           if "embed_tokens" not in n and not n.startswith(TABLE_PREFIX)])
     idle, layers, experts, top_k = 0.0, 0, 0, 0
+    moe_ops = _moe_ops()
     for node in gm.graph.nodes:
-        op = next((op for op in _moe_ops() if _runs(node, op)), None)
+        op = next((op for op in moe_ops if _runs(node, op)), None)
         if op is None:
             continue
-        weight_args, bias_args = _moe_ops()[op]
+        weight_args, bias_args = moe_ops[op]
         weights = [PassContext.tensor_of(gm, node.args[i]) for i in weight_args]
         # per-expert biases (GPT-OSS): w13_bias and w2_bias, read like their experts' weights
         biases = [PassContext.tensor_of(gm, a) for a in node.args[bias_args] if isinstance(a, fx.Node)]
@@ -89,13 +90,14 @@ def _check_experts_counted(gm: fx.GraphModule) -> None:
     MoE op that replaced fused_moe did this once: 1 of 48 layers counted)."""
     from mini_infer.passes import PassContext
 
+    moe_ops = _moe_ops()
     for node in gm.graph.nodes:
         if node.op != "get_attr" or "experts" not in str(node.target):  # (re-laid ones: "..._experts_..._relaid")
             continue
         if PassContext.tensor_of(gm, node).dim() != 3:
             continue
         for user in node.users:
-            if not any(_runs(user, op) for op in _moe_ops()):
+            if not any(_runs(user, op) for op in moe_ops):
                 raise ValueError(f"active_bytes: the stacked expert weights {node.target} feed {user.format_node()}, "
                                  "which token_bytes counts as read whole: teach it that op before trusting the floor")
 

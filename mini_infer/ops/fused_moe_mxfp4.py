@@ -116,8 +116,8 @@ def round_to_mxfp4(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def _check_mxfp4(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
                  w2_scales: torch.Tensor) -> tuple[int, int, int]:
     """The packed weights' shapes and dtypes (ValueError naming the argument); returns (E, H, I)."""
-    for name, x in (("w13_blocks", w13_blocks), ("w13_scales", w13_scales), ("w2_blocks", w2_blocks),
-                    ("w2_scales", w2_scales)):
+    packed = {"w13_blocks": w13_blocks, "w13_scales": w13_scales, "w2_blocks": w2_blocks, "w2_scales": w2_scales}
+    for name, x in packed.items():
         if x.dtype != torch.uint8 or x.dim() != 3:
             raise ValueError(f"fused_moe_mxfp4: {name} must be a 3-d uint8 tensor, got {x.dtype} {tuple(x.shape)}")
     h = hidden.shape[-1]
@@ -127,8 +127,7 @@ def _check_mxfp4(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: tor
     inter = two_i // 2
     want = {"w13_blocks": (e, two_i, h // 2), "w13_scales": (e, two_i, h // GROUP),
             "w2_blocks": (e, h, inter // 2), "w2_scales": (e, h, inter // GROUP)}
-    for name, x in (("w13_blocks", w13_blocks), ("w13_scales", w13_scales), ("w2_blocks", w2_blocks),
-                    ("w2_scales", w2_scales)):
+    for name, x in packed.items():
         if tuple(x.shape) != want[name]:
             raise ValueError(f"fused_moe_mxfp4: {name} must be {list(want[name])} (E, rows, K/2 bytes or K/{GROUP} "
                              f"scales for H={h}, I={inter}), got {list(x.shape)}")

@@ -22,6 +22,8 @@ import torch.fx as fx
 import mini_infer.ops  # noqa: F401
 from mini_infer.passes.base import GraphPass, PassContext, PassResult
 from mini_infer.passes.pattern import is_op
+from mini_infer.passes.quantize_fp8 import QuantizeFP8
+from mini_infer.passes.quantize_w8a8 import QuantizeW8A8
 
 ops = torch.ops.mini_infer
 
@@ -49,7 +51,9 @@ class FuseActQuant(GraphPass):
 
     @classmethod
     def default_for(cls, ctx: PassContext) -> GraphPass | None:
-        return cls() if ctx.quantization in ("w8a8", "fp8") else None  # the per-token activation quantizations
+        # the modes whose passes quantize activations per token (quantize_moe_mxfp4's weight-only mode: none)
+        return cls() if ctx.quantization in (*QuantizeW8A8.quantization_modes, *QuantizeFP8.quantization_modes) \
+            else None
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
