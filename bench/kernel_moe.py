@@ -29,6 +29,12 @@ each forced whatever `fused_moe_triton` would pick by shape (the "picks" column:
 MOE_GEMV_MAX_PAIRS pairs), as CUDA-graph replays with % of copy bandwidth over the touched expert bytes; with
 --check both paths are first compared with the reference; with --sweep the decode path's tiles are varied too.
 
+--mxfp4 times `fused_moe_mxfp4_triton` (the experts packed to MXFP4 by `quantize_mxfp4`, 4.25 bits a weight) beside
+`fused_moe_triton` on the bf16 weights, at T = 1, 8, 64, 2048 for gpt-oss-20b and qwen3-30b-a3b, in each of its
+paths, forced: the grouped GEMMs (`mxfp4_tiles`) and, up to 64 pairs, the decode GEMVs, beyond, the experts
+dequantized for fused_moe_triton ("picks": what it takes by shape); % of copy bandwidth over the touched MXFP4 bytes. With --sweep (--sweep-paths grouped,gemv): the grouped
+GEMMs with one tile for both varied (block_n, block_k, warps, stages), the GEMVs one at a time.
+
 --check first compares the Triton output with the reference on every shape (relative Frobenius error and max
 |err|), and stops with exit status 1 on a mismatch. Prints a table; writes JSON to --out
 (bench/results/kernel_moe_<gpu>.json, gpu as in "h200"). Timing helpers come from bench/kernel_norm.py.
@@ -55,7 +61,10 @@ MODELS = {
     "qwen3-30b-a3b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8},
     "mixtral-8x7b": {"hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2},
     "deepseek-v2-lite": {"hidden": 2048, "inter": 1408, "experts": 64, "top_k": 6},
+    "gpt-oss-20b": {"hidden": 2880, "inter": 2880, "experts": 32, "top_k": 4},
 }
+MXFP4_MODELS = ("gpt-oss-20b", "qwen3-30b-a3b")
+MXFP4_TOKENS = (1, 8, 64, 2048)
 TOKENS = (1, 8, 64, 256, 2048, 8192)
 DECODE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite")
 DECODE_TOKENS = (1, 2, 4, 8)
@@ -218,6 +227,116 @@ def bench_decode(args, dtype) -> dict:
     return {"copy": copy, "results": rows, "check_failed": failed}
 
 
+def mxfp4_sweep_tiles(kind: str):
+    """--mxfp4 --sweep: GemmTiles tried for both grouped GEMMs of a call whose regime is `kind`."""
+    from mini_infer.ops.fused_moe import GemmTile
+
+    if kind == "decode":
+        return [GemmTile(bn, bk, 1, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256)
+                for w, st in ((4, 1), (4, 3), (8, 3)) if not (bn == 128 and bk == 256)]
+    return [GemmTile(bn, bk, 8, w, st) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def mxfp4_gemv_sweep(base):
+    """--mxfp4 --sweep: the decode GEMVs' tiles, each GEMV varied with the other kept at `base`'s."""
+    from dataclasses import replace
+
+    from mini_infer.ops._moe_gemv import GemvTile
+
+    for bn, bk in ((2, 512), (4, 256), (4, 1024), (8, 256), (8, 512), (2, 1024)):
+        for w in (4, 8):
+            if GemvTile(bn, bk, w, 1) != base.gate_up:
+                yield "gate_up", replace(base, gate_up=GemvTile(bn, bk, w, 1))
+    for bn, bk in ((4, 256), (8, 512), (16, 256), (4, 512), (16, 128)):
+        for w in (4, 8):
+            if GemvTile(bn, bk, w, 1) != base.down:
+                yield "down", replace(base, down=GemvTile(bn, bk, w, 1))
+
+
+def _time_mxfp4(case: Case, packed: list, cfg, args) -> float | str:
+    """us per fused_moe_mxfp4_triton call over the case's routings with tiles `cfg` (a MoeTileConfig: the grouped
+    GEMMs; a MoeGemvConfig: the decode GEMVs); the error's text where the tile does not build or fit."""
+    from mini_infer.ops.fused_moe_mxfp4 import fused_moe_mxfp4_triton
+
+    calls = [lambda s=s: fused_moe_mxfp4_triton(*s, *packed, "silu", config=cfg) for s in case.sets]
+    try:
+        return time_calls(calls, args.target_ms, args.rounds)[0] * 1e3
+    except Exception as e:  # a tile that does not compile or fit
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def _mxfp4_sweep(case: Case, packed: list, path: str, base, args) -> list[dict]:
+    """--mxfp4 --sweep of one path ("grouped": the same tile for both GEMMs; "gemv": one GEMV at a time)."""
+    from dataclasses import replace
+
+    alts = ([(None, replace(base, gate_up=t, down=t)) for t in mxfp4_sweep_tiles(base.kind)] if path == "grouped"
+            else list(mxfp4_gemv_sweep(base)))
+    runs = []
+    for varied, alt in alts:
+        us = _time_mxfp4(case, packed, alt, args)
+        runs.append({"config": repr(alt), "varied": varied, "us": us})
+        shown = us if isinstance(us, str) else f"{us:.1f} us"
+        tile = getattr(alt, varied) if varied else alt.gate_up
+        print(f"    {path} {varied or 'both'} {tile}: {shown}", flush=True)
+    return runs
+
+
+def bench_mxfp4(args) -> dict:
+    """--mxfp4: fused_moe_mxfp4_triton beside fused_moe_triton (module docstring)."""
+    from mini_infer.ops import fused_moe_mxfp4 as fmx
+    from mini_infer.ops.fused_moe import moe_tile_config
+
+    copy = copy_bandwidth(args.copy_gib, args.target_ms, args.rounds)
+    print(f"{torch.cuda.get_device_name()} | bf16 activations | copy bandwidth {copy['gbps']:.0f} GB/s | CUDA-graph "
+          f"timings over {args.sets} routings, median of {args.rounds}", flush=True)
+    print(f"{'model':<15}{'T':>6}{'used':>5} |{'bf16 us':>9}{'%copy':>6} |{'mx grouped us':>14}{'%copy':>6} |"
+          f"{'mx gemv us':>11}{'%copy':>6} |{'mx dequant us':>14}{'%copy':>6} |   picks | best of sweep")
+    rows = []
+    for model in args.models:
+        shape = MODELS[model]
+        for tokens in args.tokens:
+            case = Case(model, shape, tokens, torch.bfloat16, "cuda", args.sets if tokens <= 64 else 2)
+            packed = [t for w in (case.w13, case.w2) for t in fmx.quantize_mxfp4(w)]
+            mx_bytes = case.touched_bytes() * 4.25 / 16
+            grouped = fmx.mxfp4_tiles(moe_tile_config(tokens, case.experts, case.top_k, case.hidden, case.inter))
+            configs = {"grouped": grouped}
+            if tokens * case.top_k <= 64:
+                configs["gemv"] = fmx._GEMV_TILES
+            else:
+                configs["dequant"] = fmx.DEQUANTIZE
+            bf16_us = time_calls(case.triton_calls(), args.target_ms, args.rounds)[0] * 1e3
+            picks = ("gemv" if fmx.mxfp4_gemv_config(tokens, case.top_k) else
+                     "dequant" if tokens * case.top_k >= fmx._DEQUANT_MIN_PAIRS else "grouped")
+            row = {"model": model, "tokens": tokens, **shape, "used_experts": case.used,
+                   "touched_bf16_bytes": case.touched_bytes(), "touched_mxfp4_bytes": mx_bytes, "bf16_us": bf16_us,
+                   "picks": picks, "mxfp4": {p: {"config": repr(c), "us": _time_mxfp4(case, packed, c, args)}
+                                             for p, c in configs.items()}}
+            if args.sweep:
+                for path, base in configs.items():
+                    if path in args.sweep_paths:
+                        row["mxfp4"][path]["sweep"] = _mxfp4_sweep(case, packed, path, base, args)
+            line = (f"{model:<15}{tokens:>6}{statistics.mean(case.used):>5.0f} |{bf16_us:>9.1f}"
+                    f"{100 * case.touched_bytes() / bf16_us / 1e3 / copy['gbps']:>5.0f}% |")
+            for path, width in (("grouped", 14), ("gemv", 11), ("dequant", 14)):
+                us = row["mxfp4"].get(path, {}).get("us", math.nan)
+                line += (f"{us:>{width}.1f}{100 * mx_bytes / us / 1e3 / copy['gbps']:>5.0f}% |"
+                         if isinstance(us, float) else f"{'error':>{width}}{'':>6} |")
+            line += f" {picks:>7} |"
+            if args.sweep:
+                best = min(((p, s) for p, v in row["mxfp4"].items() for s in v.get("sweep", [])
+                            if isinstance(s["us"], float)), key=lambda ps: ps[1]["us"], default=None)
+                row["sweep_best"] = best and {"path": best[0], **best[1]}
+                line += f" {best[1]['us']:.1f} us {best[0]} {best[1]['config']}" if best else " none built"
+            print(line, flush=True)
+            for path, v in row["mxfp4"].items():
+                if isinstance(v["us"], str):
+                    print(f"    {path}: {v['us']}", flush=True)
+            rows.append(row)
+            del case, packed
+            torch.cuda.empty_cache()
+    return {"copy": copy, "results": rows}
+
+
 def time_eager(calls: list[Callable], rounds: int) -> float:
     """ms per call of host-synced callables: CUDA events around each call, median over rounds x calls."""
     for c in calls[:1]:
@@ -371,6 +490,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "output columns a program, 2-4 warps) instead of the usual set")
     ap.add_argument("--decode", action="store_true", help="the decode path beside the grouped GEMMs at few tokens "
                     f"(default models {','.join(DECODE_MODELS)}, tokens {DECODE_TOKENS})")
+    ap.add_argument("--mxfp4", action="store_true", help="fused_moe_mxfp4 (both paths) beside bf16 fused_moe "
+                    f"(default models {','.join(MXFP4_MODELS)}, tokens {MXFP4_TOKENS})")
+    ap.add_argument("--sweep-paths", default="grouped,gemv", help="with --mxfp4 --sweep: the paths swept")
     ap.add_argument("--sets", type=int, default=8, help="routings cycled per timing at decode sizes (cold L2)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="size of the copy-bandwidth tensor (>= 1)")
     ap.add_argument("--target-ms", type=float, default=20.0, help="GPU time per timing round")
@@ -378,13 +500,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     models = TINY_MODELS if args.tiny else MODELS
-    default_models = DECODE_MODELS if args.decode else models
+    default_models = DECODE_MODELS if args.decode else MXFP4_MODELS if args.mxfp4 else models
     args.models = [m for m in (args.models or ",".join(default_models)).split(",") if m]
     if not args.models or set(args.models) - set(models):
         ap.error(f"--models: choose from {','.join(models)}")
     if args.decode and args.tiny:
         ap.error("--decode times GPU kernels at the models' shapes: not with --tiny")
-    args.tokens = args.tokens or list(TINY_TOKENS if args.tiny else DECODE_TOKENS if args.decode else TOKENS)
+    if args.mxfp4 and (args.tiny or args.decode):
+        ap.error("--mxfp4 times GPU kernels at the models' shapes: not with --tiny or --decode")
+    args.tokens = args.tokens or list(TINY_TOKENS if args.tiny else DECODE_TOKENS if args.decode else
+                                      MXFP4_TOKENS if args.mxfp4 else TOKENS)
     if args.sets < 1 or args.rounds < 1 or args.target_ms <= 0 or args.copy_gib < 1:
         ap.error("--sets, --rounds, --target-ms must be positive and --copy-gib >= 1")
     return args
@@ -418,11 +543,13 @@ def main(argv=None) -> int:
             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "dtype": args.dtype,
             "target_ms": args.target_ms, "rounds": args.rounds,
             "timing": "triton and dense: CUDA graph replay over the routings, median of rounds; ref: eager events"}
-    report = {"meta": meta, **(bench_decode(args, dtype) if args.decode else bench(args, dtype, checks))}
+    run = bench_decode(args, dtype) if args.decode else bench_mxfp4(args) if args.mxfp4 else bench(args, dtype, checks)
+    report = {"meta": meta, **run}
     meta["wall_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernel_moe_{'decode_' if args.decode else ''}{gpu_tag()}{'_tiny' if args.tiny else ''}.json"
+    mode = "decode_" if args.decode else "mxfp4_" if args.mxfp4 else ""
+    path = out / f"kernel_moe_{mode}{gpu_tag()}{'_tiny' if args.tiny else ''}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"{meta['wall_seconds']:.0f} s; wrote {path}")
     if report.get("check_failed"):

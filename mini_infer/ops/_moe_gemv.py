@@ -21,7 +21,8 @@ alone (the grid is a function of the shapes: CUDA-graph safe, no host sync). The
 (`gemv_step` of linear.py): elementwise fp32 products, one row-sum at the end.
 
 Holds `map_expert`, the expert-map lookup that fused_moe.py's align and sum kernels use too, and
-`gate_activation`, the gate/up epilogue its grouped GEMM shares. Launchers assume
+`gate_activation`, the gate/up epilogue its grouped GEMM shares; `store_gated` and `add_slot_biases`, the GEMVs'
+epilogues, which fused_moe_mxfp4.py's MXFP4 GEMVs share. Launchers assume
 fused_moe.py's `_check_args` passed. Must not import anything from mini_infer outside `mini_infer.ops`.
 """
 
@@ -130,6 +131,35 @@ if HAS_TRITON:
         return map_expert(tl.load(ids_ptr + pair).to(tl.int32), True, map_ptr, num_global, HAS_MAP).to(tl.int64)
 
     @triton.jit
+    def store_gated(dots, expert, pair, stack, row, inter, bias_ptr, act_ptr, BLOCK_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+        """The gate/up GEMV's epilogue: the [2 BLOCK_N] stack of fp32 dots (the tile's gate rows `row`, then its up
+        rows, `stack` their index), plus the expert's bias rows (HAS_BIAS; bias_ptr [E, 2I] contiguous), through
+        `gate_activation`, stored to act[pair, tile] in act's dtype."""
+        if HAS_BIAS:
+            bias_rows = bias_ptr + expert * 2 * inter + row + stack // BLOCK_N * inter
+            dots += tl.load(bias_rows, mask=row < inter, other=0.0).to(tl.float32)
+        gate, up = tl.split(dots.reshape(2, BLOCK_N).permute(1, 0))
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        act = gate_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
+        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=rows < inter)
+
+    @triton.jit
+    def add_slot_biases(out, t, rows, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, bias_ptr,
+                        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr):
+        """The down GEMV's bias: out [BLOCK_N] (rows `rows` of token t) plus, slot by slot in order, each slot's
+        routing weight times its (local) expert's bias row (bias_ptr [E, H] contiguous; HF: weight * (W2 act +
+        bias)); slots without a local expert add nothing."""
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+            mine = (expert >= 0) & (expert < num_experts)
+            bias_ok = rows < tl.where(mine, hidden, 0)  # all or none (a vector-and-scalar `&` is no mask)
+            bias = tl.load(bias_ptr + tl.where(mine, expert, 0) * hidden + rows, mask=bias_ok, other=0.0)
+            out += tl.load(weights_ptr + pair).to(tl.float32) * bias.to(tl.float32)
+        return out
+
+    @triton.jit
     def _dot_rows(w_rows, row_ok, v_row, n_k, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
         """The ROWS weight rows at pointers `w_rows` [ROWS, 1] (`row_ok`: which exist) dotted with the vector
         v_row[0 : n_k], in fp32 (the dense GEMV's K loop: elementwise products, one row-sum at the end)."""
@@ -163,13 +193,8 @@ if HAS_TRITON:
         w_rows = w_ptr + expert * stride_we + (row + stack // BLOCK_N * inter)[:, None].to(tl.int64) * stride_wn
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
         dots = _dot_rows(w_rows, row < inter, x_row, hidden, 2 * BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            bias_rows = bias_ptr + expert * 2 * inter + row + stack // BLOCK_N * inter
-            dots += tl.load(bias_rows, mask=row < inter, other=0.0).to(tl.float32)
-        gate, up = tl.split(dots.reshape(2, BLOCK_N).permute(1, 0))
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        act = gate_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
-        tl.store(act_ptr + pair.to(tl.int64) * inter + rows, act.to(act_ptr.dtype.element_ty), mask=rows < inter)
+        store_gated(dots, expert, pair, stack, row, inter, bias_ptr, act_ptr, BLOCK_N, HAS_BIAS, ACTIVATION, ALPHA,
+                    LIMIT)
 
     @triton.jit
     def _moe_gemv_down_kernel(
@@ -200,14 +225,9 @@ if HAS_TRITON:
             a *= tl.load(weights_ptr + pair).to(tl.float32)
             acc = gemv_step(acc, w_rows + tl.where(mine, expert, 0) * stride_we, row_ok, cols, col_ok, a)
         out = tl.sum(acc, axis=1)
-        if HAS_BIAS:  # each slot's routing weight times its expert's bias row (HF: weight * (W2 act + bias))
-            for j in tl.static_range(TOP_K):
-                pair = t * TOP_K + j
-                expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
-                mine = (expert >= 0) & (expert < num_experts)
-                bias_ok = rows < tl.where(mine, hidden, 0)  # all or none (a vector-and-scalar `&` is no mask)
-                bias = tl.load(bias_ptr + tl.where(mine, expert, 0) * hidden + rows, mask=bias_ok, other=0.0)
-                out += tl.load(weights_ptr + pair).to(tl.float32) * bias.to(tl.float32)
+        if HAS_BIAS:
+            out = add_slot_biases(out, t, rows, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden,
+                                  bias_ptr, TOP_K, HAS_MAP)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 

@@ -8,9 +8,9 @@ value(nibble) * 2^(s - 127). Two weights a byte, the lower K index in the low ni
 `convert_moe_packed_tensors` reads gpt-oss checkpoints the same way). Shapes, for fused_moe's w13 [E, 2I, H] and
 w2 [E, H, I]:
     w13_blocks [E, 2I, H/2] uint8, w13_scales [E, 2I, H/32] uint8, w2_blocks [E, H, I/2], w2_scales [E, H, I/32];
-H and I multiples of 32. Everything else (routing, biases, activations, expert_map, numerics) is fused_moe's
-(fused_moe.py's docstring): the result is fused_moe's on the dequantized weights, which are exact in every dtype
-whose exponent range holds 2^(s - 127) * 6 (bf16 and fp32 always; fp16 for scales near 127 only).
+H and I multiples of 32. Everything else (routing, biases, activations, expert_map) is fused_moe's (fused_moe.py's
+docstring): the result is fused_moe's on the dequantized weights (to the summation order, below), which are exact
+in every dtype whose exponent range holds 2^(s - 127) * 6 (bf16 and fp32 always; fp16 for scales near 127 only).
 
 `quantize_mxfp4` makes the blocks and scales from float weights: the scale is the smallest power of two that
 brings the group's largest magnitude to at most 6 (no value is clipped), each weight rounded to the nearest FP4
@@ -20,13 +20,26 @@ back exactly: their values, over the new scale, are FP4 values again. `dequantiz
 Two implementations:
   * `fused_moe_mxfp4_reference`: dequantizes the weights to hidden's dtype and runs `fused_moe_reference`
     (the CPU path and the oracle; it holds a 16-bit copy of every expert while it runs).
-  * `fused_moe_mxfp4_triton`: fused_moe's grouped-GEMM path (its align step or pair-per-block mode, its tiles,
-    its slot-sum kernel) with this module's GEMM kernel, which loads each K step's packed bytes and scales and
-    decodes them to hidden's dtype in registers before the dot: the same per-pair products as fused_moe_triton
-    on the dequantized weights at the same tiles, so the same output bits. No decode GEMVs, no loads before the
-    PDL wait, no slot sum inside the down GEMM (fused_moe's MOE_PRELOAD and MOE_MERGE_SLOTS are its own), and
-    the tiles are fused_moe's bf16 ones narrowed to what builds without spills (`mxfp4_tiles`): not yet tuned
-    for this format or run on a GPU.
+  * `fused_moe_mxfp4_triton`, no host sync, three paths chosen by shape:
+    - up to _GEMV_MAX_PAIRS (token, slot) pairs (decode), two grouped GEMVs in the manner of _moe_gemv.py (no
+      align step, no slot sum): each program reads 32-bit words of packed bytes (8 weights), turns two nibbles at
+      a time into FP16 bit patterns with one shift-and-mask (`_mx_gemv_step`), multiplies in fp32 and applies
+      the group scale once a word. On an H200 (bench/kernel_moe.py --mxfp4) gpt-oss-20b's experts at batch 1
+      take 53 us against 71 us in bf16 and 210 us in the grouped GEMMs below; still ALU-bound (about a quarter
+      of the copy bandwidth over the MXFP4 bytes).
+    - between, fused_moe_triton's grouped-GEMM path (its align step or pair-per-block mode, its tiles, its
+      slot-sum kernel) with this module's GEMM kernel, which loads each K step's packed bytes and scales and
+      decodes them to hidden's dtype in registers before the dot: the same per-pair products as
+      fused_moe_triton on the dequantized weights at the same tiles, so the same output bits. No loads before
+      the PDL wait, no slot sum inside the down GEMM, and fused_moe's bf16 tiles narrowed to what builds without
+      spills (`mxfp4_tiles`). Slow: on an H200 gpt-oss-20b's experts at 64 tokens take 1.2-1.4 ms against 0.42
+      in bf16 (the decode in the [K, N] tile is not pipelined; a tile sweep found at most 1.4x; Triton's
+      `tl.dot_scaled` upcast was no faster, and wrong on the GPU at a 32-wide K step, so it is not used).
+    - from _DEQUANT_MIN_PAIRS pairs (long prefill chunks), the experts dequantized into a scratch by one kernel
+      and fused_moe_triton run on it (the same bits as fused_moe_triton on the dequantized weights): gpt-oss-20b
+      at 2,048 tokens 1.95 ms against 4.26 in the grouped GEMMs and 0.96 in bf16.
+    The decode GEMVs sum a token's slots in fp32 before rounding (as _moe_gemv.py's do); the other two paths
+    give fused_moe_triton's bits on the dequantized weights.
 
 Must not import anything from mini_infer outside `mini_infer.ops`.
 """
@@ -37,7 +50,7 @@ from dataclasses import replace
 
 import torch
 
-from mini_infer.ops._moe_gemv import SWIGLU_ALPHA, SWIGLU_LIMIT, epilogue_args
+from mini_infer.ops._moe_gemv import SWIGLU_ALPHA, SWIGLU_LIMIT, GemvTile, MoeGemvConfig, epilogue_args
 from mini_infer.ops._triton_support import (
     HAS_TRITON,
     WEIGHT_EVICTION,
@@ -51,15 +64,18 @@ from mini_infer.ops.fused_moe import (
     GemmTile,
     MoeTileConfig,
     _check_args,
+    _map_args,
     _RawIds,
     _smaller_tiles,
     fused_moe_reference,
+    fused_moe_triton,
     moe_tile_config,
     pair_rows,
     sum_slots,
 )
 
 if HAS_TRITON:
+    from mini_infer.ops._moe_gemv import _slot_expert, add_slot_biases, store_gated
     from mini_infer.ops.fused_moe import (
         _a_tile,
         _bias_and_activation,
@@ -68,8 +84,9 @@ if HAS_TRITON:
         _tile_of,
     )
 
-__all__ = ["GROUP", "dequantize_mxfp4", "fused_moe_mxfp4", "fused_moe_mxfp4_reference", "fused_moe_mxfp4_triton",
-           "mxfp4_tiles", "quantize_mxfp4", "round_to_mxfp4"]
+__all__ = ["DEQUANTIZE", "GROUP", "dequantize_mxfp4", "dequantize_mxfp4_triton", "fused_moe_mxfp4",
+           "fused_moe_mxfp4_reference", "fused_moe_mxfp4_triton", "mxfp4_gemv_config", "mxfp4_tiles", "quantize_mxfp4",
+           "round_to_mxfp4"]
 
 GROUP = 32  # weights a scale
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # nibble & 7 -> |value|; bit 3 is the sign
@@ -243,6 +260,149 @@ if HAS_TRITON:
         c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
+    @triton.jit
+    def _mx_pair(q, J: tl.constexpr):
+        """Nibbles J and J + 4 of 32-bit words `q` (uint32) as fp32: FP4 value * 2^-14, exactly. Both are shifted
+        into the halves of one 32-bit word as FP16 bit patterns by one shift-and-mask (sign to bit 15; the 3
+        magnitude bits to the lowest two exponent bits and the top mantissa bit, so FP4's subnormal 0.5 lands on
+        an FP16 subnormal)."""
+        if J == 3:
+            mag = q >> 3
+        else:
+            mag = q << (9 - 4 * J)
+        bits = (mag & 0x0E000E00) | ((q << (12 - 4 * J)) & 0x80008000)
+        lo = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _mx_gemv_step(acc, q_rows, s_rows, row_ok, words, word_ok, x_ptr, x_mul):
+        """acc [R, W] + one K step of R MXFP4 rows dotted with x: `words` [W] the step's 32-bit words of packed
+        bytes (8 weights each, K = 8 * word + i in nibble i, which exist where `word_ok`) at q_rows [R, 1] (uint32
+        pointers), their scales at s_rows [R, 1] (one byte a group of 4 words); x (times the scalar x_mul) at
+        x_ptr[8 * word + i], loaded as one [W, 8] tile and split into its 8 columns. Nibbles j and j + 4 of a word
+        are decoded together (`_mx_pair`), so one shift-and-mask serves two weights; the products are summed per
+        word and scaled by 2^(s - 127) * 2^14 * x_mul once a word."""
+        ok = row_ok[:, None] & word_ok[None, :]
+        q = tl.load(q_rows + words[None, :], mask=ok, other=0)
+        s = tl.load(s_rows + (words // 4)[None, :], mask=ok, other=127).to(tl.int32)
+        xs = tl.load(x_ptr + words[:, None] * 8 + tl.arange(0, 8)[None, :], mask=word_ok[:, None], other=0.0)
+        # xs[w, 4a + 2b + c] split on c, then on b, then on a: x's columns for nibble j = 2b + c (a = 0) and j + 4
+        c0, c1 = tl.split(tl.reshape(xs.to(tl.float32), (xs.shape[0], 2, 2, 2)))
+        c0b0, c0b1 = tl.split(c0)
+        c1b0, c1b1 = tl.split(c1)
+        part = tl.zeros(acc.shape, tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                x_lo, x_hi = tl.split(c0b0)
+            elif j == 1:
+                x_lo, x_hi = tl.split(c1b0)
+            elif j == 2:
+                x_lo, x_hi = tl.split(c0b1)
+            else:
+                x_lo, x_hi = tl.split(c1b1)
+            lo, hi = _mx_pair(q, j)
+            part += lo * x_lo[None, :] + hi * x_hi[None, :]
+        scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+        return acc + part * (scale * (16384.0 * x_mul))
+
+    @triton.jit
+    def _mx_dequant_kernel(q_ptr, s_ptr, out_ptr, rows, n_words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+        """out[r, 8w : 8w + 8] = the 8 weights of 32-bit word w of packed row r (q_ptr [rows, n_words] uint32
+        words, s_ptr [rows, n_words / 4] scales), in out's dtype: program (row block, word block). `_mx_pair`'s
+        values times 2^(s - 127) * 2^14 in fp32, interleaved back into K order in registers (join) and stored as
+        8 consecutive values a word."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        ok = (r < rows)[:, None] & (w < n_words)[None, :]
+        r64 = r[:, None].to(tl.int64)
+        q = tl.load(q_ptr.to(tl.pointer_type(tl.uint32)) + r64 * n_words + w[None, :], mask=ok, other=0)
+        s = tl.load(s_ptr + r64 * (n_words // 4) + (w // 4)[None, :], mask=ok, other=127).to(tl.int32)
+        scale = (s << 23).to(tl.float32, bitcast=True) * 16384.0
+        # K offset 4a + 2b + c of a word holds nibble j = 2b + c's lo (a = 0) or hi (a = 1) value: joined over a,
+        # then b, then c, so that c is the last index
+        lo, hi = _mx_pair(q, 0)
+        j0 = tl.join(lo * scale, hi * scale)
+        lo, hi = _mx_pair(q, 1)
+        j1 = tl.join(lo * scale, hi * scale)
+        lo, hi = _mx_pair(q, 2)
+        j2 = tl.join(lo * scale, hi * scale)
+        lo, hi = _mx_pair(q, 3)
+        j3 = tl.join(lo * scale, hi * scale)
+        values = tl.join(tl.join(j0, j2), tl.join(j1, j3))  # [R, W, 2 (a), 2 (b), 2 (c)]
+        values = tl.reshape(values, (BLOCK_R, BLOCK_W * 8)).to(out_ptr.dtype.element_ty)
+        k = w[:, None] * 8 + tl.arange(0, 8)[None, :]
+        k = tl.reshape(k, (BLOCK_W * 8,))
+        k_ok = tl.reshape(tl.broadcast_to((w < n_words)[:, None], (BLOCK_W, 8)), (BLOCK_W * 8,))
+        tl.store(out_ptr + r64 * (n_words * 8) + k[None, :], values, mask=(r < rows)[:, None] & k_ok[None, :])
+
+    @triton.jit
+    def _mx_gemv_gate_up_kernel(
+        x_ptr, q_ptr, s_ptr, act_ptr, ids_ptr, map_ptr, num_global, num_experts, top_k, inter, hidden,
+        stride_xm, word_stride_qe, word_stride_qn, stride_se, stride_sn, bias_ptr,
+        HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+        HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0, ALPHA: tl.constexpr = SWIGLU_ALPHA,
+        LIMIT: tl.constexpr = SWIGLU_LIMIT,
+    ):  # fmt: skip
+        """_moe_gemv.py's gate/up GEMV (pair p = program_id(0), a tile of BLOCK_N gate and BLOCK_N up rows) with
+        W13 in MXFP4: q_ptr the packed bytes [E, 2I, H/2] read as 32-bit words (strides in words), s_ptr the
+        scales [E, 2I, H/32]; BLOCK_K weights a K step."""
+        await_producers(USE_GDC)
+        pair = tl.program_id(0)
+        expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+        if (expert < 0) | (expert >= num_experts):
+            return  # another rank's expert, or none: the down kernel skips this slot too
+        stack = tl.arange(0, 2 * BLOCK_N)  # the tile's gate rows, then its up rows
+        row = tl.program_id(1) * BLOCK_N + stack % BLOCK_N
+        row_ok = row < inter
+        full_row = (row + stack // BLOCK_N * inter)[:, None].to(tl.int64)
+        q_rows = q_ptr.to(tl.pointer_type(tl.uint32)) + expert * word_stride_qe + full_row * word_stride_qn
+        s_rows = s_ptr + expert * stride_se + full_row * stride_sn
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K // 8], tl.float32)
+        n_words = hidden // 8
+        for w0 in range(0, n_words, BLOCK_K // 8):
+            words = w0 + tl.arange(0, BLOCK_K // 8)
+            acc = _mx_gemv_step(acc, q_rows, s_rows, row_ok, words, words < n_words, x_row, 1.0)
+        store_gated(tl.sum(acc, axis=1), expert, pair, stack, row, inter, bias_ptr, act_ptr, BLOCK_N, HAS_BIAS,
+                    ACTIVATION, ALPHA, LIMIT)
+
+    @triton.jit
+    def _mx_gemv_down_kernel(
+        act_ptr, q_ptr, s_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden, inter,
+        stride_om, word_stride_qe, word_stride_qn, stride_se, stride_sn, bias_ptr,
+        TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_GDC: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+    ):  # fmt: skip
+        """_moe_gemv.py's down GEMV (token t = program_id(0), BLOCK_N output rows: the sum over its TOP_K slots of
+        weight * W2[e] act, slot by slot in fp32, slots without a (local) expert skipped; HAS_BIAS: then each
+        slot's weight times its expert's bias row) with W2 in MXFP4 (q_ptr [E, H, I/2] as words, s_ptr
+        [E, H, I/32])."""
+        await_producers(USE_GDC)
+        t = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < hidden
+        q_base = q_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None].to(tl.int64) * word_stride_qn
+        s_base = s_ptr + rows[:, None].to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+        n_words = inter // 8
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            expert = _slot_expert(ids_ptr, pair, map_ptr, num_global, HAS_MAP)
+            if (expert >= 0) & (expert < num_experts):
+                weight = tl.load(weights_ptr + pair).to(tl.float32)
+                q_rows = q_base + expert * word_stride_qe
+                s_rows = s_base + expert * stride_se
+                a_row = act_ptr + pair.to(tl.int64) * inter
+                for w0 in range(0, n_words, BLOCK_K // 8):
+                    words = w0 + tl.arange(0, BLOCK_K // 8)
+                    acc = _mx_gemv_step(acc, q_rows, s_rows, row_ok, words, words < n_words, a_row, weight)
+        out = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            out = add_slot_biases(out, t, rows, weights_ptr, ids_ptr, map_ptr, num_global, num_experts, hidden,
+                                  bias_ptr, TOP_K, HAS_MAP)
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
 
 _TILE_OK: dict[tuple, GemmTile] = {}  # launch shapes that compiled, per (dtype, gemm, tile) key
 # The B tile is decoded in registers: fused_moe's tiles (up to 128 x 128 at 4 warps, 256 x 64 at 8) spill on sm_90
@@ -250,6 +410,73 @@ _TILE_OK: dict[tuple, GemmTile] = {}  # launch shapes that compiled, per (dtype,
 # rows, 128 columns and 8 warps they build without spills (tests/ops/compile_fused_moe_sm90.py mxfp4: 80-183
 # registers at gpt-oss's shapes, Triton 3.6). Not timed on a GPU.
 _MAX_BLOCK_K, _MAX_BLOCK_N, _NUM_WARPS = 64, 128, 8
+
+
+# The decode GEMVs (`_mx_gemv_*`) serve calls of at most this many (token, slot) pairs. H200 (forty-eighth session,
+# bench/kernel_moe.py --mxfp4): gpt-oss-20b's experts at batch 1 (4 pairs) 53-67 us against 210 in the grouped
+# GEMMs (71 in bf16), at batch 8 (32 pairs) 302-324 against 818-936; qwen3-30b-a3b's at 64 pairs 161-305 against
+# 522-575.
+_GEMV_MAX_PAIRS = 64
+_GEMV_TILES = MoeGemvConfig(GemvTile(2, 1024, 4, 1), GemvTile(8, 512, 4, 1))  # that sweep's best of each
+
+
+# Calls of at least this many pairs (prefill chunks) dequantize the experts into a scratch of hidden's dtype in one
+# kernel (`dequantize_mxfp4_triton`) and run fused_moe_triton on it, as vLLM's AWQ layers dequantize before a GEMM
+# at 256 rows or more. The scratch is every local expert (gpt-oss-20b: 1.6 GB in bf16), allocated per call (the
+# engine's activation profile at its token budget sees it). H200, forty-eighth session (bench/kernel_moe.py
+# --mxfp4): gpt-oss-20b 1,951 us against 4,264 in the grouped GEMMs at 2,048 tokens (8,192 pairs), but 1,472
+# against 1,060 at 256 tokens (1,024 pairs; the dequantization alone costs about 1 ms); qwen3-30b-a3b 985 against
+# 1,306 at 256 tokens (2,048 pairs).
+_DEQUANT_MIN_PAIRS = 2048
+DEQUANTIZE = "dequantize"  # fused_moe_mxfp4_triton's `config` that forces that path (fused_moe's tiles by shape)
+
+
+def mxfp4_gemv_config(num_tokens: int, top_k: int) -> MoeGemvConfig | None:
+    """The decode GEMVs' tiles for a call of this many pairs, or None when the grouped GEMMs serve it (by shapes
+    alone: a CUDA graph keeps its kernels)."""
+    return _GEMV_TILES if num_tokens * top_k <= _GEMV_MAX_PAIRS else None
+
+
+def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_mxfp4` in one Triton kernel (no fp32 intermediate): blocks [..., K/2] and scales [..., K/32]
+    contiguous, K a multiple of 32 -> [..., K] of `dtype`; the same values."""
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    k = blocks.shape[-1] * 2
+    out = torch.empty(*blocks.shape[:-1], k, dtype=dtype, device=blocks.device)
+    rows = blocks.numel() // blocks.shape[-1] if blocks.numel() else 0
+    if rows == 0:
+        return out
+    n_words = k // 8
+    block_w = min(64, triton.next_power_of_2(n_words))
+    _mx_dequant_kernel[(triton.cdiv(rows, 4), triton.cdiv(n_words, block_w))](
+        blocks, scales, out, rows, n_words, BLOCK_R=4, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
+def _mx_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor,
+             q2: torch.Tensor, s2: torch.Tensor, expert_map: torch.Tensor | None, config: MoeGemvConfig,
+             b13: torch.Tensor | None, b2: torch.Tensor | None, activation: str, swiglu_alpha: float,
+             swiglu_limit: float) -> torch.Tensor:
+    """The decode GEMVs (`_mx_gemv_gate_up_kernel`, `_mx_gemv_down_kernel`) for validated, contiguous arguments:
+    out [T, H] in x's dtype."""
+    t, h = x.shape
+    e, inter, k = q2.shape[0], q2.shape[2] * 2, ids.numel() // t
+    emap, n_global = _map_args(ids, expert_map)
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    gu, dn = config.gate_up, config.down
+    _mx_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
+        x, q13, s13, act, ids, emap, n_global, e, k, inter, h, x.stride(0), q13.stride(0) // 4, q13.stride(1) // 4,
+        s13.stride(0), s13.stride(1), b13, HAS_MAP=expert_map is not None, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **epilogue_args(b13, activation, swiglu_alpha,
+                                                                          swiglu_limit),
+        **pdl_args(x, trigger_first=False))
+    _mx_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
+        act, q2, s2, out, weights, ids, emap, n_global, e, h, inter, out.stride(0), q2.stride(0) // 4,
+        q2.stride(1) // 4, s2.stride(0), s2.stride(1), b2, TOP_K=k, HAS_MAP=expert_map is not None,
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
+        **epilogue_args(b2), **pdl_args(act, trigger_first=False))
+    return out
 
 
 def mxfp4_tiles(cfg: MoeTileConfig) -> MoeTileConfig:
@@ -295,10 +522,13 @@ def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, top
                            w2_scales: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                            swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
-                           config: MoeTileConfig | None = None, pair_blocks: bool | None = None) -> torch.Tensor:
+                           config: MoeTileConfig | MoeGemvConfig | str | None = None,
+                           pair_blocks: bool | None = None) -> torch.Tensor:
     """The CUDA path (or CPU under TRITON_INTERPRET=1), no host sync: fused_moe_triton's grouped-GEMM path with
-    MXFP4 weights (module docstring). `config` / `pair_blocks` as fused_moe_triton takes them (None: by shape,
-    `mxfp4_tiles` of `moe_tile_config`'s)."""
+    MXFP4 weights, at few pairs the decode GEMVs, at many the experts dequantized for fused_moe_triton (module
+    docstring). `config` / `pair_blocks` as fused_moe_triton takes them, or DEQUANTIZE (None: by shape,
+    `mxfp4_gemv_config`'s, else DEQUANTIZE from _DEQUANT_MIN_PAIRS pairs, else `mxfp4_tiles` of
+    `moe_tile_config`'s)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_moe_mxfp4_triton needs triton")
     e, h, inter = _check_mxfp4(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales)
@@ -313,6 +543,14 @@ def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1).contiguous()
+    config = config or mxfp4_gemv_config(t, k) or (DEQUANTIZE if t * k >= _DEQUANT_MIN_PAIRS else None)
+    if config == DEQUANTIZE:
+        w13, w2 = (dequantize_mxfp4_triton(q, sc, hidden.dtype) for q, sc in ((q13, s13), (q2, s2)))
+        return fused_moe_triton(x, topk_weights, topk_ids, w13, w2, activation, expert_map, b13, b2, swiglu_alpha,
+                                swiglu_limit, pair_blocks=pair_blocks)
+    if isinstance(config, MoeGemvConfig):
+        return _mx_gemv(x, weights, ids, q13, s13, q2, s2, expert_map, config, b13, b2, activation, swiglu_alpha,
+                        swiglu_limit)
     cfg = config or mxfp4_tiles(moe_tile_config(t, num_global, k, h, inter, local_experts=e))
     num_pairs = t * k
     sorted_pairs, block_expert, num_padded, raw_ids = pair_rows(ids, expert_map, e, num_global, k, cfg.block_m,

@@ -22,7 +22,8 @@ interpreter shows no compile error (an early return the GPU compiler rejects, a 
 With the argument `gpt_oss`: every kernel launch `fused_moe_triton` makes for gpt-oss-20b's experts (E 32, top-4,
 H = I = 2,880, bf16; the "swigluoai" activation and both biases) at 1, 8 and 512 tokens, each with its resource line
 and its epilogue switches (HAS_BIAS, ACTIVATION). With `mxfp4`: the same for `fused_moe_mxfp4_triton` (the experts in
-MXFP4; its GEMM kernel and the slot sum), at 8,192 tokens too (fused_moe's widest tiles).
+MXFP4; its GEMM kernel and the slot sum), at 8,192 tokens too (fused_moe's widest tiles); `mxfp4 gemv`: its decode
+GEMVs at 1 and 8 tokens; `mxfp4 dequant`: its dequantizing kernel at 2,048 tokens.
 
 Run in a process of its own without TRITON_INTERPRET: `python -m tests.ops.compile_fused_moe_sm90`. Exits
 NO_CUDA_BACKEND when Triton has no CUDA backend or ptxas. Used by tests/ops/test_fused_moe_preload.py. Builds only.
@@ -143,9 +144,9 @@ def gpt_oss_cases() -> list[dict]:
     return out
 
 
-def mxfp4_cases() -> list[dict]:
-    """Every launch of fused_moe_mxfp4_triton for gpt-oss-20b's experts in MXFP4 (module docstring), built for
-    sm_90."""
+def mxfp4_cases(path: str = "grouped") -> list[dict]:
+    """Every launch of fused_moe_mxfp4_triton for gpt-oss-20b's experts in MXFP4 (module docstring) on `path`
+    (forced by its switches), built for sm_90."""
     import torch
 
     from mini_infer.ops import fused_moe as fm
@@ -153,17 +154,20 @@ def mxfp4_cases() -> list[dict]:
 
     e, k, h, inter = (GPT_OSS[key] for key in ("num_experts", "top_k", "hidden", "inter"))
     out = []
-    for tokens in (1, 8, 512, 8192):
+    tokens_of = {"grouped": (1, 8, 512, 8192), "gemv": (1, 8), "dequant": (2048,)}
+    for tokens in tokens_of[path]:
         hidden, weights = torch.empty(tokens, h, dtype=torch.bfloat16), torch.empty(tokens, k, dtype=torch.bfloat16)
         ids = torch.zeros(tokens, k, dtype=torch.int32)
         packed = [torch.empty(e, rows, cols, dtype=torch.uint8)
                   for rows, cols in ((2 * inter, h // 2), (2 * inter, h // 32), (h, inter // 2), (h, inter // 32))]
         b13, b2 = torch.empty(e, 2 * inter, dtype=torch.bfloat16), torch.empty(e, h, dtype=torch.bfloat16)
-        with (record_launches(fx4, "_moe_mxfp4_gemm_kernel", _TILE_OK={}) as calls,
-              record_launches(fm, *KERNELS[1:]) as fm_calls):
+        with (record_launches(fx4, "_moe_mxfp4_gemm_kernel", "_mx_gemv_gate_up_kernel", "_mx_gemv_down_kernel",
+                              "_mx_dequant_kernel", _TILE_OK={}, _GEMV_MAX_PAIRS=64 if path == "gemv" else 0,
+                              _DEQUANT_MIN_PAIRS=1 if path == "dequant" else 1 << 62) as calls,
+              record_launches(fm, *KERNELS) as fm_calls):  # (the dequant path's fused_moe GEMMs: not built here)
             fx4.fused_moe_mxfp4_triton(hidden, weights, ids, *packed, "swigluoai", None, b13, b2, 1.702, 7.0)
-        for module, kernel, launches in [*((fx4, *c) for c in calls.items()),
-                                         (fm, "_moe_sum_kernel", fm_calls["_moe_sum_kernel"])]:
+        sums = [] if path == "dequant" else [(fm, "_moe_sum_kernel", fm_calls["_moe_sum_kernel"])]
+        for module, kernel, launches in [*((fx4, *c) for c in calls.items()), *sums]:
             for args, kwargs in launches:
                 kwargs = dict(kwargs, **({"DOT_FP32": False} if "DOT_FP32" in kwargs else {}))  # 16-bit dots
                 built, constexprs = build_launch(getattr(module, kernel), args, kwargs)
@@ -174,4 +178,6 @@ def mxfp4_cases() -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(report_main({"gpt_oss": gpt_oss_cases, "mxfp4": mxfp4_cases}.get(" ".join(sys.argv[1:]), cases)))
+    sys.exit(report_main({"gpt_oss": gpt_oss_cases, "mxfp4": mxfp4_cases,
+                          "mxfp4 gemv": lambda: mxfp4_cases("gemv"),
+                          "mxfp4 dequant": lambda: mxfp4_cases("dequant")}.get(" ".join(sys.argv[1:]), cases)))

@@ -4,14 +4,16 @@ The format against transformers' own dequantizer of gpt-oss checkpoints (`conver
 order, scale bias, value table); `quantize_mxfp4` exact on MXFP4 values and nearest-value elsewhere; the Triton
 kernel (interpreter on CPU) bit-equal to fused_moe_triton on the dequantized weights at the same tiles (sorted and
 pair-per-block, decode and prefill tiles, fp32 and bf16, GPT-OSS's biases and SwiGLU, an expert map, a K that the
-K step does not divide); the reference equal to fused_moe_reference on the dequantized weights; bad arguments
-named; fake and opcheck.
+K step does not divide); the decode GEMVs (few pairs) equal to the reference to fp32 rounding, picked by shape;
+the reference equal to fused_moe_reference on the dequantized weights; bad arguments named; fake and opcheck; the
+kernels build for sm_90 without spills.
 """
 
 import pytest
 import torch
 
 import mini_infer.ops  # noqa: F401  (registers torch.ops.mini_infer.*)
+from mini_infer.ops._moe_gemv import GemvTile, MoeGemvConfig
 from mini_infer.ops.fused_moe import GemmTile, MoeTileConfig, fused_moe_reference, fused_moe_triton
 from mini_infer.ops.fused_moe_mxfp4 import (
     FP4_MAGNITUDES,
@@ -132,13 +134,115 @@ def test_triton_equals_fused_moe_on_dequantized_weights(tokens, top_k, config, p
     tail = (activation, emap_dev, *(None if b is None else b.to(DEVICE) for b in (b13, b2)))
     mx = fused_moe_mxfp4_triton(*dev, *(t.to(DEVICE) for t in (q13, s13, q2, s2)), *tail, config=config,
                                 pair_blocks=pair_blocks)
-    plain = fused_moe_triton(*dev, d13.to(DEVICE), d2.to(DEVICE), *tail, config=config, pair_blocks=pair_blocks)
-    assert torch.equal(mx, plain)
+    if config is not None:  # (by shape, few pairs take the decode GEMVs: test_decode_gemvs_*)
+        plain = fused_moe_triton(*dev, d13.to(DEVICE), d2.to(DEVICE), *tail, config=config, pair_blocks=pair_blocks)
+        assert torch.equal(mx, plain)
     ref = fused_moe_mxfp4_reference(x, weights, ids, q13, s13, q2, s2, activation, expert_map, b13, b2)
     assert torch.equal(ref, fused_moe_reference(x, weights, ids, d13, d2, activation, expert_map, b13, b2))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = max(1.0, ref.abs().max().item())
     torch.testing.assert_close(mx.float().cpu(), ref.float(), atol=tol * scale, rtol=tol)
+
+
+GEMV_SMALL = MoeGemvConfig(GemvTile(4, 64, 4, 1), GemvTile(8, 128, 4, 1))  # K steps of 8 and 16 words: H = 96 is
+# 12 words (a half step masked), I = 64 is 8 (the down step half masked)
+GEMV_CASES = [  # (tokens, top_k, tiles, dtype, variant)
+    (1, 2, GEMV_SMALL, torch.float32, "silu"), (1, 4, None, torch.bfloat16, "gpt_oss"),
+    (3, 2, GEMV_SMALL, torch.float32, "gpt_oss"), (5, 2, GEMV_SMALL, torch.bfloat16, "silu"),
+    (3, 2, GEMV_SMALL, torch.float32, "expert_map"), (9, 1, "default", torch.float32, "gpt_oss"),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize(("tokens", "top_k", "config", "dtype", "variant"), GEMV_CASES,
+                         ids=[f"T{c[0]}k{c[1]}-{'auto' if c[2] is None else 'default' if c[2] == 'default' else 'small'}"
+                              f"-{str(c[3])[6:]}-{c[4]}" for c in GEMV_CASES])
+def test_decode_gemvs_equal_the_reference(tokens, top_k, config, dtype, variant):
+    """The decode GEMVs (`_mx_gemv_*`: the FP4 pairs decoded as FP16 bit patterns, one scale a word): the reference
+    on the dequantized weights to fp32 rounding (each slot summed in fp32, not rounded to the dtype before the
+    sum), with dropped slots, an expert map, biases and GPT-OSS's SwiGLU; at few pairs fused_moe_mxfp4 picks them
+    by itself (config None: the same bits as with their tiles given)."""
+    from mini_infer.ops import fused_moe_mxfp4 as fmx
+
+    biases, activation, emap = VARIANTS[variant]
+    w13, w2, b13, b2 = _experts(seed=tokens + 7)
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    b13, b2 = (b13.to(dtype), b2.to(dtype)) if biases else (None, None)
+    expert_map = None
+    if emap:  # this rank holds global experts 2..5 as local 0..3
+        expert_map = torch.tensor([-1, -1, 0, 1, 2, 3, -1, -1], dtype=torch.int32)
+        q13, s13, q2, s2 = (t[:4].contiguous() for t in (q13, s13, q2, s2))
+    weights, ids = _routing(tokens, top_k, seed=tokens * top_k)
+    if emap:
+        ids = ids % 8
+    x = (torch.randn(tokens, H, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    args = (dev(x), dev(weights), dev(ids), *(dev(t) for t in (q13, s13, q2, s2)), activation, dev(expert_map),
+            dev(b13), dev(b2))
+    tiles = fmx._GEMV_TILES if config in (None, "default") else config
+    got = fused_moe_mxfp4_triton(*args, config=tiles)
+    if config is None:
+        assert fmx.mxfp4_gemv_config(tokens, top_k) == fmx._GEMV_TILES
+        assert torch.equal(fused_moe_mxfp4_triton(*args), got)
+    ref = fused_moe_mxfp4_reference(x.float(), weights, ids, q13, s13, q2, s2, activation, expert_map,
+                                    *(None if b is None else b.float() for b in (b13, b2)))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float().cpu(), ref, atol=tol * max(1.0, ref.abs().max().item()), rtol=tol)
+
+
+@requires_triton
+@pytest.mark.parametrize("shape", [(3, 40, 64), (2, 5, 96), (7, 32)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_kernel_equals_dequantize(shape, dtype):
+    """`dequantize_mxfp4_triton` (one kernel; rows not a multiple of its row block, K of 1, 3 scale groups): the
+    very values of `dequantize_mxfp4`."""
+    from mini_infer.ops.fused_moe_mxfp4 import dequantize_mxfp4_triton
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))) * 3
+    w.view(-1)[:32] = 0.0  # an all-zero group (scale 2^0)
+    blocks, scales = quantize_mxfp4(w)
+    got = dequantize_mxfp4_triton(blocks.to(DEVICE), scales.to(DEVICE), dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), dequantize_mxfp4(blocks, scales, dtype))
+
+
+@requires_triton
+@pytest.mark.parametrize("variant", ["gpt_oss", "expert_map"])
+def test_many_pairs_dequantize_then_fused_moe(monkeypatch, variant):
+    """From _DEQUANT_MIN_PAIRS pairs (lowered here) the experts are dequantized and fused_moe_triton runs on them:
+    its very bits on the dequantized weights."""
+    from mini_infer.ops import fused_moe_mxfp4 as fmx
+
+    monkeypatch.setattr(fmx, "_DEQUANT_MIN_PAIRS", 12)
+    biases, activation, emap = VARIANTS[variant]
+    w13, w2, b13, b2 = _experts(seed=11)
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    dtype = torch.bfloat16
+    b13, b2 = (b13.to(dtype), b2.to(dtype)) if biases else (None, None)
+    expert_map = None
+    if emap:
+        expert_map = torch.tensor([-1, -1, 0, 1, 2, 3, -1, -1], dtype=torch.int32)
+        q13, s13, q2, s2 = (t[:4].contiguous() for t in (q13, s13, q2, s2))
+    weights, ids = _routing(7, 2, seed=4)
+    if emap:
+        ids = ids % 8
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(6)).to(dtype)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    args = (dev(x), dev(weights), dev(ids), *(dev(t) for t in (q13, s13, q2, s2)), activation, dev(expert_map),
+            dev(b13), dev(b2))
+    monkeypatch.setattr(fmx, "_GEMV_MAX_PAIRS", 8)  # 14 pairs: past the GEMVs' (lowered) limit
+    got = fused_moe_mxfp4_triton(*args)
+    d13, d2 = (dequantize_mxfp4(q, s, dtype) for q, s in ((q13, s13), (q2, s2)))
+    want = fused_moe_triton(args[0], args[1], args[2], dev(d13), dev(d2), activation, dev(expert_map), dev(b13),
+                            dev(b2))
+    assert torch.equal(got, want)
+    assert torch.equal(fused_moe_mxfp4_triton(*args, config=fmx.DEQUANTIZE), want)
+
+
+def test_decode_gemvs_serve_few_pairs_only():
+    from mini_infer.ops import fused_moe_mxfp4 as fmx
+
+    assert fmx.mxfp4_gemv_config(1, 4) == fmx.mxfp4_gemv_config(8, 8) == fmx._GEMV_TILES  # 4 and 64 pairs
+    assert fmx.mxfp4_gemv_config(9, 8) is None and fmx.mxfp4_gemv_config(512, 4) is None
 
 
 def test_registered_op_fake_and_opcheck():
@@ -167,3 +271,18 @@ def test_gpt_oss_launches_compile_sm90_without_spills():
     gemms = [c for c in report["cases"] if c["kernel"] == "_moe_mxfp4_gemm_kernel"]
     assert sorted((c["tokens"], c["gated"]) for c in gemms) == [(t, g) for t in (1, 8, 512, 8192) for g in (False, True)]
     assert all(c["block_k"] <= 64 and c["block_n"] <= 128 for c in gemms)
+
+
+@pytest.mark.parametrize(("path", "kernels"), [
+    ("gemv", [(t, k) for t in (1, 8) for k in ("_mx_gemv_down_kernel", "_mx_gemv_gate_up_kernel")]),
+    ("dequant", [(2048, "_mx_dequant_kernel")] * 2)])
+def test_gpt_oss_gemvs_and_dequantize_compile_sm90_without_spills(path, kernels):
+    """The decode GEMVs as fused_moe_mxfp4_triton launches them for gpt-oss-20b at 1 and 8 tokens (4 and 32
+    pairs), and its dequantizing kernel at 2,048 tokens (w13, then w2), built for sm_90 (`python -m
+    tests.ops.compile_fused_moe_sm90 mxfp4 gemv` / `dequant`): no spills."""
+    from tests.ops.helpers import run_uninterpreted
+
+    report = run_uninterpreted(["-m", "tests.ops.compile_fused_moe_sm90", "mxfp4", path])
+    assert sorted((c["tokens"], c["kernel"]) for c in report["cases"]) == kernels
+    for case in report["cases"]:
+        assert "STACK:0 " in case["resources"] and "LOCAL:0 " in case["resources"], (report["triton"], case)
