@@ -211,7 +211,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None, help="KV cache block size, every engine (engine default)")
     ap.add_argument("--peers", default="hf-eager,hf-static", help="comma list of hf-eager,hf-static,vllm, or none")
-    ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8")
+    ap.add_argument("--quantization", default="none", help="comma list of none, fp8, w8a8, mxfp4 (MoE models)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto, fp8, bfloat16, ...")
     ap.add_argument("--without", default=None,
                     help="comma list of passes: one more engine, the first one's pipeline without them (their gain)")
