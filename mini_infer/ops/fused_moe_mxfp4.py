@@ -437,10 +437,17 @@ def mxfp4_gemv_config(num_tokens: int, top_k: int) -> MoeGemvConfig | None:
     return _GEMV_TILES if num_tokens * top_k <= _GEMV_MAX_PAIRS else None
 
 
+def _as_words(blocks: torch.Tensor) -> torch.Tensor:
+    """`blocks` if its kernels can read it as 32-bit words (address and row strides multiples of 4 bytes, unit
+    last stride), else a contiguous copy (a view sliced along K; never the case for the pass's own tensors)."""
+    aligned = blocks.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in blocks.stride()[:-1])
+    return blocks if aligned and blocks.stride(-1) == 1 else blocks.clone(memory_format=torch.contiguous_format)
+
+
 def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`dequantize_mxfp4` in one Triton kernel (no fp32 intermediate): blocks [..., K/2] and scales [..., K/32]
     contiguous, K a multiple of 32 -> [..., K] of `dtype`; the same values."""
-    blocks, scales = blocks.contiguous(), scales.contiguous()
+    blocks, scales = _as_words(blocks.contiguous()), scales.contiguous()
     k = blocks.shape[-1] * 2
     out = torch.empty(*blocks.shape[:-1], k, dtype=dtype, device=blocks.device)
     rows = blocks.numel() // blocks.shape[-1] if blocks.numel() else 0
@@ -549,8 +556,8 @@ def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, top
         return fused_moe_triton(x, topk_weights, topk_ids, w13, w2, activation, expert_map, b13, b2, swiglu_alpha,
                                 swiglu_limit, pair_blocks=pair_blocks)
     if isinstance(config, MoeGemvConfig):
-        return _mx_gemv(x, weights, ids, q13, s13, q2, s2, expert_map, config, b13, b2, activation, swiglu_alpha,
-                        swiglu_limit)
+        return _mx_gemv(x, weights, ids, _as_words(q13), s13, _as_words(q2), s2, expert_map, config, b13, b2,
+                        activation, swiglu_alpha, swiglu_limit)
     cfg = config or mxfp4_tiles(moe_tile_config(t, num_global, k, h, inter, local_experts=e))
     num_pairs = t * k
     sorted_pairs, block_expert, num_padded, raw_ids = pair_rows(ids, expert_map, e, num_global, k, cfg.block_m,

@@ -238,6 +238,36 @@ def test_many_pairs_dequantize_then_fused_moe(monkeypatch, variant):
     assert torch.equal(fused_moe_mxfp4_triton(*args, config=fmx.DEQUANTIZE), want)
 
 
+@requires_triton
+def test_packed_views_not_word_aligned_are_read_right():
+    """Packed weights whose address is not a multiple of 4 bytes (a view one byte into a buffer) are copied for the
+    kernels that read them as 32-bit words: the GEMVs and the dequantizing kernel give the aligned tensors' bits."""
+    from mini_infer.ops import fused_moe_mxfp4 as fmx
+
+    w13, w2, _, _ = _experts(seed=3)
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+
+    def misaligned(t):
+        buf = torch.zeros(t.numel() + 1, dtype=torch.uint8, device=DEVICE)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 4 != 0
+        return view
+
+    # the interpreter reads unaligned words anyway (a GPU faults): the copy itself is what is checked here
+    q = q13.to(DEVICE)
+    assert fmx._as_words(q) is q and fmx._as_words(misaligned(q13)).data_ptr() % 4 == 0
+    weights, ids = _routing(3, 2, seed=9)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = (x, weights.to(DEVICE), ids.to(DEVICE))
+    aligned = fused_moe_mxfp4_triton(*args, *(t.to(DEVICE) for t in (q13, s13, q2, s2)), config=GEMV_SMALL)
+    shifted = fused_moe_mxfp4_triton(*args, misaligned(q13), s13.to(DEVICE), misaligned(q2), s2.to(DEVICE),
+                                     config=GEMV_SMALL)
+    assert torch.equal(aligned, shifted)
+    assert torch.equal(fmx.dequantize_mxfp4_triton(misaligned(q2), s2.to(DEVICE), torch.float32).cpu(),
+                       dequantize_mxfp4(q2, s2, torch.float32))
+
+
 def test_decode_gemvs_serve_few_pairs_only():
     from mini_infer.ops import fused_moe_mxfp4 as fmx
 
