@@ -408,7 +408,8 @@ _TILE_OK: dict[tuple, GemmTile] = {}  # launch shapes that compiled, per (dtype,
 # The B tile is decoded in registers: fused_moe's tiles (up to 128 x 128 at 4 warps, 256 x 64 at 8) spill on sm_90
 # here (gpt-oss-20b's gate/up at T = 8: 255 registers and 1,000 bytes of stack at 128 x 128 / 4 warps). At most 64 K
 # rows, 128 columns and 8 warps they build without spills (tests/ops/compile_fused_moe_sm90.py mxfp4: 80-183
-# registers at gpt-oss's shapes, Triton 3.6). Not timed on a GPU.
+# registers at gpt-oss's shapes, Triton 3.6). On an H200 (forty-eighth session) a 24-tile sweep at one token found at
+# most 1.3x over these (bench/results/s48_kernel_moe_mxfp4_sweep.txt); they now serve only 65-2,047 pairs.
 _MAX_BLOCK_K, _MAX_BLOCK_N, _NUM_WARPS = 64, 128, 8
 
 
