@@ -26,8 +26,8 @@ columns [2rI/N, 2(r+1)I/N) are the rank's I/N gate/up pairs), "transposed_rowwis
 weights split on dim 1, the input features: `down_proj` [E, I, H]), "bias_once" (a bias added to a partial sum:
 rank 0 keeps it, the other ranks hold zeros, so the sum over ranks adds it once: `down_proj_bias` [E, H], added
 per (token, slot) before the routing weight) and "query_heads" (a per-query-head tensor [Hq] split like the
-query heads: `self_attn.sinks`). Expert parallelism is not implemented for these styles: refused here, before
-any weight loads. A model type
+query heads: `self_attn.sinks`). With expert parallelism the three expert styles keep the rank's experts whole
+(dim 0) instead, each expert's biases with it. A model type
 with neither a plan that splits attention nor a project plan stays refused: nothing is guessed. The sharding pass
 and the start-up checks both read the plan from here, so a model is refused before any weight loads. This module
 reads configs only: it never touches a graph, a tensor or a process group.
@@ -69,7 +69,7 @@ PROJECT_PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.experts.gate_up_proj": "transposed_colwise",  # [E, H, 2I] -> [E, H, 2I/N]
         "layers.*.mlp.experts.gate_up_proj_bias": "transposed_colwise",  # [E, 2I] -> [E, 2I/N]
         "layers.*.mlp.experts.down_proj": "transposed_rowwise",  # [E, I, H] -> [E, I/N, H]
-        "layers.*.mlp.experts.down_proj_bias": "bias_once",  # [E, H]: rank 0's, zeros elsewhere
+        "layers.*.mlp.experts.down_proj_bias": "bias_once",  # [E, H]: rank 0's, zeros elsewhere (EP: its experts')
         "layers.*.mlp.experts": EXPERTS_STYLE,
     },
 }
@@ -207,11 +207,6 @@ def tensor_parallel_plan(config, world_size: int, expert_parallel: bool = False)
                          f"not supported (the shard_tensor_parallel pass implements {', '.join(SHARDED_STYLES)}; "
                          "expert parallelism and other styles are not sharded): run this model with "
                          "tensor_parallel_size=1")
-    if expert_parallel and own and any(v in TRANSPOSED_STYLES for v in plan.values()):
-        raise ValueError(f"enable_expert_parallel: model_type {model_type!r} is not supported with expert "
-                         "parallelism (its experts' biases and interleaved gate/up layout are not split along the "
-                         "experts; this project's plan splits each expert's intermediate size): leave expert "
-                         "parallelism off, or run it with tensor_parallel_size=1")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

@@ -38,8 +38,8 @@ Per block, found by `node.meta["nn_module_stack"]` (the block, its router and it
     Under tensor parallelism shard_tensor_parallel (this project's GPT-OSS plan, `tp_plan.PROJECT_PLANS`) has
     left each rank the contiguous columns [2rI/N, 2(r+1)I/N) of gate_up_proj and its bias (whole gate/up pairs),
     rows [rI/N, (r+1)I/N) of down_proj, and down_proj_bias on rank 0 only (zeros elsewhere: added once by the
-    all-reduce); the re-lay is the same on those I/N slices. Expert parallelism is refused for it (before capture
-    too): its transposed, biased experts are not split along the experts;
+    all-reduce); the re-lay is the same on those I/N slices. With expert parallelism each rank holds its experts
+    whole (biases included) and fused_moe gets the expert map, as for the other families;
   * shared experts (Qwen2-MoE's `shared_expert` with its sigmoid `shared_expert_gate`, DeepSeek's
     `shared_experts`) and dense layers (DeepSeek's `first_k_dense_replace`, Qwen2-MoE's `mlp_only_layers`) are
     left as ordinary graph nodes, which merge_projections and fuse_silu_mul (after this pass) then fuse.
@@ -63,7 +63,7 @@ Refused with a ValueError naming the field or module (never a wrong answer): a M
 know (a class named *Moe / *MoE / *MoeBlock / *Experts / *Router, or a top-k / grouped-mm op outside a known
 block), `num_experts_per_tok` outside [1, number of experts], a DeepSeek `topk_method` or `scoring_func` other
 than HF's, groups that do not divide the experts, an activation other than silu (GPT-OSS: SwiGLU constants that
-are not finite, or a limit <= 0), GPT-OSS under expert parallelism, a known block whose router or
+are not finite, or a limit <= 0), a known block whose router or
 experts do not look as expected (other scoring op, no top-k of top_k, a softmax before GPT-OSS's top-k or after
 another family's, no GPT-OSS router bias, expert biases outside GPT-OSS or not where GPT-OSS adds them, another
 activation than the family's or other SwiGLU constants than the config's, weights of other shapes or dtypes).
@@ -201,16 +201,6 @@ def activation_for(config, family: MoeFamily) -> Activation:
     return Activation("swigluoai", values["swiglu_alpha"], values["swiglu_limit"])
 
 
-def check_parallelism(family: MoeFamily, ctx: PassContext) -> None:
-    """ValueError, naming the model type, for a family this pass cannot route under expert parallelism (GPT-OSS;
-    tensor parallelism inside its experts is supported: shard_tensor_parallel slices them by this project's plan)."""
-    if family.experts_layout == "gpt_oss" and ctx.world_size > 1 and ctx.expert_parallel:
-        raise ValueError(f"route_moe: model_type {family.model_type!r} ({family.block}) is not supported with "
-                         f"expert parallelism (world_size={ctx.world_size}): its experts' biases and interleaved "
-                         "gate/up layout are not split along the experts; run it without enable_expert_parallel "
-                         "(tensor parallelism inside the experts is supported) or with tensor_parallel_size=1")
-
-
 def routing_for(config, family: MoeFamily) -> Routing:
     """The family's routing rules with this config's values; ValueError naming the field this pass (and HF's
     router) cannot serve."""
@@ -322,7 +312,6 @@ def _match_block(gm: fx.GraphModule, config, path: str, family: MoeFamily, nodes
     where = f"{path} ({family.block})"
     routing = routing_for(config, family)
     activation = activation_for(config, family)
-    check_parallelism(family, ctx)
     h, inter = _positive_int(config, "hidden_size"), _positive_int(config, family.inter_field)
     held = (0, routing.num_experts)
     if ctx.world_size > 1 and ctx.expert_parallel:
@@ -577,7 +566,6 @@ class RouteMoe(GraphPass):
         family = _BY_MODEL_TYPE.get(getattr(ctx.config, "model_type", None))
         if family is not None:
             routing_for(ctx.config, family)
-            check_parallelism(family, ctx)
 
     def apply(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         groups = _group_by_block(gm)

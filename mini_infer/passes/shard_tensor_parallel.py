@@ -30,8 +30,9 @@ For rank `ctx.rank`:
     "transposed_rowwise" the rows [rI/N, (r+1)I/N) of down_proj's dim 1, and "bias_once" keeps down_proj_bias on
     rank 0 and zeros on the others: GptOssExperts adds it to each (token, slot) row before the routing weight
     multiplies it, so it is part of the share, and the all-reduce of the shares adds it exactly once (as
-    o_proj's bias is added once, after its all-reduce). Expert parallelism is refused for these styles. The
-    per-head attention sinks ("query_heads", `self_attn.sinks` [Hq]) keep this rank's query heads;
+    o_proj's bias is added once, after its all-reduce). With expert parallelism all four keep the rank's experts
+    whole along dim 0 (each expert's biases with it: the rank that computes an expert's slots adds its down bias,
+    and no other rank does). The per-head attention sinks ("query_heads", `self_attn.sinks` [Hq]) keep this rank's query heads;
   * lm_head is column-parallel over the vocabulary (padded to a multiple of the world size) and its selected
     logits rows are all-gathered, so every rank returns the full [1, rows, vocab]; the token embedding stays
     replicated (one full table per rank: simpler than a vocabulary-parallel lookup, which would need a mask
@@ -229,12 +230,17 @@ class _Sharder:
         the last dim of a weight [E, in, out] or a bias [E, out] (whole gate/up pairs when they are interleaved
         there), "transposed_rowwise" the rows r*I/N .. (r+1)*I/N - 1 of dim 1 of a weight [E, I, out], and
         "bias_once" keeps a bias of a partial sum whole on rank 0 and zeros on the other ranks (the all-reduce of
-        the shares adds it once). ValueError under expert parallelism, which these styles do not implement."""
+        the shares adds it once). Under expert parallelism every one of these styles keeps this rank's experts
+        whole instead (dim 0 of the weights and biases): each expert's bias, the down one too, then lives on the
+        one rank that computes that expert's slots."""
         tensor, device = self._whole(node)
         path = str(node.target)
+        if self.plan.expert_parallel and tensor.dim() == 2:
+            self._local_experts(node, path, tensor, device, "expert_biases")
+            return
         if self.plan.expert_parallel:
-            raise ValueError(f"{path}: expert parallelism is not implemented for the {style!r} style (GPT-OSS's "
-                             "transposed, biased experts): run it without enable_expert_parallel")
+            self._local_experts(node, path, tensor, device)
+            return
         if tensor.dim() not in ((3,) if style == "transposed_rowwise" else (2, 3)):
             raise ValueError(f"{path}: {style} is supported on stacked expert weights [experts, in, out] "
                              f"{'' if style == 'transposed_rowwise' else 'and biases [experts, out] '}"
@@ -268,8 +274,9 @@ class _Sharder:
         node.replace_all_uses_with(new)
         self.counts["heads"] += 1
 
-    def _local_experts(self, node: fx.Node, path: str, weight: torch.Tensor, device: torch.device) -> None:
-        """Expert parallelism: this rank's experts of a stacked [E, out, in] weight, whole."""
+    def _local_experts(self, node: fx.Node, path: str, weight: torch.Tensor, device: torch.device,
+                       count_as: str = "experts") -> None:
+        """Expert parallelism: this rank's experts of a stacked [E, ...] weight (or bias), whole."""
         if weight.shape[0] != self.plan.num_experts:
             raise ValueError(f"{path}: {weight.shape[0]} stacked experts, but the config routes to "
                              f"{self.plan.num_experts}")
@@ -278,7 +285,7 @@ class _Sharder:
             new = PassContext.add_tensor(self.gm, f"{path}_ep{self.rank}",
                                          self._slice_to(weight[first:first + count], device), before=node)
         node.replace_all_uses_with(new)
-        self.counts["experts"] += 1
+        self.counts[count_as] += 1
 
     def experts_outputs(self) -> dict[str, fx.Node]:
         """The output node of every "moe_tp_experts" module of the graph (the one value its nodes hand on), by

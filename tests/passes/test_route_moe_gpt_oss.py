@@ -144,21 +144,6 @@ def test_weight_bytes_are_the_captured_graphs():
     assert _compile(model, ["cleanup", "route_moe"]).weight_bytes == _compile(model, ["cleanup"]).weight_bytes
 
 
-def test_refused_before_capture_under_expert_parallelism():
-    """Expert parallelism is refused (before capture too); tensor parallelism inside the experts is not (its
-    numbers: tests/passes/test_shard_tensor_parallel.py, on two gloo ranks)."""
-    config = _base()[0].config
-    ctx = PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2, expert_parallel=True,
-                      applied=["cleanup"])
-    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' \(GptOssMLP\) is not supported with expert "
-                                         r"parallelism"):
-        RouteMoe().check_context(ctx)
-    with pytest.raises(PassError, match="'gpt_oss'.*without enable_expert_parallel"):
-        PassManager([RouteMoe()]).run(copy_gm(_base()[1]), ctx)
-    RouteMoe().check_context(PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2,
-                                         applied=["cleanup"]))
-
-
 # -- logits ---------------------------------------------------------------------------------------------------
 
 

@@ -255,8 +255,7 @@ def test_gpt_oss_rank_keeps_its_heads_sinks_and_expert_slices(rank):
 def test_gpt_oss_project_plan():
     """transformers' gpt_oss plans split no attention (5.24: embed_tokens only; 5.17: none), so the project's plan
     is used; a gpt_oss config whose plan splits attention keeps its own; the project's styles are refused in a
-    config's plan; expert parallelism is refused (at start-up by the plan, before capture by route_moe, and by
-    the shard pass)."""
+    config's plan; expert parallelism is accepted by the plan, route_moe and the start-up checks."""
     from mini_infer.models.tp_plan import PROJECT_PLANS
     from mini_infer.passes.route_moe import RouteMoe
 
@@ -274,22 +273,39 @@ def test_gpt_oss_project_plan():
             **preset_config("tiny-llama").base_model_tp_plan, "layers.*.self_attn.sinks": "query_heads"}), 2)
     config = preset_config("tiny-gpt-oss")
     ctx = PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2, expert_parallel=True)
-    with pytest.raises(ValueError, match="not supported with expert parallelism"):
-        RouteMoe().check_context(ctx)
-    RouteMoe().check_context(PassContext(config=config, device=CPU, dtype=torch.float32, world_size=2))
-    refused = r"enable_expert_parallel: model_type 'gpt_oss' is not supported with expert parallelism"
-    with pytest.raises(ValueError, match=refused):
-        tensor_parallel_plan(config, 2, expert_parallel=True)
-    with pytest.raises(ValueError, match=refused):  # at start-up, before loading
-        check_before_load(EngineConfig(model="tiny-gpt-oss", device="cpu", tensor_parallel_size=2,
-                                       enable_expert_parallel=True))
-    check_before_load(EngineConfig(model="tiny-gpt-oss", device="cpu", tensor_parallel_size=2))
-    model = build_random_model(config, torch.float32, CPU, seed=0)
-    with pytest.raises(PassError, match=refused):
-        PassManager(resolve_passes(SHARD_ALONE)).run(capture(model), ctx)
+    RouteMoe().check_context(ctx)  # expert parallelism: accepted (its numbers: the two-rank tests below)
+    assert tensor_parallel_plan(config, 2, expert_parallel=True).expert_parallel
+    check_before_load(EngineConfig(model="tiny-gpt-oss", device="cpu", tensor_parallel_size=2,
+                                   enable_expert_parallel=True))
 
 
-# -- refusals --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpt_oss_expert_parallel_rank_holds_its_experts_and_biases_whole(rank):
+    """GPT-OSS with expert parallelism, rank r of 2: fused_moe reads experts rE/2 .. (r+1)E/2 - 1 whole (every
+    column of gate_up_proj and its bias, de-interleaved; all of down_proj), the down bias of those experts on this
+    rank (not rank 0's whole bias), and the map of global ids to them; attention as under tensor parallelism."""
+    model = build_random_model(preset_config("tiny-gpt-oss"), torch.float32, CPU, seed=0)
+    _large_gpt_oss_biases(model)
+    ctx = PassContext(config=model.config, device=CPU, dtype=torch.float32, rank=rank, world_size=2,
+                      expert_parallel=True)
+    gm = capture(model)
+    stats = PassManager(recommended_passes(ctx)).run(gm, ctx)
+    note = next(s.note for s in stats if s.name == "shard_tensor_parallel")
+    assert f"{2 * L} stacked weights, {2 * L} expert biases" in note and "expert parallel: experts" in note
+    fused = [n for n in gm.graph.nodes if n.target is mi.fused_moe.default]
+    assert len(fused) == L
+    for layer, moe in zip(model.model.layers, fused, strict=True):
+        experts = layer.mlp.experts
+        e = experts.gate_up_proj.shape[0]
+        mine = slice(rank * e // 2, (rank + 1) * e // 2)
+        gate_up, bias = experts.gate_up_proj[mine], experts.gate_up_proj_bias[mine]
+        w13, w2, emap, b13, b2 = (PassContext.tensor_of(gm, moe.args[i]) for i in (3, 4, 6, 7, 8))
+        assert torch.equal(w13, torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], 2).transpose(1, 2))
+        assert torch.equal(b13, torch.cat([bias[:, ::2], bias[:, 1::2]], 1))
+        assert torch.equal(w2, experts.down_proj[mine].transpose(1, 2))
+        assert torch.equal(b2, experts.down_proj_bias[mine])
+        local = [-1] * (e // 2)
+        assert emap.tolist() == (list(range(e // 2)) + local if rank == 0 else local + list(range(e // 2)))
 
 
 def _config(name: str, **fields):
@@ -433,7 +449,8 @@ SHARD_ALONE = ["cleanup", "select_logits", "shard_tensor_parallel"]
 
 
 EP_VARIANTS = [*MOE_TP_PRESETS, "tiny-qwen2-moe shared expert sharded", "tiny-qwen3-moe dense layer 0",
-               "tiny-qwen2-moe transformers 5.17 plans", "tiny-qwen3-moe mxfp4"]
+               "tiny-qwen2-moe transformers 5.17 plans", "tiny-qwen3-moe mxfp4", "tiny-gpt-oss",
+               "tiny-gpt-oss large biases and sinks", "tiny-gpt-oss mxfp4"]
 
 
 def _errors(rank: int, world_size: int) -> dict:
