@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -733,6 +734,23 @@ def _smaller_tiles(tile: GemmTile):
             return
 
 
+def launch_fitting(cache: dict, key: tuple, tile: GemmTile, launch: Callable[[GemmTile], None], who: str,
+                   min_block_k: int = 0) -> None:
+    """`launch(t)` with the tile that fit `key` before (`cache`), else `tile` and then `_smaller_tiles`' ones in
+    turn, the next after each OutOfResources, none with block_k below `min_block_k`; the tile that fit is
+    remembered. RuntimeError naming `who` when none fits."""
+    for t in ([cache[key]] if key in cache else _smaller_tiles(tile)):
+        if t.block_k < min_block_k:
+            break
+        try:
+            launch(t)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        cache[key] = t
+        return
+    raise RuntimeError(f"{who}: no tile fits for {key}")
+
+
 @dataclass(frozen=True)
 class _RawIds:
     """Pair-per-block mode's arguments to `_moe_gemm_kernel`: block_expert holds router ids, to be mapped
@@ -761,30 +779,26 @@ def _grouped_gemm(a, b, c, sorted_pairs, block_expert, num_padded, weights, num_
     merge = top_k if merge_into is not None else 0
     epilogue = epilogue or {}
     key = (a.dtype, gated, n_out, k_in, block_m, tile, preload, evict, merge, tuple(sorted(epilogue.items())))
-    for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
-        grid = (num_pid_m * triton.cdiv(n_out, t.block_n),)
+
+    def launch(t: GemmTile) -> None:
         out, cnt, s_om = c, c, 0
         if merge:
             out, s_om = merge_into, merge_into.stride(0)
             cnt = split_counters(a.device, num_pairs // top_k * triton.cdiv(n_out, t.block_n))
-        try:
-            _moe_gemm_kernel[grid](
-                a, b, c, sorted_pairs, block_expert, num_padded, weights,
-                num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
-                a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
-                *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
-                out, cnt, s_om, bias,
-                GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
-                DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
-                PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
-                **epilogue, **pdl_args(a, trigger_first=False),
-            )  # fmt: skip
-        except triton.runtime.errors.OutOfResources:
-            continue
-        _TILE_OK[key] = t
-        return
-    raise RuntimeError(f"fused_moe_triton: no tile fits for {key}")
+        _moe_gemm_kernel[(num_pid_m * triton.cdiv(n_out, t.block_n),)](
+            a, b, c, sorted_pairs, block_expert, num_padded, weights,
+            num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out * b.stride(1),
+            a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+            *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)),
+            out, cnt, s_om, bias,
+            GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k_in % t.block_k == 0,
+            DOT_FP32=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            GROUP_M=t.group_m, PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map,
+            PRELOAD=preload, B_EVICT=evict, MERGE_SLOTS=merge, num_warps=t.num_warps, num_stages=t.num_stages,
+            **epilogue, **pdl_args(a, trigger_first=False),
+        )  # fmt: skip
+
+    launch_fitting(_TILE_OK, key, tile, launch, "fused_moe_triton")
 
 
 # Pair-per-block mode (module docstring): at most this many (token, slot) pairs, and few expected repeats of an

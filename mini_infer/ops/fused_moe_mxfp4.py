@@ -66,9 +66,9 @@ from mini_infer.ops.fused_moe import (
     _check_args,
     _map_args,
     _RawIds,
-    _smaller_tiles,
     fused_moe_reference,
     fused_moe_triton,
+    launch_fitting,
     moe_tile_config,
     pair_rows,
     sum_slots,
@@ -331,10 +331,8 @@ if HAS_TRITON:
         j3 = tl.join(lo * scale, hi * scale)
         values = tl.join(tl.join(j0, j2), tl.join(j1, j3))  # [R, W, 2 (a), 2 (b), 2 (c)]
         values = tl.reshape(values, (BLOCK_R, BLOCK_W * 8)).to(out_ptr.dtype.element_ty)
-        k = w[:, None] * 8 + tl.arange(0, 8)[None, :]
-        k = tl.reshape(k, (BLOCK_W * 8,))
-        k_ok = tl.reshape(tl.broadcast_to((w < n_words)[:, None], (BLOCK_W, 8)), (BLOCK_W * 8,))
-        tl.store(out_ptr + r64 * (n_words * 8) + k[None, :], values, mask=(r < rows)[:, None] & k_ok[None, :])
+        k = tl.program_id(1) * (BLOCK_W * 8) + tl.arange(0, BLOCK_W * 8)  # the words' 8 weights each, in order
+        tl.store(out_ptr + r64 * (n_words * 8) + k[None, :], values, mask=(r < rows)[:, None] & (k < n_words * 8)[None, :])
 
     @triton.jit
     def _mx_gemv_gate_up_kernel(
@@ -504,25 +502,20 @@ def _mx_grouped_gemm(a, q, s, c, sorted_pairs, block_expert, num_padded, weights
     k_in = q.shape[2] * 2
     num_pid_m = triton.cdiv(sorted_pairs.numel(), block_m)
     key = (a.dtype, gated, n_out, k_in, block_m, tile, evict, tuple(sorted(epilogue.items())))
-    for t in ([_TILE_OK[key]] if key in _TILE_OK else _smaller_tiles(tile)):
-        if t.block_k < 32:
-            break
-        try:
-            _moe_mxfp4_gemm_kernel[(num_pid_m * triton.cdiv(n_out, t.block_n),)](
-                a, q, s, c, sorted_pairs, block_expert, num_padded, weights,
-                num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out,
-                a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), c.stride(0),
-                *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)), bias,
-                GATED=gated, MUL_WEIGHT=weights is not None, DOT_FP32=a.dtype == torch.float32 or not a.is_cuda,
-                BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map, B_EVICT=evict,
-                num_warps=t.num_warps, num_stages=t.num_stages, **epilogue, **pdl_args(a, trigger_first=False),
-            )  # fmt: skip
-        except triton.runtime.errors.OutOfResources:
-            continue
-        _TILE_OK[key] = t
-        return
-    raise RuntimeError(f"fused_moe_mxfp4_triton: no tile fits for {key}")
+
+    def launch(t: GemmTile) -> None:
+        _moe_mxfp4_gemm_kernel[(num_pid_m * triton.cdiv(n_out, t.block_n),)](
+            a, q, s, c, sorted_pairs, block_expert, num_padded, weights,
+            num_pairs, n_out, k_in, rows_per_a, num_pid_m, n_out,
+            a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), c.stride(0),
+            *((raw_ids.num_experts, raw_ids.emap, raw_ids.num_global) if raw_ids else (0, block_expert, 0)), bias,
+            GATED=gated, MUL_WEIGHT=weights is not None, DOT_FP32=a.dtype == torch.float32 or not a.is_cuda,
+            BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+            PAIR_BLOCKS=raw_ids is not None, HAS_MAP=raw_ids is not None and raw_ids.has_map, B_EVICT=evict,
+            num_warps=t.num_warps, num_stages=t.num_stages, **epilogue, **pdl_args(a, trigger_first=False),
+        )  # fmt: skip
+
+    launch_fitting(_TILE_OK, key, tile, launch, "fused_moe_mxfp4_triton", min_block_k=GROUP)
 
 
 def fused_moe_mxfp4_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
