@@ -33,7 +33,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: float8 e4m3 weights with per-channel scales and per-token dynamic activation scales "
                         "(CUDA compute capability >= 8.9, or the CPU); w8a8: int8 weights and activations, "
                         "SmoothQuant calibrated at start-up; mxfp4: MoE experts only, 4-bit weights with a "
-                        "power-of-two scale a 32 (gpt-oss's published format; not yet run on a GPU) (default: none)")
+                        "power-of-two scale a 32 (gpt-oss's published format) (default: none)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype), bfloat16, float16, float32, or fp8 (= fp8_e4m3: half a 16-bit "
                         "cache's bytes per token, k/v scales 1.0)")
